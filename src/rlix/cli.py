@@ -1,0 +1,86 @@
+"""`rlix` command line: sim, check, status.
+
+Every error rlix raises on purpose (RlixError) is printed as one line and exits 2; only real
+bugs show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rlix import __version__
+from rlix.errors import RlixError
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from rlix.scheduler.sim import cli_sim
+
+    return cli_sim(args.scenario, args.json)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rlix.config import load_config
+
+    cfg = load_config(args.config)
+    cluster = "auto (from Ray)" if cfg.cluster.is_auto else (
+        f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPUs")
+    print(f"{args.config}: ok; cluster {cluster}; {len(cfg.pipelines)} pipeline(s)")
+    for p in cfg.pipelines:
+        print(f"  {p.name}: priority {p.priority}, weight {p.weight}, train {p.train_gpus} GPU(s), "
+              f"shards {p.min_shards}..{p.max_shards} x tp {p.tp}, "
+              f"partial overlap {'on' if p.partial_overlap else 'off'}, max staleness {p.max_staleness}")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import ray
+
+    from rlix import env
+    from rlix.scheduler.service import get_scheduler
+
+    address = args.address or env.ray_address() or "auto"
+    ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
+    try:
+        snap = ray.get(get_scheduler().snapshot.remote())
+    finally:
+        ray.shutdown()
+    print(json.dumps(snap, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
+    parser.add_argument("--version", action="version", version=f"rlix {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("sim", help="simulate a cluster scenario under three scheduling policies")
+    sim.add_argument("scenario", help="scenario YAML (see examples/sim/)")
+    sim.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    sim.set_defaults(func=_cmd_sim)
+
+    check = sub.add_parser("check", help="validate a run config without starting anything")
+    check.add_argument("config", help="run config YAML")
+    check.set_defaults(func=_cmd_check)
+
+    status = sub.add_parser("status", help="print the running scheduler's snapshot")
+    status.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or auto)")
+    status.set_defaults(func=_cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RlixError as exc:
+        print(f"rlix: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rlix: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

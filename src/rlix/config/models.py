@@ -1,0 +1,100 @@
+"""Typed configuration: the cluster, the scheduler's knobs and each pipeline.
+
+Pure pydantic (no torch, no Ray) so a bad file is refused before anything heavy starts.
+Unknown keys are errors: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlix.scheduler.types import PipelineSpec, Topology
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClusterConfig(_Strict):
+    """The GPUs rlix schedules. "auto" reads them from the Ray cluster's resources."""
+
+    nodes: int | Literal["auto"] = Field("auto", description="number of nodes, or auto")
+    gpus_per_node: int | Literal["auto"] = Field("auto", description="GPUs on each node, or auto")
+
+    @model_validator(mode="after")
+    def _positive(self) -> "ClusterConfig":
+        for field in ("nodes", "gpus_per_node"):
+            value = getattr(self, field)
+            if value != "auto" and value < 1:
+                raise ValueError(f"{field} must be >= 1 or 'auto', got {value}")
+        return self
+
+    @property
+    def is_auto(self) -> bool:
+        return self.nodes == "auto" or self.gpus_per_node == "auto"
+
+    def topology(self) -> Topology:
+        if self.is_auto:
+            raise ValueError("cluster is 'auto': resolve it from Ray (rlix.scheduler.service.topology_from_ray)")
+        return Topology.uniform(int(self.nodes), int(self.gpus_per_node))
+
+
+class SchedulerConfig(_Strict):
+    """Planner knobs; see rlix.scheduler.planner.PlannerParams."""
+
+    dwell_s: float = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
+    aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")
+
+
+class PipelineConfig(_Strict):
+    """One RL pipeline as the scheduler sees it."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    priority: int = Field(0, description="strict tiers: a higher priority is always served first")
+    weight: float = Field(1.0, gt=0, description="share of rollout GPUs within its tier")
+    model: str = Field("tiny", min_length=1, description="model preset name or local checkpoint path")
+    train_gpus: int = Field(1, ge=1, description="GPUs the trainer needs for one step")
+    tp: int = Field(1, ge=1, description="GPUs per inference shard (tensor parallel size)")
+    min_shards: int = Field(1, ge=0, description="shards kept whenever it has rollout demand")
+    max_shards: int = Field(1, ge=1, description="most inference shards it can use")
+    partial_overlap: bool = Field(True, description="its shards may sleep on its training GPUs")
+    max_staleness: int = Field(1, ge=0, description="oldest weight version a trained trajectory may use, in steps")
+    seqs_per_shard: int = Field(8, ge=1, description="trajectories one shard should carry; converts demand to shards")
+
+    @model_validator(mode="after")
+    def _shard_bounds(self) -> "PipelineConfig":
+        if self.min_shards > self.max_shards:
+            raise ValueError(f"min_shards ({self.min_shards}) must not exceed max_shards ({self.max_shards})")
+        return self
+
+    def spec(self) -> PipelineSpec:
+        return PipelineSpec(
+            name=self.name, priority=self.priority, weight=self.weight, train_gpus=self.train_gpus,
+            tp=self.tp, min_shards=self.min_shards, max_shards=self.max_shards,
+            partial_overlap=self.partial_overlap, seqs_per_shard=self.seqs_per_shard,
+        )
+
+
+class RlixConfig(_Strict):
+    """A whole `rlix run` file."""
+
+    cluster: ClusterConfig = ClusterConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    pipelines: list[PipelineConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _fits(self) -> "RlixConfig":
+        names = [p.name for p in self.pipelines]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"pipeline names must be unique; repeated: {', '.join(dupes)}")
+        if not self.cluster.is_auto:
+            total = int(self.cluster.nodes) * int(self.cluster.gpus_per_node)
+            for p in self.pipelines:
+                if p.train_gpus > total:
+                    raise ValueError(f"pipeline {p.name!r}: train_gpus={p.train_gpus} exceeds the cluster's {total} GPUs")
+                if p.tp > int(self.cluster.gpus_per_node):
+                    raise ValueError(f"pipeline {p.name!r}: tp={p.tp} exceeds gpus_per_node={self.cluster.gpus_per_node}")
+        return self

@@ -1,0 +1,276 @@
+"""The pure planner: (ledger, pending requests, progress, now) -> Plan.
+
+One pass, two phases:
+  1. Non-rollout requests (init > train > logprob; then priority; then age) are granted first,
+     preempting rollout shards. A request that has waited `aging_s` moves ahead of every
+     younger request and nothing is granted past it while it is blocked, so its wait is
+     bounded (docs/ARCHITECTURE.md states the bound).
+  2. Rollout shards are rebalanced towards targets from `shares.rollout_targets`. Shrinks
+     happen only to make room for a pipeline below its target, never to shards woken less
+     than `dwell_s` ago (except to give a pipeline its first shard), and idle GPUs are then
+     filled with shards for any pipeline whose demand is still unmet (work-conserving).
+The planner never mutates the ledger; `Ledger.apply(plan)` does, after checking invariants.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+from rlix.scheduler.pool import LOCKED, Pool
+from rlix.scheduler.shares import Demand, rollout_targets
+from rlix.scheduler.state import Ledger
+from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Stage
+
+
+@dataclass(frozen=True)
+class PlannerParams:
+    """Knobs of the planning policy.
+
+    dwell_s: a newly woken shard is not shrunk again for this long unless a non-rollout stage
+      needs its GPUs or a pipeline would otherwise have no shard at all (stops thrash).
+    aging_s: a non-rollout request waiting this long jumps ahead of every younger request and
+      nothing is granted past it (bounds the wait; see docs/ARCHITECTURE.md).
+    """
+
+    dwell_s: float = 30.0
+    aging_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.dwell_s < 0 or self.aging_s < 0:
+            raise ValueError("dwell_s and aging_s must be >= 0")
+
+
+def rollout_demand(spec: PipelineSpec, progress: Progress | None) -> int:
+    """Shards a pipeline could use now. No report at all means full demand: a pipeline that
+    has not reported yet keeps its place instead of being starved."""
+    if progress is None:
+        return spec.max_shards
+    if progress.remaining <= 0:
+        return 0
+    wanted = math.ceil(progress.remaining / spec.seqs_per_shard)
+    return min(spec.max_shards, max(wanted, spec.min_shards))
+
+
+def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progress],
+         now: float, params: PlannerParams = PlannerParams()) -> Plan:
+    pool = Pool(ledger)
+    demand = {name: rollout_demand(spec, progress.get(name)) for name, spec in ledger.pipelines.items()}
+    grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
+    wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params)
+    wakes = [t for t in (wake_requests, wake_rollout) if t is not None]
+    return Plan(grants=grants, shrinks=pool.shrinks, expands=pool.expands,
+                wake_at=min(wakes) if wakes else None)
+
+
+# ---------------------------------------------------------------------- phase 1
+def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
+                    progress: dict[str, Progress], demand: dict[str, int],
+                    now: float, params: PlannerParams) -> tuple[list[Grant], float | None]:
+    def order(r: GpuRequest):
+        if now - r.submitted_at >= params.aging_s:
+            return (0, r.submitted_at, r.id)
+        prio = ledger.pipelines[r.pipeline].priority if r.pipeline in ledger.pipelines else 0
+        return (1, int(r.stage), -prio, r.submitted_at, r.id)
+
+    tiers = sorted({s.priority for s in ledger.pipelines.values()})
+    tier_rank = {p: i for i, p in enumerate(tiers)}
+    grants: list[Grant] = []
+    wake_at: float | None = None
+    for r in sorted(requests, key=order):
+        spec = ledger.pipelines.get(r.pipeline)
+        if spec is None or r.stage is Stage.ROLLOUT or r.gpus <= 0:
+            continue
+        if ledger.stage_holding(r.pipeline, r.stage) is not None:
+            continue
+        aged = now - r.submitted_at >= params.aging_s
+        chosen = None
+        if r.gpus <= pool.unlocked():
+            chosen = _choose_stage_gpus(pool, ledger, spec, r.gpus, progress, demand,
+                                        tier_rank, now, params)
+        if chosen is None:
+            if aged:
+                break  # no backfill past an aged request: this is what bounds its wait
+            t = r.submitted_at + params.aging_s
+            wake_at = t if wake_at is None else min(wake_at, t)
+            continue
+        for key in {pool.state[g] for g in chosen if pool.state[g] is not None}:
+            pool.shrink(key)
+        pool.lock(chosen)
+        grants.append(Grant(r.id, r.pipeline, r.stage, tuple(sorted(chosen))))
+    return grants, wake_at
+
+
+def _choose_stage_gpus(pool: Pool, ledger: Ledger, spec: PipelineSpec, n: int,
+                       progress: dict[str, Progress], demand: dict[str, int],
+                       tier_rank: dict[int, int], now: float,
+                       params: PlannerParams) -> list[int] | None:
+    """Pick n GPUs for a non-rollout stage: as few nodes as possible, idle GPUs first, then
+    the pipeline's own shards (partial overlap), then the cheapest shards of others."""
+    home = ledger.train_home.get(spec.name)
+
+    def cost(g: int) -> float | None:
+        if home is not None and g not in home:
+            return None
+        key = pool.state[g]
+        if key is None:
+            return 0.0
+        if key is LOCKED:
+            return None
+        h = pool.shards[key]
+        if h.pipeline == spec.name:
+            return 1.0 if spec.partial_overlap else None
+        if demand.get(h.pipeline, 0) == 0:
+            return 0.5
+        load = progress[h.pipeline].shard_load.get(h.dp_rank, 0) if h.pipeline in progress else 0
+        fresh = 0.5 if now - h.since < params.dwell_s else 0.0
+        return 2.0 + 2.0 * tier_rank[ledger.pipelines[h.pipeline].priority] + fresh + load / (load + 1)
+
+    biggest = max(ledger.topology.gpus_per_node)
+    if home is None and n <= biggest:
+        # Fast path: a node with enough idle GPUs costs nothing; take the best fit.
+        fits = [(f, nd) for nd, f in enumerate(pool.free_on_node) if f >= n]
+        if fits:
+            _, nd = min(fits)
+            return pool.free_gpus_on(nd)[:n]
+
+    per_node: list[list[tuple[float, int]]] = []
+    for nd, gpus in enumerate(pool.node_gpus):
+        costs = []
+        for g in gpus:
+            c = cost(g)
+            if c is not None:
+                costs.append((c, g))
+        costs.sort()
+        per_node.append(costs)
+
+    if n <= biggest:
+        best = None
+        for nd, costs in enumerate(per_node):
+            if len(costs) >= n:
+                total = sum(c for c, _ in costs[:n])
+                key = (total, len(costs) - n, nd)
+                if best is None or key < best[0]:
+                    best = (key, nd)
+        if best is not None:
+            return [g for _, g in per_node[best[1]][:n]]
+    # Spread over several nodes: fullest nodes first, cheapest GPUs within them.
+    nodes = sorted(range(len(per_node)), key=lambda nd: (-len(per_node[nd]),
+                                                         sum(c for c, _ in per_node[nd])))
+    picked: list[int] = []
+    for nd in nodes:
+        for _, g in per_node[nd]:
+            if len(picked) < n:
+                picked.append(g)
+    return picked if len(picked) == n else None
+
+
+# ---------------------------------------------------------------------- phase 2
+def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress],
+                       demand: dict[str, int], now: float, params: PlannerParams) -> float | None:
+    specs = ledger.pipelines
+    demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
+                      pool.shard_count[name]) for name, s in specs.items()]
+    target = rollout_targets(demands, pool.unlocked())
+
+    def protected(h: Holding) -> bool:
+        return now - h.since < params.dwell_s
+
+    victims = _Victims(pool, specs, target, progress)
+    wake_at: float | None = None
+
+    # Pipelines below target claim shards one at a time, most starved (relative) first.
+    heap = [(-specs[n].priority, pool.shard_count[n] / t, n) for n, t in target.items()
+            if pool.shard_count[n] < t]
+    heapq.heapify(heap)
+    while heap:
+        _, _, name = heapq.heappop(heap)
+        spec = specs[name]
+        if pool.shard_count[name] >= target[name]:
+            continue
+        rank = pool.next_rank(name, spec.max_shards)
+        if rank is None:
+            continue
+        exclude = ledger.train_home.get(name, frozenset())
+        gpus = pool.place_shard(name, spec.tp, rank, exclude)
+        if gpus is None:
+            first_shard = pool.shard_count[name] == 0
+            gpus, blocked_until = victims.make_room(name, spec.tp, exclude, first_shard,
+                                                    protected, params.dwell_s)
+            if gpus is None:
+                if blocked_until is not None:
+                    wake_at = blocked_until if wake_at is None else min(wake_at, blocked_until)
+                continue
+            rank = pool.next_rank(name, spec.max_shards)
+        pool.expand(name, rank, gpus, now)
+        if pool.shard_count[name] < target[name]:
+            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], name))
+
+    _fill_idle(pool, ledger, demand, now)
+    return wake_at
+
+
+def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -> None:
+    """Work conservation: idle GPUs go to whoever still has unmet demand that fits."""
+    specs = ledger.pipelines
+    heap = [(-specs[n].priority, pool.shard_count[n] / d, n) for n, d in demand.items()
+            if pool.shard_count[n] < d]
+    heapq.heapify(heap)
+    while heap and any(pool.free_on_node):
+        _, _, name = heapq.heappop(heap)
+        spec = specs[name]
+        rank = pool.next_rank(name, spec.max_shards)
+        if rank is None:
+            continue
+        gpus = pool.place_shard(name, spec.tp, rank, ledger.train_home.get(name, frozenset()))
+        if gpus is None:
+            continue
+        pool.expand(name, rank, gpus, now)
+        if pool.shard_count[name] < demand[name]:
+            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / demand[name], name))
+
+
+class _Victims:
+    """Shards that may be shrunk to make room: those of pipelines above their target,
+    cheapest first (lowest tier, idle or least loaded, then the largest surplus)."""
+
+    def __init__(self, pool: Pool, specs: dict[str, PipelineSpec], target: dict[str, int],
+                 progress: dict[str, Progress]) -> None:
+        self.pool = pool
+        self.target = target
+        self.order: list[tuple] = []
+        for key, h in pool.shards.items():
+            if pool.shard_count[h.pipeline] > target.get(h.pipeline, 0):
+                prog = progress.get(h.pipeline)
+                load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
+                self.order.append((specs[h.pipeline].priority, load, -h.since, key))
+        self.order.sort()
+
+    def make_room(self, name: str, tp: int, exclude: frozenset[int], first_shard: bool,
+                  protected, dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
+        pool = self.pool
+        usable: dict[int, list[tuple]] = {}
+        blocked_until: float | None = None
+        for entry in self.order:
+            key = entry[3]
+            h = pool.shards.get(key)
+            if h is None or h.pipeline == name:
+                continue
+            if pool.shard_count[h.pipeline] <= self.target.get(h.pipeline, 0):
+                continue
+            if protected(h) and not first_shard:
+                t = h.since + dwell_s
+                blocked_until = t if blocked_until is None else min(blocked_until, t)
+                continue
+            node = pool.node_of[h.gpus[0]]
+            usable.setdefault(node, []).append(key)
+            room = len(pool.free_gpus_on(node, exclude)) + sum(
+                sum(1 for g in pool.shards[k].gpus if g not in exclude) for k in usable[node])
+            if room >= tp:
+                for k in usable[node]:
+                    pool.shrink(k)
+                    if len(pool.free_gpus_on(node, exclude)) >= tp:
+                        break
+                return tuple(pool.free_gpus_on(node, exclude)[:tp]), None
+        return None, blocked_until

@@ -1,0 +1,131 @@
+"""A scratch view of the cluster for one planning pass.
+
+The planner tries out shrinks, grants and expands here without touching the ledger; the pass
+ends by reading the decided moves off this view. Everything is kept per node so that finding
+room for a shard or a training group costs O(nodes + GPUs of a node), not O(cluster).
+"""
+
+from __future__ import annotations
+
+from rlix.scheduler.state import Ledger
+from rlix.scheduler.types import Holding, Role, ShardMove
+
+LOCKED = ("locked",)  # a GPU held by a non-rollout stage or granted in this pass
+
+
+class Pool:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.topology = ledger.topology
+        self.node_of = ledger.node_of
+        self.node_gpus = [list(self.topology.node_gpus(n)) for n in range(self.topology.num_nodes)]
+        self.state: list = list(ledger.owner)  # None = free, shard key, or LOCKED
+        self.shards: dict[tuple, Holding] = {}
+        self.shard_count: dict[str, int] = {name: 0 for name in ledger.pipelines}
+        self.free_on_node = [0] * self.topology.num_nodes
+        for g, key in enumerate(self.state):
+            if key is None:
+                self.free_on_node[self.node_of[g]] += 1
+        for key, h in ledger.holdings.items():
+            if h.role is Role.GENERATE:
+                self.shards[key] = h
+                self.shard_count[h.pipeline] += 1
+            else:
+                for g in h.gpus:
+                    self.state[g] = LOCKED
+        self.locked_total = sum(1 for s in self.state if s is LOCKED)
+        self.shrinks: list[ShardMove] = []
+        self.expands: list[ShardMove] = []
+
+    # ------------------------------------------------------------------ queries
+    def is_free(self, g: int) -> bool:
+        return self.state[g] is None
+
+    def shard_at(self, g: int) -> Holding | None:
+        key = self.state[g]
+        return self.shards.get(key) if key is not None and key is not LOCKED else None
+
+    def unlocked(self) -> int:
+        """GPUs not held by a non-rollout stage: free ones plus rollout shards."""
+        return self.topology.num_gpus - self.locked_total
+
+    def active_ranks(self, pipeline: str) -> set[int]:
+        return {k[2] for k in self.shards if k[0] == pipeline}
+
+    def shards_of(self, pipeline: str) -> list[Holding]:
+        return [h for k, h in self.shards.items() if k[0] == pipeline]
+
+    # ------------------------------------------------------------------ changes
+    def shrink(self, key: tuple) -> None:
+        h = self.shards.pop(key)
+        self.shard_count[h.pipeline] -= 1
+        for g in h.gpus:
+            self.state[g] = None
+            self.free_on_node[self.node_of[g]] += 1
+        # A shard woken in this same pass and shrunk again never reaches the ledger.
+        for i, e in enumerate(self.expands):
+            if (e.pipeline, "shard", e.dp_rank) == key:
+                del self.expands[i]
+                return
+        self.shrinks.append(ShardMove(h.pipeline, h.dp_rank, h.gpus))
+
+    def lock(self, gpus: list[int]) -> None:
+        """Take GPUs for a non-rollout grant; shards on them must already be shrunk."""
+        for g in gpus:
+            if self.state[g] is not None:
+                raise RuntimeError(f"planner bug: locking GPU {g} held by {self.state[g]}")
+            self.state[g] = LOCKED
+            self.free_on_node[self.node_of[g]] -= 1
+        self.locked_total += len(gpus)
+
+    def expand(self, pipeline: str, dp_rank: int, gpus: tuple[int, ...], now: float) -> None:
+        key = (pipeline, "shard", dp_rank)
+        for g in gpus:
+            if self.state[g] is not None:
+                raise RuntimeError(f"planner bug: shard on GPU {g} held by {self.state[g]}")
+            self.state[g] = key
+            self.free_on_node[self.node_of[g]] -= 1
+        self.shards[key] = Holding(pipeline, Role.GENERATE, gpus, now, dp_rank=dp_rank)
+        self.shard_count[pipeline] += 1
+        self.expands.append(ShardMove(pipeline, dp_rank, gpus))
+
+    # ------------------------------------------------------------------ placement
+    def free_gpus_on(self, node: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+        return [g for g in self.node_gpus[node] if self.state[g] is None and g not in exclude]
+
+    def place_shard(self, pipeline: str, tp: int, dp_rank: int,
+                    exclude: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
+        """Free GPUs for one shard: its previous GPUs if free (its engine is still there),
+        else the fullest node that fits (best fit keeps whole nodes free for training)."""
+        last = self.ledger.last_shard_gpus.get((pipeline, dp_rank))
+        if last and all(self.state[g] is None for g in last) and not exclude.intersection(last):
+            return last
+        best, best_left = None, None
+        for node, nfree in enumerate(self.free_on_node):
+            if nfree < tp:
+                continue
+            gpus = self.free_gpus_on(node, exclude) if exclude else None
+            if gpus is not None and len(gpus) < tp:
+                continue
+            left = nfree - tp
+            if best_left is None or left < best_left:
+                best, best_left = node, left
+                if left == 0:
+                    break
+        if best is None:
+            return None
+        return tuple(self.free_gpus_on(best, exclude)[:tp])
+
+    def next_rank(self, pipeline: str, max_shards: int) -> int | None:
+        """An inactive dp rank, preferring one whose previous GPUs are free again."""
+        active = self.active_ranks(pipeline)
+        first = None
+        for rank in range(max_shards):
+            if rank in active:
+                continue
+            last = self.ledger.last_shard_gpus.get((pipeline, rank))
+            if last and all(self.state[g] is None for g in last):
+                return rank
+            if first is None:
+                first = rank
+        return first

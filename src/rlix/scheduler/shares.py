@@ -1,0 +1,86 @@
+"""How many rollout shards each pipeline should have: a pure function of demand and capacity.
+
+Order of claims on the rollout GPUs:
+  1. one shard for every pipeline with demand (highest tier first) while the GPUs last;
+  2. then each pipeline's `min_shards`, again by tier;
+  3. then, tier by tier from the highest, the rest is water-filled in proportion to
+     demand x weight, never above a pipeline's demand.
+GPU counts are used here (a shard costs `tp` GPUs); where the shards physically fit is the
+placement's business, and whatever it cannot place is filled work-conservingly afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Demand:
+    name: str
+    shards: int  # wanted, already capped at max_shards
+    tp: int
+    priority: int
+    weight: float
+    min_shards: int
+    current: int  # shards it holds now (tie-break: keep what you have)
+
+
+def rollout_targets(demands: list[Demand], capacity_gpus: int) -> dict[str, int]:
+    target = {d.name: 0 for d in demands}
+    left = capacity_gpus
+    wanting = [d for d in demands if d.shards > 0]
+    by_tier = sorted(wanting, key=lambda d: (-d.priority, -d.current, d.name))
+
+    for floor_of in (lambda d: 1, lambda d: min(d.shards, max(1, d.min_shards))):
+        for d in by_tier:
+            while target[d.name] < floor_of(d) and left >= d.tp:
+                target[d.name] += 1
+                left -= d.tp
+
+    tiers = sorted({d.priority for d in wanting}, reverse=True)
+    for tier in tiers:
+        if left <= 0:
+            break
+        members = [d for d in wanting if d.priority == tier]
+        left = _water_fill(members, target, left)
+    return target
+
+
+def _water_fill(members: list[Demand], target: dict[str, int], left: int) -> int:
+    """Share `left` GPUs within one tier in proportion to demand x weight, capped at demand."""
+    open_ = [d for d in members if target[d.name] < d.shards]
+    want_gpus = {d.name: (d.shards - target[d.name]) * d.tp for d in open_}
+    share: dict[str, float] = {d.name: 0.0 for d in open_}
+    budget = float(left)
+    while open_ and budget > 1e-9:
+        total = sum(d.shards * d.weight for d in open_)
+        saturated = []
+        for d in open_:
+            portion = budget * d.shards * d.weight / total
+            if share[d.name] + portion >= want_gpus[d.name]:
+                saturated.append(d)
+        if not saturated:
+            for d in open_:
+                share[d.name] += budget * d.shards * d.weight / total
+            budget = 0.0
+            break
+        for d in saturated:
+            budget -= want_gpus[d.name] - share[d.name]
+            share[d.name] = float(want_gpus[d.name])
+            open_.remove(d)
+
+    # Whole shards: floor every share, then hand out what remains by largest remainder.
+    remainders = []
+    for d in members:
+        if d.name not in share:
+            continue
+        whole = min(int(math.floor(share[d.name] / d.tp + 1e-9)), d.shards - target[d.name])
+        target[d.name] += whole
+        left -= whole * d.tp
+        remainders.append((share[d.name] / d.tp - whole, -d.priority, d.name, d))
+    for _, _, _, d in sorted(remainders, key=lambda r: (-r[0], r[1], r[2])):
+        if target[d.name] < d.shards and left >= d.tp:
+            target[d.name] += 1
+            left -= d.tp
+    return left

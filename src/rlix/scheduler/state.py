@@ -1,0 +1,284 @@
+"""The GPU ledger: which pipeline holds which GPU, in which role.
+
+Invariants, checked on every change (a change that breaks one raises `LedgerError` and leaves
+the ledger as it was):
+  1. every held GPU exists, and no GPU is in two holdings;
+  2. a shard holds exactly `tp` GPUs of its pipeline, all on one node, under a dp rank
+     below `max_shards`;
+  3. one pipeline's train and generate roles share GPUs only through a declared partial
+     overlap. A pipeline without partial overlap gets a fixed training home at registration:
+     its non-rollout stages run only there and its shards never go there (its engines never
+     sit on the GPUs its trainer uses). A pipeline with partial overlap may train on GPUs its
+     own shards used a moment before: those shards sleep while it trains;
+  4. every holding belongs to a registered pipeline, at most one holding per stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rlix.errors import LedgerError
+from rlix.scheduler.types import Holding, PipelineSpec, Plan, Role, Stage, Topology
+
+HoldingKey = tuple
+
+
+class Ledger:
+    """Mutable GPU state. The planner reads it; only `apply`, `release` and `unregister` change it."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.node_of: list[int] = topology.node_of()
+        self.owner: list[HoldingKey | None] = [None] * topology.num_gpus
+        self.holdings: dict[HoldingKey, Holding] = {}
+        self.pipelines: dict[str, PipelineSpec] = {}
+        self.train_home: dict[str, frozenset[int]] = {}
+        self.last_shard_gpus: dict[tuple[str, int], tuple[int, ...]] = {}
+        self.version = 0  # bumped on every change; lets callers cache derived views
+
+    # ------------------------------------------------------------------ pipelines
+    def register(self, spec: PipelineSpec) -> None:
+        if spec.name in self.pipelines:
+            raise LedgerError(f"pipeline {spec.name!r} is already registered")
+        total = self.topology.num_gpus
+        biggest_node = max(self.topology.gpus_per_node)
+        if spec.train_gpus > total:
+            raise LedgerError(
+                f"pipeline {spec.name!r}: train_gpus={spec.train_gpus} exceeds the cluster's {total} GPUs"
+            )
+        if spec.tp > biggest_node:
+            raise LedgerError(
+                f"pipeline {spec.name!r}: tp={spec.tp} does not fit on one node "
+                f"(largest node has {biggest_node} GPUs)"
+            )
+        if not spec.partial_overlap and spec.train_gpus > 0:
+            home = self._pick_train_home(spec)
+            if not self._fits_outside(spec.tp, home):
+                raise LedgerError(
+                    f"pipeline {spec.name!r}: without partial_overlap its {spec.train_gpus} training "
+                    f"GPUs leave no room for one shard of tp={spec.tp}"
+                )
+            self.train_home[spec.name] = home
+        self.pipelines[spec.name] = spec
+        self.version += 1
+
+    def unregister(self, name: str) -> list[int]:
+        """Forget a pipeline and return the GPUs it held (they become idle)."""
+        self._require(name)
+        freed: list[int] = []
+        for key in [k for k, h in self.holdings.items() if h.pipeline == name]:
+            freed.extend(self._drop(key))
+        del self.pipelines[name]
+        self.train_home.pop(name, None)
+        for key in [k for k in self.last_shard_gpus if k[0] == name]:
+            del self.last_shard_gpus[key]
+        self.version += 1
+        self.check_invariants()
+        return sorted(freed)
+
+    # ------------------------------------------------------------------ queries
+    def holding_of(self, gpu: int) -> Holding | None:
+        key = self.owner[gpu]
+        return None if key is None else self.holdings[key]
+
+    def shards_of(self, pipeline: str) -> dict[int, Holding]:
+        return {
+            h.dp_rank: h
+            for h in self.holdings.values()
+            if h.pipeline == pipeline and h.role is Role.GENERATE
+        }
+
+    def stage_holding(self, pipeline: str, stage: Stage) -> Holding | None:
+        return self.holdings.get((pipeline, "stage", stage))
+
+    def idle_gpus(self) -> list[int]:
+        return [g for g, key in enumerate(self.owner) if key is None]
+
+    def gpus_of(self, pipeline: str) -> list[int]:
+        return sorted(g for h in self.holdings.values() if h.pipeline == pipeline for g in h.gpus)
+
+    # ------------------------------------------------------------------ changes
+    def apply(self, plan: Plan, now: float) -> None:
+        """Apply a plan atomically: validated as a whole first, so a bad plan changes nothing."""
+        owner = dict()  # gpu -> key, overlay on self.owner for the validation pass
+        removed: set[HoldingKey] = set()
+
+        def current(gpu: int) -> HoldingKey | None:
+            return owner[gpu] if gpu in owner else self.owner[gpu]
+
+        for move in plan.shrinks:
+            key = (move.pipeline, "shard", move.dp_rank)
+            held = self.holdings.get(key)
+            if held is None or key in removed:
+                raise LedgerError(f"shrink of {move.pipeline}#{move.dp_rank}: no such active shard")
+            if tuple(held.gpus) != tuple(move.gpus):
+                raise LedgerError(
+                    f"shrink of {move.pipeline}#{move.dp_rank}: gpus {list(move.gpus)} "
+                    f"do not match the ledger's {list(held.gpus)}"
+                )
+            removed.add(key)
+            for g in held.gpus:
+                owner[g] = None
+
+        new: list[Holding] = []
+        for grant in plan.grants:
+            holding = Holding(grant.pipeline, Role.TRAIN, tuple(grant.gpus), now,
+                              stage=grant.stage, request_id=grant.request_id)
+            self._validate_new(holding, removed)
+            self._claim(holding, current, owner)
+            new.append(holding)
+        for move in plan.expands:
+            holding = Holding(move.pipeline, Role.GENERATE, tuple(move.gpus), now,
+                              dp_rank=move.dp_rank)
+            self._validate_new(holding, removed)
+            self._claim(holding, current, owner)
+            new.append(holding)
+        if len({h.key for h in new}) != len(new):
+            raise LedgerError("plan creates the same holding twice")
+
+        for key in removed:
+            self._drop(key)
+        for holding in new:
+            self._add(holding)
+        self.version += 1
+        self.check_invariants()
+
+    def release(self, pipeline: str, stage: Stage) -> list[int]:
+        """A pipeline gives back the GPUs it holds for a non-rollout stage."""
+        self._require(pipeline)
+        key = (pipeline, "stage", stage)
+        if key not in self.holdings:
+            raise LedgerError(f"pipeline {pipeline!r} holds no GPUs for stage {stage.name.lower()}")
+        freed = self._drop(key)
+        self.version += 1
+        self.check_invariants()
+        return freed
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> None:
+        seen: dict[int, HoldingKey] = {}
+        n = self.topology.num_gpus
+        for key, h in self.holdings.items():
+            if key != h.key:
+                raise LedgerError(f"holding stored under {key} but keyed {h.key}")
+            spec = self.pipelines.get(h.pipeline)
+            if spec is None:
+                raise LedgerError(f"holding {key} belongs to unregistered pipeline {h.pipeline!r}")
+            for g in h.gpus:
+                if not 0 <= g < n:
+                    raise LedgerError(f"holding {key} names GPU {g}, which does not exist")
+                if g in seen:
+                    raise LedgerError(f"GPU {g} is in two holdings: {seen[g]} and {key}")
+                seen[g] = key
+                if self.owner[g] != key:
+                    raise LedgerError(f"GPU {g}: owner index says {self.owner[g]}, holding says {key}")
+            self._check_shape(h, spec)
+        stray = [g for g, key in enumerate(self.owner) if key is not None and g not in seen]
+        if stray:
+            raise LedgerError(f"GPUs {stray} are marked held but no holding names them")
+
+    # ------------------------------------------------------------------ internals
+    def _require(self, name: str) -> PipelineSpec:
+        spec = self.pipelines.get(name)
+        if spec is None:
+            raise LedgerError(f"pipeline {name!r} is not registered")
+        return spec
+
+    def _check_shape(self, h: Holding, spec: PipelineSpec) -> None:
+        if len(set(h.gpus)) != len(h.gpus) or not h.gpus:
+            raise LedgerError(f"holding {h.key} has an empty or repeated GPU list {list(h.gpus)}")
+        home = self.train_home.get(h.pipeline)
+        if h.role is Role.GENERATE:
+            if h.dp_rank is None or not 0 <= h.dp_rank < spec.max_shards:
+                raise LedgerError(f"shard {h.key}: dp rank outside [0, max_shards={spec.max_shards})")
+            if len(h.gpus) != spec.tp:
+                raise LedgerError(f"shard {h.key} holds {len(h.gpus)} GPUs, its tp is {spec.tp}")
+            if len({self.node_of[g] for g in h.gpus}) != 1:
+                raise LedgerError(f"shard {h.key} spans several nodes: {list(h.gpus)}")
+            if home is not None and home.intersection(h.gpus):
+                raise LedgerError(
+                    f"shard {h.key} sits on its own training GPUs {sorted(home.intersection(h.gpus))} "
+                    f"but {h.pipeline!r} declares no partial overlap"
+                )
+        else:
+            if h.stage is Stage.ROLLOUT:
+                raise LedgerError(f"holding {h.key}: rollout is held by shards, not by a stage")
+            if home is not None and not home.issuperset(h.gpus):
+                raise LedgerError(
+                    f"{h.pipeline!r} declares no partial overlap, so it trains only on its home "
+                    f"{sorted(home)}, not on {list(h.gpus)}"
+                )
+
+    def _validate_new(self, h: Holding, removed: set[HoldingKey]) -> None:
+        spec = self._require(h.pipeline)
+        if h.key in self.holdings and h.key not in removed:
+            raise LedgerError(f"{h.key} is already held")
+        n = self.topology.num_gpus
+        bad = [g for g in h.gpus if not 0 <= g < n]
+        if bad:
+            raise LedgerError(f"{h.key}: GPUs {bad} do not exist (cluster has {n})")
+        self._check_shape(h, spec)
+
+    @staticmethod
+    def _claim(h: Holding, current, owner: dict) -> None:
+        for g in h.gpus:
+            if current(g) is not None:
+                raise LedgerError(f"{h.key} wants GPU {g}, still held by {current(g)}")
+            owner[g] = h.key
+
+    def _add(self, h: Holding) -> None:
+        self.holdings[h.key] = h
+        for g in h.gpus:
+            self.owner[g] = h.key
+        if h.role is Role.GENERATE:
+            self.last_shard_gpus[(h.pipeline, h.dp_rank)] = h.gpus
+
+    def _drop(self, key: HoldingKey) -> list[int]:
+        h = self.holdings.pop(key)
+        for g in h.gpus:
+            self.owner[g] = None
+        return list(h.gpus)
+
+    def _pick_train_home(self, spec: PipelineSpec) -> frozenset[int]:
+        """Node-packed GPUs for a pipeline's trainer, spread away from earlier homes."""
+        used = {g for home in self.train_home.values() for g in home}
+        order = sorted(range(self.topology.num_gpus), key=lambda g: (g in used, self.node_of[g], g))
+        # Prefer whole nodes: take GPUs node by node, least-used nodes first.
+        by_node: dict[int, list[int]] = {}
+        for g in order:
+            by_node.setdefault(self.node_of[g], []).append(g)
+        nodes = sorted(by_node, key=lambda nd: (sum(g in used for g in by_node[nd]), nd))
+        picked: list[int] = []
+        for nd in nodes:
+            for g in by_node[nd]:
+                if len(picked) < spec.train_gpus:
+                    picked.append(g)
+        return frozenset(picked)
+
+    def _fits_outside(self, tp: int, home: Iterable[int]) -> bool:
+        home = set(home)
+        for node in range(self.topology.num_nodes):
+            free = sum(1 for g in self.topology.node_gpus(node) if g not in home)
+            if free >= tp:
+                return True
+        return False
+
+    def snapshot(self) -> dict:
+        """A JSON-friendly picture of the ledger."""
+        return {
+            "gpus": self.topology.num_gpus,
+            "nodes": list(self.topology.gpus_per_node),
+            "idle": self.idle_gpus(),
+            "holdings": [
+                {
+                    "pipeline": h.pipeline,
+                    "role": h.role.value,
+                    "stage": h.stage.name.lower(),
+                    "dp_rank": h.dp_rank,
+                    "gpus": list(h.gpus),
+                    "since": h.since,
+                }
+                for h in sorted(self.holdings.values(), key=lambda h: h.gpus)
+            ],
+        }
+

@@ -1,0 +1,211 @@
+"""Value types shared by the ledger, the planner, the Ray service and the simulator.
+
+All of them are plain frozen dataclasses: no Ray, no torch, cheap to copy and to pickle.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class Stage(enum.IntEnum):
+    """What a pipeline wants GPUs for. Lower value = served first.
+
+    Every stage above ROLLOUT is granted before any rollout shard and is never preempted;
+    rollout shards are preempted to make room for them.
+    """
+
+    INIT = 0
+    TRAIN = 1
+    LOGPROB = 2
+    ROLLOUT = 3
+
+    @classmethod
+    def parse(cls, value: "Stage | str | int") -> "Stage":
+        if isinstance(value, Stage):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                names = ", ".join(s.name.lower() for s in cls)
+                raise ValueError(f"unknown stage {value!r}; expected one of {names}") from None
+        return cls(value)
+
+
+class Role(enum.Enum):
+    """What a held GPU is doing for its pipeline."""
+
+    TRAIN = "train"  # any non-preemptible stage (init, train, logprob)
+    GENERATE = "generate"  # one inference shard
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What the scheduler needs to know about a pipeline.
+
+    `priority`: strict tiers, higher is served first. `weight`: share within a tier.
+    `seqs_per_shard`: concurrent trajectories one shard should carry; it converts the
+    trajectories still needed into a demand in shard units.
+    """
+
+    name: str
+    priority: int = 0
+    weight: float = 1.0
+    train_gpus: int = 1
+    tp: int = 1
+    min_shards: int = 1
+    max_shards: int = 1
+    partial_overlap: bool = True
+    seqs_per_shard: int = 8
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.name:
+            problems.append("name must not be empty")
+        if self.weight <= 0 or not math.isfinite(self.weight):
+            problems.append(f"weight must be a positive number, got {self.weight}")
+        if self.train_gpus < 0:
+            problems.append(f"train_gpus must be >= 0, got {self.train_gpus}")
+        if self.tp < 1:
+            problems.append(f"tp must be >= 1, got {self.tp}")
+        if self.max_shards < 1:
+            problems.append(f"max_shards must be >= 1, got {self.max_shards}")
+        if not 0 <= self.min_shards <= self.max_shards:
+            problems.append(
+                f"min_shards must be in [0, max_shards={self.max_shards}], got {self.min_shards}"
+            )
+        if self.seqs_per_shard < 1:
+            problems.append(f"seqs_per_shard must be >= 1, got {self.seqs_per_shard}")
+        if problems:
+            raise ValueError(f"pipeline {self.name!r}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """A pipeline asks for `gpus` GPUs for a non-rollout stage."""
+
+    id: int
+    pipeline: str
+    stage: Stage
+    gpus: int
+    submitted_at: float
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A pipeline's rollout demand, as reported by its collector.
+
+    `remaining`: trajectories still needed (target minus finished, in-flight ones included).
+    `shard_load`: optional running-request count per active dp rank; the planner preempts
+    the least loaded shards first so fewer requests have to be re-dispatched.
+    """
+
+    pipeline: str
+    remaining: int
+    target: int = 0
+    step: int = 0
+    shard_load: dict[int, int] = field(default_factory=dict)
+    reported_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Holding:
+    """GPUs held by one pipeline in one role. A shard holding carries its dp rank."""
+
+    pipeline: str
+    role: Role
+    gpus: tuple[int, ...]
+    since: float
+    stage: Stage = Stage.ROLLOUT
+    dp_rank: int | None = None
+    request_id: int | None = None
+
+    @property
+    def key(self) -> tuple:
+        if self.role is Role.GENERATE:
+            return (self.pipeline, "shard", self.dp_rank)
+        return (self.pipeline, "stage", self.stage)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A non-rollout request is granted these GPUs."""
+
+    request_id: int
+    pipeline: str
+    stage: Stage
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardMove:
+    """One shard of one pipeline, on these GPUs, goes to sleep (shrink) or wakes (expand)."""
+
+    pipeline: str
+    dp_rank: int
+    gpus: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """What the planner decided. Apply order: shrinks, then grants and expands.
+
+    An action only has to wait for the shrinks that free the GPUs it uses.
+    `wake_at`: the earliest time a re-plan may change something by itself (a dwell time
+    expiring or a request ageing), or None.
+    """
+
+    grants: list[Grant] = field(default_factory=list)
+    shrinks: list[ShardMove] = field(default_factory=list)
+    expands: list[ShardMove] = field(default_factory=list)
+    wake_at: float | None = None
+
+    def is_empty(self) -> bool:
+        return not (self.grants or self.shrinks or self.expands)
+
+    def summary(self) -> str:
+        parts = []
+        for g in self.grants:
+            parts.append(f"grant {g.pipeline}/{g.stage.name.lower()} gpus={list(g.gpus)}")
+        for s in self.shrinks:
+            parts.append(f"shrink {s.pipeline}#{s.dp_rank} gpus={list(s.gpus)}")
+        for e in self.expands:
+            parts.append(f"expand {e.pipeline}#{e.dp_rank} gpus={list(e.gpus)}")
+        return "; ".join(parts) if parts else "no change"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The cluster: `gpus_per_node[i]` GPUs on node i, numbered consecutively from 0."""
+
+    gpus_per_node: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.gpus_per_node or any(n < 0 for n in self.gpus_per_node):
+            raise ValueError(f"invalid topology {self.gpus_per_node}")
+
+    @classmethod
+    def uniform(cls, nodes: int, gpus_per_node: int) -> "Topology":
+        return cls(tuple([gpus_per_node] * nodes))
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(self.gpus_per_node)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.gpus_per_node)
+
+    def node_gpus(self, node: int) -> range:
+        start = sum(self.gpus_per_node[:node])
+        return range(start, start + self.gpus_per_node[node])
+
+    def node_of(self) -> list[int]:
+        """Node index of every GPU id."""
+        out: list[int] = []
+        for node, n in enumerate(self.gpus_per_node):
+            out.extend([node] * n)
+        return out
