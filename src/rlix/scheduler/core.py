@@ -1,0 +1,232 @@
+"""Scheduler bookkeeping without Ray: the ledger, pending requests, progress, plan log.
+
+`SchedulerCore` validates calls, runs the pure planner and applies its plan to the ledger.
+It holds no policy (that is the planner's) and does no I/O (that is the executor's), so the
+Ray service, the tests and any other driver share the same rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlix.errors import LedgerError, SchedulerError, UnknownPipelineError
+from rlix.scheduler import planner as planner_mod
+from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.state import Ledger
+from rlix.scheduler.types import (
+    GpuRequest,
+    PipelineSpec,
+    Plan,
+    Progress,
+    Role,
+    ShardMove,
+    Stage,
+    Topology,
+)
+
+log = logging.getLogger("rlix.scheduler")
+
+PlanFn = Callable[[Ledger, list[GpuRequest], dict[str, Progress], float, PlannerParams], Plan]
+
+
+@dataclass(frozen=True)
+class Unregistered:
+    """What leaving the scheduler freed: the pipeline's shards (live ones must be put to
+    sleep by the caller), every GPU it held, and its pending request (now cancelled)."""
+
+    pipeline: str
+    shards: list[ShardMove]
+    freed_gpus: list[int]
+    cancelled: list[GpuRequest]
+
+
+class SchedulerCore:
+    """The scheduler's state and the rules for changing it; one instance per cluster."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        params: PlannerParams | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        plan_fn: PlanFn | None = None,
+        log_size: int = 50,
+    ) -> None:
+        self.ledger = Ledger(topology)
+        self.params = params or PlannerParams()
+        self.clock = clock
+        # Looked up at call time so a planner module reloaded or patched in tests is honoured.
+        self._plan_fn = plan_fn
+        self.pending: dict[int, GpuRequest] = {}  # insertion order == submission order
+        self.progress: dict[str, Progress] = {}
+        self.plan_log: deque[dict] = deque(maxlen=log_size)
+        self.last_error: str | None = None
+        self._next_id = 1
+
+    # ------------------------------------------------------------------ pipelines
+    def register(self, spec: PipelineSpec) -> None:
+        if not isinstance(spec, PipelineSpec):
+            raise SchedulerError(f"register needs a PipelineSpec, got {type(spec).__name__}")
+        try:
+            self.ledger.register(spec)
+        except LedgerError as exc:
+            raise SchedulerError(str(exc)) from exc
+        log.info("registered pipeline %s (priority=%d, train_gpus=%d, tp=%d, shards %d..%d)",
+                 spec.name, spec.priority, spec.train_gpus, spec.tp, spec.min_shards,
+                 spec.max_shards)
+
+    def unregister(self, name: str) -> Unregistered:
+        """Forget a pipeline: its GPUs become idle and its pending request is cancelled."""
+        self.require(name)
+        shards = [ShardMove(name, rank, h.gpus)
+                  for rank, h in sorted(self.ledger.shards_of(name).items())]
+        freed = self.ledger.unregister(name)
+        cancelled = [r for r in self.pending.values() if r.pipeline == name]
+        for r in cancelled:
+            del self.pending[r.id]
+        self.progress.pop(name, None)
+        log.info("unregistered pipeline %s; GPUs %s return to the pool", name, freed)
+        return Unregistered(name, shards, freed, cancelled)
+
+    def require(self, name: str) -> PipelineSpec:
+        spec = self.ledger.pipelines.get(name)
+        if spec is None:
+            raise UnknownPipelineError(f"pipeline {name!r} is not registered")
+        return spec
+
+    @property
+    def pipelines(self) -> dict[str, PipelineSpec]:
+        return self.ledger.pipelines
+
+    # ------------------------------------------------------------------ requests
+    def submit_request(self, pipeline: str, stage: Stage | str | int, gpus: int) -> GpuRequest:
+        """Queue a non-rollout request; it is granted by a later `replan`."""
+        self.require(pipeline)
+        stage = parse_stage(stage)
+        if stage is Stage.ROLLOUT:
+            raise SchedulerError("rollout GPUs are given as shards by the planner, not requested")
+        if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+            raise SchedulerError(f"{pipeline}: gpus must be a positive integer, got {gpus!r}")
+        total = self.ledger.topology.num_gpus
+        if gpus > total:
+            raise SchedulerError(f"{pipeline}: asks for {gpus} GPUs, the cluster has {total}")
+        home = self.ledger.train_home.get(pipeline)
+        if home is not None and gpus > len(home):
+            raise SchedulerError(
+                f"{pipeline}: asks for {gpus} GPUs but, without partial overlap, it trains only "
+                f"on its {len(home)} home GPUs {sorted(home)}")
+        for r in self.pending.values():
+            if r.pipeline == pipeline:
+                raise SchedulerError(
+                    f"{pipeline}: request {r.id} ({r.stage.name.lower()}) is still pending; "
+                    f"one pending request per pipeline")
+        if self.ledger.stage_holding(pipeline, stage) is not None:
+            raise SchedulerError(f"{pipeline}: already holds GPUs for {stage.name.lower()}; "
+                                 f"release them first")
+        request = GpuRequest(self._next_id, pipeline, stage, gpus, self.clock())
+        self._next_id += 1
+        self.pending[request.id] = request
+        return request
+
+    def cancel_request(self, request_id: int) -> GpuRequest | None:
+        """Drop a request nobody waits for any more; None if it was not pending."""
+        return self.pending.pop(request_id, None)
+
+    def release(self, pipeline: str, stage: Stage | str | int) -> list[int]:
+        self.require(pipeline)
+        stage = parse_stage(stage)
+        if stage is Stage.ROLLOUT:
+            raise SchedulerError("rollout shards are shrunk by the planner, not released")
+        if self.ledger.stage_holding(pipeline, stage) is None:
+            raise SchedulerError(f"{pipeline}: holds no GPUs for {stage.name.lower()}")
+        return self.ledger.release(pipeline, stage)
+
+    def report_progress(self, progress: Progress) -> None:
+        if not isinstance(progress, Progress):
+            raise SchedulerError(f"report_progress needs a Progress, got {type(progress).__name__}")
+        self.require(progress.pipeline)
+        if progress.remaining < 0 or progress.target < 0:
+            raise SchedulerError(f"{progress.pipeline}: remaining/target must be >= 0")
+        # Stamped with our clock: the reporter's clock is another process's.
+        self.progress[progress.pipeline] = dataclasses.replace(progress, reported_at=self.clock())
+
+    # ------------------------------------------------------------------ planning
+    def replan(self, reason: str = "") -> Plan:
+        """Plan against the current state and apply it to the ledger; return it to execute.
+
+        Granted requests leave `pending`. A plan the ledger rejects changes nothing and raises
+        SchedulerError (a planner bug, reported rather than half-applied).
+        """
+        now = self.clock()
+        fn = self._plan_fn or planner_mod.plan
+        # Every registered pipeline is planned for; one without a report counts as full demand.
+        plan = fn(self.ledger, list(self.pending.values()), dict(self.progress), now, self.params)
+        try:
+            self._check_grants(plan)
+            self.ledger.apply(plan, now)
+        except (LedgerError, SchedulerError) as exc:
+            self.last_error = f"plan rejected ({reason}): {exc}; plan was: {plan.summary()}"
+            log.error("%s", self.last_error)
+            raise SchedulerError(self.last_error) from exc
+        for grant in plan.grants:
+            del self.pending[grant.request_id]
+        if not plan.is_empty():
+            self.plan_log.append({"at": now, "reason": reason, "summary": plan.summary(),
+                                  "grants": len(plan.grants), "shrinks": len(plan.shrinks),
+                                  "expands": len(plan.expands)})
+            log.info("plan (%s): %s", reason or "replan", plan.summary())
+        return plan
+
+    def _check_grants(self, plan: Plan) -> None:
+        seen: set[int] = set()
+        for g in plan.grants:
+            req = self.pending.get(g.request_id)
+            if req is None or g.request_id in seen:
+                raise SchedulerError(f"grant for request {g.request_id}, which is not pending")
+            if (req.pipeline, req.stage, req.gpus) != (g.pipeline, g.stage, len(g.gpus)):
+                raise SchedulerError(
+                    f"grant {g.pipeline}/{g.stage.name.lower()} x{len(g.gpus)} does not match "
+                    f"request {req.id}: {req.pipeline}/{req.stage.name.lower()} x{req.gpus}")
+            seen.add(g.request_id)
+
+    # ------------------------------------------------------------------ queries
+    def shard_gpus(self, pipeline: str) -> dict[int, tuple[int, ...]]:
+        """dp rank -> GPUs of the pipeline's shards the ledger counts as active."""
+        return {rank: h.gpus for rank, h in sorted(self.ledger.shards_of(pipeline).items())}
+
+    def snapshot(self) -> dict:
+        now = self.clock()
+        ledger = self.ledger.snapshot()
+        return {
+            "now": now,
+            "ledger": ledger,
+            "pipelines": {
+                name: {
+                    **dataclasses.asdict(spec),
+                    "train_gpus_held": sorted(g for h in self.ledger.holdings.values()
+                                              if h.pipeline == name and h.role is Role.TRAIN
+                                              for g in h.gpus),
+                    "shards": {rank: list(gpus) for rank, gpus in self.shard_gpus(name).items()},
+                }
+                for name, spec in self.ledger.pipelines.items()
+            },
+            "pending": [
+                {"id": r.id, "pipeline": r.pipeline, "stage": r.stage.name.lower(),
+                 "gpus": r.gpus, "submitted_at": r.submitted_at, "waiting_s": now - r.submitted_at}
+                for r in self.pending.values()
+            ],
+            "progress": {name: dataclasses.asdict(p) for name, p in self.progress.items()},
+            "plans": list(self.plan_log),
+            "last_error": self.last_error,
+        }
+
+
+def parse_stage(stage: Stage | str | int) -> Stage:
+    try:
+        return Stage.parse(stage)
+    except ValueError as exc:
+        raise SchedulerError(str(exc)) from exc

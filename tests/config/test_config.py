@@ -1,0 +1,80 @@
+"""Config loading: good files load; bad ones fail with file, field and reason on one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlix.config import load_config
+from rlix.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_example_loads():
+    cfg = load_config(ROOT / "examples" / "cluster.yaml")
+    assert [p.name for p in cfg.pipelines] == ["pattern", "arithmetic"]
+    assert cfg.cluster.topology().num_gpus == 2
+    spec = cfg.pipelines[0].spec()
+    assert spec.max_shards == 2 and spec.partial_overlap
+
+
+def test_auto_cluster_is_accepted_and_must_be_resolved(tmp_path):
+    cfg = load_config(write(tmp_path, "cluster: {nodes: auto, gpus_per_node: auto}\npipelines: [{name: a}]\n"))
+    assert cfg.cluster.is_auto
+    with pytest.raises(ValueError, match="auto"):
+        cfg.cluster.topology()
+
+
+@pytest.mark.parametrize("body, field, reason", [
+    ("pipelines: [{name: a, tp: 0}]", "pipelines[0].tp", "greater than or equal to 1"),
+    ("pipelines: [{name: a, weight: -2}]", "pipelines[0].weight", "greater than 0"),
+    ("pipelines: [{name: a, max_shard: 2}]", "pipelines[0].max_shard", "unknown field"),
+    ("pipelines: [{name: a, min_shards: 3, max_shards: 2}]", "pipelines[0]", "must not exceed"),
+    ("pipelines: [{name: a}, {name: a}]", "<top>", "unique"),
+    ("cluster: {nodes: 1, gpus_per_node: 2}\npipelines: [{name: a, train_gpus: 4}]", "<top>", "exceeds"),
+    ("cluster: {nodes: 0}\npipelines: [{name: a}]", "cluster", "nodes must be >= 1"),
+    ("pipelines: []", "pipelines", "at least 1"),
+    ("scheduler: {dwell_s: fast}\npipelines: [{name: a}]", "scheduler.dwell_s", "valid number"),
+])
+def test_bad_field_is_named(tmp_path, body, field, reason):
+    path = write(tmp_path, body + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    msg = str(exc.value)
+    assert msg.startswith(str(path)) and f"{field}" in msg and reason in msg and "\n" not in msg
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "pipelines: [unclosed\n"))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_cli_prints_one_line_and_no_traceback(tmp_path):
+    path = write(tmp_path, "pipelines: [{name: a, tp: 0}]\n")
+    out = subprocess.run([sys.executable, "-m", "rlix.cli", "check", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pipelines[0].tp" in lines[0] and str(path) in lines[0]
+
+
+def test_cli_check_accepts_the_example():
+    out = subprocess.run([sys.executable, "-m", "rlix.cli", "check", str(ROOT / "examples" / "cluster.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "2 pipeline(s)" in out.stdout
