@@ -52,7 +52,12 @@ async def until(cond, timeout: float = TIMEOUT) -> None:
 def make(log, **kw):
     granted: list[Grant] = []
     errors: list[tuple[str, BaseException]] = []
-    ex = PlanExecutor(granted.append, lambda p, e: errors.append((p, e)), **kw)
+
+    def on_grant(g: Grant) -> None:
+        granted.append(g)
+        log.append(("grant", g.pipeline, g.request_id))
+
+    ex = PlanExecutor(on_grant, lambda p, e: errors.append((p, e)), **kw)
     return ex, granted, errors
 
 
@@ -91,6 +96,7 @@ def test_expand_on_unrelated_gpus_does_not_wait_for_another_pipelines_slow_shrin
         b.gate.set()
         await ex.drain()
         assert log[-1] == ("end", "b", "shrink")
+        assert log.index(("grant", "c", 7)) < log.index(("end", "b", "shrink"))
     run(main())
 
 
@@ -107,7 +113,8 @@ def test_grant_resolves_only_after_the_shrinks_on_its_gpus():
         assert granted == []
         b.gate.set()
         await until(lambda: granted)
-        assert log.index(("end", "b", "shrink")) < len(log) and granted[0].gpus == (0, 1)
+        assert log.index(("end", "b", "shrink")) < log.index(("grant", "a", 1))
+        assert granted[0].gpus == (0, 1)
     run(main())
 
 
