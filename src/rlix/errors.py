@@ -29,3 +29,27 @@ class UnknownPipelineError(SchedulerError):
 
 class ScenarioError(ConfigError):
     """A simulator scenario file is invalid."""
+
+
+class InferenceError(RlixError):
+    """Base for inference-layer errors."""
+
+
+class InvalidRequestError(InferenceError):
+    """A generation request is malformed or impossible (the server answers 4xx)."""
+
+
+class EngineStateError(InferenceError):
+    """The engine cannot do this now: asleep, weights not loaded, paused in a conflicting mode."""
+
+
+class WeightUpdateError(InferenceError):
+    """A weight update was refused or failed; the old weights keep serving."""
+
+
+class ShardPreemptedError(InferenceError):
+    """A shard was preempted while serving a request; the router re-dispatches it elsewhere."""
+
+
+class NoActiveShardError(InferenceError):
+    """No shard became active within the router's hold timeout."""

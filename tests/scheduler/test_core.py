@@ -177,3 +177,15 @@ def test_a_grant_for_a_request_that_is_not_pending_is_rejected():
     with pytest.raises(SchedulerError, match="does not match"):
         core.replan()
     assert list(core.pending) == [req.id]
+
+
+def test_one_non_rollout_stage_at_a_time_per_pipeline():
+    """Holding init while waiting for train could block the pipeline on itself."""
+    core, _ = make(PipelineSpec("a", train_gpus=2, max_shards=2))
+    core.submit_request("a", Stage.INIT, 3)
+    core.replan()
+    with pytest.raises(SchedulerError, match="already holds GPUs for init"):
+        core.submit_request("a", Stage.TRAIN, 2)
+    core.release("a", Stage.INIT)
+    core.submit_request("a", Stage.TRAIN, 2)
+    assert [g.stage for g in core.replan().grants] == [Stage.TRAIN]

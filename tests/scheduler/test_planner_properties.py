@@ -1,4 +1,4 @@
-"""Stateful property test of ledger + planner.
+"""Stateful property test of the scheduler core (ledger + planner + request bookkeeping).
 
 Random registrations, non-rollout requests, releases, progress reports, pipeline deaths and
 time passing. The harness plans after every event (as the service does) and at the plan's
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rlix.scheduler.planner import PlannerParams, plan, rollout_demand
-from rlix.scheduler.state import Ledger
-from rlix.scheduler.types import GpuRequest, PipelineSpec, Progress, Role, Stage, Topology
+from rlix.scheduler.core import SchedulerCore
+from rlix.scheduler.planner import PlannerParams, rollout_demand
+from rlix.scheduler.types import PipelineSpec, Progress, Role, Stage, Topology
 
 NODES, PER_NODE = 2, 4
 TOTAL = NODES * PER_NODE
@@ -28,22 +28,21 @@ NAMES = [f"p{i}" for i in range(8)]
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.ledger = Ledger(Topology.uniform(NODES, PER_NODE))
         self.now = 0.0
-        self.pending: dict[str, GpuRequest] = {}
-        self.progress: dict[str, Progress] = {}
-        self.next_id = 0
+        self.core = SchedulerCore(Topology.uniform(NODES, PER_NODE), PARAMS, clock=lambda: self.now)
+        self.ledger = self.core.ledger
         self.wake_at: float | None = None
         self.max_pipelines_seen = 0
         self.worst_wait = 0.0
 
     # ------------------------------------------------------------------ harness
     def replan(self) -> None:
-        p = plan(self.ledger, list(self.pending.values()), self.progress, self.now, PARAMS)
-        self.ledger.apply(p, self.now)
+        pending = dict(self.core.pending)
+        p = self.core.replan("property test")
         for g in p.grants:
-            req = self.pending.pop(g.pipeline)
-            assert req.id == g.request_id and req.gpus == len(g.gpus)
+            req = pending[g.request_id]
+            assert (req.pipeline, req.gpus) == (g.pipeline, len(g.gpus))
+            assert g.request_id not in self.core.pending
             self.worst_wait = max(self.worst_wait, self.now - req.submitted_at)
         self.wake_at = p.wake_at
         self.check_after_plan()
@@ -62,7 +61,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.now = max(self.now, nxt)
             for h in list(self.ledger.holdings.values()):
                 if h.role is Role.TRAIN and h.since + HOLD_S <= self.now:
-                    self.ledger.release(h.pipeline, h.stage)
+                    self.core.release(h.pipeline, h.stage)
             self.replan()
 
     def bound(self) -> float:
@@ -83,7 +82,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         spec = PipelineSpec(name, priority=priority, weight=weight, train_gpus=train, tp=tp,
                             min_shards=min(min_shards, max_shards), max_shards=max_shards,
                             partial_overlap=overlap, seqs_per_shard=per_shard)
-        self.ledger.register(spec)
+        self.core.register(spec)
         self.max_pipelines_seen = max(self.max_pipelines_seen, len(self.ledger.pipelines))
         self.replan()
 
@@ -92,11 +91,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def request(self, data, stage):
         name = data.draw(st.sampled_from(sorted(self.ledger.pipelines)))
         spec = self.ledger.pipelines[name]
-        if name in self.pending or self.ledger.stage_holding(name, stage) is not None:
-            return
+        busy = any(r.pipeline == name for r in self.core.pending.values()) or any(
+            h.pipeline == name and h.role is Role.TRAIN for h in self.ledger.holdings.values())
+        if busy:
+            return  # the core refuses a second non-rollout stage; test_core.py checks that
         gpus = spec.train_gpus if name in self.ledger.train_home else data.draw(st.integers(1, TOTAL))
-        self.pending[name] = GpuRequest(self.next_id, name, stage, gpus, self.now)
-        self.next_id += 1
+        self.core.submit_request(name, stage, gpus)
         self.replan()
 
     @precondition(lambda self: any(h.role is Role.TRAIN for h in self.ledger.holdings.values()))
@@ -104,7 +104,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def release(self, data):
         held = sorted((h.pipeline, h.stage) for h in self.ledger.holdings.values() if h.role is Role.TRAIN)
         name, stage = data.draw(st.sampled_from(held))
-        self.ledger.release(name, stage)
+        self.core.release(name, stage)
         self.replan()
 
     @precondition(lambda self: self.ledger.pipelines)
@@ -112,18 +112,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     def report_progress(self, data, remaining, loads):
         name = data.draw(st.sampled_from(sorted(self.ledger.pipelines)))
         ranks = sorted(self.ledger.shards_of(name))
-        self.progress[name] = Progress(name, remaining=remaining, target=40,
-                                       shard_load=dict(zip(ranks, loads)), reported_at=self.now)
+        self.core.report_progress(Progress(name, remaining=remaining, target=40,
+                                           shard_load=dict(zip(ranks, loads))))
         self.replan()
 
     @precondition(lambda self: self.ledger.pipelines)
     @rule(data=st.data())
     def die(self, data):
         name = data.draw(st.sampled_from(sorted(self.ledger.pipelines)))
-        freed = self.ledger.unregister(name)
-        assert all(self.ledger.owner[g] is None for g in freed)
-        self.pending.pop(name, None)
-        self.progress.pop(name, None)
+        gone = self.core.unregister(name)
+        assert all(self.ledger.owner[g] is None for g in gone.freed_gpus)
+        assert not any(r.pipeline == name for r in self.core.pending.values())
         self.replan()
 
     @rule(dt=st.floats(0.5, 60.0))
@@ -140,7 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         free_on_node = [sum(1 for g in led.topology.node_gpus(n) if led.owner[g] is None)
                         for n in range(NODES)]
         for name, spec in led.pipelines.items():
-            want = rollout_demand(spec, self.progress.get(name))
+            want = rollout_demand(spec, self.core.progress.get(name))
             have = len(led.shards_of(name))
             if have < want:
                 home = led.train_home.get(name, frozenset())
@@ -150,7 +149,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                         f"work conservation: {name} wants {want} shards, has {have}, "
                         f"node {n} has {free_on_node[n]} idle GPUs")
         # Floor: every pipeline with demand has a shard when the cluster can hold one each.
-        demanding = [n for n, s in led.pipelines.items() if rollout_demand(s, self.progress.get(n)) > 0]
+        demanding = [n for n, s in led.pipelines.items() if rollout_demand(s, self.core.progress.get(n)) > 0]
         unlocked = TOTAL - sum(len(h.gpus) for h in led.holdings.values() if h.role is Role.TRAIN)
         simple = all(s.tp == 1 and s.partial_overlap for s in led.pipelines.values())
         if simple and len(demanding) <= unlocked:
@@ -160,7 +159,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def requests_wait_within_bound(self):
         assert self.worst_wait <= self.bound() + 1e-6
-        for r in self.pending.values():
+        for r in self.core.pending.values():
             waited = self.now - r.submitted_at
             assert waited <= self.bound() + 1e-6, (
                 f"request {r} waited {waited:.1f}s > bound {self.bound():.1f}s")

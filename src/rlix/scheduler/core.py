@@ -124,9 +124,13 @@ class SchedulerCore:
                 raise SchedulerError(
                     f"{pipeline}: request {r.id} ({r.stage.name.lower()}) is still pending; "
                     f"one pending request per pipeline")
-        if self.ledger.stage_holding(pipeline, stage) is not None:
-            raise SchedulerError(f"{pipeline}: already holds GPUs for {stage.name.lower()}; "
-                                 f"release them first")
+        held = [h.stage for h in self.ledger.holdings.values()
+                if h.pipeline == pipeline and h.role is Role.TRAIN]
+        if held:
+            # One non-rollout stage at a time: a pipeline waiting for a second stage while it
+            # holds the first could block itself, and the waiting bound assumes it cannot.
+            raise SchedulerError(f"{pipeline}: already holds GPUs for {held[0].name.lower()}; "
+                                 f"release them before requesting {stage.name.lower()}")
         request = GpuRequest(self._next_id, pipeline, stage, gpus, self.clock())
         self._next_id += 1
         self.pending[request.id] = request

@@ -117,15 +117,19 @@ class Pool:
         return tuple(self.free_gpus_on(best, exclude)[:tp])
 
     def next_rank(self, pipeline: str, max_shards: int) -> int | None:
-        """An inactive dp rank, preferring one whose previous GPUs are free again."""
+        """An inactive dp rank, preferring one whose previous GPUs are free again (its engine
+        is still there), and avoiding ranks put to sleep in this same pass (waking one
+        elsewhere at once would mean relaunching it)."""
         active = self.active_ranks(pipeline)
-        first = None
+        slept = {m.dp_rank for m in self.shrinks if m.pipeline == pipeline}
+        fallback = None
         for rank in range(max_shards):
             if rank in active:
                 continue
             last = self.ledger.last_shard_gpus.get((pipeline, rank))
-            if last and all(self.state[g] is None for g in last):
+            if last and rank not in slept and all(self.state[g] is None for g in last):
                 return rank
-            if first is None:
-                first = rank
-        return first
+            key = (rank in slept, rank)
+            if fallback is None or key < fallback:
+                fallback = key
+        return None if fallback is None else fallback[1]

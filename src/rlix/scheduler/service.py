@@ -220,7 +220,7 @@ class SchedulerService:
     """The Ray face of `AsyncScheduler`. Start it with `start_scheduler`."""
 
     def __init__(self, topology: Topology, params: PlannerParams | None = None,
-                 liveness_interval_s: float = 2.0, ping_timeout_s: float = 5.0,
+                 liveness_interval_s: float = 2.0, ping_timeout_s: float = 3.0,
                  call_timeout_s: float | None = None) -> None:
         if not log.handlers and log.level == logging.NOTSET:
             handler = logging.StreamHandler()
@@ -245,6 +245,9 @@ class SchedulerService:
 
     async def register(self, spec: PipelineSpec, coordinator) -> None:
         self._start()
+        if not isinstance(coordinator, ray.actor.ActorHandle):
+            raise SchedulerError(f"register {getattr(spec, 'name', spec)!r}: coordinator must be "
+                                 f"a Ray actor handle, got {type(coordinator).__name__}")
         self._sched.register(spec, ray_resize(coordinator))
         self._handles[spec.name] = coordinator
 

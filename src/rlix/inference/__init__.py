@@ -1,0 +1,1 @@
+"""Inference layer: embedded engine, HTTP engine server, router, client, shard fleet."""

@@ -1,0 +1,89 @@
+"""The in-process engine interface that the HTTP server wraps.
+
+The server (server.py) only ever talks to an engine through `EngineAPI`, so the embedded torch
+engine and any other in-process engine are interchangeable there. (A real vLLM server is a
+different *backend*: it is its own HTTP server speaking the same HTTP API; see backends.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+PauseMode = Literal["abort", "wait", "keep"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. top_k <= 0 and top_p >= 1 disable those filters; temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = True
+
+
+@dataclass
+class GenerationOutput:
+    """The state of one request, cumulative: every yield carries all tokens so far.
+
+    `weight_versions` lists (start index into token_ids, weight version) spans, so a caller
+    knows exactly which weights sampled each token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """What the engine server needs from an in-process engine. All methods are async-safe."""
+
+    max_model_len: int
+    weight_version: int
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[GenerationOutput]: ...
+
+    async def abort(self, request_ids: list[str] | None = None) -> int: ...
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def is_paused(self) -> bool: ...
+
+    async def sleep(self, level: int) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def is_sleeping(self) -> bool: ...
+
+    def num_running(self) -> int: ...
+
+    def num_waiting(self) -> int: ...
+
+    async def start_weight_update(self, version: int) -> None: ...
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    async def finish_weight_update(self) -> int: ...
+
+    async def abort_weight_update(self, reason: str) -> None: ...

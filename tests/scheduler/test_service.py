@@ -1,0 +1,309 @@
+"""The scheduler service: its event loop without Ray, then the Ray actor on a local cluster
+with four fake GPUs, fake coordinator actors, and a coordinator killed mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before Ray is imported anywhere
+
+import pytest
+import ray
+
+from rlix.errors import SchedulerError, UnknownPipelineError
+from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.service import (
+    AsyncScheduler,
+    get_scheduler,
+    start_scheduler,
+    topology_from_ray,
+)
+from rlix.scheduler.types import PipelineSpec, Plan, Progress, Stage, Topology
+
+PARAMS = PlannerParams(dwell_s=0.0, aging_s=60.0)
+
+
+# ---------------------------------------------------------------------- without Ray
+class Gated:
+    """An in-process coordinator whose calls block while `gate` is clear."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.calls: list[tuple[list[int], dict]] = []
+
+    async def __call__(self, remove, add):
+        self.calls.append((remove, add))
+        await self.gate.wait()
+
+
+async def until(cond, timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.001)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_request_returns_once_the_shrinks_on_its_gpus_are_done():
+    async def main():
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        a, b = Gated(), Gated()
+        s.register(PipelineSpec("a", train_gpus=1, max_shards=1), a)
+        s.register(PipelineSpec("b", max_shards=2), b)
+        await s.settle()
+        assert len(s.core.shard_gpus("a")) == 1 and len(s.core.shard_gpus("b")) == 1
+        a.gate.clear()  # a's own shard will be slow to sleep
+        waiter = asyncio.ensure_future(s.request("a", "train", 1))
+        await until(lambda: a.calls and a.calls[-1][0])  # the shrink has started
+        assert not waiter.done()
+        a.gate.set()
+        gpus = await asyncio.wait_for(waiter, 2)
+        assert gpus == list(s.core.ledger.stage_holding("a", Stage.TRAIN).gpus)
+        s.release("a", Stage.TRAIN)
+        await s.settle()
+        assert s.core.ledger.idle_gpus() == [] and s.snapshot()["plans"]
+        await s.close()
+    run(main())
+
+
+def test_rollout_request_waits_for_an_awake_shard():
+    async def main():
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        a = Gated()
+        a.gate.clear()
+        s.register(PipelineSpec("a", max_shards=2), a)  # both shards start waking, slowly
+        waiter = asyncio.ensure_future(s.request("a", Stage.ROLLOUT, 0))
+        await until(lambda: a.calls)
+        assert not waiter.done()
+        a.gate.set()
+        assert await asyncio.wait_for(waiter, 2) == [0, 1]
+        await s.close()
+    run(main())
+
+
+def test_cancelled_request_leaves_the_queue_and_failure_fails_waiters():
+    async def main():
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        a, b = Gated(), Gated()
+        s.register(PipelineSpec("a", train_gpus=2, max_shards=1), a)
+        s.register(PipelineSpec("b", max_shards=1), b)
+        await s.settle()
+        b.gate.clear()  # b's shard never finishes sleeping
+        waiter = asyncio.ensure_future(s.request("a", "train", 2))
+        await until(lambda: b.calls and b.calls[-1][0])
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        # It had been granted (ledger) but not delivered: cancelling gave the GPUs back.
+        assert s.core.ledger.stage_holding("a", Stage.TRAIN) is None and not s.core.pending
+
+        waiter = asyncio.ensure_future(s.request("a", "train", 2))
+        rollout = asyncio.ensure_future(s.request("a", "rollout", 0))
+        await until(lambda: s.core.ledger.stage_holding("a", Stage.TRAIN) is not None)
+        s.pipeline_failed("a", "test says so")
+        with pytest.raises(SchedulerError, match="test says so"):
+            await asyncio.wait_for(waiter, 2)
+        with pytest.raises(UnknownPipelineError, match="test says so"):
+            await asyncio.wait_for(rollout, 2)
+        assert s.snapshot()["failures"][0]["pipeline"] == "a"
+        b.gate.set()
+        await s.settle()
+        assert len(s.core.shard_gpus("b")) == 1
+        await s.close()
+    run(main())
+
+
+def test_unregister_puts_shards_to_sleep_before_others_get_the_gpus():
+    async def main():
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        a, b = Gated(), Gated()
+        s.register(PipelineSpec("a", max_shards=2), a)
+        await s.settle()
+        a_gpus = sorted(g for gs in s.core.shard_gpus("a").values() for g in gs)
+        s.register(PipelineSpec("b", max_shards=2), b)
+        await s.settle()
+        assert len(s.core.shard_gpus("b")) == 1  # b takes one of a's two GPUs
+        a_left, n_calls = s.core.shard_gpus("a"), len(a.calls)
+        a.gate.clear()  # a's engines are slow to sleep
+        assert s.unregister("a") == sorted(g for gs in a_left.values() for g in gs)
+        assert "a" not in s.core.pipelines
+        await until(lambda: len(a.calls) > n_calls)
+        assert a.calls[n_calls:] == [(sorted(a_left), {})]  # its remaining shard goes to sleep
+        await asyncio.sleep(0.05)
+        assert len(b.calls) == 1  # b's expand onto a's GPU waits for that sleep
+        a.gate.set()
+        await s.settle()
+        assert len(b.calls) == 2 and s.core.ledger.idle_gpus() == [] and a_gpus == [0, 1]
+        with pytest.raises(UnknownPipelineError):
+            s.unregister("a")
+        await s.close()
+    run(main())
+
+
+def test_plan_wake_at_triggers_a_replan_by_itself():
+    async def main():
+        calls = []
+
+        def stub(ledger, requests, progress, now, params):
+            calls.append(now)
+            return Plan(wake_at=now + 0.05) if len(calls) < 3 else Plan()
+
+        s = AsyncScheduler(Topology((1,)), PARAMS, plan_fn=stub)
+        s.register(PipelineSpec("a"), Gated())
+        await until(lambda: len(calls) == 3)
+        assert s.snapshot()["plans"] == [] and not s.snapshot()["timer_armed"]
+        await s.close()
+    run(main())
+
+
+# ---------------------------------------------------------------------- with Ray
+@ray.remote(num_cpus=0)
+class FakeCoordinator:
+    """Records resize calls (start, end); `set_delay` makes them slow."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.delay = 0.0
+
+    async def resize_inference(self, remove, add):
+        call = {"remove": list(remove), "add": {int(k): list(v) for k, v in add.items()},
+                "start": time.time(), "end": None}
+        self.calls.append(call)
+        await asyncio.sleep(self.delay)
+        call["end"] = time.time()
+
+    async def set_delay(self, seconds: float) -> None:
+        self.delay = seconds
+
+    async def get_calls(self) -> list[dict]:
+        return self.calls
+
+
+def poll(fn, timeout: float = 10.0, what: str = "condition"):
+    """Call fn until it returns something truthy; fail after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, namespace="rlix-test",
+             logging_level="warning")
+    sched = start_scheduler(topology_from_ray(), PARAMS, liveness_interval_s=1.0)
+    coords = {name: FakeCoordinator.remote() for name in ("a", "b", "c")}
+    try:
+        yield sched, coords
+    finally:
+        for handle in [*coords.values(), sched]:
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        ray.shutdown()
+
+
+def snap(sched) -> dict:
+    return ray.get(sched.snapshot.remote())
+
+
+def shards(s: dict, name: str) -> dict:
+    return s["pipelines"].get(name, {}).get("shards", {})
+
+
+def test_start_and_get_scheduler(cluster):
+    sched, _ = cluster
+    assert topology_from_ray() == Topology((4,))
+    assert get_scheduler()._actor_id == sched._actor_id
+    assert start_scheduler(Topology((4,)), PARAMS)._actor_id == sched._actor_id  # get-if-exists
+    with pytest.raises(SchedulerError, match="already running"):
+        start_scheduler(Topology((2, 2)))
+
+
+def test_training_request_shrinks_other_pipeline_and_release_expands_back(cluster):
+    sched, coords = cluster
+    ray.get(sched.register.remote(PipelineSpec("a", train_gpus=2, max_shards=1), coords["a"]))
+    ray.get(sched.register.remote(PipelineSpec("b", max_shards=4), coords["b"]))
+    assert sorted(ray.get(sched.request.remote("b", "rollout"), timeout=10))
+    s = poll(lambda: (lambda s: s if not s["ledger"]["idle"] and not s["in_flight"] else None)(
+        snap(sched)), what="cluster filled")
+    assert len(shards(s, "a")) == 1 and len(shards(s, "b")) == 3
+    with pytest.raises(SchedulerError, match="not registered"):
+        ray.get(sched.request.remote("zzz", "train", 1))
+
+    ray.get(coords["b"].set_delay.remote(0.5))  # b's engines are slow to sleep
+    n_before = len(ray.get(coords["b"].get_calls.remote()))
+    gpus = ray.get(sched.request.remote("a", Stage.TRAIN, 2), timeout=10)
+    granted_at = time.time()
+    b_calls = ray.get(coords["b"].get_calls.remote())[n_before:]
+    b_shrinks = [c for c in b_calls if c["remove"]]
+    assert b_shrinks, "a's training must take GPUs from b's shards"
+    assert all(c["end"] is not None and c["end"] <= granted_at for c in b_shrinks)
+    s = snap(sched)
+    held = [h for h in s["ledger"]["holdings"] if h["pipeline"] == "a" and h["role"] == "train"]
+    assert len(gpus) == 2 and held[0]["gpus"] == sorted(gpus)
+    assert not set(gpus) & {g for gs in shards(s, "b").values() for g in gs}
+    assert any("grant a/train" in p["summary"] for p in s["plans"])
+
+    ray.get(coords["b"].set_delay.remote(0.0))
+    ray.get(sched.release.remote("a", "train"))
+    s = poll(lambda: (lambda s: s if not s["ledger"]["idle"] and not s["in_flight"] else None)(
+        snap(sched)), what="GPUs given back")
+    assert len(shards(s, "a")) == 1 and len(shards(s, "b")) == 3  # as before the request
+    expands = [c for c in ray.get(coords["b"].get_calls.remote())[n_before:] if c["add"]]
+    assert expands and expands[-1]["start"] > granted_at
+    with pytest.raises(SchedulerError, match="holds no GPUs"):
+        ray.get(sched.release.remote("a", "train"))
+
+
+def test_dead_coordinator_returns_its_gpus_and_others_go_on(cluster):
+    sched, coords = cluster
+    a_gpus = poll(lambda: [g for gs in shards(snap(sched), "a").values() for g in gs],
+                  what="a holds a shard")
+    killed_at = time.monotonic()
+    ray.kill(coords["a"])  # idle: only the liveness check can notice
+    s = poll(lambda: (lambda s: s if "a" not in s["pipelines"]
+                      and sorted(g for gs in shards(s, "b").values() for g in gs) == [0, 1, 2, 3]
+                      and not s["in_flight"] else None)(snap(sched)),
+             timeout=10, what="a's GPUs re-planned for b")
+    assert time.monotonic() - killed_at < 10
+    assert s["failures"][-1]["pipeline"] == "a" and set(a_gpus) <= set(s["failures"][-1]["freed_gpus"])
+
+    # b goes on: a training grant and its release
+    gpus = ray.get(sched.request.remote("b", "train", 1), timeout=10)
+    assert len(gpus) == 1
+    ray.get(sched.release.remote("b", "train"))
+    ray.get(sched.report_progress.remote(Progress("b", remaining=64, target=64)))
+
+
+def test_coordinator_killed_during_a_resize_fails_the_waiter(cluster):
+    sched, coords = cluster
+    c = coords["c"]
+    ray.get(sched.register.remote(PipelineSpec("c", train_gpus=1, max_shards=1), c))
+    poll(lambda: shards(snap(sched), "c") and not snap(sched)["in_flight"], what="c has a shard")
+    ray.get(c.set_delay.remote(60.0))  # c's calls now hang
+    waiter = sched.request.remote("c", "train", 1)
+    poll(lambda: any(call["end"] is None for call in ray.get(c.get_calls.remote())),
+         what="c's resize in flight")
+    killed_at = time.monotonic()
+    ray.kill(c)
+    with pytest.raises(SchedulerError, match="failed"):
+        ray.get(waiter, timeout=10)
+    s = poll(lambda: (lambda s: s if "c" not in s["pipelines"] and not s["ledger"]["idle"]
+                      and not s["in_flight"] else None)(snap(sched)), what="c's GPUs re-planned")
+    assert time.monotonic() - killed_at < 10
+    assert sorted(g for gs in shards(s, "b").values() for g in gs) == [0, 1, 2, 3]
+    assert ray.get(sched.request.remote("b", "train", 2), timeout=10)
+    ray.get(sched.release.remote("b", "train"))
