@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The `tiny` preset (random Qwen2 shape + small tokenizer), built once per test session."""
+    from rlix.models.presets import build_preset
+
+    return build_preset("tiny", tmp_path_factory.mktemp("models") / "tiny")

@@ -1,4 +1,4 @@
-"""`rlix` command line: sim, check, status.
+"""`rlix` command line: sim, check, status, serve.
 
 Every error rlix raises on purpose (RlixError) is printed as one line and exits 2; only real
 bugs show a traceback.
@@ -50,6 +50,24 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import secrets
+
+    from rlix import env
+    from rlix.inference.server import serve
+
+    api_key = args.api_key or env.api_key()
+    if not api_key:
+        api_key = secrets.token_urlsafe(24)
+        print(f"rlix serve: no --api-key or RLIX_API_KEY; control token for this run: {api_key}",
+              file=sys.stderr)
+    print(f"rlix serve: {args.model} on http://{args.host}:{args.port} ({args.device})", file=sys.stderr)
+    serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
+          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+          served_model_name=args.served_model_name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
     parser.add_argument("--version", action="version", version=f"rlix {__version__}")
@@ -67,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print the running scheduler's snapshot")
     status.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or auto)")
     status.set_defaults(func=_cmd_status)
+
+    serve = sub.add_parser("serve", help="serve one model with the embedded engine (vLLM's HTTP API)")
+    serve.add_argument("--model", required=True, help="model preset name or local checkpoint dir")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="bearer token for /v1, /inference and control endpoints (default: RLIX_API_KEY)")
+    serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
+    serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

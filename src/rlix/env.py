@@ -6,6 +6,7 @@ Everything else asks this module, so the full set of knobs is visible in one fil
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 ControlPlane = Literal["rlix", "standalone"]
@@ -27,3 +28,22 @@ def ray_address() -> str | None:
 def is_ci() -> bool:
     """True under CI (`CI=true`), where progress bars and colours are turned off."""
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def cache_dir() -> Path:
+    """Where rlix keeps built artefacts (model presets...): `RLIX_CACHE_DIR`, else ~/.cache/rlix."""
+    value = os.environ.get("RLIX_CACHE_DIR", "").strip()
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "rlix"
+
+
+def api_key() -> str | None:
+    """Bearer token for engine-server and router control endpoints (`RLIX_API_KEY`), if set."""
+    return os.environ.get("RLIX_API_KEY", "").strip() or None
+
+
+def vllm_python() -> str | None:
+    """Python executable of an environment with vLLM installed (`RLIX_VLLM_PYTHON`), if set."""
+    return os.environ.get("RLIX_VLLM_PYTHON", "").strip() or None

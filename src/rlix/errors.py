@@ -36,7 +36,18 @@ class InferenceError(RlixError):
 
 
 class InvalidRequestError(InferenceError):
-    """A generation request is malformed or impossible (the server answers 4xx)."""
+    """A generation request is malformed or impossible (the server answers 4xx).
+
+    `param` names the offending request field, as OpenAI/vLLM error bodies do.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (HTTP 404)."""
 
 
 class EngineStateError(InferenceError):

@@ -37,7 +37,10 @@ class GenerationOutput:
     """The state of one request, cumulative: every yield carries all tokens so far.
 
     `weight_versions` lists (start index into token_ids, weight version) spans, so a caller
-    knows exactly which weights sampled each token.
+    knows exactly which weights sampled each token. `stop_reason` says what ended a "stop"
+    finish: the stop string or the stop token id (None for end-of-sequence), as vLLM reports it;
+    token_ids keep every sampled token (a matched stop string's tokens included), so a text
+    front end truncates the decoded text at that string.
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class GenerationOutput:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,136 @@
+"""Engine backends: how one shard's engine server process is launched.
+
+Every backend serves the same HTTP API (server.py's, which is vLLM's), so the router, the
+client and the fleet only ever see a URL; a backend decides just the command line, the child's
+environment and what it can do. `backend:` in `EngineBackendConfig` picks one; `make_backend`
+is the only place that maps the name to a class.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlix import env
+from rlix.errors import ConfigError
+
+
+class EngineBackendConfig(BaseModel):
+    """One pipeline's engine settings, the same for all its shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["embedded", "vllm"] = "embedded"
+    model: str = Field("tiny", min_length=1, description="preset name or local checkpoint dir")
+    served_model_name: str | None = Field(None, description="name in the API; default: `model`")
+    device: Literal["cpu", "cuda"] = "cpu"
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int | None = Field(None, ge=16, description="default: the model's")
+    startup_timeout_s: float = Field(180.0, gt=0)
+    python: str | None = Field(None, description="vllm: interpreter with vLLM; default RLIX_VLLM_PYTHON")
+    cpu_kvcache_gib: int = Field(1, ge=1, description="vllm on cpu: VLLM_CPU_KVCACHE_SPACE")
+    worker_extension_cls: str | None = Field(None, description="vllm: --worker-extension-cls")
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def name_in_api(self) -> str:
+        return self.served_model_name or self.model
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """What the fleet needs to start a shard and know when it is ready."""
+
+    name: str
+    health_path: str
+    startup_timeout_s: float
+    #: sleep/wake really frees memory (vLLM refuses sleep mode on CPU)
+    supports_sleep: bool
+
+    def command(self, *, host: str, port: int, api_key: str) -> list[str]: ...
+
+    def env(self) -> dict[str, str]: ...
+
+
+def _model_path(cfg: EngineBackendConfig) -> str:
+    from rlix.models.presets import resolve_model
+
+    return str(resolve_model(cfg.model))
+
+
+class EmbeddedBackend:
+    """rlix's own engine server (`rlix serve`) in the current interpreter's environment."""
+
+    name = "embedded"
+    health_path = "/health"
+    supports_sleep = True
+
+    def __init__(self, cfg: EngineBackendConfig, python: str | None = None) -> None:
+        self.cfg = cfg
+        self.python = python or sys.executable
+        self.startup_timeout_s = cfg.startup_timeout_s
+
+    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+        cfg = self.cfg
+        cmd = [self.python, "-m", "rlix.cli", "serve", "--model", _model_path(cfg),
+               "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
+               "--api-key", api_key, "--device", cfg.device, "--max-num-seqs", str(cfg.max_num_seqs)]
+        if cfg.max_model_len:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
+        return cmd + list(cfg.extra_args)
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+
+class VllmBackend:
+    """A real vLLM OpenAI server with the dev-mode control plane (VLLM_SERVER_DEV_MODE=1).
+
+    Started as `python -m vllm.entrypoints.openai.api_server` because the `vllm` console script
+    fails for the CPU distribution. On CPU vLLM refuses sleep mode, so `supports_sleep` is False
+    there and the fleet pauses instead of sleeping. Note vLLM's `--api-key` guards /v1 and
+    /inference only, not the dev control endpoints.
+    """
+
+    name = "vllm"
+    health_path = "/health"
+
+    def __init__(self, cfg: EngineBackendConfig) -> None:
+        python = cfg.python or env.vllm_python()
+        if not python:
+            raise ConfigError("backend 'vllm' needs a Python with vLLM: set engine.python or RLIX_VLLM_PYTHON")
+        self.cfg = cfg
+        self.python = python
+        self.startup_timeout_s = max(cfg.startup_timeout_s, 300.0)  # cold start is ~85 s on CPU
+        self.supports_sleep = cfg.device == "cuda"
+
+    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+        cfg = self.cfg
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", _model_path(cfg),
+               "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
+               "--api-key", api_key, "--max-num-seqs", str(cfg.max_num_seqs),
+               "--enable-scale-out"]  # without it /inference/v1/generate answers 403
+        if cfg.max_model_len:
+            cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if self.supports_sleep:
+            cmd.append("--enable-sleep-mode")
+        if cfg.worker_extension_cls:
+            cmd += ["--worker-extension-cls", cfg.worker_extension_cls]
+        return cmd + list(cfg.extra_args)
+
+    def env(self) -> dict[str, str]:
+        out = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self.cfg.device == "cpu":
+            out["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
+        return out
+
+
+def make_backend(cfg: EngineBackendConfig) -> EngineBackend:
+    """The one factory from config to backend."""
+    if cfg.backend == "embedded":
+        return EmbeddedBackend(cfg)
+    if cfg.backend == "vllm":
+        return VllmBackend(cfg)
+    raise ConfigError(f"unknown engine backend {cfg.backend!r}")  # pragma: no cover - Literal guards it

@@ -1,0 +1,191 @@
+"""RemoteInferenceClient: a pipeline's handle on its inference, picklable and backend-agnostic.
+
+Plain config (router URL, shard URLs by DP rank, token); httpx clients are made lazily, one per
+event loop, and are not pickled, so the client travels into Ray actors as is. The data plane
+goes through the router; the control plane goes straight to the shards, fanned out
+concurrently to all of them or to a given subset of DP ranks. Only the HTTP API is used, so the
+same client drives embedded and vLLM shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import httpx
+
+from rlix.errors import EngineStateError, InferenceError, InvalidRequestError, WeightUpdateError
+
+_GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
+
+
+def parse_load(metrics_text: str) -> dict[str, float]:
+    """{"running": n, "waiting": n} summed over engines, from a /metrics page."""
+    out = {"running": 0.0, "waiting": 0.0}
+    for name, value in _GAUGE.findall(metrics_text):
+        out[name.rsplit("_", 1)[1]] += float(value)
+    return out
+
+
+def safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+
+
+class RemoteInferenceClient:
+    """See module doc. `shard_urls` maps DP rank -> engine server URL."""
+
+    def __init__(self, router_url: str | None, shard_urls: Mapping[int, str], api_key: str,
+                 model: str | None = None, timeout_s: float = 600.0) -> None:
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.shard_urls = {int(r): u.rstrip("/") for r, u in shard_urls.items()}
+        self.api_key = api_key
+        self.model = model
+        self.timeout_s = timeout_s
+        self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_http"] = None
+        return state
+
+    def with_shards(self, shard_urls: Mapping[int, str]) -> RemoteInferenceClient:
+        return RemoteInferenceClient(self.router_url, shard_urls, self.api_key, self.model, self.timeout_s)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def _client(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http[0] is not loop:
+            limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+            self._http = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+                                                  limits=limits))
+        return self._http[1]
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http[1].aclose()
+            self._http = None
+
+    # ------------------------------------------------------------ data plane (via the router)
+    async def post(self, path: str, body: dict, session_id: str | None = None) -> dict:
+        if not self.router_url:
+            raise InferenceError("this client has no router URL")
+        headers = {**self.headers, **({"X-Session-ID": session_id} if session_id else {})}
+        r = await self._client().post(self.router_url + path, json=body, headers=headers)
+        return _check(r, f"router {path}")
+
+    async def completions(self, prompt: str | list[int], session_id: str | None = None, **kw: Any) -> dict:
+        return await self.post("/v1/completions", {"model": self.model, "prompt": prompt, **kw}, session_id)
+
+    async def chat(self, messages: list[dict], session_id: str | None = None, **kw: Any) -> dict:
+        return await self.post("/v1/chat/completions", {"model": self.model, "messages": messages, **kw},
+                               session_id)
+
+    async def generate(self, token_ids: list[int], sampling_params: dict | None = None,
+                       session_id: str | None = None, **kw: Any) -> dict:
+        """Token-level: the answer's choice has token_ids, logprobs and weight_versions."""
+        body = {"token_ids": token_ids, "sampling_params": sampling_params or {}, **kw}
+        return await self.post("/inference/v1/generate", body, session_id)
+
+    # ------------------------------------------------------------ control plane (fan-out)
+    def _ranks(self, ranks: Iterable[int] | None) -> list[int]:
+        if ranks is None:
+            return sorted(self.shard_urls)
+        ranks = sorted(set(ranks))
+        unknown = [r for r in ranks if r not in self.shard_urls]
+        if unknown:
+            raise InvalidRequestError(f"unknown DP ranks {unknown}; known: {sorted(self.shard_urls)}")
+        return ranks
+
+    async def _one(self, rank: int, method: str, path: str, error: type[InferenceError], **kw: Any) -> Any:
+        url = self.shard_urls[rank] + path
+        try:
+            r = await self._client().request(method, url, headers={**self.headers, **kw.pop("headers", {})}, **kw)
+        except httpx.TransportError as exc:
+            raise EngineStateError(f"shard {rank} ({url}) unreachable: {exc!r}") from None
+        if path == "/metrics":
+            if r.status_code != 200:
+                raise EngineStateError(f"shard {rank} /metrics answered {r.status_code}")
+            return r.text
+        return _check(r, f"shard {rank} {path}", error)
+
+    async def fan_out(self, method: str, path: str, ranks: Iterable[int] | None = None,
+                      error: type[InferenceError] = EngineStateError, **kw: Any) -> dict[int, Any]:
+        """Call every rank concurrently; all calls run to the end, then the first failure raises."""
+        chosen = self._ranks(ranks)
+        results = await asyncio.gather(*(self._one(r, method, path, error, **kw) for r in chosen),
+                                       return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return dict(zip(chosen, results))
+
+    async def pause(self, mode: str = "keep", ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        return await self.fan_out("POST", "/pause", ranks, params={"mode": mode})
+
+    async def resume(self, ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        return await self.fan_out("POST", "/resume", ranks)
+
+    async def is_paused(self, ranks: Iterable[int] | None = None) -> dict[int, bool]:
+        return {r: v["is_paused"] for r, v in (await self.fan_out("GET", "/is_paused", ranks)).items()}
+
+    async def sleep(self, level: int = 1, ranks: Iterable[int] | None = None, mode: str = "abort") -> dict[int, Any]:
+        return await self.fan_out("POST", "/sleep", ranks, params={"level": level, "mode": mode})
+
+    async def wake_up(self, tags: list[str] | None = None, ranks: Iterable[int] | None = None) -> dict[int, Any]:
+        return await self.fan_out("POST", "/wake_up", ranks, params=[("tags", t) for t in tags or []])
+
+    async def is_sleeping(self, ranks: Iterable[int] | None = None) -> dict[int, bool]:
+        return {r: v["is_sleeping"] for r, v in (await self.fan_out("GET", "/is_sleeping", ranks)).items()}
+
+    async def abort_requests(self, ranks: Iterable[int] | None = None,
+                             request_ids: list[str] | None = None) -> dict[int, Any]:
+        body = {"request_ids": request_ids} if request_ids else {}
+        return await self.fan_out("POST", "/abort_requests", ranks, json=body)
+
+    async def load(self, ranks: Iterable[int] | None = None) -> dict[int, dict[str, float]]:
+        """Running and waiting requests per shard, from vLLM's gauges."""
+        return {r: parse_load(t) for r, t in (await self.fan_out("GET", "/metrics", ranks)).items()}
+
+    async def start_weight_update(self, version: int | None = None, ranks: Iterable[int] | None = None) -> dict:
+        body = {} if version is None else {"weight_version": version}
+        return await self.fan_out("POST", "/start_weight_update", ranks, WeightUpdateError, json=body)
+
+    async def update_weights(self, tensors: Mapping[str, Any], ranks: Iterable[int] | None = None) -> dict:
+        """One bucket of named tensors, sent as a safetensors body (serialised once)."""
+        data = safetensors_bytes(tensors)
+        return await self.fan_out("POST", "/update_weights", ranks, WeightUpdateError, content=data,
+                                  headers={"content-type": "application/octet-stream"})
+
+    async def finish_weight_update(self, version: int | None = None, ranks: Iterable[int] | None = None) -> dict:
+        body = {} if version is None else {"weight_version": version}
+        return await self.fan_out("POST", "/finish_weight_update", ranks, WeightUpdateError, json=body)
+
+    async def push_weights(self, tensors: Mapping[str, Any], version: int | None = None,
+                           ranks: Iterable[int] | None = None) -> None:
+        """start -> update -> finish on the given ranks; a failure aborts it on the failing ones."""
+        await self.start_weight_update(version, ranks)
+        await self.update_weights(tensors, ranks)
+        await self.finish_weight_update(version, ranks)
+
+
+def _check(r: httpx.Response, what: str, error: type[InferenceError] = InferenceError) -> Any:
+    if r.status_code == 200:
+        return r.json() if r.content else None
+    try:
+        body = r.json()
+        msg = body["error"]["message"] if isinstance(body.get("error"), dict) else str(body)
+    except Exception:
+        msg = r.text[:500]
+    if r.status_code == 503:
+        raise EngineStateError(f"{what}: {msg}")
+    if r.status_code in (400, 404, 422) and error is InferenceError:
+        raise InvalidRequestError(f"{what}: {msg}")
+    raise error(f"{what} answered {r.status_code}: {msg}")
+

@@ -1,0 +1,122 @@
+"""Slot-based KV cache that plugs into a transformers model's attention layers.
+
+Why not transformers' own caches: DynamicCache grows one batch in lockstep, and the paged cache of
+its continuous batching measured 3x slower than a static batch on our CPU (VLLM_NOTES.md). Here
+every running sequence owns one *row* of a preallocated [rows, kv_heads, capacity, head_dim]
+tensor per layer; rows 0..n-1 are always the running sequences, in batch order (a leaving
+sequence's row is filled by moving the last row into it), so the keys of a decode step are a
+plain view `k[:n, :, :L]` and an additive mask hides each row's positions past its own length.
+
+Transformers calls `update(key_states, value_states, layer_idx)` from every attention layer; the
+engine sets the step's geometry (`set_prefill` / `set_decode`) before each forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """Per-layer K and V for up to `num_rows` sequences of up to `max_len` tokens."""
+
+    def __init__(self, *, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype, device: torch.device,
+                 initial_capacity: int = 256) -> None:
+        self.num_layers = num_layers
+        self.num_rows = num_rows
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = device
+        self.initial_capacity = max(1, min(initial_capacity, max_len))
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        # Geometry of the forward in progress (see set_prefill / set_decode).
+        self._mode = "none"
+        self._rows = slice(0, 0)
+        self._row_index: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._kv_len = 0
+        self._n = 0
+
+    # -- allocation ----------------------------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        return self.capacity > 0
+
+    def allocate(self, capacity: int | None = None) -> None:
+        """(Re)allocate zeroed storage; zeros so that host RSS / device memory really hold it."""
+        capacity = min(self.max_len, capacity or self.initial_capacity)
+        shape = (self.num_rows, self.num_kv_heads, capacity, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                     for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                       for _ in range(self.num_layers)]
+        self.capacity = capacity
+
+    def free(self) -> None:
+        """Drop the storage (the caller then trims host memory / empties the CUDA cache)."""
+        self.keys, self.values = [], []
+        self.capacity = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def ensure_capacity(self, length: int, live_rows: int, live_len: int) -> None:
+        """Grow (doubling, capped at max_len) so positions < length fit; copies live data."""
+        if length > self.max_len:
+            raise ValueError(f"length {length} exceeds the cache's max_len {self.max_len}")
+        if not self.allocated:
+            self.allocate(max(self.initial_capacity, length))
+            return
+        if length <= self.capacity:
+            return
+        new_capacity = self.capacity
+        while new_capacity < length:
+            new_capacity *= 2
+        new_capacity = min(new_capacity, self.max_len)
+        old_keys, old_values = self.keys, self.values
+        self.allocate(new_capacity)
+        for old, new in zip((*old_keys, *old_values), (*self.keys, *self.values)):
+            new[:live_rows, :, :live_len].copy_(old[:live_rows, :, :live_len])
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy row `src`'s first `length` positions into row `dst` (batch compaction)."""
+        for t in (*self.keys, *self.values):
+            t[dst, :, :length].copy_(t[src, :, :length])
+
+    # -- step geometry -------------------------------------------------------------------
+    def set_prefill(self, first_row: int, num_rows: int) -> None:
+        """Next forward writes positions 0..T-1 of rows first_row..first_row+num_rows-1."""
+        self._mode = "prefill"
+        self._rows = slice(first_row, first_row + num_rows)
+
+    def set_decode(self, positions: torch.Tensor, kv_len: int) -> None:
+        """Next forward writes one token per row 0..n-1 at `positions` and reads kv_len keys."""
+        self._mode = "decode"
+        self._n = positions.shape[0]
+        self._row_index = torch.arange(self._n, device=self.device)
+        self._positions = positions
+        self._kv_len = kv_len
+
+    # -- the transformers hook -----------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self._mode == "prefill":
+            length = key_states.shape[2]
+            keys[self._rows, :, :length] = key_states
+            values[self._rows, :, :length] = value_states
+            # Right padding: each row's valid queries see only its own valid, causal keys.
+            return key_states, value_states
+        if self._mode == "decode":
+            keys[self._row_index, :, self._positions] = key_states[:, :, 0]
+            values[self._row_index, :, self._positions] = value_states[:, :, 0]
+            return keys[: self._n, :, : self._kv_len], values[: self._n, :, : self._kv_len]
+        raise RuntimeError("SlotKVCache.update called outside a prefill or decode step")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Only consulted by models when no position_ids are given; the engine always gives them."""
+        return 0

@@ -1,0 +1,60 @@
+"""Measure and give back memory, so a sleeping engine's freed bytes are real, not bookkeeping.
+
+Host: resident set size from /proc/self/statm; after dropping tensors, `malloc_trim(0)` makes
+glibc hand free heap pages back to the OS (large blocks are unmapped anyway, but glibc's dynamic
+mmap threshold keeps many mid-sized tensors on the heap). CUDA: `torch.cuda.mem_get_info` after
+emptying the caching allocator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+from functools import lru_cache
+
+import torch
+
+
+def host_rss_bytes() -> int:
+    """This process's resident memory in bytes (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():  # type: ignore[no-untyped-def]
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def release_memory(device: torch.device) -> None:
+    """Return freed memory to the OS (host) or the driver (CUDA)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def used_bytes(device: torch.device) -> int:
+    """What the device's memory use looks like from outside: RSS on CPU, used bytes on CUDA."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    return host_rss_bytes()

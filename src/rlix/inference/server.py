@@ -1,0 +1,247 @@
+"""The engine server: a FastAPI app around one EngineAPI, speaking vLLM's HTTP API.
+
+Handlers only parse and delegate: data plane to `OpenAIServing`, control plane to
+`ControlPlane`. Auth follows vLLM where vLLM has it (/v1 and /inference need the bearer token)
+and goes further on the control plane, which always needs it (vLLM leaves its dev endpoints
+open). Errors carry vLLM's body `{"error": {"message", "type", "param", "code"}}`; an
+unauthorised call gets 401 `{"error": "Unauthorized"}`, as from vLLM.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
+                         WeightUpdateError)
+from rlix.inference import openai_schema as S
+from rlix.inference.api import EngineAPI
+from rlix.inference.control import ControlPlane, decode_safetensors
+from rlix.inference.serving import OpenAIServing
+
+log = logging.getLogger("rlix.server")
+
+PROTECTED_PREFIXES = ("/v1/", "/inference/")
+CONTROL_PATHS = frozenset({
+    "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/abort_requests",
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+    "/finish_weight_update", "/weight_info",
+})
+
+
+class _EngineGauges:
+    """Scrape-time gauges under vLLM's names, so tools that watch vLLM watch us too."""
+
+    def __init__(self, engine: EngineAPI, model_name: str) -> None:
+        self.engine, self.labels = engine, ["0", model_name]
+
+    def collect(self):  # noqa: ANN201 - prometheus_client collector protocol
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             self.engine.num_running()),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             self.engine.num_waiting()),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["engine", "model_name"])
+            g.add_metric(self.labels, float(value))
+            yield g
+        g = GaugeMetricFamily("rlix:weight_version", "Weight version being served.", labels=["engine", "model_name"])
+        g.add_metric(self.labels, float(self.engine.weight_version))
+        yield g
+
+
+def _err(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(S.error_body(message, type_, status, param), status_code=status)
+
+
+async def _json_body(request: Request, required: bool = False) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise InvalidRequestError("Invalid JSON format")
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise InvalidRequestError("Invalid JSON format") from None
+
+
+def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
+               model_root: str = "", close_engine: bool = False) -> FastAPI:
+    """The app for one engine. `close_engine` closes it when the app shuts down."""
+    serving = OpenAIServing(engine, tokenizer, model_name, model_root)
+    control = ControlPlane(engine)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineGauges(engine, model_name))
+    expected = f"Bearer {api_key}".encode()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        close = getattr(engine, "close", None)
+        if close_engine and close is not None:
+            close()
+
+    app = FastAPI(title="rlix engine server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving, app.state.control = serving, control
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        path = request.url.path
+        if path in CONTROL_PATHS or path.startswith(PROTECTED_PREFIXES):
+            got = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        lines = "\n  ".join(f"{{'type': {e.get('type')!r}, 'loc': {'.'.join(map(str, e.get('loc', ())))!r}, "
+                            f"'msg': {e.get('msg')!r}}}" for e in errors)
+        param = ".".join(map(str, errors[0].get("loc", ()))) if errors else None
+        n = len(errors)
+        return _err(400, f"{n} validation error{'s' if n != 1 else ''}:\n  {lines}", "Bad Request", param)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def on_model(_: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return _err(404, str(exc), "NotFoundError", exc.param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _err(400, str(exc), "BadRequestError", exc.param)
+
+    @app.exception_handler(WeightUpdateError)
+    async def on_weights(_: Request, exc: WeightUpdateError) -> JSONResponse:
+        return _err(400, str(exc), "BadRequestError")
+
+    @app.exception_handler(EngineStateError)
+    async def on_state(_: Request, exc: EngineStateError) -> JSONResponse:
+        return _err(503, str(exc), "ServiceUnavailableError")
+
+    # ------------------------------------------------------------ data plane
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
+
+    @app.post("/tokenize")
+    async def tokenize(req: S.TokenizeRequest) -> JSONResponse:
+        return JSONResponse(serving.tokenize(req))
+
+    @app.post("/detokenize")
+    async def detokenize(req: S.DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(serving.detokenize(req))
+
+    @app.post("/v1/completions")
+    async def completions(req: S.CompletionRequest) -> Response:
+        job = serving.prepare_completion(req)
+        if job.stream:
+            return StreamingResponse(serving.completion_stream(job), media_type="text/event-stream")
+        return JSONResponse(await serving.completion(job))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: S.ChatCompletionRequest) -> Response:
+        job = serving.prepare_chat(req)
+        if job.stream:
+            return StreamingResponse(serving.chat_stream(job), media_type="text/event-stream")
+        return JSONResponse(await serving.chat(job))
+
+    @app.post("/inference/v1/generate")
+    async def generate(req: S.GenerateRequest) -> Response:
+        job = serving.prepare_generate(req)
+        if job.stream:
+            return StreamingResponse(serving.generate_stream(job), media_type="text/event-stream")
+        return JSONResponse(await serving.generate(job))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------ control plane
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> JSONResponse:
+        return JSONResponse(await control.pause(mode))
+
+    @app.post("/resume")
+    async def resume() -> JSONResponse:
+        return JSONResponse(await control.resume())
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse(control.is_paused())
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1), mode: str = Query("abort")) -> JSONResponse:
+        return JSONResponse(await control.sleep(level, mode))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> JSONResponse:
+        return JSONResponse(await control.wake_up(request.query_params.getlist("tags")))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse(control.is_sleeping())
+
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request) -> JSONResponse:
+        return JSONResponse(await control.abort_requests(await _json_body(request, required=True)))
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> JSONResponse:
+        body = await _json_body(request, required=True)
+        info = body.get("init_info") if isinstance(body, dict) else None
+        if not isinstance(info, dict):
+            raise InvalidRequestError("body must be {\"init_info\": {...}}", param="init_info")
+        return JSONResponse(control.init_weight_transfer_engine(info))
+
+    @app.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> JSONResponse:
+        return JSONResponse(await control.start_weight_update(await _json_body(request)))
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            tensors = decode_safetensors(await request.body())
+        else:
+            tensors = control.tensors_from_json(await _json_body(request, required=True))
+        return JSONResponse(await control.update_weights(tensors))
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> JSONResponse:
+        return JSONResponse(await control.finish_weight_update(await _json_body(request)))
+
+    @app.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse(control.weight_info())
+
+    return app
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
+          device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
+          served_model_name: str | None = None) -> None:
+    """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
+    import uvicorn
+
+    from rlix.inference.engine import TorchEngine
+    from rlix.models.presets import resolve_model
+
+    path = resolve_model(model)
+    engine = TorchEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs,
+                                         max_model_len=max_model_len)
+    app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
+                     model_root=str(path), close_engine=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

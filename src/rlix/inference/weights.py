@@ -1,0 +1,129 @@
+"""The served parameters: where they live while asleep, and how an update replaces them.
+
+Update rule (start -> update... -> finish): every incoming tensor is checked against the served
+parameter of that name (known name, same shape, same dtype) and copied into a staging tensor on
+the serving device; nothing served changes. On finish the update must cover *every* parameter
+(tied aliases such as lm_head.weight / model.embed_tokens.weight count once), unless it was
+started with allow_partial=True, which lets it cover any subset, except right after a level-2
+sleep where there is nothing to fall back on. The staged tensors are then swapped in by
+reference between two engine steps: instantaneous and unable to fail half-way. Any refusal
+discards the staging and leaves the old weights serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rlix.errors import WeightUpdateError
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # canonical name (the first alias transformers lists)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ServedWeights:
+    """The model's unique parameters, by canonical name, with their aliases and sleep states."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.alias_of: dict[str, str] = {}
+        by_identity: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            canonical = by_identity.setdefault(id(param), name)
+            self.alias_of[name] = canonical
+            self.params.setdefault(canonical, param)
+        self.specs = {n: ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self.params.items()}
+        self.loaded = True  # False after a level-2 sleep until a full update arrives
+        self.on_device = True
+        self._host_backup: dict[str, torch.Tensor] = {}
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def offload(self) -> None:
+        """Sleep level 1: CUDA weights go to (reused, pinned) host buffers; CPU weights stay."""
+        if self.device.type == "cuda" and self.loaded:
+            for name, param in self.params.items():
+                backup = self._host_backup.get(name)
+                if backup is None:
+                    backup = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                    self._host_backup[name] = backup
+                backup.copy_(param.data)
+                param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self.on_device = False
+
+    def discard(self) -> None:
+        """Sleep level 2: drop the weights (and any host backup); they must be reloaded."""
+        for param in self.params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self._host_backup.clear()
+        self.loaded = False
+        self.on_device = False
+
+    def wake(self) -> None:
+        """Back on the device: from the host backup (level 1), or still unloaded (level 2)."""
+        if self.loaded and self.device.type == "cuda" and self._host_backup:
+            for name, param in self.params.items():
+                param.data = self._host_backup[name].to(self.device, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+        self.on_device = True
+
+    def swap_in(self, staged: Mapping[str, torch.Tensor], complete: bool) -> None:
+        for name, tensor in staged.items():
+            self.params[name].data = tensor
+        if complete:
+            self.loaded = True
+
+
+class WeightStaging:
+    """One update session: validated copies of the incoming tensors, invisible to generation."""
+
+    def __init__(self, weights: ServedWeights, version: int, allow_partial: bool) -> None:
+        self.weights = weights
+        self.version = version
+        # After a level-2 sleep there are no old weights to keep for the parameters not sent.
+        self.allow_partial = allow_partial and weights.loaded
+        self.staged: dict[str, torch.Tensor] = {}
+
+    def add(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate the whole batch first, then stage it; raise WeightUpdateError on any mismatch."""
+        checked: list[tuple[ParamSpec, torch.Tensor]] = []
+        for name, tensor in named_tensors.items():
+            canonical = self.weights.alias_of.get(name)
+            if canonical is None:
+                raise WeightUpdateError(f"unknown parameter {name!r}")
+            spec = self.weights.specs[canonical]
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+            if tuple(tensor.shape) != spec.shape:
+                raise WeightUpdateError(
+                    f"{name}: shape {tuple(tensor.shape)} does not match the served {spec.shape}")
+            if tensor.dtype != spec.dtype:
+                raise WeightUpdateError(
+                    f"{name}: dtype {tensor.dtype} does not match the served {spec.dtype}")
+            checked.append((spec, tensor))
+        for spec, tensor in checked:
+            staged = torch.empty(spec.shape, dtype=spec.dtype, device=self.weights.device)
+            staged.copy_(tensor.detach())
+            self.staged[spec.name] = staged
+
+    def missing(self) -> list[str]:
+        return [n for n in self.weights.specs if n not in self.staged]
+
+    def check_complete(self) -> bool:
+        """True if the update covers every parameter; raises if it must and does not."""
+        missing = self.missing()
+        if missing and not self.allow_partial:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            why = (" (after a level-2 sleep every parameter must be sent)"
+                   if not self.weights.loaded else "")
+            raise WeightUpdateError(f"update incomplete: {len(missing)} parameters never arrived: "
+                                    f"{shown}{why}")
+        return not missing

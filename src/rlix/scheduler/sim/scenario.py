@@ -1,0 +1,210 @@
+"""Simulator scenarios: pydantic models and YAML loading.
+
+A scenario is the whole experiment: the cluster, the scheduler's knobs, the inference engine's
+cost model, the role-switch costs and the pipelines with their workloads. Unknown keys are
+errors (a typo must not silently fall back to a default); every failure is one
+`ScenarioError` line naming the file, the field and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rlix.config.loader import load_model
+from rlix.errors import ConfigError, ScenarioError
+from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.types import PipelineSpec, Topology
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClusterModel(_Strict):
+    """Uniform nodes: `nodes` x `gpus_per_node` GPUs."""
+
+    nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+
+    def topology(self) -> Topology:
+        return Topology.uniform(self.nodes, self.gpus_per_node)
+
+
+class SchedulerModel(_Strict):
+    """The planner's knobs (rlix.scheduler.planner.PlannerParams); same defaults."""
+
+    dwell_s: float = Field(30.0, ge=0)
+    aging_s: float = Field(60.0, ge=0)
+
+    def params(self) -> PlannerParams:
+        return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s)
+
+
+class EngineModel(_Strict):
+    """Cost model of one inference shard (continuous batching).
+
+    One decode step takes `decode_base_ms + decode_per_seq_ms * n` for n running sequences and
+    yields one token per sequence; prefill runs at `prefill_tokens_per_s` per shard.
+    """
+
+    max_seqs: int = Field(128, ge=1)
+    decode_base_ms: float = Field(20.0, gt=0)
+    decode_per_seq_ms: float = Field(0.3, ge=0)
+    prefill_tokens_per_s: float = Field(20000.0, gt=0)
+
+
+class TransitionModel(_Strict):
+    """Role-switch costs: a shrunk shard's GPUs stay busy `sleep_s`; a woken shard is usable
+    after `wake_s + sync_s`; a shard that stays active pauses `sync_s` after each train step."""
+
+    sync_s: float = Field(5.0, ge=0)
+    sleep_s: float = Field(2.0, ge=0)
+    wake_s: float = Field(5.0, ge=0)
+
+
+class LogNormal(_Strict):
+    """A lognormal draw given by its median and sigma (of the underlying normal), capped."""
+
+    median: float = Field(gt=0)
+    sigma: float = Field(0.0, ge=0)
+    max: float | None = Field(None, gt=0)
+
+
+class RolloutModel(_Strict):
+    """One step's batch and the shape of its trajectories.
+
+    Turns per trajectory: 1 + G, G geometric on {0, 1, ...} with mean `extra_turns_mean`,
+    capped at `max_turns`. Input tokens: `prompt_tokens` before the first turn and
+    `obs_tokens` of tool output appended before every later turn.
+    """
+
+    prompts: int = Field(ge=1)
+    samples: int = Field(ge=1)
+    extra_turns_mean: float = Field(0.0, ge=0)
+    max_turns: int = Field(1, ge=1)
+    gen_tokens: LogNormal
+    tool_s: LogNormal = LogNormal(median=1.0, sigma=0.0)
+    prompt_tokens: int = Field(1000, ge=0)
+    obs_tokens: int = Field(500, ge=0)
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.samples
+
+
+class PipelineModel(_Strict):
+    """One async-GRPO pipeline; `copies` > 1 makes identical pipelines `<name>-0`, `<name>-1`..."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    copies: int = Field(1, ge=1)
+    priority: int = 0
+    weight: float = Field(1.0, gt=0)
+    steps: int = Field(ge=1)
+    max_staleness: int = Field(1, ge=0)
+    train_gpus: int = Field(ge=1)
+    train_gpu_seconds: float = Field(gt=0)
+    tp: int = Field(1, ge=1)
+    min_shards: int = Field(1, ge=0)
+    max_shards: int = Field(ge=1)
+    partial_overlap: bool = True
+    seqs_per_shard: int = Field(8, ge=1)
+    engine: EngineModel | None = None
+    transitions: TransitionModel | None = None
+    rollout: RolloutModel
+
+    @model_validator(mode="after")
+    def _shards(self) -> "PipelineModel":
+        if self.min_shards > self.max_shards:
+            raise ValueError(f"min_shards ({self.min_shards}) must not exceed max_shards ({self.max_shards})")
+        return self
+
+
+class ScenarioModel(_Strict):
+    name: str = Field(min_length=1)
+    seed: int = 0
+    cluster: ClusterModel
+    scheduler: SchedulerModel = SchedulerModel()
+    engine: EngineModel = EngineModel()
+    transitions: TransitionModel = TransitionModel()
+    pipelines: list[PipelineModel] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class PipelineSetup:
+    """One resolved pipeline: its scheduler spec plus what the simulator needs to run it."""
+
+    index: int  # position among the expanded pipelines; seeds its workload stream
+    spec: PipelineSpec
+    steps: int
+    max_staleness: int
+    train_gpu_seconds: float
+    engine: EngineModel
+    transitions: TransitionModel
+    rollout: RolloutModel
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def train_seconds(self) -> float:
+        return self.train_gpu_seconds / self.spec.train_gpus
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    source: str
+    seed: int
+    topology: Topology
+    params: PlannerParams
+    pipelines: tuple[PipelineSetup, ...]
+
+    @property
+    def gpus(self) -> int:
+        return self.topology.num_gpus
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and check a scenario file; raises ScenarioError naming the file and field."""
+    try:
+        model = load_model(ScenarioModel, path, error=ScenarioError)
+    except ScenarioError:
+        raise
+    except ConfigError as exc:  # missing file, YAML syntax: same message, scenario's error type
+        raise ScenarioError(str(exc)) from None
+    return build_scenario(model, str(path))
+
+
+def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario:
+    """Expand copies, resolve per-pipeline overrides and check what needs the whole file."""
+    cluster = model.cluster
+    total = cluster.nodes * cluster.gpus_per_node
+    setups: list[PipelineSetup] = []
+    seen: dict[str, str] = {}
+    for i, p in enumerate(model.pipelines):
+        where = f"{source}: pipelines[{i}]"
+        if p.tp > cluster.gpus_per_node:
+            raise ScenarioError(f"{where}.tp: {p.tp} does not fit on one node of {cluster.gpus_per_node} GPUs")
+        if p.train_gpus > total:
+            raise ScenarioError(f"{where}.train_gpus: {p.train_gpus} exceeds the cluster's {total} GPUs")
+        if not p.partial_overlap and p.train_gpus + p.tp > total:
+            raise ScenarioError(f"{where}.train_gpus: without partial_overlap, {p.train_gpus} training "
+                                f"GPUs leave no room for a shard of tp={p.tp}")
+        names = [p.name] if p.copies == 1 else [f"{p.name}-{c}" for c in range(p.copies)]
+        for name in names:
+            if name in seen:
+                raise ScenarioError(f"{where}.name: pipeline name {name!r} is used twice")
+            seen[name] = where
+            spec = PipelineSpec(name=name, priority=p.priority, weight=p.weight, train_gpus=p.train_gpus,
+                                tp=p.tp, min_shards=p.min_shards, max_shards=p.max_shards,
+                                partial_overlap=p.partial_overlap, seqs_per_shard=p.seqs_per_shard)
+            setups.append(PipelineSetup(
+                index=len(setups), spec=spec, steps=p.steps, max_staleness=p.max_staleness,
+                train_gpu_seconds=p.train_gpu_seconds, engine=p.engine or model.engine,
+                transitions=p.transitions or model.transitions, rollout=p.rollout))
+    return Scenario(name=model.name, source=source, seed=model.seed, topology=cluster.topology(),
+                    params=model.scheduler.params(), pipelines=tuple(setups))
