@@ -155,3 +155,19 @@ def test_aged_request_is_not_starved_by_a_stream_of_small_ones():
                 rid += 1
     assert granted_at is not None, "the 8-GPU request starved"
     assert granted_at <= params.aging_s + 3 * 20.0 + 10.0
+
+
+def test_training_waits_until_aged_rather_than_take_a_peers_last_shard():
+    """Rollout floor reservation: same tier waits (bounded by aging_s), a higher tier does not."""
+    led = make(1, 4, PipelineSpec("a", train_gpus=4, max_shards=4), PipelineSpec("b", max_shards=4))
+    step(led, 0.0)
+    req = GpuRequest(1, "a", Stage.TRAIN, 4, 100.0)
+    p = step(led, 100.0, [req])
+    assert not p.grants and p.wake_at == pytest.approx(100.0 + PARAMS.aging_s)
+    p = step(led, 100.0 + PARAMS.aging_s, [req])
+    assert [g.pipeline for g in p.grants] == ["a"] and not led.shards_of("b")
+
+    led = make(1, 4, PipelineSpec("a", priority=1, train_gpus=4, max_shards=4),
+               PipelineSpec("b", max_shards=4))
+    step(led, 0.0)
+    assert [g.pipeline for g in step(led, 100.0, [req]).grants] == ["a"]

@@ -92,7 +92,7 @@ def test_cancelled_request_leaves_the_queue_and_failure_fails_waiters():
     async def main():
         s = AsyncScheduler(Topology((2,)), PARAMS)
         a, b = Gated(), Gated()
-        s.register(PipelineSpec("a", train_gpus=2, max_shards=1), a)
+        s.register(PipelineSpec("a", priority=1, train_gpus=2, max_shards=1), a)  # outranks b: its training may take b's last shard at once
         s.register(PipelineSpec("b", max_shards=1), b)
         await s.settle()
         b.gate.clear()  # b's shard never finishes sleeping

@@ -114,11 +114,12 @@ class Progress:
         return len(self.prompt_ids or [])
 
 
-def _blank_ids(resp: dict, choice: dict) -> None:
+def _blank_ids(resp: dict, choice: dict, path: str) -> None:
+    """Undo the router's `return_token_ids` (generate always returns output ids)."""
     for obj in (resp, choice):
         if "prompt_token_ids" in obj:
             obj["prompt_token_ids"] = None
-    if "token_ids" in choice:
+    if "token_ids" in choice and path != GENERATE:
         choice["token_ids"] = None
 
 
@@ -184,7 +185,7 @@ class Relay:
                 done = True
                 if prog.attempts == 1:  # the common case: one attempt
                     if not prog.wants_ids:
-                        _blank_ids(data, choice)
+                        _blank_ids(data, choice, path)
                     return 200, data
                 prog.add(up_path, choice)
                 return 200, self._merged(prog, data, choice)
@@ -306,12 +307,9 @@ class Relay:
             out = {**chunk, **{k: v for k, v in ident.items() if k in chunk}}
             c = dict(choice)
             if not prog.wants_ids:
-                if "token_ids" in c:
-                    c["token_ids"] = None
-                if "prompt_token_ids" in c:
-                    c["prompt_token_ids"] = None
-                if "prompt_token_ids" in out:
-                    out["prompt_token_ids"] = None
+                _blank_ids(out, c, prog.path)
+                if prog.path == GENERATE:  # vLLM omits it from generate chunks
+                    out.pop("prompt_token_ids", None)
             if finish is not None and prog.path == GENERATE:
                 c["weight_versions"] = prog.spans
             if finish is not None and "system_fingerprint" in out and wants_usage:

@@ -89,17 +89,34 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
         if r.gpus <= pool.unlocked():
             chosen = _choose_stage_gpus(pool, ledger, spec, r.gpus, progress, demand,
                                         tier_rank, now, params)
+        if chosen is not None and not aged and _empties_peer(pool, ledger, spec, chosen, demand):
+            chosen = None
         if chosen is None:
             if aged:
                 break  # no backfill past an aged request: this is what bounds its wait
             t = r.submitted_at + params.aging_s
             wake_at = t if wake_at is None else min(wake_at, t)
             continue
-        for key in {pool.state[g] for g in chosen if pool.state[g] is not None}:
+        # Sorted so the plan does not depend on the process's hash seed.
+        for key in sorted({pool.state[g] for g in chosen if pool.state[g] is not None},
+                          key=lambda k: (k[0], k[2])):
             pool.shrink(key)
         pool.lock(chosen)
         grants.append(Grant(r.id, r.pipeline, r.stage, tuple(sorted(chosen))))
     return grants, wake_at
+
+
+def _empties_peer(pool: Pool, ledger: Ledger, spec: PipelineSpec, chosen: list[int],
+                  demand: dict[str, int]) -> bool:
+    """Would this grant take the last shard of a pipeline of the same or a higher tier that
+    still has rollout demand? Such a grant waits until it ages (rollout floor reservation)."""
+    taken: dict[str, set] = {}
+    for g in chosen:
+        key = pool.state[g]
+        if key is not None and key is not LOCKED and key[0] != spec.name:
+            taken.setdefault(key[0], set()).add(key)
+    return any(len(keys) >= pool.shard_count[q] and demand.get(q, 0) > 0
+               and ledger.pipelines[q].priority >= spec.priority for q, keys in taken.items())
 
 
 def _choose_stage_gpus(pool: Pool, ledger: Ledger, spec: PipelineSpec, n: int,
@@ -107,7 +124,8 @@ def _choose_stage_gpus(pool: Pool, ledger: Ledger, spec: PipelineSpec, n: int,
                        tier_rank: dict[int, int], now: float,
                        params: PlannerParams) -> list[int] | None:
     """Pick n GPUs for a non-rollout stage: as few nodes as possible, idle GPUs first, then
-    the pipeline's own shards (partial overlap), then the cheapest shards of others."""
+    the pipeline's own shards (partial overlap), then the cheapest shards of others, and
+    where there is a choice, a node that leaves every other pipeline at least one shard."""
     home = ledger.train_home.get(spec.name)
 
     def cost(g: int) -> float | None:
@@ -145,16 +163,26 @@ def _choose_stage_gpus(pool: Pool, ledger: Ledger, spec: PipelineSpec, n: int,
         costs.sort()
         per_node.append(costs)
 
+    def emptied(gpus: list[int]) -> int:
+        """Pipelines with rollout demand that would lose their last shard to this grant."""
+        taken: dict[str, set] = {}
+        for g in gpus:
+            key = pool.state[g]
+            if key is not None and key[0] != spec.name:
+                taken.setdefault(key[0], set()).add(key)
+        return sum(1 for q, keys in taken.items()
+                   if len(keys) >= pool.shard_count[q] and demand.get(q, 0) > 0)
+
     if n <= biggest:
         best = None
         for nd, costs in enumerate(per_node):
             if len(costs) >= n:
-                total = sum(c for c, _ in costs[:n])
-                key = (total, len(costs) - n, nd)
+                chosen = [g for _, g in costs[:n]]
+                key = (emptied(chosen), sum(c for c, _ in costs[:n]), len(costs) - n, nd)
                 if best is None or key < best[0]:
-                    best = (key, nd)
+                    best = (key, chosen)
         if best is not None:
-            return [g for _, g in per_node[best[1]][:n]]
+            return best[1]
     # Spread over several nodes: fullest nodes first, cheapest GPUs within them.
     nodes = sorted(range(len(per_node)), key=lambda nd: (-len(per_node[nd]),
                                                          sum(c for c, _ in per_node[nd])))

@@ -96,22 +96,24 @@ class Pool:
     def place_shard(self, pipeline: str, tp: int, dp_rank: int,
                     exclude: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
         """Free GPUs for one shard: its previous GPUs if free (its engine is still there),
-        else the fullest node that fits (best fit keeps whole nodes free for training)."""
+        else the node holding the fewest of this pipeline's shards (so one node-sized training
+        grant never takes all of them), best fit among those."""
         last = self.ledger.last_shard_gpus.get((pipeline, dp_rank))
         if last and all(self.state[g] is None for g in last) and not exclude.intersection(last):
             return last
-        best, best_left = None, None
+        mine = [0] * len(self.free_on_node)
+        for key, h in self.shards.items():
+            if key[0] == pipeline:
+                mine[self.node_of[h.gpus[0]]] += 1
+        best, best_key = None, None
         for node, nfree in enumerate(self.free_on_node):
             if nfree < tp:
                 continue
-            gpus = self.free_gpus_on(node, exclude) if exclude else None
-            if gpus is not None and len(gpus) < tp:
+            if exclude and len(self.free_gpus_on(node, exclude)) < tp:
                 continue
-            left = nfree - tp
-            if best_left is None or left < best_left:
-                best, best_left = node, left
-                if left == 0:
-                    break
+            key = (mine[node], nfree - tp)
+            if best_key is None or key < best_key:
+                best, best_key = node, key
         if best is None:
             return None
         return tuple(self.free_gpus_on(best, exclude)[:tp])

@@ -1,0 +1,82 @@
+"""Helpers for tests that start real engine-server processes (each ended by its PID)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
+
+from rlix.inference.backends import EngineBackendConfig, make_backend
+from rlix.inference.client import RemoteInferenceClient
+from rlix.inference.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router import Router, RouterServer
+from rlix.inference.shard_process import ShardProcess
+
+KEY = "test-token"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def engine_cfg(model_dir, **kw) -> EngineBackendConfig:
+    kw.setdefault("max_model_len", 512)
+    kw.setdefault("max_num_seqs", 64)
+    return EngineBackendConfig(backend="embedded", model=str(model_dir), served_model_name="tiny", **kw)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie still answers kill(0); reap-check via /proc
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    return True
+
+
+@contextlib.contextmanager
+def shard_processes(model_dir, n: int = 1, **kw) -> Iterator[list[ShardProcess]]:
+    """n engine servers on free ports, started together; all ended (by PID) on exit."""
+    backend = make_backend(engine_cfg(model_dir, **kw))
+    procs = [ShardProcess(backend, KEY) for _ in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+        assert not any(p.pid and pid_alive(p.pid) for p in procs)
+
+
+class FleetHarness:
+    """Router (in this loop) + ShardFleet over local processes, for one async test."""
+
+    def __init__(self, model_dir, hold_timeout_s: float = 60.0, **fleet_kw) -> None:
+        self.cfg = engine_cfg(model_dir)
+        self.router = Router(KEY, hold_timeout_s=hold_timeout_s)
+        self.server = RouterServer(self.router)
+        self.launcher = LocalLauncher(make_backend(self.cfg), KEY)
+        self.client = RemoteInferenceClient(None, {}, KEY, "tiny")
+        self.fleet = ShardFleet(self.launcher, self.router, self.client, **fleet_kw)
+        self.pids: list[int] = []
+
+    async def __aenter__(self) -> FleetHarness:
+        await self.server.start()
+        self.client.router_url = self.server.url
+        return self
+
+    async def start(self, ranks) -> None:
+        await self.fleet.start(ranks)
+        self.pids += list(self.launcher.pids().values())
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            await self.fleet.shutdown()
+        finally:
+            await self.server.stop()
+            await self.client.aclose()
+        await asyncio.sleep(0)
+        assert not [p for p in self.pids if pid_alive(p)], "a shard process outlived the test"

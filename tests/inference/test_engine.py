@@ -1,0 +1,278 @@
+"""TorchEngine: exact greedy decoding, batching, sampling, stops, abort, pause, validation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlix.errors import EngineStateError, InvalidRequestError
+from rlix.inference.api import EngineAPI, SamplingParams
+from rlix.inference.engine import TorchEngine
+from rlix.inference.model_runner import load_model
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def test_engine_implements_the_protocol(engine):
+    assert isinstance(engine, EngineAPI)
+    assert engine.max_model_len == 2048 and engine.weight_version == 0
+    assert engine.tokenizer.chat_template
+
+
+def test_greedy_alone_equals_transformers_generate(engine, hf_model, h):
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_dict=False)
+    out = h.run(engine, prompt, SamplingParams(max_tokens=32, **GREEDY))
+    assert out.token_ids == h.reference_greedy(hf_model, prompt, 32)
+    assert out.finish_reason == "length" and out.weight_versions == [(0, 0)]
+    assert out.logprobs == pytest.approx(h.raw_logprobs(hf_model, prompt, out.token_ids), abs=1e-4)
+
+
+def test_greedy_equals_generate_while_requests_join_and_leave(make_engine, hf_model, h, prompt):
+    """Staggered arrivals of different lengths; a 3-row batch so some queue and refill rows."""
+    engine = make_engine(max_num_seqs=3)
+    specs = [(5, 40), (17, 8), (3, 25), (40, 12), (9, 30), (1, 15), (23, 20)]
+    prompts = [prompt(n, salt=i) for i, (n, _) in enumerate(specs)]
+    seen_running = []
+
+    async def one(i: int, delay: float):
+        await asyncio.sleep(delay)
+        seen_running.append(engine.num_running())
+        params = SamplingParams(max_tokens=specs[i][1], **GREEDY)
+        return await h.collect(engine, f"r{i}", prompts[i], params)
+
+    async def main():
+        return await asyncio.gather(*(one(i, 0.015 * i) for i in range(len(specs))))
+
+    outs = asyncio.run(main())
+    for i, out in enumerate(outs):
+        assert out.token_ids == h.reference_greedy(hf_model, prompts[i], specs[i][1]), i
+        assert out.logprobs == pytest.approx(
+            h.raw_logprobs(hf_model, prompts[i], out.token_ids), abs=1e-4)
+    assert max(seen_running) >= 2  # requests really shared the batch
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine, prompt, h):
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, top_k=100, seed=11,
+                            ignore_eos=True)
+    alone = h.run(engine, prompt(7), params).token_ids
+
+    async def crowded():
+        others = [h.collect(engine, f"o{i}", prompt(4 + 9 * i, salt=i),
+                            SamplingParams(max_tokens=10 + 7 * i, seed=i, ignore_eos=True))
+                  for i in range(4)]
+        outs = await asyncio.gather(h.collect(engine, "me", prompt(7), params), *others)
+        return outs[0].token_ids
+
+    assert asyncio.run(crowded()) == alone
+    assert h.run(engine, prompt(7), SamplingParams(
+        max_tokens=30, temperature=0.9, seed=12, ignore_eos=True)).token_ids != alone
+    top1 = SamplingParams(max_tokens=30, temperature=1.0, top_k=1, seed=3, ignore_eos=True)
+    assert h.run(engine, prompt(7), top1).token_ids == h.run(
+        engine, prompt(7), SamplingParams(max_tokens=30, **GREEDY)).token_ids
+
+
+def test_logprobs_are_the_raw_model_distribution(engine, hf_model, prompt, h):
+    params = SamplingParams(max_tokens=20, temperature=0.6, top_k=5, seed=5, ignore_eos=True)
+    out = h.run(engine, prompt(11), params)
+    assert out.logprobs == pytest.approx(h.raw_logprobs(hf_model, prompt(11), out.token_ids),
+                                         abs=1e-4)
+    no_lp = h.run(engine, prompt(11), SamplingParams(max_tokens=5, logprobs=False, **GREEDY))
+    assert no_lp.logprobs == [] and len(no_lp.token_ids) == 5
+
+
+def test_stop_token_ids_and_stop_strings(engine, prompt, h):
+    greedy = h.run(engine, prompt(6), SamplingParams(max_tokens=40, **GREEDY)).token_ids
+    stop_id = greedy[6]
+    out = h.run(engine, prompt(6), SamplingParams(max_tokens=40, stop_token_ids=(stop_id,),
+                                                  **GREEDY))
+    assert out.token_ids == greedy[: greedy.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+    tok = engine.tokenizer
+    text = tok.decode(greedy, skip_special_tokens=True)
+    stop = next(text[i:i + 3] for i in range(len(text) // 3, len(text))
+                if text[i:i + 3].strip() and len(text[i:i + 3]) == 3)
+    expected = next(m for m in range(1, len(greedy) + 1)
+                    if stop in tok.decode(greedy[:m], skip_special_tokens=True))
+    out = h.run(engine, prompt(6), SamplingParams(max_tokens=40, stop=(stop, "\x00never"),
+                                                  **GREEDY))
+    assert out.token_ids == greedy[:expected]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_eos_ends_unless_ignored(tiny_model_dir, prompt, h):
+    model, tokenizer = load_model(tiny_model_dir, __import__("torch").device("cpu"), None)
+    with TorchEngine(model, tokenizer) as plain:
+        greedy = h.run(plain, prompt(8), SamplingParams(max_tokens=30, **GREEDY)).token_ids
+    model.generation_config.eos_token_id = [greedy[4]]  # make a token the model emits an eos
+    with TorchEngine(model, tokenizer) as engine:
+        out = h.run(engine, prompt(8), SamplingParams(max_tokens=30, temperature=0.0))
+        assert out.token_ids == greedy[: greedy.index(greedy[4]) + 1]
+        assert (out.finish_reason, out.stop_reason) == ("stop", None)
+        out = h.run(engine, prompt(8), SamplingParams(max_tokens=30, **GREEDY))
+        assert out.token_ids == greedy and out.finish_reason == "length"
+
+
+def test_abort_one_request(engine, prompt, h):
+    async def main():
+        a = asyncio.create_task(h.collect(engine, "a", prompt(5), SamplingParams(max_tokens=1500)))
+        b = asyncio.create_task(h.collect(engine, "b", prompt(9), SamplingParams(max_tokens=40)))
+        await h.wait_for(lambda: engine.num_running() == 2)
+        assert await engine.abort(["a", "nope"]) == 1
+        return await a, await b
+
+    a, b = asyncio.run(main())
+    assert a.finish_reason == "abort" and len(a.token_ids) < 1500
+    assert len(a.logprobs) == len(a.token_ids)
+    assert b.finish_reason == "length" and len(b.token_ids) == 40
+    assert engine.num_running() == 0 and engine.num_waiting() == 0
+
+
+def test_closing_the_stream_aborts_the_request(engine, prompt, h):
+    async def main():
+        stream = engine.generate("gone", prompt(5), SamplingParams(max_tokens=1500))
+        first = await stream.__anext__()
+        await stream.aclose()
+        await h.wait_for(lambda: engine.num_running() == 0)
+        return first
+
+    assert len(asyncio.run(main()).token_ids) >= 1
+
+
+def test_pause_abort_ends_running_and_queues_new_requests(engine, prompt, h):
+    async def main():
+        old = [asyncio.create_task(h.collect(engine, f"old{i}", prompt(4 + i),
+                                             SamplingParams(max_tokens=1500))) for i in range(2)]
+        await h.wait_for(lambda: engine.num_running() == 2)
+        await engine.pause("abort")
+        assert engine.is_paused()
+        ended = [await t for t in old]
+        new = asyncio.create_task(h.collect(engine, "new", prompt(6), SamplingParams(max_tokens=8)))
+        await asyncio.sleep(0.2)
+        assert not new.done() and engine.num_waiting() == 1 and engine.num_running() == 0
+        await engine.resume()
+        return ended, await new
+
+    ended, new = asyncio.run(main())
+    assert all(o.finish_reason == "abort" and 0 < len(o.token_ids) < 1500 for o in ended)
+    assert new.finish_reason == "length" and len(new.token_ids) == 8
+
+
+def test_pause_wait_lets_running_finish_and_holds_new_ones(engine, prompt, h):
+    async def main():
+        running = asyncio.create_task(h.collect(engine, "run", prompt(5),
+                                                SamplingParams(max_tokens=60, **GREEDY)))
+        await h.wait_for(lambda: engine.num_running() == 1)
+        await engine.pause("wait")  # returns only once "run" has finished
+        assert engine.num_running() == 0
+        held = asyncio.create_task(h.collect(engine, "held", prompt(6),
+                                             SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.2)
+        assert not held.done() and engine.num_waiting() == 1
+        await engine.resume()
+        return await running, await held
+
+    running, held = asyncio.run(main())
+    assert running.finish_reason == "length" and len(running.token_ids) == 60
+    assert held.finish_reason == "length"
+
+
+def test_pause_keep_freezes_and_resumes_exactly(engine, prompt, h):
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=21, ignore_eos=True)
+    unpaused = h.run(engine, prompt(9), params).token_ids
+
+    async def main():
+        seen = []
+
+        async def consume():
+            async for out in engine.generate("kept", prompt(9), params):
+                seen.append(len(out.token_ids))
+            return out
+
+        task = asyncio.create_task(consume())
+        await h.wait_for(lambda: seen and seen[-1] >= 10)
+        await engine.pause("keep")
+        await asyncio.sleep(0.05)
+        frozen_at = seen[-1]
+        await asyncio.sleep(0.3)
+        assert seen[-1] == frozen_at < 80  # no progress while paused
+        assert engine.num_running() == 1 and engine.is_paused()
+        await engine.resume()
+        return await task
+
+    out = asyncio.run(main())
+    assert out.token_ids == unpaused and out.finish_reason == "length"
+
+
+def test_metrics_count_running_and_waiting(make_engine, prompt, h):
+    engine = make_engine(max_num_seqs=2)
+
+    async def main():
+        tasks = [asyncio.create_task(h.collect(engine, f"m{i}", prompt(3 + i),
+                                               SamplingParams(max_tokens=1500)))
+                 for i in range(3)]
+        await h.wait_for(lambda: engine.num_running() == 2)
+        await engine.pause("keep")
+        counts = engine.num_running(), engine.num_waiting()
+        await engine.abort()
+        await engine.resume()
+        await asyncio.gather(*tasks)
+        return counts
+
+    assert asyncio.run(main()) == (2, 1)
+    assert (engine.num_running(), engine.num_waiting()) == (0, 0)
+
+
+def test_invalid_requests_are_refused_at_call_time(make_engine, prompt):
+    engine = make_engine(max_model_len=64)
+    gen = engine.generate
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        gen("a", prompt(40), SamplingParams(max_tokens=25))
+    gen("ok", prompt(40), SamplingParams(max_tokens=24))  # exactly at the limit is fine
+    for bad_prompt, params in [
+        ([], SamplingParams()),
+        ([10_000], SamplingParams()),
+        (prompt(3), SamplingParams(max_tokens=0)),
+        (prompt(3), SamplingParams(temperature=-1.0)),
+        (prompt(3), SamplingParams(top_p=0.0)),
+        (prompt(3), SamplingParams(stop=("",))),
+    ]:
+        with pytest.raises(InvalidRequestError):
+            gen("b", bad_prompt, params)
+    with pytest.raises(InvalidRequestError):
+        gen("", prompt(3), SamplingParams())
+
+
+def test_duplicate_request_id_is_refused(engine, prompt, h):
+    async def main():
+        task = asyncio.create_task(h.collect(engine, "dup", prompt(4), SamplingParams(max_tokens=1500)))
+        await h.wait_for(lambda: engine.num_running() == 1)
+        with pytest.raises(InvalidRequestError, match="already running"):
+            engine.generate("dup", prompt(4), SamplingParams())
+        await engine.abort(["dup"])
+        return await task
+
+    assert asyncio.run(main()).finish_reason == "abort"
+
+
+def test_sleeping_engine_refuses_generation(engine, prompt, h):
+    async def main():
+        await engine.sleep(1)
+        assert engine.is_sleeping()
+        with pytest.raises(EngineStateError):
+            engine.generate("x", prompt(3), SamplingParams())
+        await engine.wake_up(["weights"])
+        assert engine.is_sleeping()  # KV cache still asleep
+        await engine.wake_up(["kv_cache"])
+        assert not engine.is_sleeping()
+
+    asyncio.run(main())
+    assert h.run(engine, prompt(3), SamplingParams(max_tokens=4)).finish_reason == "length"
+
+
+def test_tokenizer_round_trips(tiny_model_dir, engine):
+    assert type(engine.tokenizer) is type(AutoTokenizer.from_pretrained(tiny_model_dir))
