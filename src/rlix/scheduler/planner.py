@@ -18,8 +18,9 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from rlix.scheduler.pool import LOCKED, Pool
+from rlix.scheduler.pool import Pool
 from rlix.scheduler.shares import Demand, rollout_targets
+from rlix.scheduler.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Stage
 
@@ -74,8 +75,7 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
         prio = ledger.pipelines[r.pipeline].priority if r.pipeline in ledger.pipelines else 0
         return (1, int(r.stage), -prio, r.submitted_at, r.id)
 
-    tiers = sorted({s.priority for s in ledger.pipelines.values()})
-    tier_rank = {p: i for i, p in enumerate(tiers)}
+    placer = StagePlacer(pool, ledger, progress, demand, now, params.dwell_s)
     grants: list[Grant] = []
     wake_at: float | None = None
     for r in sorted(requests, key=order):
@@ -85,11 +85,10 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
         if ledger.stage_holding(r.pipeline, r.stage) is not None:
             continue
         aged = now - r.submitted_at >= params.aging_s
-        chosen = None
-        if r.gpus <= pool.unlocked():
-            chosen = _choose_stage_gpus(pool, ledger, spec, r.gpus, progress, demand,
-                                        tier_rank, now, params)
-        if chosen is not None and not aged and _empties_peer(pool, ledger, spec, chosen, demand):
+        chosen = placer.choose(spec, r.gpus) if r.gpus <= pool.unlocked() else None
+        # Rollout floor reservation: until it ages, a grant may not take the last shard of a
+        # pipeline of the same or a higher tier that still has rollout demand.
+        if chosen is not None and not aged and placer.empties(spec, chosen, spec.priority):
             chosen = None
         if chosen is None:
             if aged:
@@ -102,96 +101,9 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
                           key=lambda k: (k[0], k[2])):
             pool.shrink(key)
         pool.lock(chosen)
+        placer.changed(chosen)
         grants.append(Grant(r.id, r.pipeline, r.stage, tuple(sorted(chosen))))
     return grants, wake_at
-
-
-def _empties_peer(pool: Pool, ledger: Ledger, spec: PipelineSpec, chosen: list[int],
-                  demand: dict[str, int]) -> bool:
-    """Would this grant take the last shard of a pipeline of the same or a higher tier that
-    still has rollout demand? Such a grant waits until it ages (rollout floor reservation)."""
-    taken: dict[str, set] = {}
-    for g in chosen:
-        key = pool.state[g]
-        if key is not None and key is not LOCKED and key[0] != spec.name:
-            taken.setdefault(key[0], set()).add(key)
-    return any(len(keys) >= pool.shard_count[q] and demand.get(q, 0) > 0
-               and ledger.pipelines[q].priority >= spec.priority for q, keys in taken.items())
-
-
-def _choose_stage_gpus(pool: Pool, ledger: Ledger, spec: PipelineSpec, n: int,
-                       progress: dict[str, Progress], demand: dict[str, int],
-                       tier_rank: dict[int, int], now: float,
-                       params: PlannerParams) -> list[int] | None:
-    """Pick n GPUs for a non-rollout stage: as few nodes as possible, idle GPUs first, then
-    the pipeline's own shards (partial overlap), then the cheapest shards of others, and
-    where there is a choice, a node that leaves every other pipeline at least one shard."""
-    home = ledger.train_home.get(spec.name)
-
-    def cost(g: int) -> float | None:
-        if home is not None and g not in home:
-            return None
-        key = pool.state[g]
-        if key is None:
-            return 0.0
-        if key is LOCKED:
-            return None
-        h = pool.shards[key]
-        if h.pipeline == spec.name:
-            return 1.0 if spec.partial_overlap else None
-        if demand.get(h.pipeline, 0) == 0:
-            return 0.5
-        load = progress[h.pipeline].shard_load.get(h.dp_rank, 0) if h.pipeline in progress else 0
-        fresh = 0.5 if now - h.since < params.dwell_s else 0.0
-        return 2.0 + 2.0 * tier_rank[ledger.pipelines[h.pipeline].priority] + fresh + load / (load + 1)
-
-    biggest = max(ledger.topology.gpus_per_node)
-    if home is None and n <= biggest:
-        # Fast path: a node with enough idle GPUs costs nothing; take the best fit.
-        fits = [(f, nd) for nd, f in enumerate(pool.free_on_node) if f >= n]
-        if fits:
-            _, nd = min(fits)
-            return pool.free_gpus_on(nd)[:n]
-
-    per_node: list[list[tuple[float, int]]] = []
-    for nd, gpus in enumerate(pool.node_gpus):
-        costs = []
-        for g in gpus:
-            c = cost(g)
-            if c is not None:
-                costs.append((c, g))
-        costs.sort()
-        per_node.append(costs)
-
-    def emptied(gpus: list[int]) -> int:
-        """Pipelines with rollout demand that would lose their last shard to this grant."""
-        taken: dict[str, set] = {}
-        for g in gpus:
-            key = pool.state[g]
-            if key is not None and key[0] != spec.name:
-                taken.setdefault(key[0], set()).add(key)
-        return sum(1 for q, keys in taken.items()
-                   if len(keys) >= pool.shard_count[q] and demand.get(q, 0) > 0)
-
-    if n <= biggest:
-        best = None
-        for nd, costs in enumerate(per_node):
-            if len(costs) >= n:
-                chosen = [g for _, g in costs[:n]]
-                key = (emptied(chosen), sum(c for c, _ in costs[:n]), len(costs) - n, nd)
-                if best is None or key < best[0]:
-                    best = (key, chosen)
-        if best is not None:
-            return best[1]
-    # Spread over several nodes: fullest nodes first, cheapest GPUs within them.
-    nodes = sorted(range(len(per_node)), key=lambda nd: (-len(per_node[nd]),
-                                                         sum(c for c, _ in per_node[nd])))
-    picked: list[int] = []
-    for nd in nodes:
-        for _, g in per_node[nd]:
-            if len(picked) < n:
-                picked.append(g)
-    return picked if len(picked) == n else None
 
 
 # ---------------------------------------------------------------------- phase 2

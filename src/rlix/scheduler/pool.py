@@ -22,14 +22,17 @@ class Pool:
         self.state: list = list(ledger.owner)  # None = free, shard key, or LOCKED
         self.shards: dict[tuple, Holding] = {}
         self.shard_count: dict[str, int] = {name: 0 for name in ledger.pipelines}
+        # Per pipeline: its active dp ranks and its shards per node, kept up to date so that
+        # placing one shard never scans the whole cluster.
+        self.ranks: dict[str, set[int]] = {name: set() for name in ledger.pipelines}
+        self.per_node: dict[str, list[int]] = {}
         self.free_on_node = [0] * self.topology.num_nodes
         for g, key in enumerate(self.state):
             if key is None:
                 self.free_on_node[self.node_of[g]] += 1
         for key, h in ledger.holdings.items():
             if h.role is Role.GENERATE:
-                self.shards[key] = h
-                self.shard_count[h.pipeline] += 1
+                self._count_in(h, key)
             else:
                 for g in h.gpus:
                     self.state[g] = LOCKED
@@ -50,15 +53,27 @@ class Pool:
         return self.topology.num_gpus - self.locked_total
 
     def active_ranks(self, pipeline: str) -> set[int]:
-        return {k[2] for k in self.shards if k[0] == pipeline}
+        return self.ranks[pipeline]
 
-    def shards_of(self, pipeline: str) -> list[Holding]:
-        return [h for k, h in self.shards.items() if k[0] == pipeline]
+    def _count_in(self, h: Holding, key: tuple | None = None) -> None:
+        self.shards[key or h.key] = h
+        self.shard_count[h.pipeline] += 1
+        self.ranks[h.pipeline].add(h.dp_rank)
+        counts = self.per_node.get(h.pipeline)
+        if counts is None:
+            counts = self.per_node[h.pipeline] = [0] * len(self.node_gpus)
+        counts[self.node_of[h.gpus[0]]] += 1
+
+    def _count_out(self, key: tuple) -> Holding:
+        h = self.shards.pop(key)
+        self.shard_count[h.pipeline] -= 1
+        self.ranks[h.pipeline].discard(h.dp_rank)
+        self.per_node[h.pipeline][self.node_of[h.gpus[0]]] -= 1
+        return h
 
     # ------------------------------------------------------------------ changes
     def shrink(self, key: tuple) -> None:
-        h = self.shards.pop(key)
-        self.shard_count[h.pipeline] -= 1
+        h = self._count_out(key)
         for g in h.gpus:
             self.state[g] = None
             self.free_on_node[self.node_of[g]] += 1
@@ -85,8 +100,7 @@ class Pool:
                 raise RuntimeError(f"planner bug: shard on GPU {g} held by {self.state[g]}")
             self.state[g] = key
             self.free_on_node[self.node_of[g]] -= 1
-        self.shards[key] = Holding(pipeline, Role.GENERATE, gpus, now, dp_rank=dp_rank)
-        self.shard_count[pipeline] += 1
+        self._count_in(Holding(pipeline, Role.GENERATE, gpus, now, dp_rank=dp_rank))
         self.expands.append(ShardMove(pipeline, dp_rank, gpus))
 
     # ------------------------------------------------------------------ placement
@@ -101,10 +115,7 @@ class Pool:
         last = self.ledger.last_shard_gpus.get((pipeline, dp_rank))
         if last and all(self.state[g] is None for g in last) and not exclude.intersection(last):
             return last
-        mine = [0] * len(self.free_on_node)
-        for key, h in self.shards.items():
-            if key[0] == pipeline:
-                mine[self.node_of[h.gpus[0]]] += 1
+        mine = self.per_node.get(pipeline) or [0] * len(self.free_on_node)
         best, best_key = None, None
         for node, nfree in enumerate(self.free_on_node):
             if nfree < tp:

@@ -1,0 +1,124 @@
+"""Where a non-rollout stage (init, train, logprob) goes: n GPUs on as few nodes as possible.
+
+Price of a GPU for the requester: idle 0 < shard of a pipeline with no rollout demand 0.5 <
+its own shard 1 (partial overlap only) < another pipeline's shard: 2 + 2 per priority tier,
++0.5 if woken within the dwell time, + up to 1 by running requests. Non-rollout holdings are
+never taken. Among nodes, the one that empties no other pipeline of its last shard wins, then
+the cheapest, then the best fit.
+
+Per-node price lists are cached for the whole planning pass (they do not depend on who asks,
+except for the asker's own shards, which are re-priced on the few nodes where it has any) and
+dropped for the nodes a grant changes, so serving R requests costs O(R x nodes), not
+O(R x GPUs).
+"""
+
+from __future__ import annotations
+
+from rlix.scheduler.pool import LOCKED, Pool
+from rlix.scheduler.state import Ledger
+from rlix.scheduler.types import PipelineSpec, Progress
+
+
+class StagePlacer:
+    def __init__(self, pool: Pool, ledger: Ledger, progress: dict[str, Progress],
+                 demand: dict[str, int], now: float, dwell_s: float) -> None:
+        self.pool, self.ledger, self.progress, self.demand = pool, ledger, progress, demand
+        self.now, self.dwell_s = now, dwell_s
+        tiers = sorted({s.priority for s in ledger.pipelines.values()})
+        self.tier_rank = {p: i for i, p in enumerate(tiers)}
+        self.biggest = max(ledger.topology.gpus_per_node)
+        self._prices: dict[int, list[tuple[float, int]]] = {}
+
+    # ------------------------------------------------------------------ prices
+    def _price(self, g: int) -> float | None:
+        """Requester-independent price; None = cannot be taken."""
+        key = self.pool.state[g]
+        if key is None:
+            return 0.0
+        if key is LOCKED:
+            return None
+        h = self.pool.shards[key]
+        if self.demand.get(h.pipeline, 0) == 0:
+            return 0.5
+        prog = self.progress.get(h.pipeline)
+        load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
+        fresh = 0.5 if self.now - h.since < self.dwell_s else 0.0
+        tier = self.tier_rank[self.ledger.pipelines[h.pipeline].priority]
+        return 2.0 + 2.0 * tier + fresh + load / (load + 1)
+
+    def _node_prices(self, node: int, spec: PipelineSpec) -> list[tuple[float, int]]:
+        mine = self.pool.per_node.get(spec.name)
+        if mine and mine[node]:
+            return self._priced(self.pool.node_gpus[node], spec)
+        cached = self._prices.get(node)
+        if cached is None:
+            cached = self._priced(self.pool.node_gpus[node], None)
+            self._prices[node] = cached
+        return cached
+
+    def _priced(self, gpus, spec: PipelineSpec | None) -> list[tuple[float, int]]:
+        out = []
+        for g in gpus:
+            key = self.pool.state[g]
+            if spec is not None and key is not None and key is not LOCKED and key[0] == spec.name:
+                if spec.partial_overlap:
+                    out.append((1.0, g))
+                continue
+            price = self._price(g)
+            if price is not None:
+                out.append((price, g))
+        out.sort()
+        return out
+
+    def changed(self, gpus: list[int]) -> None:
+        """A grant took these GPUs: forget the prices of their nodes."""
+        for g in gpus:
+            self._prices.pop(self.pool.node_of[g], None)
+
+    # ------------------------------------------------------------------ choice
+    def empties(self, spec: PipelineSpec, gpus: list[int], min_priority: int | None = None) -> int:
+        """Pipelines with rollout demand (of at least `min_priority`, if given) that would
+        lose their last shard if `spec` took these GPUs."""
+        taken: dict[str, set] = {}
+        for g in gpus:
+            key = self.pool.state[g]
+            if key is not None and key is not LOCKED and key[0] != spec.name:
+                taken.setdefault(key[0], set()).add(key)
+        return sum(1 for q, keys in taken.items()
+                   if len(keys) >= self.pool.shard_count[q] and self.demand.get(q, 0) > 0
+                   and (min_priority is None or self.ledger.pipelines[q].priority >= min_priority))
+
+    def choose(self, spec: PipelineSpec, n: int) -> list[int] | None:
+        pool = self.pool
+        home = self.ledger.train_home.get(spec.name)
+        if home is not None:
+            # Without partial overlap it trains on its fixed home only.
+            prices = self._priced(sorted(home), spec)
+            return [g for _, g in prices[:n]] if len(prices) >= n else None
+        if n <= self.biggest:
+            fits = [(f, nd) for nd, f in enumerate(pool.free_on_node) if f >= n]
+            if fits:  # a node with enough idle GPUs costs nothing: best fit
+                return pool.free_gpus_on(min(fits)[1])[:n]
+            best = None
+            for nd in range(len(pool.node_gpus)):
+                prices = self._node_prices(nd, spec)
+                if len(prices) < n:
+                    continue
+                chosen = [g for _, g in prices[:n]]
+                key = (self.empties(spec, chosen), sum(c for c, _ in prices[:n]),
+                       len(prices) - n, nd)
+                if best is None or key < best[0]:
+                    best = (key, chosen)
+            if best is not None:
+                return best[1]
+        # Several nodes: the fullest first, the cheapest GPUs within them.
+        per_node = [self._node_prices(nd, spec) for nd in range(len(pool.node_gpus))]
+        order = sorted(range(len(per_node)),
+                       key=lambda nd: (-len(per_node[nd]), sum(c for c, _ in per_node[nd])))
+        picked: list[int] = []
+        for nd in order:
+            for _, g in per_node[nd]:
+                if len(picked) == n:
+                    return picked
+                picked.append(g)
+        return picked if len(picked) == n else None
