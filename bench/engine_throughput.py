@@ -7,12 +7,15 @@ the same requests run through two transformers baselines:
   - one at a time: `model.generate` per request;
   - static batches: the queue cut into batches of c, each left-padded to its longest prompt and
     generating until its longest max_tokens (only each request's own max_tokens count as output).
-Throughput = generated tokens / wall time (prefill included).
+Throughput = generated tokens / wall time (prefill included). At c=1 the engine and the
+one-at-a-time baseline alternate request by request, so load drifting on a shared machine
+(other people's jobs) hits both alike.
 
-CPU default: the `small` preset (24M params, fp32): on the `tiny` one per-step Python overhead
-dominates and every engine looks alike (VLLM_NOTES.md), while larger shapes blow the 3-minute
-budget on a shared 2-core machine. `--gpu`: the `qwen2-0.5b-shape` preset in bf16 on CUDA.
-Ends by printing one JSON line of headline figures.
+CPU default: the `small` preset (24M params, fp32, one torch thread): on `tiny` per-step Python
+overhead dominates and every engine looks alike (VLLM_NOTES.md), larger shapes blow the 3-minute
+budget on a shared 2-core machine, and bf16 matmuls are slower than fp32 on this CPU.
+`--gpu`: the `qwen2-0.5b-shape` preset in bf16 on CUDA (decode through CUDA graphs unless
+`--no-cuda-graphs`). Ends by printing one JSON line of headline figures.
 
     .venv/bin/python bench/engine_throughput.py [--gpu] [--model NAME] [--threads N]
 """
@@ -98,6 +101,8 @@ def main() -> None:
     parser.add_argument("--model", help="preset or checkpoint (default: small, or the 0.5B shape)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads on CPU (default 1: steadiest on shared cores)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="decode eagerly on CUDA (to see what the graphs are worth)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -107,11 +112,12 @@ def main() -> None:
     model_name = args.model or ("qwen2-0.5b-shape" if args.gpu else "small")
     dtype = "bfloat16" if args.gpu else "float32"
     # Request counts per concurrency: one-at-a-time is the slow path, so it gets fewer requests.
-    counts = {1: 8, 8: 32, 32: 128} if args.gpu else {1: 4, 8: 16, 32: 64}
+    counts = {1: 8, 8: 32, 32: 128} if args.gpu else {1: 6, 8: 16, 32: 64}
 
     engine = TorchEngine.from_pretrained(model_name, device=device, dtype=dtype,
-                                         max_num_seqs=max(counts), max_model_len=512)
-    model = engine._core.runner.model  # the same weights serve the baselines
+                                         max_num_seqs=max(counts), max_model_len=512,
+                                         cuda_graphs=not args.no_cuda_graphs)
+    model = engine.model  # the same weights serve the baselines
     pad_id = engine.tokenizer.pad_token_id or 0
     vocab = engine.vocab_size
 
@@ -123,10 +129,19 @@ def main() -> None:
     one_at_a_time = None
     for c, n in counts.items():
         requests = make_requests(n, vocab, seed=args.seed + c)
-        eng = asyncio.run(engine_run(engine, requests, c))
-        static = baseline_run(model, requests, c, pad_id, device)
         if c == 1:
+            # Alternate the two per request, so load drifting on a shared machine hits both alike.
+            eng_time = base_time = 0.0
+            for req in requests:
+                eng_time += req.max_tokens / asyncio.run(engine_run(engine, [req], 1))
+                base_time += req.max_tokens / baseline_run(model, [req], 1, pad_id, device)
+            tokens = sum(r.max_tokens for r in requests)
+            eng, static = tokens / eng_time, tokens / base_time
             one_at_a_time = static
+        else:
+            eng = asyncio.run(engine_run(engine, requests, c))
+            static = baseline_run(model, requests, c, pad_id, device)
+        assert one_at_a_time is not None
         rows.append((c, n, eng, static))
         print(f"c={c:>2} ({n:>3} requests): engine {eng:8.1f} tok/s | generate static batch "
               f"of {c}: {static:8.1f} tok/s | engine / static {eng / static:5.2f}x | "
@@ -140,6 +155,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if args.gpu else platform.processor() or "cpu",
         "dtype": dtype,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "cuda_graphs": device.type == "cuda" and not args.no_cuda_graphs,
         "tok_s_c1": round(by_c[1][0], 1),
         "tok_s_c8": round(by_c[8][0], 1),
         "tok_s_c32": round(by_c[32][0], 1),

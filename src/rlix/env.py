@@ -47,3 +47,25 @@ def api_key() -> str | None:
 def vllm_python() -> str | None:
     """Python executable of an environment with vLLM installed (`RLIX_VLLM_PYTHON`), if set."""
     return os.environ.get("RLIX_VLLM_PYTHON", "").strip() or None
+
+
+NCCL_DEFAULTS = {
+    # NVLink multicast (NVLS) is off on the lent GPU machines; NCCL must not try it.
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def apply_nccl_defaults() -> None:
+    """Set the NCCL safety knobs in this process (and so its children) unless already set."""
+    for key, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def nccl_child_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """An environment for a process we start that will use NCCL: ours, plus the safety knobs."""
+    out = dict(os.environ if base is None else base)
+    for key, value in NCCL_DEFAULTS.items():
+        out.setdefault(key, value)
+    return out

@@ -64,3 +64,35 @@ class ShardPreemptedError(InferenceError):
 
 class NoActiveShardError(InferenceError):
     """No shard became active within the router's hold timeout."""
+
+
+class WeightLayoutError(WeightUpdateError):
+    """The sender's bucket layout does not fit the receiving model (unknown name, other shape or
+    dtype, or a different layout than the one agreed); refused before any bytes are applied."""
+
+
+class WeightChecksumError(WeightUpdateError):
+    """A bucket's bytes do not match the sender's checksum (verification on)."""
+
+
+class WeightTransferError(WeightUpdateError):
+    """The transfer itself failed: the peer died, the connection dropped, a transport failed or
+    timed out, or buckets are missing at finish. The old weights keep serving."""
+
+
+class WeightSyncError(WeightUpdateError):
+    """A selective sync did not reach every shard it targeted; `failed` maps each failed DP rank
+    to its reason and `succeeded` lists the ranks that did move to the new version."""
+
+    def __init__(self, message: str, failed: dict[int, str], succeeded: list[int]) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.succeeded = succeeded
+
+
+class WeightCacheError(RlixError):
+    """The CPU weight cache cannot do this: unknown version, or its slot is in use."""
+
+
+class HostMemoryError(WeightCacheError):
+    """The weight cache would not fit in the host's free memory; the message has the numbers."""

@@ -80,3 +80,42 @@ class FleetHarness:
             await self.client.aclose()
         await asyncio.sleep(0)
         assert not [p for p in self.pids if pid_alive(p)], "a shard process outlived the test"
+
+
+@contextlib.contextmanager
+def router_process(shard_urls: dict[int, str]) -> Iterator[str]:
+    """`python -m rlix.inference.router` over these (active) shards; ended by its PID."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from rlix.inference.shard_process import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "rlix.inference.router", "--port", str(port), "--api-key", KEY]
+    for rank, url in shard_urls.items():
+        cmd += ["--shard", f"{rank}={url}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "router died"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert not pid_alive(proc.pid)

@@ -9,7 +9,6 @@ from rlix.inference.api import SamplingParams
 from rlix.inference.engine_core import EngineCore, plan_prefill_groups
 from rlix.inference.model_runner import ModelRunner, load_model
 from rlix.inference.sequence import Sequence
-from rlix.inference.weights import ServedWeights
 
 
 @pytest.fixture
@@ -18,7 +17,7 @@ def core(tiny_model_dir):
     model, tokenizer = load_model(tiny_model_dir, cpu, None)
     # A tiny initial KV capacity forces the cache to grow (and copy live rows) mid-run.
     runner = ModelRunner(model, device=cpu, num_rows=3, max_model_len=2048, kv_initial_capacity=8)
-    return EngineCore(runner, ServedWeights(model, cpu), tokenizer, max_num_seqs=3, eos_ids=[])
+    return EngineCore(runner, tokenizer, max_num_seqs=3, eos_ids=[])
 
 
 def greedy(request_id: str, prompt: list[int], n: int) -> Sequence:
@@ -79,3 +78,32 @@ def test_prefill_groups_bound_padding():
         width = max(lengths[i] for i in group)
         assert width * len(group) <= 1.25 * sum(lengths[i] for i in group)
     assert len(groups) == 2  # the long ones together, the short ones together
+    assert len(plan_prefill_groups(lengths, float("inf"))) == 1  # GPU: one forward
+    assert len(plan_prefill_groups(lengths, float("inf"), max_padded_tokens=200)) == 2
+
+
+def test_gpu_style_admission_waits_for_a_batch_of_free_rows(tiny_model_dir, prompt):
+    """min_admit_batch / max_admit_delay_steps: newcomers join together, or after a delay."""
+    cpu = torch.device("cpu")
+    model, tokenizer = load_model(tiny_model_dir, cpu, None)
+    runner = ModelRunner(model, device=cpu, num_rows=4, max_model_len=256)
+    core = EngineCore(runner, tokenizer, max_num_seqs=4, eos_ids=[], min_admit_batch=2,
+                      max_admit_delay_steps=3)
+    long_ones = [greedy(f"l{i}", prompt(4, i), 50) for i in range(3)]
+    for seq in long_ones:
+        core.add(seq)
+    core.step()  # an idle engine admits at once
+    assert len(core.running) == 3
+    late = greedy("late", prompt(5, 9), 5)
+    core.add(late)
+    waited = 0
+    while late not in core.running:  # one free row < 2: wait out the delay
+        core.step()
+        waited += 1
+    assert waited == 4 and late.output_ids  # admitted on the 4th step (delay 3 exceeded)
+    core.abort(["l0", "l1"])  # two rows free now
+    a, b = greedy("a", prompt(3, 5), 5), greedy("b", prompt(6, 6), 5)
+    core.add(a)
+    core.add(b)
+    core.step()
+    assert a in core.running and b in core.running  # enough free rows: both join at once

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from rlix.errors import EngineStateError, InvalidRequestError
@@ -105,7 +106,7 @@ def test_stop_token_ids_and_stop_strings(engine, prompt, h):
 
 
 def test_eos_ends_unless_ignored(tiny_model_dir, prompt, h):
-    model, tokenizer = load_model(tiny_model_dir, __import__("torch").device("cpu"), None)
+    model, tokenizer = load_model(tiny_model_dir, torch.device("cpu"), None)
     with TorchEngine(model, tokenizer) as plain:
         greedy = h.run(plain, prompt(8), SamplingParams(max_tokens=30, **GREEDY)).token_ids
     model.generation_config.eos_token_id = [greedy[4]]  # make a token the model emits an eos
@@ -119,8 +120,8 @@ def test_eos_ends_unless_ignored(tiny_model_dir, prompt, h):
 
 def test_abort_one_request(engine, prompt, h):
     async def main():
-        a = asyncio.create_task(h.collect(engine, "a", prompt(5), SamplingParams(max_tokens=1500)))
-        b = asyncio.create_task(h.collect(engine, "b", prompt(9), SamplingParams(max_tokens=40)))
+        a = asyncio.create_task(h.collect(engine, "a", prompt(5), SamplingParams(max_tokens=1500, ignore_eos=True)))
+        b = asyncio.create_task(h.collect(engine, "b", prompt(9), SamplingParams(max_tokens=40, ignore_eos=True)))
         await h.wait_for(lambda: engine.num_running() == 2)
         assert await engine.abort(["a", "nope"]) == 1
         return await a, await b
@@ -134,7 +135,7 @@ def test_abort_one_request(engine, prompt, h):
 
 def test_closing_the_stream_aborts_the_request(engine, prompt, h):
     async def main():
-        stream = engine.generate("gone", prompt(5), SamplingParams(max_tokens=1500))
+        stream = engine.generate("gone", prompt(5), SamplingParams(max_tokens=1500, ignore_eos=True))
         first = await stream.__anext__()
         await stream.aclose()
         await h.wait_for(lambda: engine.num_running() == 0)
@@ -146,12 +147,12 @@ def test_closing_the_stream_aborts_the_request(engine, prompt, h):
 def test_pause_abort_ends_running_and_queues_new_requests(engine, prompt, h):
     async def main():
         old = [asyncio.create_task(h.collect(engine, f"old{i}", prompt(4 + i),
-                                             SamplingParams(max_tokens=1500))) for i in range(2)]
+                                             SamplingParams(max_tokens=1500, ignore_eos=True))) for i in range(2)]
         await h.wait_for(lambda: engine.num_running() == 2)
         await engine.pause("abort")
         assert engine.is_paused()
         ended = [await t for t in old]
-        new = asyncio.create_task(h.collect(engine, "new", prompt(6), SamplingParams(max_tokens=8)))
+        new = asyncio.create_task(h.collect(engine, "new", prompt(6), SamplingParams(max_tokens=8, ignore_eos=True)))
         await asyncio.sleep(0.2)
         assert not new.done() and engine.num_waiting() == 1 and engine.num_running() == 0
         await engine.resume()
@@ -170,7 +171,7 @@ def test_pause_wait_lets_running_finish_and_holds_new_ones(engine, prompt, h):
         await engine.pause("wait")  # returns only once "run" has finished
         assert engine.num_running() == 0
         held = asyncio.create_task(h.collect(engine, "held", prompt(6),
-                                             SamplingParams(max_tokens=5)))
+                                             SamplingParams(max_tokens=5, ignore_eos=True)))
         await asyncio.sleep(0.2)
         assert not held.done() and engine.num_waiting() == 1
         await engine.resume()
@@ -213,7 +214,7 @@ def test_metrics_count_running_and_waiting(make_engine, prompt, h):
 
     async def main():
         tasks = [asyncio.create_task(h.collect(engine, f"m{i}", prompt(3 + i),
-                                               SamplingParams(max_tokens=1500)))
+                                               SamplingParams(max_tokens=1500, ignore_eos=True)))
                  for i in range(3)]
         await h.wait_for(lambda: engine.num_running() == 2)
         await engine.pause("keep")
@@ -249,7 +250,7 @@ def test_invalid_requests_are_refused_at_call_time(make_engine, prompt):
 
 def test_duplicate_request_id_is_refused(engine, prompt, h):
     async def main():
-        task = asyncio.create_task(h.collect(engine, "dup", prompt(4), SamplingParams(max_tokens=1500)))
+        task = asyncio.create_task(h.collect(engine, "dup", prompt(4), SamplingParams(max_tokens=1500, ignore_eos=True)))
         await h.wait_for(lambda: engine.num_running() == 1)
         with pytest.raises(InvalidRequestError, match="already running"):
             engine.generate("dup", prompt(4), SamplingParams())
@@ -271,7 +272,7 @@ def test_sleeping_engine_refuses_generation(engine, prompt, h):
         assert not engine.is_sleeping()
 
     asyncio.run(main())
-    assert h.run(engine, prompt(3), SamplingParams(max_tokens=4)).finish_reason == "length"
+    assert h.run(engine, prompt(3), SamplingParams(max_tokens=4, ignore_eos=True)).finish_reason == "length"
 
 
 def test_tokenizer_round_trips(tiny_model_dir, engine):

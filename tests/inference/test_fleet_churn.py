@@ -17,7 +17,8 @@ RANKS = [0, 1, 2]
 
 
 async def _one(http: httpx.AsyncClient, url: str, i: int, rng: random.Random) -> dict:
-    """One request of a random kind; returns what the caller saw."""
+    """One request of a random kind, sent after a random delay; returns what the caller saw."""
+    await asyncio.sleep(rng.uniform(0, 8.0))  # arrivals spread over the chaos
     n = rng.randint(6, 40)
     kind = rng.choice(["cmpl", "cmpl_stream", "chat", "chat_stream", "gen", "gen_stream"])
     common = {"max_tokens": n, "ignore_eos": True, "temperature": 1.0, "seed": i}
@@ -103,7 +104,7 @@ def test_200_requests_survive_random_shrink_and_expand(tiny_model_dir):
         assert r["got"] == r["want"], r
         assert r["finish"] == ["length"], r  # exactly one finish, never "abort"
     shrinks = [e for e in log if e[0] == "shrink"]
-    assert len(shrinks) >= 3 and any(e[0] == "expand" for e in log)
+    assert len(shrinks) >= 2 and any(e[0] == "expand" for e in log)
     assert stats["requests"] == N_REQUESTS
     assert stats["redispatched"] > 0, "no request was cut: the test did not exercise preemption"
     print(f"\n{N_REQUESTS} requests in {elapsed:.1f}s; {len(shrinks)} shrinks, "

@@ -11,7 +11,7 @@ update, so the old weights keep serving; the caller starts again.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -111,11 +111,13 @@ class ControlPlane:
         self._updating = version
         return {"message": "Weight update started"}
 
-    async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> dict:
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+                             ) -> dict:
+        """`tensors` may be a loader, so that a body that does not parse aborts the update too."""
         if self._updating is None:
             raise WeightUpdateError("no weight update in progress: call /start_weight_update first")
         try:
-            await self.engine.update_weights(tensors)
+            await self.engine.update_weights(tensors() if callable(tensors) else tensors)
         except Exception as exc:
             await self._abort_update(f"update_weights failed: {exc}")
             raise WeightUpdateError(f"update refused, old weights keep serving: {exc}") from None

@@ -25,7 +25,7 @@ from rlix.inference.api import GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine_core import EngineCore
 from rlix.inference.model_runner import ModelRunner, load_model
 from rlix.inference.sequence import Delta, Sequence
-from rlix.inference.weights import ServedWeights, WeightStaging
+from rlix.inference.weights import WeightStaging
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
                  max_num_seqs: int = 32, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 4096, kv_initial_capacity: int = 256) -> None:
+                 max_prefill_tokens: int = 4096, kv_initial_capacity: int = 256,
+                 cuda_graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -65,10 +66,10 @@ class TorchEngine:
             raise ConfigError("max_num_seqs must be >= 1")
         runner = ModelRunner(model, device=self.device, num_rows=max_num_seqs,
                              max_model_len=self.max_model_len,
-                             kv_initial_capacity=kv_initial_capacity)
+                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs)
         self.vocab_size = runner.vocab_size
-        self._weights = ServedWeights(model, self.device)
-        self._core = EngineCore(runner, self._weights, tokenizer, max_num_seqs=max_num_seqs,
+        self._weights = runner.weights
+        self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
                                 eos_ids=_eos_ids(model, tokenizer),
                                 max_prefill_tokens=max_prefill_tokens)
         self._cv = threading.Condition()
@@ -103,6 +104,11 @@ class TorchEngine:
 
     # -- status --------------------------------------------------------------------------
     @property
+    def model(self) -> torch.nn.Module:
+        """The served transformers model (read-only use: baselines, checks)."""
+        return self._core.runner.model
+
+    @property
     def weight_version(self) -> int:
         return self._core.weight_version
 
@@ -110,6 +116,14 @@ class TorchEngine:
     def last_sleep_freed_bytes(self) -> int:
         """Memory the last sleep really gave back: RSS drop on CPU, mem_get_info on CUDA."""
         return self._core.last_sleep_freed_bytes
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 while it sleeps)."""
+        return self._core.runner.cache.nbytes()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the served parameters (tied ones once)."""
+        return sum(spec.numel * spec.dtype.itemsize for spec in self._weights.specs.values())
 
     def is_paused(self) -> bool:
         return self._core.pause_mode is not None
@@ -245,7 +259,8 @@ class TorchEngine:
         seq = Sequence(request_id, prompt, params, sink=sink)
         out = GenerationOutput(request_id=request_id, prompt_token_ids=prompt)
         self._live_ids.add(request_id)
-        self._pending_adds += 1
+        with self._cv:
+            self._pending_adds += 1
         try:
             self._submit(lambda: self._add(seq))
             while True:
@@ -269,7 +284,8 @@ class TorchEngine:
                     pass
 
     def _add(self, seq: Sequence) -> None:
-        self._pending_adds -= 1
+        with self._cv:
+            self._pending_adds -= 1
         try:
             self._core.add(seq)
         except Exception as exc:  # e.g. put to sleep between generate() and the worker

@@ -20,18 +20,20 @@ from rlix.inference.memory import release_memory, used_bytes
 from rlix.inference.model_runner import ModelRunner
 from rlix.inference.sampling import sample
 from rlix.inference.sequence import Delta, Detokenizer, Sequence
-from rlix.inference.weights import ServedWeights, WeightStaging
+from rlix.inference.weights import WeightStaging
 
 log = logging.getLogger(__name__)
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
-def plan_prefill_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+def plan_prefill_groups(lengths: list[int], max_waste: float = 0.25,
+                        max_padded_tokens: int | None = None) -> list[list[int]]:
     """Split prompts (indices into `lengths`) into right-padded batches wasting <= max_waste.
 
-    Longest first; a prompt joins the current group while padding stays under the bound, so a
-    64-token prompt does not make seven 8-token prompts pay for 64 positions each.
+    Longest first; a prompt joins the current group while padding stays under the bound (and
+    the padded batch under max_padded_tokens), so a 64-token prompt does not make seven 8-token
+    prompts pay for 64 positions each.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
@@ -39,8 +41,10 @@ def plan_prefill_groups(lengths: list[int], max_waste: float = 0.25) -> list[lis
         if groups:
             group = groups[-1]
             width = lengths[group[0]]
+            padded = width * (len(group) + 1)
             real = sum(lengths[j] for j in group) + lengths[i]
-            if width * (len(group) + 1) <= real * (1 + max_waste):
+            if padded <= real * (1 + max_waste) and (max_padded_tokens is None
+                                                     or padded <= max_padded_tokens):
                 group.append(i)
                 continue
         groups.append([i])
@@ -50,14 +54,28 @@ def plan_prefill_groups(lengths: list[int], max_waste: float = 0.25) -> list[lis
 class EngineCore:
     """Waiting queue, running batch (row i of the KV cache = running[i]), pause and sleep state."""
 
-    def __init__(self, runner: ModelRunner, weights: ServedWeights, detokenizer: Detokenizer,
-                 *, max_num_seqs: int, eos_ids: Iterable[int], max_prefill_tokens: int = 4096
-                 ) -> None:
+    def __init__(self, runner: ModelRunner, detokenizer: Detokenizer, *, max_num_seqs: int,
+                 eos_ids: Iterable[int], max_prefill_tokens: int = 4096,
+                 max_prefill_padding: float | None = None, min_admit_batch: int | None = None,
+                 max_admit_delay_steps: int | None = None) -> None:
         self.runner = runner
-        self.weights = weights
+        self.weights = runner.weights
         self.detokenizer = detokenizer
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        # Padding costs compute on a CPU; on a GPU one more forward costs far more than padding.
+        if max_prefill_padding is None:
+            max_prefill_padding = 0.25 if runner.device.type == "cpu" else float("inf")
+        self.max_prefill_padding = max_prefill_padding
+        # While a batch runs, newcomers may wait (at most max_admit_delay_steps) until
+        # min_admit_batch rows are free, so that one prefill forward serves several of them:
+        # worth it on a GPU, where a forward's launch cost dwarfs its compute; off on a CPU.
+        on_gpu = runner.device.type != "cpu"
+        self.min_admit_batch = min_admit_batch or (max(1, max_num_seqs // 4) if on_gpu else 1)
+        self.max_admit_delay_steps = (max_admit_delay_steps if max_admit_delay_steps is not None
+                                      else (8 if on_gpu else 0))
+        self._step_count = 0
+        self._queued_at: dict[Sequence, int] = {}
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -75,11 +93,12 @@ class EngineCore:
         return self.kv_asleep or not self.weights.on_device
 
     def check_can_generate(self) -> None:
+        if not self.weights.loaded:
+            raise EngineStateError("weights were dropped by a level-2 sleep; wake up and load "
+                                   "them with start_weight_update / update_weights / "
+                                   "finish_weight_update")
         if self.sleeping:
             raise EngineStateError("the engine is sleeping; wake it up first")
-        if not self.weights.loaded:
-            raise EngineStateError("weights were dropped by a level-2 sleep; load them with "
-                                   "start_weight_update / update_weights / finish_weight_update")
 
     def _admissible(self, seq: Sequence) -> bool:
         return self.pause_mode is None or (self.pause_mode == "wait" and seq in self._held_at_pause)
@@ -100,6 +119,7 @@ class EngineCore:
     def add(self, seq: Sequence) -> None:
         self.check_can_generate()
         self.waiting.append(seq)
+        self._queued_at[seq] = self._step_count
 
     def reject(self, seq: Sequence, error: BaseException) -> None:
         """End a request that never entered the engine, handing `error` to its caller."""
@@ -114,6 +134,7 @@ class EngineCore:
         for seq in hit:
             seq.finish("abort")
             self._touched[seq] = None
+            self._queued_at.pop(seq, None)
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._retire_finished()
         return len(hit)
@@ -144,10 +165,13 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> None:
+        self._step_count += 1
         admitted: list[Sequence] = []
         try:
             admitted = self._admit()
-            for group in plan_prefill_groups([len(s.prompt_token_ids) for s in admitted]):
+            lengths = [len(s.prompt_token_ids) for s in admitted]
+            for group in plan_prefill_groups(lengths, self.max_prefill_padding,
+                                             2 * self.max_prefill_tokens):
                 self._prefill([admitted[i] for i in group])
             self._retire_finished()
             if self.running:
@@ -165,6 +189,8 @@ class EngineCore:
         kept: deque[Sequence] = deque()
         budget = self.max_prefill_tokens
         free = self.max_num_seqs - len(self.running)
+        if self.running and free < self.min_admit_batch and not self._waited_long_enough():
+            return admitted
         while self.waiting:
             seq = self.waiting[0]
             if not self._admissible(seq):
@@ -177,7 +203,14 @@ class EngineCore:
             budget -= size
         kept.extend(self.waiting)
         self.waiting = kept
+        for seq in admitted:
+            self._queued_at.pop(seq, None)
         return admitted
+
+    def _waited_long_enough(self) -> bool:
+        oldest = next((s for s in self.waiting if self._admissible(s)), None)
+        return oldest is not None and (
+            self._step_count - self._queued_at.get(oldest, 0) > self.max_admit_delay_steps)
 
     def _live_len(self) -> int:
         return max((s.cached_len for s in self.running), default=0)
@@ -223,6 +256,7 @@ class EngineCore:
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
         self.abort(None)
         before = used_bytes(self.runner.device)
+        self.runner.release_graphs()
         self.runner.cache.free()
         self.kv_asleep = True
         if level == 2:

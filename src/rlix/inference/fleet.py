@@ -128,14 +128,14 @@ class ShardFleet:
 
         results = await asyncio.gather(*(one(r) for r in ranks), return_exceptions=True)
         failed = [res for res in results if isinstance(res, BaseException)]
-        if failed:
-            await self.shutdown()
+        if failed:  # leave no half-started shard of this call behind
+            await self.shutdown(ranks)
             raise failed[0]
         return dict(zip(ranks, results))  # type: ignore[arg-type]
 
-    async def shutdown(self) -> None:
-        """End every shard process (by PID) and forget it."""
-        ranks = sorted(self.shards) or sorted(self.launcher.pids())
+    async def shutdown(self, ranks: Iterable[int] | None = None) -> None:
+        """End these shards' processes (default: all) by PID and forget them."""
+        ranks = sorted(set(self.shards) | set(self.launcher.pids())) if ranks is None else sorted(ranks)
         for rank in ranks:
             try:
                 await self.router.remove_shard(rank)

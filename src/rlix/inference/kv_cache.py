@@ -31,6 +31,7 @@ class SlotKVCache:
         self.device = device
         self.initial_capacity = max(1, min(initial_capacity, max_len))
         self.capacity = 0
+        self.storage_version = 0  # bumped whenever the storage moves (CUDA graphs hold pointers)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         # Geometry of the forward in progress (see set_prefill / set_decode).
@@ -55,11 +56,13 @@ class SlotKVCache:
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                        for _ in range(self.num_layers)]
         self.capacity = capacity
+        self.storage_version += 1
 
     def free(self) -> None:
         """Drop the storage (the caller then trims host memory / empties the CUDA cache)."""
         self.keys, self.values = [], []
         self.capacity = 0
+        self.storage_version += 1
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -93,11 +96,16 @@ class SlotKVCache:
         self._mode = "prefill"
         self._rows = slice(first_row, first_row + num_rows)
 
-    def set_decode(self, positions: torch.Tensor, kv_len: int) -> None:
-        """Next forward writes one token per row 0..n-1 at `positions` and reads kv_len keys."""
+    def set_decode(self, positions: torch.Tensor, kv_len: int,
+                   row_index: torch.Tensor | None = None) -> None:
+        """Next forward writes one token per row 0..n-1 at `positions` and reads kv_len keys.
+
+        `row_index` (arange(n)) may be passed so that a captured CUDA graph keeps using it.
+        """
         self._mode = "decode"
         self._n = positions.shape[0]
-        self._row_index = torch.arange(self._n, device=self.device)
+        self._row_index = (row_index if row_index is not None
+                           else torch.arange(self._n, device=self.device))
         self._positions = positions
         self._kv_len = kv_len
 

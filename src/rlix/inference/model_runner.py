@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from rlix.errors import ConfigError
+from rlix.inference.cuda_graphs import DecodeGraphs
 from rlix.inference.kv_cache import SlotKVCache
+from rlix.inference.weights import ServedWeights
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
@@ -29,15 +31,39 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype | None):  # 
         raise ConfigError(f"cannot load model from {path}: {exc}") from exc
     model = model.to(device).eval()
     model.requires_grad_(False)
+    if device.type == "cpu":
+        _own_host_weights(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
+def _own_host_weights(model: torch.nn.Module) -> None:
+    """Copy CPU weights out of the checkpoint's file mapping into memory the engine owns.
+
+    transformers may leave CPU parameters as views of the mmapped safetensors file, with the
+    loader's scratch buffers still held by the allocator; then neither RSS nor a sleep's freed
+    bytes mean anything. Owned copies (and a trim after loading) make them honest.
+    """
+    from rlix.inference.memory import release_memory
+
+    seen: set[int] = set()
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            param.data = param.data.clone()
+    release_memory(torch.device("cpu"))
+
+
 class ModelRunner:
-    """Owns the model and its slot KV cache; rows 0..n-1 of the cache are the running batch."""
+    """Owns the model, its weights and its slot KV cache; cache rows 0..n-1 are the batch.
+
+    On CUDA (unless cuda_graphs=False) decode runs through captured graphs (cuda_graphs.py);
+    the KV cache is then allocated at full max_model_len capacity so it never moves.
+    """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, num_rows: int,
-                 max_model_len: int, kv_initial_capacity: int = 256) -> None:
+                 max_model_len: int, kv_initial_capacity: int = 256,
+                 cuda_graphs: bool = True) -> None:
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
@@ -51,6 +77,10 @@ class ModelRunner:
             raise ConfigError(f"{type(model).__name__} has no decoder / output embeddings")
         self.vocab_size = int(config.vocab_size)
         self.dtype = next(model.parameters()).dtype
+        self.weights = ServedWeights(model, device)
+        use_graphs = cuda_graphs and device.type == "cuda"
+        if use_graphs:
+            kv_initial_capacity = max_model_len
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.cache = SlotKVCache(
@@ -58,9 +88,10 @@ class ModelRunner:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim, max_len=max_model_len, dtype=self.dtype, device=device,
             initial_capacity=kv_initial_capacity)
-        self._mask_min = torch.finfo(self.dtype).min
+        self.mask_min = torch.finfo(self.dtype).min
+        self.graphs = DecodeGraphs(self) if use_graphs else None
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         out = self.decoder(input_ids=input_ids, position_ids=position_ids,
                            attention_mask={"full_attention": mask},
@@ -80,21 +111,27 @@ class ModelRunner:
         self.cache.set_prefill(first_row, len(prompts))
         # No mask: plain causal attention is exact for every valid (non-padding) query, and the
         # padding's keys land past each row's length, where decode overwrites them before use.
-        hidden = self._hidden(ids, positions, None)
+        hidden = self.hidden(ids, positions, None)
         last = torch.tensor(lengths, device=self.device) - 1
         rows = torch.arange(len(prompts), device=self.device)
         return self.lm_head(hidden[rows, last])
 
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of rows 0..n-1 at its own position; return logits [n, V]."""
+        if self.graphs is not None:
+            return self.graphs.decode(tokens, positions)
         n = len(tokens)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device)
         kv_len = max(positions) + 1
         keep = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]
         mask = torch.zeros(n, 1, 1, kv_len, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~keep[:, None, None, :], self._mask_min)
+        mask.masked_fill_(~keep[:, None, None, :], self.mask_min)
         ids = torch.tensor(tokens, dtype=torch.long).to(self.device)[:, None]
         self.cache.set_decode(pos, kv_len)
-        hidden = self._hidden(ids, pos[:, None], mask)
+        hidden = self.hidden(ids, pos[:, None], mask)
         return self.lm_head(hidden[:, 0])

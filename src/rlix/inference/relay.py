@@ -20,11 +20,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from rlix.errors import NoActiveShardError, ShardPreemptedError
 from rlix.inference import openai_schema as S
 from rlix.inference.shards import Shard, ShardState, ShardTable
+from rlix.inference.upstream import HttpPool, UpstreamError, UpstreamResponse
 
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"
 MAX_ATTEMPTS = 64
@@ -60,6 +59,8 @@ class Progress:
         """Path and body for the next attempt."""
         self.base = len(self.ids)
         if self.prompt_ids is None:  # nothing came back yet: send the request as it was
+            if self.path == GENERATE:  # output ids always come back; the prompt is in the body
+                return self.path, self.body
             return self.path, {**self.body, "return_token_ids": True}
         left = None if self.max_tokens is None else self.max_tokens - len(self.ids)
         if self.path == GENERATE:
@@ -123,6 +124,13 @@ def _blank_ids(resp: dict, choice: dict, path: str) -> None:
         choice["token_ids"] = None
 
 
+def _json_or_error(raw: bytes, status: int) -> dict:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return S.error_body(raw.decode(errors="replace")[:500], "UpstreamError", status)
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -130,10 +138,10 @@ def _sse(obj: dict) -> str:
 class Relay:
     """Dispatch with re-dispatch over a ShardTable; one per router."""
 
-    def __init__(self, table: ShardTable, http: httpx.AsyncClient, shard_api_key: str,
+    def __init__(self, table: ShardTable, pool: HttpPool, shard_api_key: str,
                  hold_timeout_s: float = 60.0) -> None:
         self.table = table
-        self.http = http
+        self.pool = pool
         self.headers = {"Authorization": f"Bearer {shard_api_key}"}
         self.hold_timeout_s = hold_timeout_s
         self.redispatched = 0
@@ -158,9 +166,11 @@ class Relay:
         self.redispatched += 1
 
     # ------------------------------------------------------------ unary
-    async def unary(self, path: str, body: dict, session: str | None) -> tuple[int, dict]:
+    async def unary(self, path: str, body: dict, session: str | None) -> tuple[int, dict | bytes]:
+        """(status, answer); the answer is the shard's raw JSON bytes when nothing needs fixing."""
         self.requests += 1
         prog = Progress(path, body, bool(body.get("return_token_ids")))
+        raw_ok = path == GENERATE or prog.wants_ids  # nothing to blank in the common case
         exclude: set[int] = set()
         while True:
             shard = await self._acquire(session, exclude, prog)
@@ -168,15 +178,18 @@ class Relay:
             done = False
             try:
                 try:
-                    r = await self.http.post(shard.url + up_path, json=up_body, headers=self.headers)
-                except httpx.TransportError as exc:
-                    raise ShardPreemptedError(f"shard {shard.rank}: {exc!r}") from None
-                if r.status_code != 200:
-                    if self._cut(shard, r.status_code):
-                        raise ShardPreemptedError(f"shard {shard.rank} answered {r.status_code}")
+                    status, raw = await self.pool.post_json(shard.url, up_path, up_body, self.headers)
+                except UpstreamError as exc:
+                    raise ShardPreemptedError(f"shard {shard.rank}: {exc}") from None
+                if status != 200:
+                    if self._cut(shard, status):
+                        raise ShardPreemptedError(f"shard {shard.rank} answered {status}")
                     done = True
-                    return r.status_code, r.json()
-                data = r.json()
+                    return status, _json_or_error(raw, status)
+                if raw_ok and prog.attempts == 1 and b'"abort"' not in raw:
+                    done = True
+                    return 200, raw  # the hot path: no parse, no re-serialisation
+                data = json.loads(raw)
                 choice = data["choices"][0]
                 prog.see_prompt(data, choice)
                 if self._cut(shard, 200, choice.get("finish_reason")):
@@ -216,25 +229,24 @@ class Relay:
 
     # ------------------------------------------------------------ streaming
     async def _connect(self, prog: Progress, session: str | None, exclude: set[int]
-                       ) -> tuple[Shard, str, httpx.Response] | tuple[int, dict]:
+                       ) -> tuple[Shard, str, UpstreamResponse] | tuple[int, dict]:
         """Open the next attempt's stream, skipping shards that are going away."""
         while True:
             shard = await self._acquire(session, exclude, prog)
             path, body = prog.upstream()
             try:
-                req = self.http.build_request("POST", shard.url + path, json=body, headers=self.headers)
-                resp = await self.http.send(req, stream=True)
-            except httpx.TransportError:
+                resp = await self.pool.request("POST", shard.url, path, json.dumps(body).encode(),
+                                               {**self.headers, "content-type": "application/json"})
+                if resp.status_code == 200:
+                    return shard, path, resp
+                raw = await resp.read()
+            except UpstreamError:
                 self.table.release(shard, False)
                 self._redispatch(shard, exclude)
                 continue
-            if resp.status_code == 200:
-                return shard, path, resp
-            await resp.aread()
-            await resp.aclose()
             self.table.release(shard, False)
             if not self._cut(shard, resp.status_code):
-                return resp.status_code, resp.json()
+                return resp.status_code, _json_or_error(raw, resp.status_code)
             self._redispatch(shard, exclude)
 
     async def open_stream(self, path: str, body: dict, session: str | None
@@ -248,7 +260,7 @@ class Relay:
             return opened  # type: ignore[return-value]
         return self._stream(prog, opened, session, exclude)  # type: ignore[arg-type]
 
-    async def _stream(self, prog: Progress, opened: tuple[Shard, str, httpx.Response],
+    async def _stream(self, prog: Progress, opened: tuple[Shard, str, UpstreamResponse],
                       session: str | None, exclude: set[int]) -> AsyncIterator[str]:
         opts = prog.body.get("stream_options")
         wants_usage = bool(opts and opts.get("include_usage", True))
@@ -257,7 +269,7 @@ class Relay:
         while True:
             cut = done = False
             try:
-                async for line in resp.aiter_lines():
+                async for line in resp.lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
@@ -281,7 +293,7 @@ class Relay:
                         break
                     yield self._rechunk(prog, chunk, choice, up_path, ident, wants_usage)
                     done = done or finish is not None
-            except httpx.TransportError:
+            except UpstreamError:
                 cut = not done
                 prog.close_attempt_without_spans()
             finally:
@@ -290,7 +302,10 @@ class Relay:
             if not cut:
                 break
             self._redispatch(shard, exclude)
-            opened_next = await self._connect(prog, session, exclude)
+            try:
+                opened_next = await self._connect(prog, session, exclude)
+            except NoActiveShardError as exc:  # headers are sent: report it in the stream
+                opened_next = (503, S.error_body(str(exc), "ServiceUnavailableError", 503))
             if isinstance(opened_next[0], int):
                 yield _sse(opened_next[1])  # type: ignore[arg-type]
                 break

@@ -25,6 +25,7 @@ from rlix.errors import InvalidRequestError, NoActiveShardError
 from rlix.inference import openai_schema as S
 from rlix.inference.relay import CHAT, COMPLETIONS, GENERATE, Relay
 from rlix.inference.shards import ShardState, ShardTable
+from rlix.inference.upstream import HttpPool, UpstreamError
 
 
 class Router:
@@ -32,11 +33,11 @@ class Router:
 
     def __init__(self, api_key: str, shard_api_key: str | None = None, hold_timeout_s: float = 60.0,
                  max_connections: int = 1024) -> None:
+        """`max_connections`: idle keep-alive connections kept per shard."""
         self.api_key = api_key
         self.table = ShardTable()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=limits)
-        self.relay = Relay(self.table, self.http, shard_api_key or api_key, hold_timeout_s)
+        self.pool = HttpPool(max_idle_per_host=max_connections)
+        self.relay = Relay(self.table, self.pool, shard_api_key or api_key, hold_timeout_s)
 
     # the fleet's view (RouterControl protocol); in-process callers use these directly
     async def set_shard(self, rank: int, url: str | None = None, state: str | None = None) -> dict:
@@ -51,14 +52,18 @@ class Router:
     async def passthrough(self, method: str, path: str, body: bytes | None) -> Response:
         shard = await self.table.acquire(None, self.relay.hold_timeout_s)
         try:
-            r = await self.http.request(method, shard.url + path, content=body, headers={
-                **self.relay.headers, "content-type": "application/json"})
+            r = await self.pool.request(method, shard.url, path, body or b"",
+                                        {**self.relay.headers, "content-type": "application/json"})
+            content = await r.read()
+        except UpstreamError as exc:
+            raise NoActiveShardError(f"shard {shard.rank} unreachable: {exc}") from None
         finally:
             self.table.release(shard, True)
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        ctype = r.headers.get(b"content-type", b"application/json").decode()
+        return Response(content, status_code=r.status_code, media_type=ctype)
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.pool.aclose()
 
 
 def create_router_app(router: Router) -> FastAPI:
@@ -91,6 +96,8 @@ def create_router_app(router: Router) -> FastAPI:
                 return JSONResponse(opened[1], status_code=opened[0])
             return StreamingResponse(opened, media_type="text/event-stream")
         status, data = await router.relay.unary(path, body, session)
+        if isinstance(data, bytes):
+            return Response(data, status_code=status, media_type="application/json")
         return JSONResponse(data, status_code=status)
 
     @app.post(COMPLETIONS)

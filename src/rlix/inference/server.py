@@ -213,11 +213,11 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> JSONResponse:
+        raw = await request.body()
         if request.headers.get("content-type", "").startswith("application/octet-stream"):
-            tensors = decode_safetensors(await request.body())
-        else:
-            tensors = control.tensors_from_json(await _json_body(request, required=True))
-        return JSONResponse(await control.update_weights(tensors))
+            return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
+        return JSONResponse(await control.update_weights(
+            lambda: control.tensors_from_json(json.loads(raw or b"null"))))
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:

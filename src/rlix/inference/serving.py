@@ -26,24 +26,29 @@ class TextStream:
     """Cumulative token ids -> text deltas. Holds back a trailing partial UTF-8 character and
     the tail that could still grow into a stop string; cuts the text at the first stop string."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), prefix: list[int] = ()) -> None:
         self.tok = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0
         self.stopped: str | None = None
+        # The prompt's last tokens are decoded with the output so that a character whose
+        # bytes started in the prompt (a request re-dispatched with its accumulated tokens)
+        # comes out whole; a prefix ending mid-character counts from where that character starts.
+        self.prefix = list(prefix)
+        self.skip = len(tokenizer.decode(self.prefix, skip_special_tokens=True).rstrip("\ufffd"))
 
-    def update(self, token_ids: list[int], final: bool) -> str:
-        full = self.tok.decode(token_ids, skip_special_tokens=True)
+    def update(self, token_ids: list[int], final: bool, cut: bool = False) -> str:
+        """`cut`: the request ended early (aborted), so a trailing partial character is dropped
+        rather than sent as U+FFFD: whoever continues the request will complete it."""
+        full = self.tok.decode(self.prefix + token_ids, skip_special_tokens=True)[self.skip:]
         if self.stop:
             hits = [(full.find(s), s) for s in self.stop if s in full]
             if hits:
                 pos, self.stopped = min(hits)
                 full, final = full[:pos], True
-        if final:
-            safe = len(full)
-        else:
-            safe = len(full) - self.hold
+        safe = len(full) if final else len(full) - self.hold
+        if not final or cut:
             while safe > 0 and full[safe - 1] == "\ufffd":
                 safe -= 1
         delta = full[self.emitted:safe] if safe > self.emitted else ""
@@ -205,7 +210,8 @@ class OpenAIServing:
                 finish, stop_reason = out.finish_reason, None
                 delta = ""
                 if text is not None and (job.stream or text.stop or finish):
-                    delta = text.update(out.token_ids, final=finish is not None)
+                    delta = text.update(out.token_ids, final=finish is not None,
+                                        cut=finish == "abort")
                     if text.stopped:
                         if finish is None:
                             self._abort_later(job.rid)
@@ -247,7 +253,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ completions
     async def completion(self, job: Job) -> dict:
-        last, text = await self._final(job, TextStream(self.tok, job.params.stop))
+        last, text = await self._final(job, TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]))
         out = last.out
         lp = S.completion_logprobs(self._strs(out.token_ids), out.logprobs) if job.logprobs else None
         return S.completion_response(job.rid, self.model_name, text, last.finish, last.stop_reason, lp,
@@ -256,7 +262,7 @@ class OpenAIServing:
                                      len(job.prompt_ids), len(out.token_ids))
 
     async def completion_stream(self, job: Job) -> AsyncIterator[str]:
-        text, offset, n_out = TextStream(self.tok, job.params.stop), 0, 0
+        text, offset, n_out = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]), 0, 0
         prompt = job.prompt_ids if job.return_token_ids else None
         async for step in self._guard(self.run(job, text)):
             if isinstance(step, str):
@@ -280,7 +286,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ chat
     async def chat(self, job: Job) -> dict:
-        last, text = await self._final(job, TextStream(self.tok, job.params.stop))
+        last, text = await self._final(job, TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]))
         out = last.out
         lp = S.chat_logprobs(self._strs(out.token_ids), out.logprobs, job.top_logprobs) if job.logprobs else None
         return S.chat_response(job.rid, self.model_name, text, last.finish, last.stop_reason, lp,
@@ -291,7 +297,7 @@ class OpenAIServing:
     async def chat_stream(self, job: Job) -> AsyncIterator[str]:
         yield sse(S.chat_first_chunk(job.rid, self.model_name, job.created,
                                      job.prompt_ids if job.return_token_ids else None))
-        text, n_out = TextStream(self.tok, job.params.stop), 0
+        text, n_out = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]), 0
         async for step in self._guard(self.run(job, text)):
             if isinstance(step, str):
                 yield step
@@ -309,7 +315,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ token-level generate
     async def generate(self, job: Job) -> dict:
-        text = TextStream(self.tok, job.params.stop) if job.params.stop else None
+        text = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]) if job.params.stop else None
         last, _ = await self._final(job, text)
         out = last.out
         ids = out.token_ids
@@ -319,7 +325,7 @@ class OpenAIServing:
                                    job.prompt_ids if job.return_token_ids else None, len(job.prompt_ids))
 
     async def generate_stream(self, job: Job) -> AsyncIterator[str]:
-        text = TextStream(self.tok, job.params.stop) if job.params.stop else None
+        text = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]) if job.params.stop else None
         prompt, n_out = (job.prompt_ids if job.return_token_ids else None), 0
         async for step in self._guard(self.run(job, text)):
             if isinstance(step, str):

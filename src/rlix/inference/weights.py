@@ -5,13 +5,15 @@ parameter of that name (known name, same shape, same dtype) and copied into a st
 the serving device; nothing served changes. On finish the update must cover *every* parameter
 (tied aliases such as lm_head.weight / model.embed_tokens.weight count once), unless it was
 started with allow_partial=True, which lets it cover any subset, except right after a level-2
-sleep where there is nothing to fall back on. The staged tensors are then swapped in by
-reference between two engine steps: instantaneous and unable to fail half-way. Any refusal
-discards the staging and leaves the old weights serving.
+sleep where there is nothing to fall back on. The staged tensors are then copied over the
+served ones between two engine steps (already validated, so the copy cannot fail half-way);
+after a level-2 sleep they simply become the parameters. Any refusal discards the staging and
+leaves the old weights serving.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,6 +27,10 @@ class ParamSpec:
     name: str  # canonical name (the first alias transformers lists)
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class ServedWeights:
@@ -42,6 +48,7 @@ class ServedWeights:
         self.specs = {n: ParamSpec(n, tuple(p.shape), p.dtype) for n, p in self.params.items()}
         self.loaded = True  # False after a level-2 sleep until a full update arrives
         self.on_device = True
+        self.storage_version = 0  # bumped whenever parameter storage moves (CUDA graphs)
         self._host_backup: dict[str, torch.Tensor] = {}
 
     def nbytes(self) -> int:
@@ -57,6 +64,7 @@ class ServedWeights:
                     self._host_backup[name] = backup
                 backup.copy_(param.data)
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self.storage_version += 1
         self.on_device = False
 
     def discard(self) -> None:
@@ -66,6 +74,7 @@ class ServedWeights:
         self._host_backup.clear()
         self.loaded = False
         self.on_device = False
+        self.storage_version += 1
 
     def wake(self) -> None:
         """Back on the device: from the host backup (level 1), or still unloaded (level 2)."""
@@ -73,11 +82,20 @@ class ServedWeights:
             for name, param in self.params.items():
                 param.data = self._host_backup[name].to(self.device, non_blocking=True)
             torch.cuda.synchronize(self.device)
+            self.storage_version += 1
         self.on_device = True
 
     def swap_in(self, staged: Mapping[str, torch.Tensor], complete: bool) -> None:
+        """Loaded weights are overwritten in place (storage stays put, so CUDA graphs stay
+        valid); after a level-2 sleep the staged tensors become the parameters."""
         for name, tensor in staged.items():
-            self.params[name].data = tensor
+            param = self.params[name]
+            if self.loaded:
+                param.data.copy_(tensor)
+            else:
+                param.data = tensor
+        if not self.loaded:
+            self.storage_version += 1
         if complete:
             self.loaded = True
 

@@ -1,0 +1,107 @@
+"""ShardFleet logic without processes or Ray: a fake launcher and mock shard HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from rlix.errors import EngineStateError
+from rlix.inference.client import RemoteInferenceClient
+from rlix.inference.fleet import ShardFleet
+from rlix.inference.router import Router
+
+
+class FakeLauncher:
+    def __init__(self, fail: set[int] = frozenset()) -> None:
+        self.running: dict[int, int] = {}
+        self.fail = fail
+
+    async def start(self, rank: int) -> str:
+        if rank in self.fail:
+            raise EngineStateError(f"shard {rank} did not start")
+        self.running[rank] = 1000 + rank
+        return f"http://shard{rank}"
+
+    async def stop(self, rank: int) -> None:
+        self.running.pop(rank, None)
+
+    def pids(self) -> dict[int, int]:
+        return dict(self.running)
+
+
+def _fleet(launcher, supports_sleep=True, busy_polls=2):
+    calls: list[tuple[str, str]] = []
+    polls = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        calls.append((host, path + ("?" + request.url.query.decode() if request.url.query else "")))
+        if path == "/metrics":
+            polls["n"] += 1
+            running = 1 if polls["n"] <= busy_polls else 0  # a straggler, then drained
+            return httpx.Response(200, text=f'vllm:num_requests_running{{engine="0"}} {running}\n'
+                                             'vllm:num_requests_waiting{engine="0"} 0\n')
+        if path == "/wake_up":
+            return httpx.Response(200, json={"status": "awake", "tags": None})
+        return httpx.Response(200, json={"status": "ok"})
+
+    router = Router("k")
+    client = RemoteInferenceClient(None, {}, "k")
+    fleet = ShardFleet(launcher, router, client, supports_sleep=supports_sleep, drain_timeout_s=5, poll_s=0)
+    return fleet, router, client, calls, handler
+
+
+def _install(client, handler):
+    client._http = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+
+def test_preempt_marks_aborts_drains_then_sleeps():
+    async def main():
+        fleet, router, client, calls, handler = _fleet(FakeLauncher())
+        _install(client, handler)
+        await fleet.start([0, 1])
+        assert router.table.active_ranks() == [0, 1]
+        report = (await fleet.sleep_partial([1]))[1]
+        states = {s["rank"]: s["state"] for s in await router.shards()}
+        assert states == {0: "active", 1: "preempted"}
+        await fleet.expand([1])
+        assert router.table.active_ranks() == [0, 1]
+        await fleet.shutdown()
+        return report, calls, fleet
+
+    report, calls, fleet = asyncio.run(main())
+    shard1 = [p for h, p in calls if h == "shard1"]
+    # abort, then polls (re-aborting the straggler), then sleep; wake on expand
+    assert shard1[0] == "/abort_requests" and shard1[-2].startswith("/sleep?level=1")
+    assert shard1.count("/abort_requests") == 3 and shard1[-1] == "/wake_up"
+    assert report["forced"] is False and report["to_asleep_ms"] >= report["before_sleep_ms"]
+    assert not fleet.launcher.running and not fleet.shards
+
+
+def test_backend_without_sleep_pauses_instead():
+    async def main():
+        fleet, router, client, calls, handler = _fleet(FakeLauncher(), supports_sleep=False, busy_polls=0)
+        _install(client, handler)
+        await fleet.start([0])
+        await fleet.sleep_partial([0])
+        await fleet.wake_up_partial([0])
+        await fleet.activate([0])
+        return calls
+
+    paths = [p for _, p in asyncio.run(main())]
+    assert "/pause?mode=abort" in paths and "/resume" in paths and not any(p.startswith("/sleep") for p in paths)
+
+
+def test_failed_start_leaves_nothing_behind():
+    async def main():
+        launcher = FakeLauncher(fail={2})
+        fleet, router, client, calls, handler = _fleet(launcher)
+        await fleet.start([0])
+        with pytest.raises(EngineStateError, match="did not start"):
+            await fleet.start([1, 2])
+        return launcher, fleet, await router.shards()
+
+    launcher, fleet, shards = asyncio.run(main())
+    assert sorted(launcher.running) == [0] and sorted(fleet.shards) == [0] and [s["rank"] for s in shards] == [0]

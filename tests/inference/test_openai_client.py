@@ -1,0 +1,67 @@
+"""Acceptance: the official `openai` client, pointed at the router, gets completions and chat
+completions, plain and streamed, from the tiny model served by two shard processes."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kit import router_process, shard_processes
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_model_dir):
+    with shard_processes(tiny_model_dir, 2) as procs:
+        with router_process({i: p.url for i, p in enumerate(procs)}) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused-by-the-router", max_retries=0)
+            yield client
+            client.close()
+
+
+def test_completion(oai):
+    r = oai.completions.create(model="tiny", prompt="Once upon", max_tokens=7,
+                               extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == "tiny"
+    assert r.choices[0].finish_reason == "length" and isinstance(r.choices[0].text, str)
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens > 0
+
+
+def test_completion_stream(oai):
+    chunks = list(oai.completions.create(model="tiny", prompt="Once upon", max_tokens=6, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body={"ignore_eos": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat(oai):
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    assert r.usage.completion_tokens == 5
+
+
+def test_chat_stream(oai):
+    chunks = list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    plain = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    greedy = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}))
+    assert greedy == plain.choices[0].message.content and isinstance(text, str)
+
+
+def test_models_and_errors_pass_through(oai):
+    assert [m.id for m in oai.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oai.completions.create(model="tiny", prompt="x", max_tokens=0)

@@ -1,0 +1,177 @@
+"""The router against real shard processes: re-dispatch on preemption (abort from a preempted
+shard, or a dead shard), pass-through of ordinary aborts, session stickiness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import httpx
+import pytest
+
+from kit import KEY, shard_processes
+from rlix.inference.client import RemoteInferenceClient
+from rlix.inference.router import Router, RouterServer
+
+N = 120
+GREEDY = {"max_tokens": N, "temperature": 0, "ignore_eos": True}
+CASES = {
+    "cmpl": ("/v1/completions", {"model": "tiny", "prompt": "once upon a time", **GREEDY}),
+    "chat": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **GREEDY}),
+    "gen": ("/inference/v1/generate", {"token_ids": [9, 8, 7], "sampling_params": GREEDY}),
+}
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model_dir):
+    with shard_processes(tiny_model_dir, 2) as procs:
+        yield [p.url for p in procs]
+
+
+def _tokens(kind: str, stream: bool, payload) -> tuple[list[int], str, list[str]]:
+    """(token ids, text, finish reasons) of one answer."""
+    if not stream:
+        c = payload["choices"][0]
+        text = c.get("text") if kind != "chat" else c["message"]["content"]
+        return c["token_ids"], text or "", [c["finish_reason"]]
+    ids, text, finishes = [], "", []
+    for chunk in payload:
+        if not chunk["choices"]:
+            continue
+        c = chunk["choices"][0]
+        ids += c.get("token_ids") or []
+        text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+        if c["finish_reason"]:
+            finishes.append(c["finish_reason"])
+    return ids, text, finishes
+
+
+async def _call(http, url, kind, stream, session=None):
+    path, body = CASES[kind]
+    body = {**body, "return_token_ids": True, "stream": stream}
+    headers = {"X-Session-ID": session} if session else {}
+    r = await http.post(url + path, json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    return [json.loads(x) for x in lines[:-1]]
+
+
+async def _running(client: RemoteInferenceClient, rank: int) -> float:
+    return (await client.load([rank]))[rank]["running"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["cmpl", "chat", "gen"])
+def test_preempted_request_is_redispatched_with_its_tokens(shards, kind, stream):
+    async def main():
+        router = Router(KEY)
+        server = RouterServer(router)
+        await server.start()
+        client = RemoteInferenceClient(server.url, dict(enumerate(shards)), KEY)
+        try:
+            await router.set_shard(0, shards[0], "active")
+            await router.set_shard(1, shards[1], "inactive")
+            async with httpx.AsyncClient(timeout=60) as http:
+                reference = await _call(http, server.url, kind, stream)
+                task = asyncio.create_task(_call(http, server.url, kind, stream))
+                while await _running(client, 0) < 1:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.15)  # let it generate part of its tokens on shard 0
+                await router.set_shard(1, state="active")
+                await router.set_shard(0, state="preempted")  # what the fleet does first
+                await client.abort_requests([0])
+                cut = await asyncio.wait_for(task, 60)
+            return reference, cut, router.relay.redispatched
+        finally:
+            await client.aclose()
+            await server.stop()
+
+    reference, cut, redispatched = asyncio.run(main())
+    ref_ids, ref_text, _ = _tokens(kind, stream, reference)
+    ids, text, finishes = _tokens(kind, stream, cut)
+    assert redispatched == 1
+    assert finishes == ["length"] and len(ids) == N
+    # greedy decoding continued from the accumulated tokens gives the uninterrupted answer
+    assert ids == ref_ids
+    assert text.replace("\ufffd", "") == ref_text.replace("\ufffd", "")
+    if kind == "gen" and not stream:
+        spans = cut["choices"][0]["weight_versions"]
+        assert len(spans) == 2 and spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
+        assert spans[1]["end"] == N
+
+
+def test_ordinary_abort_reaches_the_caller(shards):
+    async def main():
+        router = Router(KEY)
+        server = RouterServer(router)
+        await server.start()
+        client = RemoteInferenceClient(server.url, {0: shards[0]}, KEY)
+        try:
+            await router.set_shard(0, shards[0], "active")
+            async with httpx.AsyncClient(timeout=60) as http:
+                task = asyncio.create_task(_call(http, server.url, "gen", False))
+                while await _running(client, 0) < 1:
+                    await asyncio.sleep(0.005)
+                await client.abort_requests([0])  # not preempted: e.g. a pause(abort) for a sync
+                return await task, router.relay.redispatched
+        finally:
+            await client.aclose()
+            await server.stop()
+
+    answer, redispatched = asyncio.run(main())
+    assert answer["choices"][0]["finish_reason"] == "abort" and redispatched == 0
+
+
+def test_dead_shard_is_redispatched(tiny_model_dir, shards):
+    async def main():
+        with shard_processes(tiny_model_dir, 1) as (doomed,):
+            router = Router(KEY)
+            server = RouterServer(router)
+            await server.start()
+            client = RemoteInferenceClient(server.url, {9: doomed.url}, KEY)
+            try:
+                await router.set_shard(9, doomed.url, "active")
+                async with httpx.AsyncClient(timeout=60) as http:
+                    tasks = [asyncio.create_task(_call(http, server.url, k, s))
+                             for k, s in (("gen", False), ("cmpl", True))]
+                    while await _running(client, 9) < 2:
+                        await asyncio.sleep(0.005)
+                    await router.set_shard(0, shards[0], "active")
+                    os.kill(doomed.pid, signal.SIGKILL)  # the process dies mid-request
+                    results = await asyncio.gather(*tasks)
+                return results, router.relay.redispatched
+            finally:
+                await client.aclose()
+                await server.stop()
+
+    (gen, cmpl), redispatched = asyncio.run(main())
+    assert redispatched >= 2
+    for kind, stream, payload in (("gen", False, gen), ("cmpl", True, cmpl)):
+        ids, _, finishes = _tokens(kind, stream, payload)
+        assert len(ids) == N and finishes == ["length"]
+
+
+def test_session_stickiness(shards):
+    async def main():
+        router = Router(KEY)
+        server = RouterServer(router)
+        await server.start()
+        try:
+            for i, url in enumerate(shards):
+                await router.set_shard(i, url, "active")
+            async with httpx.AsyncClient(timeout=60) as http:
+                body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+                for _ in range(6):
+                    r = await http.post(server.url + "/v1/completions", json=body, headers={"X-Session-ID": "abc"})
+                    assert r.status_code == 200
+            return [s["served"] for s in await router.shards()]
+        finally:
+            await server.stop()
+
+    served = asyncio.run(main())
+    assert sorted(served) == [0, 6]

@@ -1,0 +1,71 @@
+"""Routing rules of the router's shard table (pure, no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlix.errors import InvalidRequestError, NoActiveShardError
+from rlix.inference.shards import HashRing, ShardState, ShardTable
+
+
+def _table(active=(0, 1, 2), inactive=()) -> ShardTable:
+    t = ShardTable()
+    for r in active:
+        t.set(r, f"http://s{r}", ShardState.ACTIVE)
+    for r in inactive:
+        t.set(r, f"http://s{r}", ShardState.INACTIVE)
+    return t
+
+
+def test_least_outstanding_and_only_active():
+    t = _table(active=(0, 1), inactive=(2,))
+    t.shards[0].outstanding = 3
+    assert t.pick(None).rank == 1
+    t.shards[1].outstanding = 5
+    assert t.pick(None).rank == 0
+    assert t.pick(None, frozenset({0, 1})) is None  # the inactive shard is never chosen
+
+
+def test_sessions_are_sticky_and_move_only_from_a_leaving_shard():
+    t = _table(active=(0, 1, 2, 3))
+    before = {f"s{i}": t.pick(f"s{i}").rank for i in range(400)}
+    assert len(set(before.values())) == 4
+    assert all(t.pick(s).rank == r for s, r in before.items())  # sticky
+    t.set(2, state="preempted")
+    after = {s: t.pick(s).rank for s in before}
+    moved = {s for s in before if before[s] != after[s]}
+    assert moved == {s for s, r in before.items() if r == 2}  # consistent hashing
+    assert 2 not in after.values()
+
+
+def test_ring_lookup_skips_excluded():
+    ring = HashRing([0, 1])
+    first = ring.lookup("k")
+    assert ring.lookup("k", frozenset({first})) == 1 - first
+    assert ring.lookup("k", frozenset({0, 1})) is None
+
+
+def test_requests_wait_for_an_active_shard_then_time_out():
+    async def main():
+        t = _table(active=(), inactive=(0,))
+        waiter = asyncio.create_task(t.acquire(None, timeout_s=5))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # held, not failed
+        t.set(0, state="active")
+        shard = await asyncio.wait_for(waiter, 1)
+        assert shard.rank == 0 and shard.outstanding == 1
+        t.release(shard, True)
+        t.set(0, state="inactive")
+        with pytest.raises(NoActiveShardError):
+            await t.acquire("sess", timeout_s=0.05)
+    asyncio.run(main())
+
+
+def test_bad_admin_input():
+    t = ShardTable()
+    with pytest.raises(InvalidRequestError, match="give its url"):
+        t.set(3, state="active")
+    with pytest.raises(InvalidRequestError, match="unknown shard state"):
+        t.set(3, "http://x", "sleepy")
