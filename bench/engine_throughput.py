@@ -162,8 +162,8 @@ def main() -> None:
         "one_at_a_time_tok_s": round(one_at_a_time or 0.0, 1),
         "static_batch_tok_s_c8": round(by_c[8][1], 1),
         "static_batch_tok_s_c32": round(by_c[32][1], 1),
-        "vs_one_at_a_time_c32": round(by_c[32][0] / (one_at_a_time or 1.0), 2),
-        "vs_static_batch_c32": round(by_c[32][0] / by_c[32][1], 2),
+        "speedup_vs_sequential_at_32": round(by_c[32][0] / (one_at_a_time or 1.0), 2),
+        "speedup_vs_static_batch_at_32": round(by_c[32][0] / by_c[32][1], 2),
     }
     print(json.dumps(headline))
 

@@ -9,7 +9,7 @@ nothing new reaches it; goal <= 200 ms) and the sleep call (freeing the KV cache
 weights; engine-bound). Every load request must still finish with all its tokens (re-dispatched).
 Every process started is ended by its PID. Ends by printing one JSON line of headline figures.
 
-    .venv/bin/python bench/preemption_latency.py [--rounds 8] [--concurrency 16]
+    .venv/bin/python bench/preemption.py [--rounds 8] [--concurrency 16]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ async def main(rounds: int, concurrency: int) -> dict:
         await client.aclose()
     med = lambda k: round(statistics.median(r[k] for r in reports), 3)  # noqa: E731
     mx = lambda k: round(max(r[k] for r in reports), 3)  # noqa: E731
-    return {"bench": "preemption_latency", "rounds": rounds, "concurrency": concurrency,
+    return {"bench": "preemption", "rounds": rounds, "concurrency": concurrency,
             "goal_preempt_ms": 200,
             "preempt_ms_p50": med("before_sleep_ms"), "preempt_ms_max": mx("before_sleep_ms"),
             "sleep_ms_p50": med("sleep_ms"), "sleep_ms_max": mx("sleep_ms"),
