@@ -62,7 +62,11 @@ class ServedWeights:
                 if backup is None:
                     backup = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
                     self._host_backup[name] = backup
-                backup.copy_(param.data)
+                backup.copy_(param.data, non_blocking=True)
+            # One wait for all the copies instead of one per tensor; only then let go of the
+            # device storage.
+            torch.cuda.synchronize(self.device)
+            for param in self.params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
             self.storage_version += 1
         self.on_device = False
