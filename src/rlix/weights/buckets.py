@@ -1,0 +1,153 @@
+"""Bucket layout and packing: the model's named tensors, in order, in aligned uint8 buckets.
+
+The layout is computed once per model shape (names, dtypes, shapes never change between
+training steps), sent once, and cached on both ends; each update then moves whole buckets and
+says only (version, bucket index). That keeps per-update metadata and per-transfer handles
+independent of the number of tensors: the costs that dominate refits of many-tensor models.
+The decoding half lives in receiver.py, which must stay free of rlix imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+
+from rlix.errors import WeightUpdateError
+from rlix.weights.receiver import DTYPE_CODES, BucketAssembler, Layout, ReceiveError, TensorEntry
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_ALIGNMENT = 256
+
+TensorSpec = tuple[str, Sequence[int], torch.dtype]
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def named_weights(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors to sync, by name: a module's parameters (tied ones once, under their first
+    name, as the engine knows them) or a state dict with storage-sharing aliases dropped."""
+    if isinstance(source, torch.nn.Module):
+        return {name: p.detach() for name, p in source.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, t in source.items():
+        if not isinstance(t, torch.Tensor):
+            raise WeightUpdateError(f"{name}: expected a tensor, got {type(t).__name__}")
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        out[name] = t.detach()
+    return out
+
+
+def plan_layout(tensors: Mapping[str, torch.Tensor] | Iterable[TensorSpec],
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                alignment: int = DEFAULT_ALIGNMENT) -> Layout:
+    """Place tensors in order: each at the next aligned offset of the current bucket; one that
+    does not fit starts a new bucket, and one larger than a bucket fills the rest of the current
+    bucket and continues in the next ones (split)."""
+    specs = ([(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+             if isinstance(tensors, Mapping) else [(n, tuple(s), d) for n, s, d in tensors])
+    if alignment < 8 or alignment & (alignment - 1):
+        raise WeightUpdateError(f"alignment must be a power of two >= 8, got {alignment}")
+    cap = bucket_bytes // alignment * alignment
+    if cap <= 0:
+        raise WeightUpdateError(f"bucket size {bucket_bytes} is smaller than the alignment {alignment}")
+    entries: list[TensorEntry] = []
+    sizes: list[int] = []
+    bucket, used = 0, 0
+    for name, shape, dtype in specs:
+        if dtype not in DTYPE_CODES:
+            raise WeightUpdateError(f"{name}: dtype {dtype} cannot be synced")
+        entry = TensorEntry(name, dtype, tuple(int(d) for d in shape), 0, 0)
+        n = entry.nbytes
+        offset = _align(used, alignment)
+        if n and offset + n > cap and (n <= cap or offset >= cap):
+            sizes.append(_align(used, alignment))  # close this bucket, start the next one
+            bucket, offset = bucket + 1, 0
+        entries.append(TensorEntry(entry.name, dtype, entry.shape, bucket, offset))
+        if offset + n <= cap:
+            used = offset + n
+            continue
+        spill = n - (cap - offset)  # split: fill this bucket, whole buckets, then a tail
+        sizes.append(cap)
+        while spill > cap:
+            sizes.append(cap)
+            spill -= cap
+        bucket, used = len(sizes), spill
+    if used or not sizes and entries:
+        sizes.append(max(_align(used, alignment), alignment))
+    try:
+        return Layout(entries, sizes, cap, alignment)
+    except ReceiveError as exc:  # a planning bug, never a user error
+        raise WeightUpdateError(f"internal: planned an invalid layout: {exc}") from None
+
+
+def bucket_views(layout: Layout, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Split one flat uint8 host buffer (all buckets end to end) into per-bucket views."""
+    if flat.dtype != torch.uint8 or flat.numel() < layout.total_bytes:
+        raise WeightUpdateError(f"buffer of {flat.numel()} bytes is too small for layout "
+                                f"{layout.layout_id} ({layout.total_bytes} bytes)")
+    return [flat[o: o + s] for o, s in zip(layout.bucket_offsets(), layout.bucket_sizes)]
+
+
+def pack(layout: Layout, tensors: Mapping[str, torch.Tensor],
+         buckets: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Copy `tensors` into their buckets (allocated here unless given) and return the buckets.
+
+    Every tensor of the layout must be given with its layout shape and dtype. Copies from a GPU
+    into pinned buckets are issued asynchronously and waited for once at the end.
+    """
+    if buckets is None:
+        buckets = [torch.zeros(s, dtype=torch.uint8) for s in layout.bucket_sizes]
+    if len(buckets) != layout.num_buckets:
+        raise WeightUpdateError(f"{len(buckets)} buckets given, layout has {layout.num_buckets}")
+    missing = [e.name for e in layout.entries if e.name not in tensors]
+    extra = [n for n in tensors if n not in layout.index]
+    if missing or extra:
+        raise WeightUpdateError(f"tensors do not match layout {layout.layout_id}: missing "
+                                f"{missing[:5]}, unexpected {extra[:5]}")
+    cuda_used = False
+    for entry in layout.entries:
+        src = tensors[entry.name]
+        if tuple(src.shape) != entry.shape or src.dtype != entry.dtype:
+            raise WeightUpdateError(f"{entry.name}: {src.dtype} {tuple(src.shape)} does not match the "
+                                    f"layout's {entry.dtype} {entry.shape}")
+        if entry.nbytes == 0:
+            continue
+        cuda_used |= src.is_cuda
+        _scatter(layout, buckets, entry, src)
+    if cuda_used:
+        torch.cuda.synchronize()
+    return list(buckets)
+
+
+def _scatter(layout: Layout, buckets: Sequence[torch.Tensor], entry: TensorEntry,
+             src: torch.Tensor) -> None:
+    if layout.num_parts[layout.index[entry.name]] == 1:
+        dst = buckets[entry.bucket][entry.offset: entry.offset + entry.nbytes]
+        dst.view(entry.dtype).view(entry.shape).copy_(src, non_blocking=True)
+        return
+    flat = src.contiguous().reshape(-1).view(torch.uint8)
+    bucket, offset, start, remaining = entry.bucket, entry.offset, 0, entry.nbytes
+    while remaining:
+        take = min(remaining, layout.bucket_sizes[bucket] - offset)
+        buckets[bucket][offset: offset + take].copy_(flat[start: start + take], non_blocking=True)
+        start, remaining, bucket, offset = start + take, remaining - take, bucket + 1, 0
+
+
+def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of the layout from a full set of buckets: views where a tensor lies in one
+    bucket, reassembled copies for split tensors."""
+    assembler = BucketAssembler(layout)
+    out: dict[str, torch.Tensor] = {}
+    for index, bucket in enumerate(buckets):
+        out.update(assembler.feed(index, bucket))
+    if assembler.pending() or len(out) != len(layout.entries):
+        raise WeightUpdateError(f"buckets incomplete: {assembler.pending()[:5]} never finished")
+    return out

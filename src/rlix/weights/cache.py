@@ -1,0 +1,226 @@
+"""Versioned CPU bucket cache: the trainer's weights, snapshotted after a step, served to shards.
+
+The trainer snapshots into host memory and gives its GPUs back; shards are synced from here
+later, on their own schedule. Two slots at most (the version being built or just built, and the
+version shards are being moved to), allocated once and reused, because pinning host memory
+costs ~0.5 s per GiB: building a third version overwrites the slot not holding the active one.
+Slots are pinned when CUDA is present (fast host-to-GPU copies), else POSIX shared memory so a
+receiving process on this host maps them with no copy at all.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from rlix.errors import HostMemoryError, WeightCacheError
+from rlix.weights.buckets import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, bucket_views, named_weights,
+                                  pack, plan_layout)
+from rlix.weights.receiver import SHM_DIR, Layout, ShmSegment, bucket_checksum
+
+HostMemory = Literal["auto", "pinned", "shm", "pageable"]
+MAX_VERSIONS = 2
+GiB = 1 << 30
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int:
+    """MemAvailable in bytes: what the kernel says can be allocated without swapping."""
+    with open(meminfo) as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise WeightCacheError(f"{meminfo} has no MemAvailable line")
+
+
+def shm_available() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+@dataclass
+class _Slot:
+    flat: torch.Tensor
+    buckets: list[torch.Tensor]
+    segment: ShmSegment | None
+    version: int | None = None
+    building: bool = False
+    leases: int = 0
+    checksums: list[int] | None = field(default=None)
+
+
+class BucketCache:
+    """At most two versions of one model's buckets in host memory: `latest` and `active`."""
+
+    def __init__(self, layout: Layout, *, host: HostMemory = "auto", reserve_bytes: int = 0,
+                 meminfo: str = "/proc/meminfo") -> None:
+        self.layout = layout
+        self.host = _resolve_host(host)
+        self.meminfo = meminfo
+        self.reserve_bytes = reserve_bytes
+        self._slots: list[_Slot] = []
+        self._lock = threading.Lock()
+        self.latest_version: int | None = None
+        self.active_version: int | None = None
+        self._check_fits(MAX_VERSIONS, "up front")
+
+    @classmethod
+    def for_model(cls, source: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, alignment: int = DEFAULT_ALIGNMENT,
+                  host: HostMemory = "auto", reserve_bytes: int = 0,
+                  meminfo: str = "/proc/meminfo") -> BucketCache:
+        """Plan the layout from the model's tensors (the trainer side does this once)."""
+        layout = plan_layout(named_weights(source), bucket_bytes, alignment)
+        return cls(layout, host=host, reserve_bytes=reserve_bytes, meminfo=meminfo)
+
+    # -- memory -----------------------------------------------------------------------------
+    @property
+    def slot_bytes(self) -> int:
+        return self.layout.total_bytes
+
+    def host_bytes(self) -> int:
+        """Host memory this cache holds now."""
+        return sum(s.flat.numel() for s in self._slots)
+
+    def _check_fits(self, slots: int, when: str) -> None:
+        need = slots * self.slot_bytes
+        if need == 0:
+            return
+        avail = mem_available(self.meminfo) - self.reserve_bytes
+        where = "MemAvailable in " + self.meminfo
+        if self.host == "shm":
+            shm = shm_available()
+            if shm < avail:
+                avail, where = shm, f"free space in {SHM_DIR}"
+        if need > avail:
+            raise HostMemoryError(
+                f"weight cache refused {when}: {slots} version(s) of {self.slot_bytes / GiB:.2f} GiB "
+                f"({self.slot_bytes} bytes, {len(self.layout.entries)} tensors in "
+                f"{self.layout.num_buckets} buckets) need {need / GiB:.2f} GiB but only "
+                f"{max(avail, 0) / GiB:.2f} GiB ({max(avail, 0)} bytes) is free ({where}"
+                f"{f', minus a reserve of {self.reserve_bytes} bytes' if self.reserve_bytes else ''})")
+
+    def _new_slot(self) -> _Slot:
+        self._check_fits(1, f"allocating version slot {len(self._slots) + 1}")
+        n, segment = self.slot_bytes, None
+        if self.host == "shm":
+            segment = ShmSegment.create(n, prefix="rlix-w")
+            flat = segment.tensor
+        elif self.host == "pinned":
+            flat = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        else:
+            flat = torch.empty(n, dtype=torch.uint8)
+        return _Slot(flat, bucket_views(self.layout, flat), segment)
+
+    # -- versions ---------------------------------------------------------------------------
+    def versions(self) -> tuple[int, ...]:
+        return tuple(sorted(s.version for s in self._slots if s.version is not None))
+
+    def build_latest(self, version: int, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Snapshot `source` (a model, or its gathered state dict) as `version` and make it latest.
+        Raises WeightCacheError if the slot it would overwrite is being synced."""
+        version = int(version)
+        tensors = named_weights(source)
+        with self._lock:
+            slot = self._pick_slot(version)
+            slot.version, slot.building, slot.checksums = None, True, None
+        try:
+            pack(self.layout, tensors, slot.buckets)
+        except BaseException:
+            with self._lock:
+                slot.building = False
+                if self.latest_version == version:
+                    self.latest_version = None
+            raise
+        with self._lock:
+            slot.version, slot.building = version, False
+            self.latest_version = version
+
+    def _pick_slot(self, version: int) -> _Slot:
+        same = [s for s in self._slots if s.version == version]
+        if same:
+            slot = same[0]
+        elif len(self._slots) < MAX_VERSIONS:
+            slot = self._new_slot()
+            self._slots.append(slot)
+            return slot
+        else:
+            free = [s for s in self._slots if s.version != self.active_version or s.version is None]
+            slot = min(free, key=lambda s: -1 if s.version is None else s.version)
+        if slot.building:
+            raise WeightCacheError(f"version {slot.version} is being built concurrently")
+        if slot.leases:
+            raise WeightCacheError(f"cannot build version {version}: the slot it must reuse holds "
+                                   f"version {slot.version}, which {slot.leases} sync(s) are reading")
+        if slot.version is not None and slot.version == self.active_version:
+            raise WeightCacheError(f"version {version} is the active version; build under a new version")
+        return slot
+
+    def promote_active(self, version: int) -> None:
+        """Make `version` the one served to shards; the other slot becomes reusable."""
+        with self._lock:
+            self._find(version)
+            self.active_version = int(version)
+
+    def _find(self, version: int) -> _Slot:
+        for s in self._slots:
+            if s.version == version and not s.building:
+                return s
+        raise WeightCacheError(f"weight version {version} is not in the cache (it holds {self.versions()})")
+
+    def buckets(self, version: int) -> list[torch.Tensor]:
+        return list(self._find(version).buckets)
+
+    def checksums(self, version: int) -> list[int]:
+        """Per-bucket checksums of `version`, computed once and kept with the slot."""
+        slot = self._find(version)
+        if slot.checksums is None:
+            slot.checksums = [bucket_checksum(b) for b in slot.buckets]
+        return list(slot.checksums)
+
+    @contextmanager
+    def lease(self, version: int) -> Iterator[list[torch.Tensor]]:
+        """Hold `version` for a sync: building over its slot is refused until released."""
+        with self._lock:
+            slot = self._find(version)
+            slot.leases += 1
+        try:
+            yield list(slot.buckets)
+        finally:
+            with self._lock:
+                slot.leases -= 1
+
+    def shm_segments(self) -> list[ShmSegment]:
+        return [s.segment for s in self._slots if s.segment is not None]
+
+    def close(self) -> None:
+        with self._lock:
+            for s in self._slots:
+                s.buckets.clear()
+                if s.segment is not None:
+                    s.segment.close()
+            self._slots.clear()
+            self.latest_version = self.active_version = None
+
+    def __enter__(self) -> BucketCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resolve_host(host: HostMemory) -> str:
+    if host not in ("auto", "pinned", "shm", "pageable"):
+        raise WeightCacheError(f"host memory must be auto, pinned, shm or pageable, got {host!r}")
+    if host == "auto":
+        if torch.cuda.is_available():
+            return "pinned"
+        return "shm" if os.path.isdir(SHM_DIR) else "pageable"
+    if host == "pinned" and not torch.cuda.is_available():
+        raise WeightCacheError("pinned host memory needs CUDA; use host='shm' or 'pageable'")
+    return host

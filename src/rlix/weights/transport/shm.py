@@ -1,0 +1,85 @@
+"""POSIX shared memory between processes of one host: the receiver maps the sender's buffer
+and reads the bucket in place; no byte goes through a socket.
+
+When the cache itself lives in shared memory (the default without CUDA) a message is just
+(segment name, offset); any other buffer is first copied into one of two staging segments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from rlix.weights.receiver import ShmMapper, ShmSegment
+from rlix.weights.transport.base import Message, ReceiverBase, SenderBase, header
+
+
+class ShmSender(SenderBase):
+    kind = "shm"
+
+    def __init__(self, segments: Callable[[], Iterable[ShmSegment]] | None = None) -> None:
+        self._segments = segments
+        self._staging: list[ShmSegment] = []
+        self._turn = 0
+
+    def _locate(self, buffer: torch.Tensor) -> tuple[str, int] | None:
+        if buffer.device.type != "cpu" or self._segments is None:
+            return None
+        ptr, n = buffer.data_ptr(), buffer.numel()
+        for seg in self._segments():
+            base = seg.tensor.data_ptr()
+            if base <= ptr and ptr + n <= base + seg.nbytes:
+                return seg.name, ptr - base
+        return None
+
+    def send(self, version: int, index: int, buffer: torch.Tensor, checksum: int | None = None) -> Message:
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("shm transport sends flat contiguous uint8 buckets")
+        where = self._locate(buffer)
+        if where is None:  # not in shared memory yet: stage it (two segments, alternating)
+            slot = self._turn % 2
+            self._turn += 1
+            if len(self._staging) <= slot or self._staging[slot].nbytes < buffer.numel():
+                if len(self._staging) > slot:
+                    self._staging[slot].close()
+                    self._staging[slot] = ShmSegment.create(buffer.numel(), prefix="rlix-s")
+                else:
+                    self._staging.append(ShmSegment.create(buffer.numel(), prefix="rlix-s"))
+            seg = self._staging[slot]
+            seg.tensor[: buffer.numel()].copy_(buffer)
+            where = (seg.name, 0)
+        return {**header(version, index, buffer.numel(), checksum), "shm": where[0], "offset": where[1]}
+
+    def close(self) -> None:
+        for seg in self._staging:
+            seg.close()
+        self._staging.clear()
+
+
+class ShmReceiver(ReceiverBase):
+    kind = "shm"
+    persistent = True  # segments stay mapped; the cache reuses its slots across versions
+
+    def __init__(self) -> None:
+        self._mapper = ShmMapper()
+
+    def receive(self, message: Message) -> torch.Tensor:
+        return self._mapper.bucket(str(message["shm"]), int(message["offset"]), int(message["nbytes"]))
+
+    def close(self) -> None:
+        self._mapper.close()
+
+
+class ShmTransport:
+    kind = "shm"
+
+    def __init__(self, segments: Callable[[], Iterable[ShmSegment]] | None = None) -> None:
+        self.segments = segments
+
+    def sender(self) -> ShmSender:
+        return ShmSender(self.segments)
+
+    def receiver(self, device: str | torch.device = "cpu", **_: Any) -> ShmReceiver:
+        return ShmReceiver()
