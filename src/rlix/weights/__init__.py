@@ -1,5 +1,6 @@
 """Weight sync: packed buckets, a versioned CPU bucket cache, transports (shm, CUDA IPC, NCCL).
 
-Work in progress (issue 4): the bucket layout and receiver are tested (tests/weights/); the
-cache, the transports and selective sync are not yet.
+Work in progress (issue 4): the bucket layout, the receiver and the shm transport (across
+processes) are tested (tests/weights/); the cache, the CUDA IPC and NCCL transports are not yet,
+and selective sync (sync.py) is still to be written.
 """
