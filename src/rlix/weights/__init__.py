@@ -1,6 +1,18 @@
-"""Weight sync: packed buckets, a versioned CPU bucket cache, transports (shm, CUDA IPC, NCCL).
+"""Weight sync: the trainer's weights, in buckets, from a CPU cache to chosen inference shards.
 
-Work in progress (issue 4): the bucket layout, the receiver and the shm transport (across
-processes) are tested (tests/weights/); the cache, the CUDA IPC and NCCL transports are not yet,
-and selective sync (sync.py) is still to be written.
+buckets.py   layout (computed once) and packing          receiver.py  decoding, torch-only
+cache.py     versioned host cache (latest + active)      transport/   local, shm, cuda_ipc, nccl
+endpoint.py  a shard's receiving end + driver interface  remote.py    a shard in another process
+sync.py      selective sync to a set of DP ranks         apply.py     loading into a model
 """
+
+from rlix.weights.apply import ModelEngine, load_into_model
+from rlix.weights.buckets import named_weights, pack, plan_layout, unpack
+from rlix.weights.cache import BucketCache
+from rlix.weights.endpoint import InProcessEndpoint, ShardEndpoint, ShardReceiver, WeightTarget
+from rlix.weights.receiver import BucketAssembler, Layout, bucket_checksum
+from rlix.weights.sync import SyncReport, WeightSync
+
+__all__ = ["BucketAssembler", "BucketCache", "InProcessEndpoint", "Layout", "ModelEngine",
+           "ShardEndpoint", "ShardReceiver", "SyncReport", "WeightSync", "WeightTarget",
+           "bucket_checksum", "load_into_model", "named_weights", "pack", "plan_layout", "unpack"]

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from rlix.errors import WeightUpdateError
+from rlix.weights.receiver import Layout, TensorEntry
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -67,11 +68,17 @@ class ModelEngine:
     finish: a dict-backed engine flips staging and served (O(1)); a module-backed one copies the
     staged tensors into its parameters in place with load_into_model. Any refusal drops the
     staging, so the old weights keep serving. probe() answers at any time, as generation would.
+
+    A dict-backed engine also adopts the transfer's bucket layout (adopt_layout): its weights
+    then live in two flat buffers shaped like the buckets (served, staging), and an update is
+    one copy per bucket whatever the number of tensors (weight_bucket).
     """
 
     def __init__(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], *,
-                 device: str | torch.device | None = None, version: int = 0) -> None:
+                 device: str | torch.device | None = None, version: int = 0,
+                 adopt_layouts: bool = True) -> None:
         self.module = weights if isinstance(weights, torch.nn.Module) else None
+        self.adopt_layouts = adopt_layouts
         if self.module is not None:
             if device is not None:
                 self.module.to(device)
@@ -84,6 +91,12 @@ class ModelEngine:
         self._ptrs: dict[int, str] = {}
         self._updating: int | None = None
         self._got: set[str] = set()
+        self._flat: list[torch.Tensor] = []  # [served, staging] when a layout is adopted
+        self._bucket_maps: list[list[dict[str, torch.Tensor]]] = []
+        self._spans: list[tuple[int, int]] = []
+        self._own_ids: list[set[int]] = [set(), set()]
+        self._flat_ptrs: list[dict[int, str]] = [{}, {}]
+        self._on_cuda = any(t.is_cuda for t in served.values())
         self.weight_version = int(version)
         self.aborts: list[str] = []
         self.max_model_len = 0
@@ -111,6 +124,43 @@ class ModelEngine:
             return None
         return self._staging.get(name)
 
+    def adopt_layout(self, layout: Layout) -> bool:
+        """Re-home the weights in the bucket layout (called once per layout, outside updates)."""
+        if (not self.adopt_layouts or self.module is not None or self._updating is not None
+                or layout.specs() != self._specs):
+            return False  # only a layout of exactly our tensors (names, shapes, dtypes)
+        devices = {t.device for t in self._served.values()}
+        if len(devices) != 1:
+            return False
+        device = devices.pop()
+        offsets = layout.bucket_offsets()
+        self._spans = list(zip(offsets, layout.bucket_sizes))
+        self._flat = [torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        views = [{e.name: _flat_view(flat, offsets[e.bucket] + e.offset, e) for e in layout.entries}
+                 for flat in self._flat]
+        _copy_all([views[0][n] for n in self._served], list(self._served.values()))
+        self._served, self._staging = views
+        self._ptrs = {t.data_ptr(): n for n, t in self._staging.items() if t.numel()}
+        self._bucket_maps = [[{} for _ in layout.bucket_sizes] for _ in range(2)]
+        for parts in layout.parts_by_bucket:
+            for part in parts:
+                e = layout.entries[part.entry]
+                if part.start + part.nbytes == e.nbytes:  # this bucket completes the tensor
+                    for which in range(2):
+                        self._bucket_maps[which][part.bucket][e.name] = views[which][e.name]
+        self._own_ids = [{id(m) for m in maps} for maps in self._bucket_maps]
+        self._flat_ptrs = [{t.data_ptr(): n for n, t in v.items() if t.numel()} for v in views]
+        self._ptrs = self._flat_ptrs[1]
+        return True
+
+    def weight_bucket(self, index: int) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None:
+        """Where bucket `index` of the adopted layout goes in staging, and the tensors it
+        completes (pass that very mapping to update_weights)."""
+        if self._updating is None or not self._flat:
+            return None
+        off, size = self._spans[index]
+        return self._flat[1][off: off + size], self._bucket_maps[1][index]
+
     async def start_weight_update(self, version: int) -> None:
         if self._updating is not None:
             raise WeightUpdateError(f"an update to version {self._updating} is already in progress")
@@ -122,6 +172,10 @@ class ModelEngine:
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         if self._updating is None or self._staging is None:
             raise WeightUpdateError("no weight update in progress; call start_weight_update first")
+        if self._flat and id(named_tensors) in self._own_ids[1]:
+            self._got.update(named_tensors)  # our own staging views: already in place
+            await asyncio.sleep(0)
+            return
         try:
             _check(self._specs, named_tensors)
         except WeightUpdateError as exc:
@@ -129,25 +183,32 @@ class ModelEngine:
             raise
         staging, ptrs = self._staging, self._ptrs
         pairs = [(staging[n], t) for n, t in named_tensors.items() if ptrs.get(t.data_ptr()) != n]
-        if pairs:
-            await asyncio.to_thread(_copy_all, [d for d, _ in pairs], [s for _, s in pairs])
+        # Copied on the calling thread: torch's OpenMP copies issued from a helper thread run
+        # several times slower on CPU (a second thread team competing for the same cores).
+        _copy_all([d for d, _ in pairs], [s for _, s in pairs])
+        await asyncio.sleep(0)  # let generation (and probes) run between buckets
         self._got.update(named_tensors)
 
     async def finish_weight_update(self) -> int:
         if self._updating is None or self._staging is None:
             raise WeightUpdateError("no weight update in progress; call start_weight_update first")
-        missing = [n for n in self._specs if n not in self._got]
-        if missing:
+        if len(self._got) != len(self._specs):
+            missing = [n for n in self._specs if n not in self._got]
             self._drop("incomplete")
             raise WeightUpdateError(f"update incomplete: {len(missing)} tensors never arrived "
                                     f"({', '.join(missing[:3])}...); old weights keep serving")
-        if any(t.is_cuda for t in self._staging.values()):
+        if self._on_cuda:
             torch.cuda.synchronize()
         if self.module is not None:
             load_into_model(self.module, self._staging)
         else:
             self._served, self._staging = self._staging, self._served
-            self._ptrs = {t.data_ptr(): n for n, t in self._staging.items() if t.numel()}
+            if self._flat:  # O(1): everything per tensor was prepared at adopt_layout
+                for pair in (self._flat, self._bucket_maps, self._own_ids, self._flat_ptrs):
+                    pair.reverse()
+                self._ptrs = self._flat_ptrs[1]
+            else:
+                self._ptrs = {t.data_ptr(): n for n, t in self._staging.items() if t.numel()}
         self.weight_version, self._updating = self._updating, None
         return self.weight_version
 
@@ -158,3 +219,9 @@ class ModelEngine:
         if self._updating is not None:
             self.aborts.append(reason)
         self._updating, self._got = None, set()
+
+
+def _flat_view(flat: torch.Tensor, offset: int, entry: TensorEntry) -> torch.Tensor:
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype, device=flat.device)
+    return flat[offset: offset + entry.nbytes].view(entry.dtype).view(entry.shape)

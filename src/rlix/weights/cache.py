@@ -38,6 +38,11 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
     raise WeightCacheError(f"{meminfo} has no MemAvailable line")
 
 
+def _size(n: int) -> str:
+    unit, div = ("GiB", GiB) if n >= GiB else ("MiB", 1 << 20)
+    return f"{n / div:.2f} {unit} ({n} bytes)"
+
+
 def shm_available() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
@@ -98,12 +103,11 @@ class BucketCache:
             if shm < avail:
                 avail, where = shm, f"free space in {SHM_DIR}"
         if need > avail:
+            reserve = f", minus a reserve of {_size(self.reserve_bytes)}" if self.reserve_bytes else ""
             raise HostMemoryError(
-                f"weight cache refused {when}: {slots} version(s) of {self.slot_bytes / GiB:.2f} GiB "
-                f"({self.slot_bytes} bytes, {len(self.layout.entries)} tensors in "
-                f"{self.layout.num_buckets} buckets) need {need / GiB:.2f} GiB but only "
-                f"{max(avail, 0) / GiB:.2f} GiB ({max(avail, 0)} bytes) is free ({where}"
-                f"{f', minus a reserve of {self.reserve_bytes} bytes' if self.reserve_bytes else ''})")
+                f"weight cache refused {when}: {slots} version(s) of {_size(self.slot_bytes)} "
+                f"({len(self.layout.entries)} tensors in {self.layout.num_buckets} buckets) need "
+                f"{_size(need)} but only {_size(max(avail, 0))} is free ({where}{reserve})")
 
     def _new_slot(self) -> _Slot:
         self._check_fits(1, f"allocating version slot {len(self._slots) + 1}")

@@ -346,6 +346,13 @@ class ReceiveSession:
 
     def accept(self, header: Mapping, bucket: torch.Tensor, cache_views: bool = False
                ) -> list[tuple[str, torch.Tensor]]:
+        """Check the bucket (check()) and return the named tensors it completes."""
+        self.check(header, bucket)
+        return self.assembler.feed(int(header["bucket"]), bucket, cache_views=cache_views)
+
+    def check(self, header: Mapping, bucket: torch.Tensor) -> torch.Tensor:
+        """Validate one bucket against this update (version, index, size, checksum), mark it
+        received, and return exactly its bytes (for receivers that copy whole buckets)."""
         layout = self.assembler.layout
         version, index = header.get("version"), header.get("bucket")
         if version != self.version:
@@ -367,9 +374,8 @@ class ReceiveSession:
             if got != expected:
                 raise ReceiveError("checksum", f"bucket {index} checksum {got:#x} != sender's "
                                                f"{int(expected):#x}: bytes corrupted in transfer")
-        out = self.assembler.feed(index, bucket, cache_views=cache_views)
         self.received.add(index)
-        return out
+        return view
 
     def close(self) -> None:
         layout = self.assembler.layout

@@ -1,0 +1,176 @@
+"""Selective sync: push one cached version to a chosen set of a pipeline's shards.
+
+Only the named shards are touched; the others keep generating. Each pipeline has its own
+WeightSync over its own cache, and nothing here is global, so syncs of different pipelines run
+independently. Per shard the engine's protocol is followed (start, update per bucket, finish),
+so a shard applies the version only at finish and any failure leaves its old weights serving.
+With handle-based transports (local, shm, cuda_ipc) a failing shard is dropped and the others
+complete; with a collective one (nccl) a failure aborts every target, since the group is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlix.errors import WeightSyncError, WeightUpdateError
+from rlix.weights.cache import BucketCache
+from rlix.weights.endpoint import ShardEndpoint
+from rlix.weights.transport import Transport, make_transport
+
+COLLECTIVE = ("nccl",)
+
+
+@dataclass
+class SyncReport:
+    version: int
+    ranks: list[int]
+    buckets: int
+    bytes: int
+    seconds: float  # start of the first start() to the last finish()
+    setup_seconds: float  # layout init (first time only) and transport rendezvous
+    failed: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class WeightSync:
+    """One pipeline's sync driver: its cache, its shards' endpoints, one transport kind."""
+
+    def __init__(self, cache: BucketCache, endpoints: Mapping[int, ShardEndpoint] | None = None,
+                 transport: Transport | str = "shm", *, verify: bool = False, partial: bool = False,
+                 transport_options: Mapping[str, Any] | None = None) -> None:
+        self.cache = cache
+        self.endpoints: dict[int, ShardEndpoint] = dict(endpoints or {})
+        if isinstance(transport, str):
+            opts = dict(transport_options or {})
+            if transport == "shm":
+                opts.setdefault("segments", cache.shm_segments)
+            transport = make_transport(transport, **opts)
+        self.transport = transport
+        self.verify, self.partial = verify, partial
+        self._initialised: dict[int, str] = {}  # rank -> layout id it accepted
+        self._busy: set[int] = set()
+
+    def add_shard(self, rank: int, endpoint: ShardEndpoint) -> None:
+        self.endpoints[rank] = endpoint
+        self._initialised.pop(rank, None)
+
+    def remove_shard(self, rank: int) -> None:
+        self.endpoints.pop(rank, None)
+        self._initialised.pop(rank, None)
+
+    def init_info(self) -> dict[str, Any]:
+        """What /init_weight_transfer_engine carries: sent once per shard and layout."""
+        return {"layout": self.cache.layout.to_json(), "transport": self.transport.kind,
+                "verify": self.verify, "partial": self.partial}
+
+    async def sync(self, version: int, dp_ranks: Iterable[int]) -> SyncReport:
+        """Move the shards `dp_ranks` to cached `version`. Raises WeightSyncError naming the
+        shards that failed (each keeps its old weights) and those that succeeded."""
+        ranks = sorted(set(int(r) for r in dp_ranks))
+        unknown = [r for r in ranks if r not in self.endpoints]
+        if unknown:
+            raise WeightUpdateError(f"no endpoint for shard(s) {unknown}; known: {sorted(self.endpoints)}")
+        clash = [r for r in ranks if r in self._busy]
+        if clash:
+            raise WeightUpdateError(f"shard(s) {clash} are already being synced")
+        self._busy.update(ranks)
+        try:
+            with self.cache.lease(version) as buckets:
+                return await self._sync(int(version), ranks, buckets)
+        finally:
+            self._busy.difference_update(ranks)
+
+    async def _sync(self, version: int, ranks: list[int], buckets: list) -> SyncReport:
+        layout = self.cache.layout
+        failed: dict[int, str] = {}
+        collective = self.transport.kind in COLLECTIVE
+        t0 = time.perf_counter()
+        checksums = await asyncio.to_thread(self.cache.checksums, version) if self.verify else None
+        need_init = [r for r in ranks if self._initialised.get(r) != layout.layout_id]
+        if need_init:
+            info = self.init_info()
+            results = await asyncio.gather(*(self.endpoints[r].init_transfer(info) for r in need_init),
+                                           return_exceptions=True)
+            for r, res in zip(need_init, results):
+                if isinstance(res, BaseException):
+                    failed[r] = f"layout refused: {res}"
+                else:
+                    self._initialised[r] = layout.layout_id
+        live = [r for r in ranks if r not in failed]
+        if collective and failed:
+            live, failed = [], {**failed, **{r: "not synced: another target refused the layout"
+                                             for r in ranks if r not in failed}}
+        sender = self.transport.sender()
+        started: list[int] = []
+        try:
+            if live:
+                offsets, total = {}, 0
+                for r in live:
+                    offsets[r] = 1 + total
+                    total += self.endpoints[r].transport_ranks
+                info = sender.open(total)
+                jobs = [self.endpoints[r].start(version, layout.layout_id, {**info, "rank": offsets[r]})
+                        for r in live]
+                results = await asyncio.gather(asyncio.to_thread(sender.connect), *jobs,
+                                               return_exceptions=True)
+                if isinstance(results[0], BaseException):
+                    failed.update({r: f"transport setup failed: {results[0]}" for r in live})
+                for r, res in zip(live, results[1:]):
+                    if isinstance(res, BaseException):
+                        failed.setdefault(r, f"start refused: {res}")
+                    else:
+                        started.append(r)
+                live = self._survivors(started, failed, collective)
+            t_setup = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if live:
+                for message in sender.stream(version, buckets, checksums):
+                    results = await asyncio.gather(*(self.endpoints[r].push(message) for r in live),
+                                                   return_exceptions=True)
+                    for r, res in zip(live, results):
+                        if isinstance(res, BaseException):
+                            failed[r] = f"bucket {message['bucket']}: {res}"
+                    live = self._survivors(live, failed, collective)
+                    if not live:
+                        break
+            if live:
+                results = await asyncio.gather(*(self.endpoints[r].finish(version) for r in live),
+                                               return_exceptions=True)
+                for r, res in zip(live, results):
+                    if isinstance(res, BaseException):
+                        failed[r] = f"finish: {res}"
+                    elif res != version:
+                        failed[r] = f"finish applied version {res}, expected {version}"
+            seconds = time.perf_counter() - t1
+        finally:
+            await asyncio.to_thread(sender.close)
+            aborting = [r for r in started if r in failed]
+            await asyncio.gather(*(self._quiet_abort(r, failed[r]) for r in aborting))
+        ok = [r for r in ranks if r not in failed]
+        if failed:
+            detail = "; ".join(f"shard {r}: {why}" for r, why in sorted(failed.items()))
+            raise WeightSyncError(f"sync of version {version} failed on {len(failed)} of {len(ranks)} "
+                                  f"shard(s) (they keep their old weights): {detail}", failed, ok)
+        return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
+                          t_setup)
+
+    @staticmethod
+    def _survivors(live: list[int], failed: dict[int, str], collective: bool) -> list[int]:
+        if collective and any(r in failed for r in live):
+            for r in live:
+                failed.setdefault(r, "aborted: another shard of the same broadcast failed")
+            return []
+        return [r for r in live if r not in failed]
+
+    async def _quiet_abort(self, rank: int, reason: str) -> None:
+        try:
+            await self.endpoints[rank].abort(reason)
+        except Exception:  # noqa: BLE001 - the shard already aborted itself or is gone
+            pass
