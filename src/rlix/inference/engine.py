@@ -318,6 +318,11 @@ class TorchEngine:
         await self._call(lambda: self._core.wake_up(tags))
 
     # -- weight update -------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Canonical parameter name -> (shape, dtype): lets a bucket receiver refuse a layout
+        that does not fit this model before an update starts."""
+        return {n: (s.shape, s.dtype) for n, s in self._weights.specs.items()}
+
     async def start_weight_update(self, version: int, allow_partial: bool = False) -> None:
         """Open an update; allow_partial lets finish accept a subset of the parameters."""
         if not self._weights.on_device:

@@ -25,7 +25,7 @@ from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundErr
                          WeightUpdateError)
 from rlix.inference import openai_schema as S
 from rlix.inference.api import EngineAPI
-from rlix.inference.control import ControlPlane, decode_safetensors
+from rlix.inference.control import ControlPlane, bucket_message, decode_safetensors
 from rlix.inference.serving import OpenAIServing
 
 log = logging.getLogger("rlix.server")
@@ -34,7 +34,7 @@ PROTECTED_PREFIXES = ("/v1/", "/inference/")
 CONTROL_PATHS = frozenset({
     "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/abort_requests",
     "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-    "/finish_weight_update", "/weight_info",
+    "/finish_weight_update", "/abort_weight_update", "/weight_transfer_status", "/weight_info",
 })
 
 
@@ -216,12 +216,26 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         raw = await request.body()
         if request.headers.get("content-type", "").startswith("application/octet-stream"):
             return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
-        return JSONResponse(await control.update_weights(
-            lambda: control.tensors_from_json(json.loads(raw or b"null"))))
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            body = None
+        message = bucket_message(body.get("update_info") if isinstance(body, dict) else None)
+        if message is not None:
+            return JSONResponse(await control.update_bucket(message))
+        return JSONResponse(await control.update_weights(lambda: control.tensors_from_json(body)))
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:
         return JSONResponse(await control.finish_weight_update(await _json_body(request)))
+
+    @app.post("/abort_weight_update")
+    async def abort_weight_update(request: Request) -> JSONResponse:
+        return JSONResponse(await control.abort_weight_update(await _json_body(request)))
+
+    @app.get("/weight_transfer_status")
+    async def weight_transfer_status() -> JSONResponse:
+        return JSONResponse(control.transfer_status())
 
     @app.get("/weight_info")
     async def weight_info() -> JSONResponse:

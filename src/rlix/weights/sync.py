@@ -44,7 +44,7 @@ class WeightSync:
 
     def __init__(self, cache: BucketCache, endpoints: Mapping[int, ShardEndpoint] | None = None,
                  transport: Transport | str = "shm", *, verify: bool = False, partial: bool = False,
-                 transport_options: Mapping[str, Any] | None = None) -> None:
+                 transport_options: Mapping[str, Any] | None = None, idle_timeout_s: float = 60.0) -> None:
         self.cache = cache
         self.endpoints: dict[int, ShardEndpoint] = dict(endpoints or {})
         if isinstance(transport, str):
@@ -54,6 +54,7 @@ class WeightSync:
             transport = make_transport(transport, **opts)
         self.transport = transport
         self.verify, self.partial = verify, partial
+        self.idle_timeout_s = idle_timeout_s  # a shard aborts an update whose sender went quiet
         self._initialised: dict[int, str] = {}  # rank -> layout id it accepted
         self._busy: set[int] = set()
 
@@ -68,7 +69,7 @@ class WeightSync:
     def init_info(self) -> dict[str, Any]:
         """What /init_weight_transfer_engine carries: sent once per shard and layout."""
         return {"layout": self.cache.layout.to_json(), "transport": self.transport.kind,
-                "verify": self.verify, "partial": self.partial}
+                "verify": self.verify, "partial": self.partial, "idle_timeout_s": self.idle_timeout_s}
 
     async def sync(self, version: int, dp_ranks: Iterable[int]) -> SyncReport:
         """Move the shards `dp_ranks` to cached `version`. Raises WeightSyncError naming the
