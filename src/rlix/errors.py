@@ -96,3 +96,8 @@ class WeightCacheError(RlixError):
 
 class HostMemoryError(WeightCacheError):
     """The weight cache would not fit in the host's free memory; the message has the numbers."""
+
+
+class TrainingError(RlixError, ValueError):
+    """A training call got bad input (empty batch, mismatched lengths or shapes, a data-parallel
+    group that does not match the trainer) or cannot run in the trainer's current state."""

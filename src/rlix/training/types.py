@@ -1,0 +1,37 @@
+"""Value types shared by the trainer and the pipeline; plain dataclasses, no torch, no Ray."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainSample:
+    """One trajectory as the trainer consumes it.
+
+    `behaviour_logprobs` are the logprobs of `response_ids` under the policy that sampled them
+    (one per response token); `version` is that policy's weight version (for staleness checks).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    advantage: float
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A fresh rendezvous for one data-parallel train step (new port per step, so no
+    communicator outlives the step). `backend` None picks nccl on CUDA, gloo otherwise."""
+
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    backend: str | None = None
+    timeout_s: float = 300.0
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
