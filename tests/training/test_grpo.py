@@ -96,8 +96,8 @@ def test_normalizer_lets_micro_batches_sum_to_the_whole_batch():
     lp, b, a, m = _case()
     for agg, denom in (("token", 3.0), ("sequence", 2.0)):
         whole, _ = policy_loss(lp, b, a, m, aggregation=agg)
-        parts = sum(float(policy_loss(lp[i:i + 1], b[i:i + 1], a[i:i + 1], m[i:i + 1],
-                                      aggregation=agg, normalizer=denom)[0]) for i in range(2))
+        parts = sum(policy_loss(lp[i:i + 1], b[i:i + 1], a[i:i + 1], m[i:i + 1],
+                                      aggregation=agg, normalizer=denom)[0].item() for i in range(2))
         assert parts == pytest.approx(whole.item(), abs=1e-6)
 
 

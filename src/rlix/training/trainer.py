@@ -1,0 +1,376 @@
+"""PolicyTrainer: one GRPO policy, its AdamW state and the hooks a time-shared trainer needs.
+
+Plain class, no Ray (actor.py wraps it). Besides the train step it does what the scheduler's
+time sharing asks of a trainer between steps: snapshot the weights into the CPU bucket cache
+under the engine's names, offload everything to CPU and back, checkpoint and resume bit-exactly,
+and data-parallel steps whose process group lives only for the step (a fresh rendezvous per
+step, destroyed at its end) so no communicator holds GPU memory while the GPUs serve inference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlix.errors import TrainingError
+from rlix.training.grpo import Aggregation, policy_loss
+from rlix.training.types import GroupSpec, TrainSample
+from rlix.weights.buckets import DEFAULT_BUCKET_BYTES
+from rlix.weights.cache import BucketCache, HostMemory
+
+# All-reduce gradients in flat buckets of at most this many bytes: few collectives, bounded copy.
+_GRAD_BUCKET_BYTES = 64 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_MODEL_FILES = {"config.json", "generation_config.json"}
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise TrainingError(f"unknown dtype {dtype!r}")
+    return value
+
+
+class PolicyTrainer:
+    """GRPO trainer for one causal LM: micro-batched, optionally data parallel."""
+
+    def __init__(self, model: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+                 lr: float = 1e-3, weight_decay: float = 0.0, micro_batch_size: int = 8,
+                 clip_eps: float = 0.2, clip_eps_high: float | None = None,
+                 aggregation: Aggregation = "token", kl_coef: float = 0.0, seed: int = 0,
+                 max_grad_norm: float | None = 1.0, dtype: torch.dtype | str | None = None,
+                 temperature: float = 1.0, rank: int = 0, world_size: int = 1,
+                 cache_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 cache_host: HostMemory = "auto") -> None:
+        from rlix.models.presets import resolve_model
+
+        if micro_batch_size < 1:
+            raise TrainingError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if aggregation not in ("token", "sequence"):
+            raise TrainingError(f"aggregation must be 'token' or 'sequence', got {aggregation!r}")
+        if not 0 <= rank < world_size:
+            raise TrainingError(f"rank {rank} is not in a world of size {world_size}")
+        if temperature <= 0:
+            raise TrainingError(f"temperature must be > 0, got {temperature}")
+        self.model_path = resolve_model(model)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.micro_batch_size = int(micro_batch_size)
+        self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
+        self.aggregation: Aggregation = aggregation
+        self.kl_coef = float(kl_coef)
+        self.max_grad_norm = max_grad_norm
+        self.temperature = float(temperature)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.seed = int(seed)
+        self.cache_bucket_bytes, self.cache_host = cache_bucket_bytes, cache_host
+        torch.manual_seed(self.seed)
+
+        self.model = self._load(_as_dtype(dtype)).to(self.device)
+        self.model.train()
+        # The engines serve the checkpoint's dtype; sync in it even if we train in another.
+        saved = json.loads((self.model_path / "config.json").read_text())
+        self.sync_dtype = _as_dtype(saved.get("dtype") or saved.get("torch_dtype"))
+        self.ref_model = None
+        if self.kl_coef > 0:
+            self.ref_model = self._load(_as_dtype(dtype)).to(self.device).eval().requires_grad_(False)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.step = 0
+        self.cache: BucketCache | None = None
+        self.on_device = True
+
+    def _load(self, dtype: torch.dtype | None) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype or "auto")
+
+    # -- batches ----------------------------------------------------------------------------
+    def _check(self, samples: Sequence[TrainSample]) -> None:
+        if not samples:
+            raise TrainingError("empty batch")
+        for i, s in enumerate(samples):
+            if not s.prompt_ids:
+                raise TrainingError(f"sample {i}: empty prompt (a response token needs a context)")
+            if len(s.behaviour_logprobs) != len(s.response_ids):
+                raise TrainingError(f"sample {i}: {len(s.behaviour_logprobs)} behaviour logprobs for "
+                                    f"{len(s.response_ids)} response tokens")
+            ids = list(s.prompt_ids) + list(s.response_ids)
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise TrainingError(f"sample {i}: token id out of the vocabulary [0, {self.vocab_size})")
+
+    def _chunks(self, samples: Sequence[TrainSample]) -> Iterator[Sequence[TrainSample]]:
+        for i in range(0, len(samples), self.micro_batch_size):
+            yield samples[i:i + self.micro_batch_size]
+
+    def _logprobs(self, model: torch.nn.Module, chunk: Sequence[TrainSample]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token logprobs [B, T] of each response under `model`, and the response mask.
+
+        Right-padded [B, L] inputs; the logit at position p predicts token p+1, so response
+        token j of a sample with prompt length P is scored by the logit at P+j-1. Only logits
+        from the shortest prompt's last position on are materialised.
+        """
+        dev = self.device
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in chunk]
+        width, t_max = max(lengths), max(len(s.response_ids) for s in chunk)
+        ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, s in enumerate(chunk):
+            ids[i, :lengths[i]] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
+            attn[i, :lengths[i]] = 1
+        start = min(len(s.prompt_ids) for s in chunk) - 1
+        cols = torch.zeros((len(chunk), max(t_max, 1)), dtype=torch.long)
+        mask = torch.zeros((len(chunk), max(t_max, 1)))
+        for i, s in enumerate(chunk):
+            n = len(s.response_ids)
+            cols[i, :n] = torch.arange(n) + len(s.prompt_ids) - 1 - start
+            mask[i, :n] = 1
+        ids, attn, cols, mask = ids.to(dev), attn.to(dev), cols.to(dev), mask.to(dev)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
+                       logits_to_keep=width - start).logits  # positions start .. width-1
+        logits = logits[:, :-1].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        picked = torch.gather(logits, 1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        targets = torch.gather(ids[:, 1:], 1, cols + start)
+        logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return logp * mask, mask
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Logprobs of each sample's response under the current policy (no grad)."""
+        self._require_on_device()
+        self._check(samples)
+        out: list[list[float]] = []
+        for chunk in self._chunks(samples):
+            logp, _ = self._logprobs(self.model, chunk)
+            rows = logp.cpu().tolist()
+            out.extend(row[:len(s.response_ids)] for row, s in zip(rows, chunk))
+        return out
+
+    # -- the step ---------------------------------------------------------------------------
+    @contextmanager
+    def _step_group(self, group: GroupSpec | None) -> Iterator[bool]:
+        """A process group for this step only: fresh rendezvous in, destroy_process_group out."""
+        if self.world_size == 1 and (group is None or group.world_size == 1):
+            yield False
+            return
+        if group is None:
+            raise TrainingError(f"rank {self.rank} of {self.world_size}: a data-parallel step needs a "
+                                "GroupSpec (fresh master address and port) for its process group")
+        if (group.rank, group.world_size) != (self.rank, self.world_size):
+            raise TrainingError(f"group is rank {group.rank} of {group.world_size}, trainer is rank "
+                                f"{self.rank} of {self.world_size}")
+        if dist.is_initialized():
+            raise TrainingError("a default torch.distributed process group already exists; the "
+                                "trainer creates and destroys its own for each step")
+        backend = group.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, init_method=group.init_method, rank=group.rank,
+                                world_size=group.world_size,
+                                timeout=timedelta(seconds=group.timeout_s))
+        try:
+            yield True
+        finally:
+            dist.destroy_process_group()
+
+    def _all_reduce_mean_grads(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # every rank must reduce the same tensors
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for g in [p.grad for p in params] + [None]:
+            if bucket and (g is None or g.dtype != bucket[0].dtype
+                           or size + g.numel() * g.element_size() > _GRAD_BUCKET_BYTES):
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat)
+                flat.div_(self.world_size)
+                offset = 0
+                for b in bucket:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+                bucket, size = [], 0
+            if g is not None:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+
+    def train_step(self, samples: Sequence[TrainSample], group: GroupSpec | None = None
+                   ) -> dict[str, float]:
+        """One optimizer step on `samples` (this rank's share of the batch); see module doc."""
+        self._require_on_device()
+        self._check(samples)
+        started = time.perf_counter()
+        dev = self.device
+        with self._step_group(group) as distributed:
+            local = torch.tensor([sum(len(s.response_ids) for s in samples),
+                                  sum(1 for s in samples if s.response_ids), len(samples)],
+                                 dtype=torch.float64, device=dev)
+            if distributed:
+                dist.all_reduce(local)
+            num_tokens, num_seqs, num_samples = (float(x) for x in local.tolist())
+            if num_tokens == 0:
+                raise TrainingError("the batch has no response tokens")
+            # Divide by the whole batch's count on every micro-batch and rank (then the ranks'
+            # gradients are averaged), so the step does not depend on how the batch is split.
+            normalizer = (num_tokens if self.aggregation == "token" else num_seqs) / self.world_size
+            self.optimizer.zero_grad(set_to_none=True)
+            sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, ratio sum, kl sum
+            for chunk in self._chunks(samples):
+                logp, mask = self._logprobs(self.model, chunk)
+                behaviour = torch.zeros_like(logp)
+                for i, s in enumerate(chunk):
+                    behaviour[i, :len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+                adv = torch.tensor([float(s.advantage) for s in chunk], device=dev)
+                ref = None
+                if self.ref_model is not None:
+                    with torch.no_grad():
+                        ref, _ = self._logprobs(self.ref_model, chunk)
+                loss, m = policy_loss(logp, behaviour, adv, mask, clip_eps=self.clip_eps,
+                                      clip_eps_high=self.clip_eps_high, aggregation=self.aggregation,
+                                      ref_logprobs=ref, kl_coef=self.kl_coef, normalizer=normalizer)
+                loss.backward()
+                n = m["num_tokens"]
+                sums += torch.tensor([m["loss"], m["clip_fraction"] * n, m["ratio"] * n,
+                                      m.get("kl", 0.0) * n], dtype=torch.float64)
+            if distributed:
+                self._all_reduce_mean_grads()
+                reduced = sums.to(dev)
+                dist.all_reduce(reduced)
+                sums = reduced.cpu()
+            limit = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss_sum, clipped, ratio_sum, kl_sum = sums.tolist()
+        metrics = {
+            "loss": loss_sum / self.world_size, "grad_norm": float(grad_norm),
+            "clip_fraction": clipped / num_tokens, "ratio": ratio_sum / num_tokens,
+            "num_samples": num_samples, "num_tokens": num_tokens, "step": float(self.step),
+            "seconds": time.perf_counter() - started,
+        }
+        if self.ref_model is not None:
+            metrics["kl"] = kl_sum / num_tokens
+        return metrics
+
+    # -- weights out ------------------------------------------------------------------------
+    def state_for_sync(self) -> dict[str, torch.Tensor]:
+        """The weights under the checkpoint's (= the engine's canonical) names: tied tensors once,
+        under their first name (no `lm_head.weight` when embeddings are tied), plus persistent
+        buffers; in the checkpoint's dtype. Shares storage with the model where no cast is needed."""
+        self._require_on_device()
+        saved = set(self.model.state_dict().keys())
+        out = {n: p.detach() for n, p in self.model.named_parameters()}
+        out.update({n: b.detach() for n, b in self.model.named_buffers() if n in saved and n not in out})
+        if self.sync_dtype is not None:
+            out = {n: t if t.dtype == self.sync_dtype or not t.is_floating_point() else t.to(self.sync_dtype)
+                   for n, t in out.items()}
+        return out
+
+    def build_cache(self, version: int) -> BucketCache:
+        """Snapshot the weights into the host bucket cache as `version` (the cache is allocated
+        once, pinned with CUDA else shared memory, and reused for every later version)."""
+        state = self.state_for_sync()
+        if self.cache is None:
+            self.cache = BucketCache.for_model(state, bucket_bytes=self.cache_bucket_bytes,
+                                               host=self.cache_host)
+        self.cache.build_latest(int(version), state)
+        return self.cache
+
+    # -- offload ----------------------------------------------------------------------------
+    def _require_on_device(self) -> None:
+        if not self.on_device:
+            raise TrainingError("the trainer is offloaded; call reload() first")
+
+    def _move(self, device: torch.device) -> None:
+        self.model.to(device)
+        if self.ref_model is not None:
+            self.ref_model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW keeps `step` on the CPU (non-capturable); leave it there.
+                if key != "step" and isinstance(value, torch.Tensor):
+                    state[key] = value.to(device)
+
+    def offload(self) -> None:
+        """Model, reference model and AdamW state to CPU, and give the freed GPU memory back."""
+        if not self.on_device:
+            return
+        self._move(torch.device("cpu"))
+        self.on_device = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Back to `device` after offload(); a no-op when already there."""
+        if self.on_device:
+            return
+        self._move(self.device)
+        self.on_device = True
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """`path/model` (a servable transformers checkpoint, tokenizer copied), optimizer state,
+        RNG state and step counter."""
+        root = Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(root / "model")
+        for f in self.model_path.iterdir():  # tokenizer and other non-weight files
+            if f.is_file() and f.name not in _MODEL_FILES and not f.name.endswith(_WEIGHT_SUFFIXES) \
+                    and not f.name.endswith(".index.json"):
+                shutil.copy2(f, root / "model" / f.name)
+        torch.save(self.optimizer.state_dict(), root / "optimizer.pt")
+        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, root / "rng.pt")
+        (root / "trainer.json").write_text(json.dumps(
+            {"step": self.step, "seed": self.seed, "model": str(self.model_path),
+             "world_size": self.world_size}, indent=2))
+        return root
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Resume from save_checkpoint(path): weights in place, optimizer, RNG, step. The
+        reference model (if any) stays the one this trainer was built with."""
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        files = sorted((root / "model").glob("*.safetensors"))
+        if not files or not (root / "trainer.json").is_file():
+            raise TrainingError(f"{root} is not a trainer checkpoint (no model/*.safetensors or trainer.json)")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        canonical = {n for n, _ in self.model.named_parameters()}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [n for n in missing if n in canonical]
+        if missing or unexpected:
+            raise TrainingError(f"checkpoint {root} does not fit the model: missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]}")
+        self.optimizer.load_state_dict(torch.load(root / "optimizer.pt", map_location="cpu",
+                                                  weights_only=True))
+        if not self.on_device:  # load_state_dict put the optimizer state beside the CPU params
+            self._move(torch.device("cpu"))
+        rng = torch.load(root / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step = int(json.loads((root / "trainer.json").read_text())["step"])
