@@ -1,0 +1,77 @@
+"""TrainerActor: a thin Ray shell over PolicyTrainer, one per trainer rank.
+
+Everything interesting lives in trainer.py (testable without Ray). Placement is the caller's:
+`TrainerActor.options(num_gpus=1).remote(model, device="cuda", rank=r, world_size=n)`. The
+weight cache stays in this process (pinned, or shared memory another process on the host can
+map); remote callers get a small summary of it, never the tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from rlix.training.types import GroupSpec, TrainSample
+
+
+def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSample]:
+    return [s if isinstance(s, TrainSample) else TrainSample(**s) for s in samples]
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    """One PolicyTrainer rank; keyword arguments go to PolicyTrainer unchanged."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        from rlix.training.trainer import PolicyTrainer
+
+        self.trainer = PolicyTrainer(model, **kwargs)
+
+    def train_step(self, samples: Sequence[TrainSample | Mapping[str, Any]],
+                   group: GroupSpec | None = None) -> dict[str, float]:
+        return self.trainer.train_step(_samples(samples), group=group)
+
+    def compute_logprobs(self, samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[list[float]]:
+        return self.trainer.compute_logprobs(_samples(samples))
+
+    def build_cache(self, version: int) -> dict[str, Any]:
+        """Snapshot the weights as `version`; returns version, num_buckets, bytes, seconds and
+        the cache's shared-memory segment names (empty when it is pinned instead)."""
+        started = time.perf_counter()
+        cache = self.trainer.build_cache(version)
+        return {"version": int(version), "num_buckets": cache.layout.num_buckets,
+                "bytes": cache.layout.total_bytes, "seconds": time.perf_counter() - started,
+                "versions": list(cache.versions()),
+                "shm_segments": [s.name for s in cache.shm_segments()]}
+
+    def promote_active(self, version: int) -> None:
+        if self.trainer.cache is None:
+            from rlix.errors import WeightCacheError
+
+            raise WeightCacheError("no weight cache yet: call build_cache first")
+        self.trainer.cache.promote_active(version)
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def reload(self) -> None:
+        self.trainer.reload()
+
+    def save_checkpoint(self, path: str) -> str:
+        return str(self.trainer.save_checkpoint(path))
+
+    def load_checkpoint(self, path: str) -> int:
+        self.trainer.load_checkpoint(path)
+        return self.trainer.step
+
+    def step(self) -> int:
+        return self.trainer.step
+
+    def close(self) -> None:
+        """Free the host cache (its shared memory is unlinked); the actor can then be killed."""
+        if self.trainer.cache is not None:
+            self.trainer.cache.close()
+            self.trainer.cache = None
