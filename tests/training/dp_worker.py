@@ -17,6 +17,7 @@ from rlix.training.types import GroupSpec, TrainSample
 
 def main(argv: list[str]) -> None:
     model, rank, world, micro, ports, batches_path, out = argv
+    torch.set_num_threads(1)  # two ranks share the host's cores; tiny matmuls gain nothing from more
     trainer = PolicyTrainer(model, rank=int(rank), world_size=int(world), micro_batch_size=int(micro))
     metrics = []
     with open(batches_path) as fh:
