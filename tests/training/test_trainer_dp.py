@@ -38,12 +38,15 @@ def test_two_ranks_match_one_rank_over_two_steps(tiny_model_dir, samples_factory
             [sys.executable, str(WORKER), str(tiny_model_dir), str(rank), "2", str(micro), ports,
              str(path), str(tmp_path / f"out{rank}.pt")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # three processes on a small host: oversubscribed threads crawl
     try:
         expected = [single.train_step(b) for b in batches]
         for p in procs:
             out, _ = p.communicate(timeout=90)
             assert p.returncode == 0, out.decode(errors="replace")[-3000:]
     finally:
+        torch.set_num_threads(threads)
         for p in procs:
             if p.poll() is None:
                 p.kill()  # by this Popen's own pid
