@@ -13,11 +13,14 @@ CPU (always):
   h2d_sync_vs_pinned_copy         pinned cache -> in-process shard on cuda:0 vs one pinned
                                   host->GPU copy of the same bytes. Goal >= 0.8.
   peak_extra_gpu_bytes_vs_bucket  GPU memory the sync adds at its peak, in buckets. Goal <= 2.
-  nccl_sync_vs_broadcast          cache on cuda:0's host -> shard process on cuda:1 over a
-                                  per-sync NCCL group, vs a raw NCCL broadcast of the same bytes
-                                  already on the GPU (2 GPUs). Group setup is reported apart.
-  nccl_sync_vs_h2d_bound          the same sync vs max(pinned H2D copy, raw broadcast): a cache
-                                  in host memory cannot beat its own host->GPU copy.
+  nccl_sync_vs_broadcast          buckets on cuda:0 (the trainer's packed weights before it
+                                  offloads) -> shard process on cuda:1 over a per-sync NCCL
+                                  group, vs a raw NCCL broadcast of the same bytes (2 GPUs):
+                                  what the transport and protocol cost. Group setup and
+                                  teardown are reported apart.
+  nccl_cache_sync_vs_h2d_bound    host cache (pinned) -> the same shard: staged to cuda:0 then
+                                  broadcast, vs max(pinned H2D copy, raw broadcast); a cache in
+                                  host memory cannot beat its own host->GPU copy.
 The receiving engine (ModelEngine) stages each update into a second copy of its weights and
 flips at finish, so the figures measure the sync (transfer, decode, staging copy), not an
 engine's apply. All times are the best of --rounds warm syncs (the receiver has mapped the
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -233,6 +237,29 @@ def bcast_peer(args: argparse.Namespace) -> None:
     nccl_mod._destroy(group)
 
 
+class DeviceBuckets:
+    """The cache's buckets copied onto a GPU, offered to WeightSync like a cache."""
+
+    def __init__(self, cache: BucketCache, version: int, device: str) -> None:
+        self.layout = cache.layout
+        self.shm_segments = None
+        self._buckets = [b.to(device) for b in cache.buckets(version)]
+
+    @contextlib.contextmanager
+    def lease(self, version: int):  # type: ignore[no-untyped-def]
+        yield self._buckets
+
+
+def nccl_syncs(source, proc: ReceiverProcess, rounds: int) -> tuple[list, int]:  # type: ignore[no-untyped-def]
+    """Warm syncs' reports, and the receiver's peak extra GPU bytes over them."""
+    sync = WeightSync(source, {0: proc.endpoint}, "nccl", transport_options={"device": "cuda:0"})
+    asyncio.run(sync.sync(1, [0]))  # warm-up: layout adopted, staging allocated
+    proc.call("cuda_memory", reset=True)
+    base = proc.call("cuda_memory")[0]
+    reports = [asyncio.run(sync.sync(1, [0])) for _ in range(rounds)]
+    return reports, proc.call("cuda_memory")[1] - base
+
+
 def gpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[type-arg]
     specs = transformer_specs(1536, 28, 8960, args.vocab, 256)
     total, bucket = nbytes(specs), args.gpu_bucket_mib << 20
@@ -249,24 +276,28 @@ def gpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[typ
                peak_extra_gpu_bytes_vs_bucket=round(peak / bucket, 3), h2d_copy_s=round(t_h2d, 4),
                h2d_sync_s=round(t_sync, 4), h2d_gbps=round(total / t_h2d / 1e9, 1),
                h2d_sync_gbps=round(total / t_sync / 1e9, 1))
+    print(f"h2d: {json.dumps(out)}", file=sys.stderr, flush=True)
     if torch.cuda.device_count() >= 2:
         t_bcast = raw_broadcast_seconds(total, args.rounds)
         spec = write_spec(os.path.join(tmp, "gpu_spec.json"), specs)
         proc = ReceiverProcess(spec, device="cuda:1", name="nccl-shard", call_timeout=600)
         try:
-            sync = WeightSync(cache, {0: proc.endpoint}, "nccl", transport_options={"device": "cuda:0"})
-            reports = [asyncio.run(sync.sync(1, [0])) for _ in range(args.rounds + 1)][1:]
-            proc.call("cuda_memory", reset=True)
-            base = proc.call("cuda_memory")[0]
-            asyncio.run(sync.sync(1, [0]))
-            recv_peak = proc.call("cuda_memory")[1] - base
+            from_cache, peak_cache = nccl_syncs(cache, proc, args.rounds)
+            on_gpu = DeviceBuckets(cache, 1, "cuda:0")
+            from_gpu, peak_gpu = nccl_syncs(on_gpu, proc, args.rounds)
+            recv_peak = max(peak_cache, peak_gpu)
+            del on_gpu
+            torch.cuda.empty_cache()
         finally:
             proc.close()
-        t_nccl = min(r.seconds for r in reports)
+        t_nccl = min(r.seconds for r in from_gpu)
+        t_cache = min(r.seconds for r in from_cache)
         out.update(nccl_sync_vs_broadcast=round(t_bcast / t_nccl, 3),
-                   nccl_sync_vs_h2d_bound=round(max(t_bcast, t_h2d) / t_nccl, 3),
-                   nccl_sync_s=round(t_nccl, 4), nccl_broadcast_s=round(t_bcast, 4),
-                   nccl_group_setup_s=round(min(r.setup_seconds for r in reports), 3),
+                   nccl_cache_sync_vs_h2d_bound=round(max(t_bcast, t_h2d) / t_cache, 3),
+                   nccl_sync_s=round(t_nccl, 4), nccl_cache_sync_s=round(t_cache, 4),
+                   nccl_broadcast_s=round(t_bcast, 4),
+                   nccl_group_setup_s=round(min(r.setup_seconds for r in from_gpu), 3),
+                   nccl_sender_teardown_s=round(min(r.teardown_seconds for r in from_gpu), 3),
                    nccl_receiver_peak_extra_vs_bucket=round(recv_peak / bucket, 3))
     else:
         out["nccl_sync_vs_broadcast"] = None

@@ -92,6 +92,7 @@ class ModelEngine:
         self._updating: int | None = None
         self._got: set[str] = set()
         self._flat: list[torch.Tensor] = []  # [served, staging] when a layout is adopted
+        self._layout_id = ""
         self._bucket_maps: list[list[dict[str, torch.Tensor]]] = []
         self._spans: list[tuple[int, int]] = []
         self._own_ids: list[set[int]] = [set(), set()]
@@ -126,6 +127,8 @@ class ModelEngine:
 
     def adopt_layout(self, layout: Layout) -> bool:
         """Re-home the weights in the bucket layout (called once per layout, outside updates)."""
+        if self._flat and layout.layout_id == self._layout_id:
+            return True  # already in this layout (a new driver re-sent it)
         if (not self.adopt_layouts or self.module is not None or self._updating is not None
                 or layout.specs() != self._specs):
             return False  # only a layout of exactly our tensors (names, shapes, dtypes)
@@ -151,6 +154,7 @@ class ModelEngine:
         self._own_ids = [{id(m) for m in maps} for maps in self._bucket_maps]
         self._flat_ptrs = [{t.data_ptr(): n for n, t in v.items() if t.numel()} for v in views]
         self._ptrs = self._flat_ptrs[1]
+        self._layout_id = layout.layout_id
         return True
 
     def weight_bucket(self, index: int) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None:

@@ -11,6 +11,8 @@ the engine server maps the same five calls onto the weight-transfer endpoints.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,6 +22,8 @@ from rlix.errors import (WeightChecksumError, WeightLayoutError, WeightTransferE
                          WeightUpdateError)
 from rlix.weights.receiver import BucketAssembler, Layout, ReceiveError, ReceiveSession
 from rlix.weights.transport import Message, TransportReceiver, make_receiver
+
+_TEARDOWN = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlix-transport-teardown")
 
 _ERRORS: dict[str, type[WeightUpdateError]] = {
     "layout": WeightLayoutError, "checksum": WeightChecksumError, "transfer": WeightTransferError,
@@ -88,6 +92,7 @@ class ShardReceiver:
         self._session: ReceiveSession | None = None
         self._bucket_target: Callable[[int], tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None] | None = None
         self.last_error: str | None = None
+        self._teardown: concurrent.futures.Future | None = None
 
     @property
     def updating(self) -> int | None:
@@ -104,6 +109,9 @@ class ShardReceiver:
         model now, so a mismatch is refused before any update starts."""
         if self._session is not None:
             raise WeightUpdateError("cannot change the transfer layout during an update")
+        if self._teardown is not None:  # the transport may be replaced below
+            concurrent.futures.wait([self._teardown])
+            self._teardown = None
         try:
             layout = Layout.from_json(init_info["layout"])
             specs_fn = getattr(self.engine, "weight_specs", None)
@@ -135,6 +143,7 @@ class ShardReceiver:
         if self._session is not None:
             raise self._fail(WeightUpdateError(f"an update to version {self._session.version} is "
                                                f"in progress"), context)
+        await self.wait_teardown()
         try:
             self.transport.open(dict(transfer))
             await self.engine.start_weight_update(int(version))
@@ -146,18 +155,26 @@ class ShardReceiver:
     async def bucket(self, message: Message) -> None:
         session, transport = self._require()
         try:
-            tensor = transport.receive(message)
             target = self._bucket_target(message.get("bucket")) if self._bucket_target else None
+            landed = target is not None and getattr(transport, "receives_into", False)
+            if landed:
+                tensor = transport.receive(message, out=target[0])  # straight into staging
+            else:
+                tensor = transport.receive(message)
             if target is not None:  # the engine keeps its weights in bucket layout: one copy
                 dest, named = target
-                dest.copy_(session.check(message, tensor))
+                view = session.check(message, tensor)
+                if view.data_ptr() != dest.data_ptr():
+                    dest.copy_(view)
                 await self.engine.update_weights(named)
             else:
                 named = session.accept(message, tensor, cache_views=transport.persistent)
                 if named:
                     await self.engine.update_weights(dict(named))
-            if tensor.is_cuda:
-                torch.cuda.current_stream(tensor.device).synchronize()  # consumed: buffer reusable
+            if tensor.is_cuda and not landed:
+                # consumed: the transport may reuse its buffer. Bytes that landed in staging need
+                # no wait here (finish synchronises), so the sender's next bucket follows at once.
+                torch.cuda.current_stream(tensor.device).synchronize()
             del named, tensor
             transport.release(message)
         except Exception as exc:
@@ -174,7 +191,9 @@ class ShardReceiver:
         except Exception as exc:
             raise await self._abort_on(exc, "finish") from None
         self._session = None
-        transport.end()
+        # Tearing the transport down (an NCCL communicator abort takes ~0.5 s) happens after
+        # the answer: the new weights already serve; the next start() waits for it.
+        self._teardown = _TEARDOWN.submit(transport.end)
         self.last_error = None
         return applied
 
@@ -188,7 +207,19 @@ class ShardReceiver:
                 if self.transport is not None:
                     self.transport.end()
 
+    async def wait_teardown(self) -> None:
+        """Wait for the previous update's transport teardown (errors there are not this update's)."""
+        pending, self._teardown = self._teardown, None
+        if pending is not None:
+            try:
+                await asyncio.wrap_future(pending)
+            except Exception:  # noqa: BLE001 - a failed teardown leaves nothing to reuse anyway
+                pass
+
     def close(self) -> None:
+        if self._teardown is not None:
+            concurrent.futures.wait([self._teardown])
+            self._teardown = None
         if self._assembler is not None:
             self._assembler.drop_cached_views()
         if self.transport is not None:

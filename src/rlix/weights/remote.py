@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -212,6 +214,7 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-per-tensor", action="store_true",
                    help="do not adopt the bucket layout: stage tensor by tensor, as most engines do")
     args = p.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a stuck receiver is
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     engine = ModelEngine(_initial_state(args.state, args.device), adopt_layouts=not args.copy_per_tensor)
     receiver = ShardReceiver(engine, device=args.device)

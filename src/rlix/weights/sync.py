@@ -32,6 +32,7 @@ class SyncReport:
     bytes: int
     seconds: float  # start of the first start() to the last finish()
     setup_seconds: float  # layout init (first time only) and transport rendezvous
+    teardown_seconds: float = 0.0  # the sender's transport teardown, after the last finish
     failed: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -151,7 +152,9 @@ class WeightSync:
                         failed[r] = f"finish applied version {res}, expected {version}"
             seconds = time.perf_counter() - t1
         finally:
+            t_close = time.perf_counter()
             await asyncio.to_thread(sender.close)
+            t_teardown = time.perf_counter() - t_close
             aborting = [r for r in started if r in failed]
             await asyncio.gather(*(self._quiet_abort(r, failed[r]) for r in aborting))
         ok = [r for r in ranks if r not in failed]
@@ -160,7 +163,7 @@ class WeightSync:
             raise WeightSyncError(f"sync of version {version} failed on {len(failed)} of {len(ranks)} "
                                   f"shard(s) (they keep their old weights): {detail}", failed, ok)
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
-                          t_setup)
+                          t_setup, t_teardown)
 
     @staticmethod
     def _survivors(live: list[int], failed: dict[int, str], collective: bool) -> list[int]:

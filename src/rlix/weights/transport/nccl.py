@@ -42,7 +42,10 @@ def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
 
 
 def _destroy(group: Any) -> None:
-    for name in ("shutdown", "_shutdown", "abort"):
+    """Tear the group down locally. abort() first: a graceful shutdown() can wait for the peers
+    to shut down too, which deadlocks a receiver that tears down before it answers `finish`
+    while the sender tears down only after that answer. Callers finish their work first."""
+    for name in ("abort", "shutdown", "_shutdown"):
         fn = getattr(group, name, None)
         if fn is not None:
             try:
@@ -108,6 +111,8 @@ class NcclSender(SenderBase):
             self._stager.close()
             self._stager = None
         if self._group is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # every broadcast done before the abort
             _destroy(self._group)
             self._group = None
         self._store = None
@@ -116,6 +121,7 @@ class NcclSender(SenderBase):
 class NcclReceiver(ReceiverBase):
     kind = "nccl"
     persistent = False  # the receive buffer is freed after each sync
+    receives_into = True  # receive(message, out=...) lands the bytes in the caller's buffer
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
         self.device = torch.device(device)
@@ -133,10 +139,16 @@ class NcclReceiver(ReceiverBase):
         self._store = store
         _warm_up(self._group, self.device)
 
-    def receive(self, message: Message) -> torch.Tensor:
+    def receive(self, message: Message, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The broadcast lands in `out` when given (an engine's staging, same size, on this
+        device: no second copy), else in a reusable receive buffer."""
         if self._group is None:
             raise RuntimeError("no NCCL group: open() was not called for this sync")
         n = int(message["nbytes"])
+        if (out is not None and out.numel() == n and out.dtype == torch.uint8 and out.device == self.device
+                and out.is_contiguous()):
+            _broadcast(self._group, out).wait()
+            return out
         if self._buffer is None or self._buffer.numel() < n:
             self._buffer = None
             self._buffer = torch.empty(n, dtype=torch.uint8, device=self.device)
@@ -146,6 +158,8 @@ class NcclReceiver(ReceiverBase):
 
     def end(self) -> None:
         if self._group is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             _destroy(self._group)
             self._group = None
         self._store = None
