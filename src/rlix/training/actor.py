@@ -70,8 +70,24 @@ class TrainerActor:
     def step(self) -> int:
         return self.trainer.step
 
+    def sync_shards(self, version: int, urls: Mapping[int, str], api_key: str) -> dict[str, Any]:
+        """Push cached `version` to these engine servers ({dp rank: url}) and only those: the
+        cache lives here, so the selective sync runs here (rlix.pipeline.weight_push)."""
+        if self.trainer.cache is None:
+            from rlix.errors import WeightCacheError
+
+            raise WeightCacheError("no weight cache yet: call build_cache first")
+        if getattr(self, "_pusher", None) is None:
+            from rlix.pipeline.weight_push import ShardWeightPusher
+
+            self._pusher = ShardWeightPusher(lambda: self.trainer.cache, api_key)
+        return self._pusher.sync(version, {int(r): u for r, u in urls.items()})
+
     def close(self) -> None:
         """Free the host cache (its shared memory is unlinked); the actor can then be killed."""
+        if getattr(self, "_pusher", None) is not None:
+            self._pusher.close()
+            self._pusher = None
         if self.trainer.cache is not None:
             self.trainer.cache.close()
             self.trainer.cache = None

@@ -1,0 +1,137 @@
+"""A pipeline's shards as the scheduler moves them, and the weights they serve.
+
+`ShardCoordinator` is what the scheduler's `resize_inference(remove, add)` lands on: the shards
+it loses are preempted and put to sleep (mark -> abort -> drain -> sleep, in ShardFleet); the
+shards it gains are woken, synced to the newest published weight version if theirs is older,
+and only then routed to. After each training step `publish(version)` gives the shards that
+stayed active the new version in flight: pause(keep) -> selective sync -> resume, so running
+requests continue on the new weights and none is lost.
+
+Every sync is checked: the shard's own `/weight_info` must report the version just synced, and
+the coordinator keeps each shard's version history, so tests can prove that a shard only ever
+served versions it was synced to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlix.errors import WeightUpdateError
+from rlix.inference.fleet import ShardFleet
+
+log = logging.getLogger("rlix.pipeline")
+
+SyncFn = Callable[[int, dict[int, str]], Awaitable[Any]]  # (version, {rank: url}) -> report
+
+
+@dataclass
+class ShardEvent:
+    at: float
+    kind: str  # start | sleep | wake | sync | refit | activate
+    ranks: tuple[int, ...]
+    version: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class CoordinatorStats:
+    events: list[ShardEvent] = field(default_factory=list)
+    sync_seconds: float = 0.0
+    sleep_seconds: float = 0.0
+    wake_seconds: float = 0.0
+    version_mismatches: list[str] = field(default_factory=list)
+
+
+class ShardCoordinator:
+    """See module doc. `sync(version, {rank: url})` pushes a cached version to those shards
+    (it runs where the cache lives: the trainer's process)."""
+
+    def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0) -> None:
+        self.fleet = fleet
+        self._sync_fn = sync
+        self.latest = initial_version  # newest version the trainer has published
+        self.published: set[int] = {initial_version}
+        self.versions: dict[int, int] = {}  # rank -> version it serves
+        self.history: dict[int, list[int]] = {}  # rank -> every version it was synced to, in order
+        self.stats = CoordinatorStats()
+        self._lock = asyncio.Lock()  # resize and publish never interleave
+
+    def _event(self, kind: str, ranks, version: int | None = None, seconds: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+        self.stats.events.append(ShardEvent(time.time(), kind, tuple(sorted(ranks)), version, seconds))
+
+    async def start(self, ranks: list[int], version: int, active: bool = False) -> None:
+        """Start shard processes serving `version` (the weights they load from disk)."""
+        await self.fleet.start(ranks, active=active)
+        for r in ranks:
+            self.versions[r] = version
+            self.history[r] = [version]
+        self._event("start", ranks, version)
+
+    def active_ranks(self) -> list[int]:
+        return self.fleet.active_ranks()
+
+    async def resize_inference(self, remove: list[int], add: Mapping[int, Any]) -> dict:
+        """The scheduler's call: sleep `remove`, then wake + sync + activate `add`."""
+        async with self._lock:
+            out: dict[str, Any] = {}
+            if remove:
+                t0 = time.perf_counter()
+                out["slept"] = await self.fleet.sleep_partial(remove)
+                dt = time.perf_counter() - t0
+                self.stats.sleep_seconds += dt
+                self._event("sleep", remove, seconds=dt)
+            if add:
+                ranks = sorted(int(r) for r in add)
+                missing = [r for r in ranks if r not in self.fleet.shards]
+                if missing:
+                    raise WeightUpdateError(f"resize asked for shard(s) {missing} that were never started")
+                t0 = time.perf_counter()
+                await self.fleet.wake_up_partial(ranks)
+                dt = time.perf_counter() - t0
+                self.stats.wake_seconds += dt
+                self._event("wake", ranks, seconds=dt)
+                stale = [r for r in ranks if self.versions.get(r) != self.latest]
+                if stale:
+                    await self._sync(stale, "sync")
+                await self.fleet.activate(ranks)
+                self._event("activate", ranks, self.latest)
+                out["woke"] = ranks
+            return out
+
+    async def publish(self, version: int) -> list[int]:
+        """A new version exists in the cache: refit the shards that are active now, in flight.
+        Sleeping shards get it when they wake. Returns the ranks refitted."""
+        async with self._lock:
+            self.latest = version
+            self.published.add(version)
+            stale = [r for r in self.fleet.active_ranks() if self.versions.get(r) != version]
+            if not stale:
+                return []
+            await self.fleet.client.pause("keep", stale)
+            try:
+                await self._sync(stale, "refit")
+            finally:
+                await self.fleet.client.resume(stale)
+            return stale
+
+    async def _sync(self, ranks: list[int], kind: str) -> None:
+        version = self.latest
+        urls = {r: self.fleet.shards[r].url for r in ranks}
+        t0 = time.perf_counter()
+        await self._sync_fn(version, urls)
+        dt = time.perf_counter() - t0
+        self.stats.sync_seconds += dt
+        reported = await self.fleet.client.fan_out("GET", "/weight_info", ranks)
+        for r in ranks:
+            got = int(reported[r]["weight_version"])
+            if got != version:
+                self.stats.version_mismatches.append(f"shard {r}: synced {version}, reports {got}")
+            self.versions[r] = got
+            self.history[r].append(got)
+        self._event(kind, ranks, version, dt)
+        log.info("%s shards %s to version %d in %.3fs", kind, ranks, version, dt)

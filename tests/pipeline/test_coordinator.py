@@ -1,0 +1,91 @@
+"""The coordinator against real engine servers and a real trainer actor: shards woken by the
+scheduler get the newest version before any request reaches them; active ones are refitted in
+flight; sleeping ones are not touched."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import ray
+
+from rlix.inference.backends import EngineBackendConfig, make_backend
+from rlix.inference.client import RemoteInferenceClient
+from rlix.inference.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router import Router, RouterServer
+from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.training.actor import TrainerActor
+from rlix.training.types import TrainSample
+
+KEY = "coordinator-test"
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def batch(seed: int) -> list[TrainSample]:
+    return [TrainSample([1, 2, 3], [4 + (seed + i) % 7, 5, 6], [-1.0, -1.2, -0.8], 1.0 if i % 2 else -1.0)
+            for i in range(4)]
+
+
+async def greedy(url: str) -> list[int]:
+    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        r = await http.post(f"{url}/inference/v1/generate", json={
+            "token_ids": [5, 6, 7], "sampling_params": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}})
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+
+
+def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_local, tiny_model_dir):
+    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), lr=0.05, seed=0)
+
+    async def main() -> None:
+        router = Router(KEY)
+        server = RouterServer(router)
+        await server.start()
+        client = RemoteInferenceClient(server.url, {}, KEY, "tiny")
+        backend = make_backend(EngineBackendConfig(backend="embedded", model=str(tiny_model_dir),
+                                                   served_model_name="tiny", max_model_len=128))
+        fleet = ShardFleet(LocalLauncher(backend, KEY), router, client)
+
+        async def sync(version, urls):  # type: ignore[no-untyped-def]
+            return await trainer.sync_shards.remote(version, urls, KEY)
+
+        coord = ShardCoordinator(fleet, sync)
+        try:
+            await coord.start([0, 1], version=0)
+            before = await greedy(fleet.shards[0].url)
+            await fleet.sleep_partial([0, 1])
+            ray.get(trainer.train_step.remote(batch(1)))
+            ray.get(trainer.build_cache.remote(1))
+            ray.get(trainer.promote_active.remote(1))
+            coord.latest = 1
+            await coord.resize_inference([], {0: [0]})
+            assert fleet.active_ranks() == [0] and coord.versions == {0: 1, 1: 0}
+            after = await greedy(fleet.shards[0].url)
+            assert after != before  # serving the trained weights
+            ray.get(trainer.train_step.remote(batch(2)))
+            ray.get(trainer.build_cache.remote(2))
+            ray.get(trainer.promote_active.remote(2))
+            assert await coord.publish(2) == [0]  # only the active shard is refitted
+            assert coord.versions == {0: 2, 1: 0}
+            await coord.resize_inference([0], {1: [1]})  # the scheduler moves the shard
+            assert fleet.active_ranks() == [1] and coord.versions == {0: 2, 1: 2}
+            assert await greedy(fleet.shards[1].url) != after  # rank 1 got version 2, not 1
+            assert coord.history == {0: [0, 1, 2], 1: [0, 2]}
+            assert coord.stats.version_mismatches == []
+        finally:
+            await fleet.shutdown()
+            await server.stop()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.get(trainer.close.remote())
+        ray.kill(trainer)
