@@ -12,6 +12,8 @@ from rlix.errors import TrainingError
 from rlix.training.trainer import PolicyTrainer
 from rlix.training.types import TrainSample
 
+from trainer_helpers import capture_grads, grads_close, weights_close
+
 
 def weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -36,20 +38,19 @@ def test_logprobs_match_a_direct_per_sample_computation(tiny_model_dir, samples_
 def test_step_does_not_depend_on_micro_batch_size(tiny_model_dir, samples_factory):
     a = PolicyTrainer(str(tiny_model_dir), micro_batch_size=8)
     b = PolicyTrainer(str(tiny_model_dir), micro_batch_size=3)
+    ga, gb = capture_grads(a), capture_grads(b)
     for step in range(2):
         samples = samples_factory(8, seed=10 + step, trainer=a)
         ma, mb = a.train_step(samples), b.train_step(samples)
         assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-5)
-        assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
+        assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-4)
         assert ma["num_tokens"] == mb["num_tokens"] == sum(len(s.response_ids) for s in samples)
         assert ma["num_samples"] == 8 and ma["step"] == step + 1
         assert 0 < ma["clip_fraction"] < 1 and ma["seconds"] > 0
-    wa, wb = weights(a), weights(b)
-    # Adam divides by sqrt(v): on tensors whose true gradient is ~0 (k_proj biases: softmax
-    # ignores them) float noise becomes an update, so allow a tenth of lr (1e-3) per element.
-    assert all(torch.allclose(wa[n], wb[n], atol=1e-4, rtol=0) for n in wa)
-    assert any(not torch.equal(wa[n], PolicyTrainer(str(tiny_model_dir)).model.state_dict()[n])
-               for n in wa)
+        assert grads_close(ga[step], gb[step])
+    assert weights_close(weights(a), weights(b), lr=1e-3, steps=2)
+    assert any(not torch.equal(p, PolicyTrainer(str(tiny_model_dir)).model.state_dict()[n])
+               for n, p in weights(a).items())
 
 
 def test_sequence_aggregation_and_kl_reference(tiny_model_dir, samples_factory):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlix.training.trainer import PolicyTrainer
+from trainer_helpers import capture_grads, grads_close, weights_close
 
 WORKER = Path(__file__).with_name("dp_worker.py")
 
@@ -27,6 +28,7 @@ def free_port() -> int:
 def test_two_ranks_match_one_rank_over_two_steps(tiny_model_dir, samples_factory, tmp_path):
     micro = 2
     single = PolicyTrainer(str(tiny_model_dir), micro_batch_size=micro)
+    single_grads = capture_grads(single)
     batches = [samples_factory(8, seed=50 + i, trainer=single) for i in range(2)]
     ports = ",".join(str(free_port()) for _ in batches)
     procs = []
@@ -57,12 +59,12 @@ def test_two_ranks_match_one_rank_over_two_steps(tiny_model_dir, samples_factory
         assert r["initialized_after"] is False  # the group did not outlive the step
         for step, (got, exp) in enumerate(zip(r["metrics"], expected)):
             assert got["num_samples"] == 8 and got["num_tokens"] == exp["num_tokens"], step
-            assert got["loss"] == pytest.approx(exp["loss"], abs=1e-6)
-            assert got["grad_norm"] == pytest.approx(exp["grad_norm"], rel=1e-5)
+            assert got["loss"] == pytest.approx(exp["loss"], abs=1e-5)
+            assert got["grad_norm"] == pytest.approx(exp["grad_norm"], rel=1e-4)
             assert got["clip_fraction"] == pytest.approx(exp["clip_fraction"])
-    # The ranks hold bit-identical weights (same averaged gradients, same optimizer).
+    # The ranks hold bit-identical weights (same averaged gradients, same optimizer), and apply
+    # the single rank's gradients up to float noise at every step.
     assert all(torch.equal(results[0]["weights"][n], results[1]["weights"][n]) for n in want)
-    # Equal to the single rank up to float noise, which Adam can scale up to a fraction of lr on
-    # tensors whose true gradient is ~0 (see test_step_does_not_depend_on_micro_batch_size).
-    for n, w in want.items():
-        assert torch.allclose(results[0]["weights"][n], w, atol=1e-4, rtol=0), n
+    for step, g in enumerate(single_grads):
+        assert grads_close(results[0]["grads"][step], g), step
+    assert weights_close(results[0]["weights"], want, lr=1e-3, steps=2)

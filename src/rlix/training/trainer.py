@@ -67,6 +67,8 @@ class PolicyTrainer:
         self.model_path = resolve_model(model)
         self.device = torch.device(device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # pin "cuda" to one GPU: set_device/synchronize need it
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.micro_batch_size = int(micro_batch_size)
         self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
