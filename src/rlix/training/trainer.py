@@ -236,9 +236,10 @@ class PolicyTrainer:
             sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, ratio sum, kl sum
             for chunk in self._chunks(samples):
                 logp, mask = self._logprobs(self.model, chunk)
-                behaviour = torch.zeros_like(logp)
+                behaviour = torch.zeros(logp.shape)  # built on the host, copied once
                 for i, s in enumerate(chunk):
                     behaviour[i, :len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
+                behaviour = behaviour.to(dev)
                 adv = torch.tensor([float(s.advantage) for s in chunk], device=dev)
                 ref = None
                 if self.ref_model is not None:
