@@ -1,4 +1,4 @@
-"""`rlix` command line: sim, check, status, serve.
+"""`rlix` command line: run, sim, check, status, serve.
 
 Every error rlix raises on purpose (RlixError) is printed as one line and exits 2; only real
 bugs show a traceback.
@@ -18,6 +18,14 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from rlix.scheduler.sim import cli_sim
 
     return cli_sim(args.scenario, args.json)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rlix.run import run
+
+    result = run(args.config, resume=args.resume, mode=args.mode)
+    failed = [n for n, s in result["pipelines"].items() if s.get("version_mismatches")]
+    return 1 if failed else 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -62,6 +70,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"rlix serve: no --api-key or RLIX_API_KEY; control token for this run: {api_key}",
               file=sys.stderr)
     print(f"rlix serve: {args.model} on http://{args.host}:{args.port} ({args.device})", file=sys.stderr)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           served_model_name=args.served_model_name)
@@ -72,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
     parser.add_argument("--version", action="version", version=f"rlix {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the RL pipelines of a config (time-sharing GPUs by default)")
+    run.add_argument("config", help="run config YAML (see examples/two_pipelines.yaml)")
+    run.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
+    run.add_argument("--mode", choices=["rlix", "standalone"], default=None,
+                     help="override control_plane (default: config, then RLIX_CONTROL_PLANE)")
+    run.set_defaults(func=_cmd_run)
 
     sim = sub.add_parser("sim", help="simulate a cluster scenario under three scheduling policies")
     sim.add_argument("scenario", help="scenario YAML (see examples/sim/)")
@@ -96,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     serve.set_defaults(func=_cmd_serve)
     return parser
 

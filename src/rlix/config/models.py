@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlix.envs.config import TaskConfig
 from rlix.scheduler.types import PipelineSpec, Topology
 
 
@@ -48,8 +49,33 @@ class SchedulerConfig(_Strict):
     aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")
 
 
+class RolloutConfig(_Strict):
+    """How a pipeline generates: GRPO groups of samples per prompt."""
+
+    groups_per_step: int = Field(8, ge=1, description="prompts (groups) trained on per step")
+    group_size: int = Field(8, ge=2, description="samples per prompt; advantages are normalised within a group")
+    max_new_tokens: int = Field(16, ge=1, description="tokens generated per sample at most")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (must be > 0 for GRPO to explore)")
+    concurrency: int = Field(8, ge=1, description="groups in flight at once")
+    max_model_len: int = Field(256, ge=16, description="the shards' context length (prompt + response)")
+    max_num_seqs: int = Field(64, ge=1, description="sequences one shard decodes at once")
+
+
+class TrainConfig(_Strict):
+    """The trainer's optimiser and loss settings (see rlix.training)."""
+
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    micro_batch_size: int = Field(16, ge=1, description="samples per forward/backward (gradients accumulate)")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial model (0 = no reference model)")
+    aggregation: Literal["token", "sequence"] = Field("token", description="loss mean over tokens or sequences")
+    max_grad_norm: float = Field(1.0, gt=0)
+    bucket_mib: int = Field(64, ge=1, description="weight-sync bucket size in MiB")
+
+
 class PipelineConfig(_Strict):
-    """One RL pipeline as the scheduler sees it."""
+    """One RL pipeline: what the scheduler sees, and what it trains."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     priority: int = Field(0, description="strict tiers: a higher priority is always served first")
@@ -62,11 +88,26 @@ class PipelineConfig(_Strict):
     partial_overlap: bool = Field(True, description="its shards may sleep on its training GPUs")
     max_staleness: int = Field(1, ge=0, description="oldest weight version a trained trajectory may use, in steps")
     seqs_per_shard: int = Field(8, ge=1, description="trajectories one shard should carry; converts demand to shards")
+    steps: int = Field(20, ge=1, description="training steps to run")
+    seed: int = Field(0, description="seeds prompts, sampling and the trainer")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="what the policy is rewarded for")
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    gpus: list[int] | None = Field(None, description="standalone mode: the fixed GPUs this pipeline uses "
+                                                     "(default: all); ignored when time-sharing")
+    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
+    cpu_threads: int | None = Field(1, ge=1, description="torch threads of its trainer and of each shard "
+                                                         "process on CPU (None: torch's default)")
 
     @model_validator(mode="after")
     def _shard_bounds(self) -> "PipelineConfig":
         if self.min_shards > self.max_shards:
             raise ValueError(f"min_shards ({self.min_shards}) must not exceed max_shards ({self.max_shards})")
+        if self.gpus is not None:
+            if len(set(self.gpus)) != len(self.gpus):
+                raise ValueError(f"gpus must not repeat a GPU, got {self.gpus}")
+            if len(self.gpus) < max(self.train_gpus, self.tp):
+                raise ValueError(f"gpus {self.gpus} are fewer than train_gpus={self.train_gpus} / tp={self.tp}")
         return self
 
     def spec(self) -> PipelineSpec:
@@ -82,6 +123,10 @@ class RlixConfig(_Strict):
 
     cluster: ClusterConfig = ClusterConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    control_plane: Literal["rlix", "standalone"] = Field(
+        "rlix", description="rlix: pipelines time-share GPUs through the scheduler; standalone: each "
+                            "runs on fixed GPUs (env RLIX_CONTROL_PLANE overrides)")
+    run_dir: str = Field("runs/latest", description="where logs, metrics and checkpoints go")
     pipelines: list[PipelineConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -97,4 +142,7 @@ class RlixConfig(_Strict):
                     raise ValueError(f"pipeline {p.name!r}: train_gpus={p.train_gpus} exceeds the cluster's {total} GPUs")
                 if p.tp > int(self.cluster.gpus_per_node):
                     raise ValueError(f"pipeline {p.name!r}: tp={p.tp} exceeds gpus_per_node={self.cluster.gpus_per_node}")
+                bad = [g for g in p.gpus or [] if not 0 <= g < total]
+                if bad:
+                    raise ValueError(f"pipeline {p.name!r}: gpus {bad} are not in the cluster's 0..{total - 1}")
         return self

@@ -33,6 +33,8 @@ class EngineBackendConfig(BaseModel):
     cpu_kvcache_gib: int = Field(1, ge=1, description="vllm on cpu: VLLM_CPU_KVCACHE_SPACE")
     worker_extension_cls: str | None = Field(None, description="vllm: --worker-extension-cls")
     extra_args: tuple[str, ...] = ()
+    cpu_threads: int | None = Field(None, ge=1, description="embedded: torch threads of each shard "
+                                                            "(default torch's; 1 when many share few cores)")
 
     @property
     def name_in_api(self) -> str:
@@ -79,6 +81,8 @@ class EmbeddedBackend:
                "--api-key", api_key, "--device", cfg.device, "--max-num-seqs", str(cfg.max_num_seqs)]
         if cfg.max_model_len:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if cfg.cpu_threads:
+            cmd += ["--threads", str(cfg.cpu_threads)]
         return cmd + list(cfg.extra_args)
 
     def env(self) -> dict[str, str]:

@@ -25,8 +25,13 @@ def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSa
 class TrainerActor:
     """One PolicyTrainer rank; keyword arguments go to PolicyTrainer unchanged."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, cpu_threads: int | None = None, **kwargs: Any) -> None:
         from rlix.training.trainer import PolicyTrainer
+
+        if cpu_threads:  # several trainers and shards on a few cores: oversubscription costs 7x
+            import torch
+
+            torch.set_num_threads(cpu_threads)
 
         self.trainer = PolicyTrainer(model, **kwargs)
 

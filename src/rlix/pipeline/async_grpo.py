@@ -1,0 +1,126 @@
+"""The async GRPO training loop of one pipeline: the same code in both modes.
+
+Per step: wait until the buffer holds a batch young enough (the collector keeps generating all
+along) -> ask for training GPUs (time-sharing: the scheduler shrinks overlapping shards first;
+standalone: the fixed GPUs come back at once) -> train on the batch -> snapshot the weights into
+the CPU bucket cache as the next version -> offload -> release the GPUs (the scheduler may wake
+shards there; the coordinator syncs them to the new version before routing to them) -> refit
+the shards that stayed active, in flight. Where the wall time went is recorded per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.training.grpo import group_advantages
+from rlix.training.types import TrainSample
+
+
+@dataclass
+class StepRecord:
+    step: int  # 1-based: the version the step produced
+    reward: float  # mean reward of the batch trained on
+    reward_std: float
+    samples: int
+    tokens: int
+    oldest_version: int  # oldest weight version in the batch
+    loss: float
+    generate_s: float  # waiting for the batch (generation not hidden behind the last step)
+    wait_gpus_s: float  # before_training: the scheduler freeing training GPUs
+    train_s: float
+    cache_s: float  # building the CPU bucket cache
+    offload_s: float
+    release_s: float
+    sync_s: float  # refitting active shards (woken ones are synced inside the scheduler's call)
+    step_s: float
+    finished_at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def to_samples(groups: list, version: int) -> list[TrainSample]:  # type: ignore[type-arg]
+    """GRPO samples: each trajectory's advantage is its reward normalised within its group."""
+    rewards = [[t.reward for t in g.trajectories] for g in groups]
+    advantages = group_advantages(rewards)
+    out = []
+    for g, adv in zip(groups, advantages):
+        for t, a in zip(g.trajectories, adv):
+            out.append(TrainSample(list(t.prompt_ids), list(t.response_ids), list(t.behaviour_logprobs),
+                                   float(a), int(t.version)))
+    return out
+
+
+class GrpoLoop:
+    """Drives one pipeline's steps. `trainer` is a TrainerActor handle (awaitable calls);
+    `hooks` the RLixHooks of the mode; `on_step(record)` is called after every step."""
+
+    def __init__(self, *, name: str, trainer: Any, coordinator: ShardCoordinator, collector: Any,
+                 buffer: Any, hooks: Any, groups_per_step: int, max_age: int, steps: int,
+                 start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
+                 checkpoint: Callable[[int], Any] | None = None, checkpoint_every: int = 0) -> None:
+        self.name, self.trainer, self.coordinator = name, trainer, coordinator
+        self.collector, self.buffer, self.hooks = collector, buffer, hooks
+        self.groups_per_step, self.max_age, self.steps = groups_per_step, max_age, steps
+        self.step = start_step  # = the version the trainer holds
+        self.on_step, self.checkpoint, self.checkpoint_every = on_step, checkpoint, checkpoint_every
+        self.records: list[StepRecord] = []
+        self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
+
+    async def run(self) -> list[StepRecord]:
+        while self.step < self.steps:
+            await self.one_step()
+        return self.records
+
+    async def one_step(self) -> StepRecord:
+        version = self.step
+        t0 = time.perf_counter()
+        await self.collector.wait_for(self.groups_per_step)
+        t_gen = time.perf_counter()
+        await self.hooks.before_training(version)
+        t_gpus = time.perf_counter()
+        try:
+            await self.trainer.reload.remote()
+            groups = self.buffer.take(self.groups_per_step, version, self.max_age)
+            samples = to_samples(groups, version)
+            metrics = await self.trainer.train_step.remote(samples)
+            t_train = time.perf_counter()
+            new = version + 1
+            await self.trainer.build_cache.remote(new)
+            await self.trainer.promote_active.remote(new)
+            t_cache = time.perf_counter()
+            await self.trainer.offload.remote()
+            t_off = time.perf_counter()
+            self.coordinator.latest = new  # shards woken from here on get `new`
+            self.coordinator.published.add(new)
+        finally:
+            await self.hooks.after_training(version)
+        t_rel = time.perf_counter()
+        self.collector.set_version(new)
+        await self.coordinator.publish(new)
+        t_sync = time.perf_counter()
+        self.step = new
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        versions = sorted({t.version for g in groups for t in g.trajectories})
+        self.trained_versions.append((version, versions))
+        record = StepRecord(
+            step=new, reward=mean, reward_std=std, samples=len(samples),
+            tokens=sum(len(s.response_ids) for s in samples), oldest_version=versions[0],
+            loss=float(metrics.get("loss", 0.0)), generate_s=t_gen - t0, wait_gpus_s=t_gpus - t_gen,
+            train_s=t_train - t_gpus, cache_s=t_cache - t_train, offload_s=t_off - t_cache,
+            release_s=t_rel - t_off, sync_s=t_sync - t_rel, step_s=t_sync - t0, finished_at=time.time())
+        self.records.append(record)
+        if self.checkpoint is not None and self.checkpoint_every and new % self.checkpoint_every == 0:
+            await self.checkpoint(new)
+        if self.on_step is not None:
+            result = self.on_step(record)
+            if asyncio.iscoroutine(result):
+                await result
+        return record

@@ -1,0 +1,36 @@
+"""The hooks of time-sharing mode: the loop's GPU requests and the collector's demand go to the
+rlix scheduler (the Ray actor "rlix:scheduler"); standalone mode uses rlix.pipeline.hooks.NoOpHooks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rlix.scheduler.types import Progress
+
+
+class SchedulerHooks:
+    def __init__(self, scheduler: Any, pipeline: str, train_gpus: int) -> None:
+        self.scheduler, self.pipeline, self.train_gpus = scheduler, pipeline, train_gpus
+        self.granted: list[int] = []
+        self.wait_s = 0.0
+
+    async def before_training(self, step: int) -> list[int]:
+        """Blocks until the scheduler grants the training GPUs (it shrinks shards there first)."""
+        t0 = time.perf_counter()
+        self.granted = list(await self.scheduler.request.remote(self.pipeline, "train", self.train_gpus))
+        self.wait_s += time.perf_counter() - t0
+        return self.granted
+
+    async def after_training(self, step: int) -> None:
+        await self.scheduler.release.remote(self.pipeline, "train")
+        self.granted = []
+
+    async def report_progress(self, collected: int, target: int, step: int,
+                              shard_load: dict[int, int] | None = None) -> None:
+        await self.scheduler.report_progress.remote(Progress(
+            self.pipeline, remaining=max(int(target) - int(collected), 0), target=int(target),
+            step=int(step), shard_load=dict(shard_load or {})))
+
+    async def clear_progress(self) -> None:
+        await self.scheduler.report_progress.remote(Progress(self.pipeline, remaining=0))

@@ -1,0 +1,172 @@
+"""`rlix run CONFIG.yaml`: start (or join) Ray, start the scheduler, run every pipeline, show
+progress, end with a summary.
+
+Live view: one line per finished step (step, reward, seconds) and one line per GPU whose role or
+owner changed (read from the scheduler's ledger), so the log shows GPUs moving between pipelines
+and between training and generation. On a terminal a table of every pipeline is redrawn too.
+Everything also goes to RUN_DIR/run.log; per-pipeline metrics to RUN_DIR/NAME/metrics.jsonl and
+the final summary to RUN_DIR/summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from rlix import env
+from rlix.config.models import RlixConfig
+from rlix.errors import ConfigError
+
+
+class RunLog:
+    """Prints to the console and appends to run.log."""
+
+    def __init__(self, path: Path, out: TextIO = sys.stdout) -> None:
+        self.fh = path.open("a")
+        self.out = out
+        self.t0 = time.time()
+
+    def __call__(self, line: str) -> None:
+        stamped = f"[{time.time() - self.t0:7.1f}s] {line}"
+        print(stamped, file=self.out, flush=True)
+        self.fh.write(stamped + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def gpu_roles(snapshot: dict) -> dict[int, str]:
+    """GPU -> "pipeline/train" or "pipeline/generate#rank" from a scheduler snapshot."""
+    out: dict[int, str] = {}
+    for h in snapshot.get("ledger", {}).get("holdings", []):
+        what = f"{h['pipeline']}/train" if h["role"] == "train" else f"{h['pipeline']}/generate#{h['dp_rank']}"
+        for g in h["gpus"]:
+            out[int(g)] = what
+    return out
+
+
+def gpu_share(snapshot: dict, shares: dict[str, float], dt: float) -> None:
+    """Accumulate GPU-seconds held per pipeline (both roles)."""
+    for what in gpu_roles(snapshot).values():
+        name = what.split("/", 1)[0]
+        shares[name] = shares.get(name, 0.0) + dt
+
+
+def run(config_path: str, *, resume: bool = False, mode: str | None = None,
+        out: TextIO = sys.stdout) -> dict:
+    """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json)."""
+    import ray
+
+    from rlix.config import load_config
+    from rlix.pipeline.actor import PipelineActor
+
+    cfg: RlixConfig = load_config(config_path)
+    mode = mode or env.control_plane(cfg.control_plane)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say = RunLog(run_dir / "run.log", out)
+    if cfg.cluster.is_auto and env.ray_address() is None:
+        raise ConfigError(f"{config_path}: cluster is auto but no Ray cluster to read GPUs from "
+                          "(set RAY_ADDRESS, or give nodes and gpus_per_node)")
+    total = None if cfg.cluster.is_auto else int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+    t_start = time.perf_counter()
+    if not ray.is_initialized():
+        address = env.ray_address()
+        if address:
+            ray.init(address=address, namespace="rlix", log_to_driver=False)
+        else:  # a local cluster; on CPU its GPUs are fake (num_gpus) and only the scheduler counts them
+            ray.init(num_cpus=max(4, 2 * len(cfg.pipelines) + 2), num_gpus=total, namespace="rlix",
+                     include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    api_key = env.api_key() or secrets.token_urlsafe(24)
+    say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, "
+        f"{total if total is not None else 'auto'} GPU(s), run dir {run_dir}")
+    scheduler = None
+    actors: dict[str, Any] = {}
+    try:
+        if mode == "rlix":
+            from rlix.scheduler.planner import PlannerParams
+            from rlix.scheduler.service import start_scheduler
+
+            params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
+            scheduler = start_scheduler(None if cfg.cluster.is_auto else cfg.cluster.topology(), params)
+        all_gpus = list(range(total or 0))
+        for p in cfg.pipelines:
+            gpus = p.gpus if p.gpus is not None else all_gpus
+            actors[p.name] = PipelineActor.remote(p.model_dump(), mode=mode, run_dir=str(run_dir),
+                                                  api_key=api_key, gpus=gpus, resume=resume)
+        for info in ray.get([a.setup.remote() for a in actors.values()]):
+            say(f"{info['pipeline']}: ready in {info['setup_s']}s, shards {info['shards']}, "
+                f"starting at step {info['start_step']}")
+        summaries = _drive(actors, scheduler, say)
+    finally:
+        for a in actors.values():
+            try:
+                ray.get(a.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - keep shutting the others down
+                pass
+            ray.kill(a)
+        if scheduler is not None:
+            ray.kill(scheduler)
+    result = {"config": config_path, "mode": mode, "wall_s": round(time.perf_counter() - t_start, 1),
+              "pipelines": summaries}
+    (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    for line in summary_table(result):
+        say(line)
+    say.close()
+    return result
+
+
+def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> dict[str, dict]:
+    import ray
+
+    runs = {name: a.run.remote() for name, a in actors.items()}
+    pending = dict(runs)
+    seen_steps: dict[str, int] = {}
+    roles: dict[int, str] = {}
+    shares: dict[str, float] = {}
+    last = time.perf_counter()
+    while pending:
+        done, _ = ray.wait(list(pending.values()), timeout=0.25, num_returns=len(pending))
+        for ref in done:
+            name = next(n for n, r in pending.items() if r == ref)
+            ray.get(ref)  # raises the pipeline's error here
+            del pending[name]
+        now = time.perf_counter()
+        if scheduler is not None:
+            snap = ray.get(scheduler.snapshot.remote())
+            gpu_share(snap, shares, now - last)
+            current = gpu_roles(snap)
+            for gpu in sorted(set(roles) | set(current)):
+                before, after = roles.get(gpu, "idle"), current.get(gpu, "idle")
+                if before != after:
+                    say(f"gpu {gpu}: {before} -> {after}")
+            roles = current
+        last = now
+        for name, prog in zip(actors, ray.get([a.progress.remote() for a in actors.values()])):
+            if prog["step"] != seen_steps.get(name) and prog["reward"] is not None:
+                seen_steps[name] = prog["step"]
+                share = shares.get(name, 0.0)
+                say(f"{name}: step {prog['step']}/{prog['steps']} reward {prog['reward']:.3f} "
+                    f"active shards {prog['active_shards']} gpu-s {share:.0f}")
+    summaries = {name: s for name, s in zip(actors, ray.get([a.summary.remote() for a in actors.values()]))}
+    for name, s in summaries.items():
+        s["gpu_seconds"] = round(shares.get(name, 0.0), 1)
+    return summaries
+
+
+def summary_table(result: dict) -> list[str]:
+    rows = [("pipeline", "steps", "reward first5", "reward last5", "gain", "dropped", "gpu-s", "sync s")]
+    for name, s in result["pipelines"].items():
+        dropped = sum(s["accounting"].get("dropped", {}).values())
+        rows.append((name, str(s["steps"]), f"{s['reward_first5']:.3f}", f"{s['reward_last5']:.3f}",
+                     f"{s['reward_last5'] - s['reward_first5']:+.3f}", str(dropped),
+                     str(s.get("gpu_seconds", "-")), f"{s['sync_s']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"summary ({result['mode']}, {result['wall_s']}s):"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return lines
