@@ -104,12 +104,18 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
                 f"starting at step {info['start_step']}")
         summaries = _drive(actors, scheduler, say)
     finally:
-        for a in actors.values():
+        t_stop = time.perf_counter()
+        stopping = {name: a.shutdown.remote() for name, a in actors.items()}
+        for name, ref in stopping.items():
             try:
-                ray.get(a.shutdown.remote(), timeout=60)
-            except Exception:  # noqa: BLE001 - keep shutting the others down
-                pass
-            ray.kill(a)
+                took = ray.get(ref, timeout=60)
+                slow = {k: v for k, v in took.items() if v > 2}
+                if slow:
+                    say(f"{name}: slow shutdown {slow}")
+            except Exception as exc:  # noqa: BLE001 - keep shutting the others down
+                say(f"{name}: shutdown failed: {type(exc).__name__}: {exc}")
+            ray.kill(actors[name])
+        say(f"stopped in {time.perf_counter() - t_stop:.1f}s")
         if scheduler is not None:
             ray.kill(scheduler)
     result = {"config": config_path, "mode": mode, "wall_s": round(time.perf_counter() - t_start, 1),

@@ -46,5 +46,5 @@ class PipelineActor:
     async def summary(self) -> dict:
         return self.runner.summary()
 
-    async def shutdown(self) -> None:
-        await self.runner.shutdown()
+    async def shutdown(self) -> dict[str, float]:
+        return await self.runner.shutdown()

@@ -46,6 +46,7 @@ class TrajectoryCollector:
         self._inflight: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()
         self._runner: asyncio.Task | None = None
+        self._reports: list[asyncio.Task] = []
         self._count = 0
         self.tokens = 0
         self.groups_done = 0
@@ -54,9 +55,14 @@ class TrajectoryCollector:
 
     # ------------------------------------------------------------------ control
     def set_version(self, version: int) -> None:
+        """The trainer moved on: stale groups go, and the scheduler hears the new demand now
+        (with no shard awake, no finished group would tell it)."""
         self.version = int(version)
         self.buffer.drop_stale(self.version, self.max_age)
         self._changed.set()
+        if self._runner is not None:
+            self._reports.append(asyncio.get_running_loop().create_task(self._report()))
+            self._reports = [t for t in self._reports if not t.done()]
 
     def start(self) -> None:
         if self._runner is None:

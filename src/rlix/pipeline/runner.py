@@ -180,22 +180,29 @@ class PipelineRunner:
             "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
         }
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> dict[str, float]:
+        """Stop everything this pipeline started; returns seconds per part (slow ones show)."""
         import ray
 
+        took: dict[str, float] = {}
+
+        async def timed(name: str, coro) -> None:  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                await coro
+            except Exception as exc:  # noqa: BLE001 - keep shutting the rest down
+                log.warning("%s shutdown: %s failed: %s", self.cfg.name, name, exc)
+            took[name] = round(time.perf_counter() - t0, 3)
+
         if self.mode == "rlix" and self.scheduler is not None:
-            try:
-                await self.scheduler.unregister.remote(self.cfg.name)
-            except Exception:  # noqa: BLE001 - the scheduler may be gone already
-                pass
+            await timed("unregister", self.scheduler.unregister.remote(self.cfg.name))
         if hasattr(self, "collector"):
-            await self.collector.stop()
-        if hasattr(self, "fleet"):
-            await self.fleet.shutdown()
+            await timed("collector", self.collector.stop())
         if hasattr(self, "router_server"):
-            await self.router_server.stop()
+            await timed("router", self.router_server.stop())
+        if hasattr(self, "fleet"):
+            await timed("shards", self.fleet.shutdown())
         if hasattr(self, "trainer"):
-            try:
-                await self.trainer.close.remote()
-            finally:
-                ray.kill(self.trainer)
+            await timed("trainer", self.trainer.close.remote())
+            ray.kill(self.trainer)
+        return took
