@@ -108,7 +108,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         stopping = {name: a.shutdown.remote() for name, a in actors.items()}
         for name, ref in stopping.items():
             try:
-                took = ray.get(ref, timeout=60)
+                took = ray.get(ref, timeout=120)
                 slow = {k: v for k, v in took.items() if v > 2}
                 if slow:
                     say(f"{name}: slow shutdown {slow}")

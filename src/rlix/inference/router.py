@@ -226,6 +226,7 @@ class RouterServer:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        self.router.table.close()  # held requests end now instead of holding the shutdown
         self.server.should_exit = True
         if self._task is not None:
             await self._task

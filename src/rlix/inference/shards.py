@@ -72,6 +72,7 @@ class ShardTable:
         self._vnodes = vnodes
         self._ring = HashRing([], vnodes)
         self._changed = asyncio.Event()
+        self.closed = False
 
     # ------------------------------------------------------------ admin
     def set(self, rank: int, url: str | None = None, state: ShardState | str | None = None) -> Shard:
@@ -131,6 +132,8 @@ class ShardTable:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
+            if self.closed:
+                raise NoActiveShardError("the router is shutting down")
             shard = self.pick(session_id, exclude) or (self.pick(session_id) if exclude else None)
             if shard is not None:
                 shard.outstanding += 1
@@ -142,6 +145,11 @@ class ShardTable:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 pass
+
+    def close(self) -> None:
+        """Refuse new requests and release every held one (they get NoActiveShardError)."""
+        self.closed = True
+        self._changed.set()
 
     def release(self, shard: Shard, completed: bool) -> None:
         shard.outstanding = max(0, shard.outstanding - 1)

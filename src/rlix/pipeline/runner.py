@@ -9,6 +9,7 @@ activated at once and stay active; after each step all of them are refitted in f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -36,6 +37,7 @@ class PipelineRunner:
         self.history: list[dict] = []  # every step's record, across resumes
         self.loop: GrpoLoop | None = None
         self.started_at = time.time()
+        self.closing = False
         self.setup_s = 0.0
 
     # ------------------------------------------------------------------ setup
@@ -148,6 +150,8 @@ class PipelineRunner:
         await self.trainer.save_checkpoint.remote(str(self.dir / "checkpoint" / "trainer"))
 
     async def resize_inference(self, remove: list[int], add: dict[int, list[int]]) -> dict:
+        if self.closing:
+            return {"skipped": "pipeline is shutting down"}
         return await self.coordinator.resize_inference(remove, add)
 
     def progress(self) -> dict:
@@ -186,13 +190,16 @@ class PipelineRunner:
 
         took: dict[str, float] = {}
 
-        async def timed(name: str, coro) -> None:  # type: ignore[no-untyped-def]
+        async def timed(name: str, coro, limit_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
             t0 = time.perf_counter()
             try:
-                await coro
+                await asyncio.wait_for(coro, limit_s)
             except Exception as exc:  # noqa: BLE001 - keep shutting the rest down
-                log.warning("%s shutdown: %s failed: %s", self.cfg.name, name, exc)
+                log.warning("%s shutdown: %s failed: %r", self.cfg.name, name, exc)
+                took[f"{name} failed"] = 1.0
             took[name] = round(time.perf_counter() - t0, 3)
+
+        self.closing = True  # the scheduler's late resize calls are ignored from here on
 
         if self.mode == "rlix" and self.scheduler is not None:
             await timed("unregister", self.scheduler.unregister.remote(self.cfg.name))
