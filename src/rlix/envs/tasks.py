@@ -35,7 +35,7 @@ class Task(Protocol):
 
 
 class PatternTask:
-    """"Repeat: ab" -> the share of the first `length` non-blank characters that follow abab..."""
+    """"Repeat: ab" -> the share of the first `length` characters that follow abab..."""
 
     name = "pattern"
 
@@ -47,9 +47,8 @@ class PatternTask:
         return Prompt(f"Repeat: {pattern}\n", pattern)
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        """Whitespace does not count: "a a a" repeats "a" as well as "aaa" does."""
         target = (str(prompt.answer) * self.length)[: self.length]
-        got = "".join(response.split())[: self.length]
+        got = response[: self.length]
         return sum(1 for a, b in zip(got, target) if a == b) / self.length
 
 
