@@ -105,3 +105,19 @@ def test_failed_start_leaves_nothing_behind():
 
     launcher, fleet, shards = asyncio.run(main())
     assert sorted(launcher.running) == [0] and sorted(fleet.shards) == [0] and [s["rank"] for s in shards] == [0]
+
+
+def test_preempt_without_drain_marks_then_sleeps_with_abort_in_one_call():
+    async def main():
+        fleet, router, client, calls, handler = _fleet(FakeLauncher())
+        fleet.drain_before_sleep = False
+        _install(client, handler)
+        await fleet.start([0, 1])
+        report = (await fleet.sleep_partial([1]))[1]
+        states = {s["rank"]: s["state"] for s in await router.shards()}
+        return report, calls, states
+
+    report, calls, states = asyncio.run(main())
+    assert states == {0: "active", 1: "preempted"}  # marked first: nothing new reaches it
+    assert [p for h, p in calls if h == "shard1"] == ["/sleep?level=1&mode=abort"]
+    assert report["abort_ms"] == 0 and report["drain_ms"] >= 0 and report["forced"] is False

@@ -45,6 +45,7 @@ class CoordinatorStats:
     sleep_seconds: float = 0.0
     wake_seconds: float = 0.0
     version_mismatches: list[str] = field(default_factory=list)
+    sleep_phases_ms: dict[str, float] = field(default_factory=dict)  # preemption phases, summed
 
 
 class ShardCoordinator:
@@ -84,6 +85,9 @@ class ShardCoordinator:
                 out["slept"] = await self.fleet.sleep_partial(remove)
                 dt = time.perf_counter() - t0
                 self.stats.sleep_seconds += dt
+                for phases in out["slept"].values():
+                    for k in ("mark_ms", "abort_ms", "drain_ms", "sleep_ms"):
+                        self.stats.sleep_phases_ms[k] = self.stats.sleep_phases_ms.get(k, 0.0) + phases.get(k, 0.0)
                 self._event("sleep", remove, seconds=dt)
             if add:
                 ranks = sorted(int(r) for r in add)

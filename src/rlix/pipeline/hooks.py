@@ -69,3 +69,24 @@ class ProgressThrottle:
             return False
         self._last = key
         return True
+
+
+class ColocatedHooks(NoOpHooks):
+    """Standalone on fixed GPUs: the shards that share a GPU with the trainer sleep while it
+    trains and come back (synced to the new version) after; the others keep generating. The
+    same partial overlap the scheduler applies, without a scheduler. `coordinator` is the
+    pipeline's ShardCoordinator; `shard_gpus` maps each dp rank to its GPUs."""
+
+    def __init__(self, coordinator, train_gpus: list[int], shard_gpus: dict[int, list[int]]) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(train_gpus)
+        self.coordinator = coordinator
+        self.overlap = {r: g for r, g in shard_gpus.items() if set(g) & set(train_gpus)}
+
+    async def before_training(self, step: int) -> list[int]:
+        if self.overlap:
+            await self.coordinator.resize_inference(sorted(self.overlap), {})
+        return list(self.gpus)
+
+    async def after_training(self, step: int) -> None:
+        if self.overlap:
+            await self.coordinator.resize_inference([], dict(self.overlap))

@@ -4,7 +4,8 @@ and the GRPO loop, in either mode. `PipelineActor` (actor.py) is the thin Ray sh
 Time-sharing (`rlix`): every shard process is started, put to sleep, and the pipeline registers
 with the scheduler, which then wakes shards where and when it decides (resize_inference) and
 grants training GPUs on request. Standalone: the shards on the pipeline's fixed GPUs are
-activated at once and stay active; after each step all of them are refitted in flight.
+activated at once; those sharing a GPU with the trainer sleep while it trains and are woken and
+synced after (ColocatedHooks), the others stay active and are refitted in flight.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class PipelineRunner:
         from rlix.models.presets import resolve_model
         from rlix.pipeline.buffer import ReplayBuffer
         from rlix.pipeline.collector import TrajectoryCollector
-        from rlix.pipeline.hooks import NoOpHooks
+        from rlix.pipeline.hooks import ColocatedHooks
         from rlix.pipeline.scheduler_hooks import SchedulerHooks
         from rlix.training.actor import TrainerActor
 
@@ -84,7 +85,8 @@ class PipelineRunner:
         backend = make_backend(EngineBackendConfig(
             backend="embedded", model=str(path), served_model_name=cfg.name,
             max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
-        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key), self.router, client)
+        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key), self.router, client,
+                                drain_before_sleep=False)  # our engine aborts in-flight at sleep
         self.coordinator = ShardCoordinator(self.fleet, self._sync, initial_version=0)
         ranks = list(range(cfg.max_shards if self.mode == "rlix" else max(len(self.gpus) // cfg.tp, 1)))
         await self.coordinator.start(ranks, version=0, active=False)  # weights from disk = v0
@@ -92,10 +94,11 @@ class PipelineRunner:
         self.coordinator.published.add(self.start_step)
 
         self.buffer = ReplayBuffer()
+        shard_gpus = {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp] for r in ranks}
         if self.mode == "rlix":
             self.hooks: Any = SchedulerHooks(self.scheduler, cfg.name, cfg.train_gpus)
-        else:
-            self.hooks = NoOpHooks(self.gpus[: cfg.train_gpus])
+        else:  # fixed GPUs: shards on the trainer's GPUs sleep while it trains
+            self.hooks = ColocatedHooks(self.coordinator, self.gpus[: cfg.train_gpus], shard_gpus)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.collector = TrajectoryCollector(
             self._generate(client), tokenizer, make_task(cfg.task), self.buffer, self.hooks,
@@ -108,8 +111,7 @@ class PipelineRunner:
             await self.fleet.sleep_partial(ranks)  # the scheduler decides where shards run
             await self.scheduler.register.remote(cfg.spec(), self.self_handle)
         else:
-            await self.coordinator.resize_inference([], {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp]
-                                                         for r in ranks})
+            await self.coordinator.resize_inference([], shard_gpus)
         self.loop = GrpoLoop(
             name=cfg.name, trainer=self.trainer, coordinator=self.coordinator,
             collector=self.collector, buffer=self.buffer, hooks=self.hooks,
@@ -181,6 +183,7 @@ class PipelineRunner:
             "version_mismatches": list(coord.stats.version_mismatches),
             "sync_s": coord.stats.sync_seconds, "sleep_s": coord.stats.sleep_seconds,
             "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s,
+            "sleep_phases_ms": {k: round(v, 1) for k, v in coord.stats.sleep_phases_ms.items()},
             "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
         }
 
