@@ -81,12 +81,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" / "two_pipelines.yaml"))
     ap.add_argument("--steps", type=int, default=None, help="override every pipeline's steps")
+    ap.add_argument("--max-shards", type=int, default=None, help="override every pipeline's max_shards")
     ap.add_argument("--keep", default=None, help="write both runs' raw summaries to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
-    if args.steps:
-        for p in cfg["pipelines"]:
+    for p in cfg["pipelines"]:
+        if args.steps:
             p["steps"] = args.steps
+        if args.max_shards:
+            p["max_shards"] = args.max_shards
+            p["min_shards"] = min(p.get("min_shards", 1), args.max_shards)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp:
         raw_shared = one_run(cfg, "rlix", Path(tmp))

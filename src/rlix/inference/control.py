@@ -76,8 +76,9 @@ class ControlPlane:
         return {"is_paused": self.engine.is_paused()}
 
     async def sleep(self, level: int, mode: str = "abort") -> dict:
-        """In-flight requests are aborted (mode=abort) or finished first (mode=wait); the engine
-        stays paused until it is fully awake again."""
+        """In-flight requests are aborted (mode=abort) or finished first (mode=wait; the engine
+        then stays paused until it is fully awake again). A sleeping engine refuses new work
+        (503) either way."""
         if level not in (1, 2):
             raise InvalidRequestError(f"level must be 1 (weights to CPU) or 2 (weights dropped), got {level}",
                                       param="level")
@@ -85,9 +86,11 @@ class ControlPlane:
             raise InvalidRequestError("sleep mode must be abort or wait: keep would need the KV cache "
                                       "that sleeping frees", param="mode")
         if not self.engine.is_sleeping():
-            if not self.engine.is_paused():
+            if mode == "wait" and not self.engine.is_paused():
                 await self.engine.pause(mode)  # type: ignore[arg-type]
                 self._resume_on_wake = True
+            # abort: the engine's sleep aborts what is in flight itself, in the same step (one
+            # trip to the engine thread, which matters on a preemption path)
             await self.engine.sleep(level)
         return {"status": "sleeping", "level": level}
 
