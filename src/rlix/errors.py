@@ -101,3 +101,15 @@ class HostMemoryError(WeightCacheError):
 class TrainingError(RlixError, ValueError):
     """A training call got bad input (empty batch, mismatched lengths or shapes, a data-parallel
     group that does not match the trainer) or cannot run in the trainer's current state."""
+
+
+class AccountingError(RlixError):
+    """Trajectories went missing: started != trained + dropped + buffered + in flight."""
+
+
+class TaskError(RlixError):
+    """A task could not score a response: its verifier raised or returned a non-number."""
+
+
+class CollectorError(RlixError):
+    """The trajectory collector stopped (or died) while the training loop waited on it."""

@@ -48,27 +48,39 @@ class NoOpHooks:
 
 
 class ProgressThrottle:
-    """Report only when the completed share crosses a `granularity` boundary (2% by default),
-    at 0% and 100%, and whenever the target changes: the scheduler hears every real change
-    without a message per trajectory."""
+    """Decides which progress reports are worth sending (pure, no clock).
+
+    Reports when the completed share crosses a `granularity` boundary (2% by default), when it
+    reaches 100% or falls back to exactly 0, and whenever the target changes: the scheduler
+    hears every real change without a message per trajectory. The first call always reports;
+    `reset()` makes the next one report too (the collector calls it on a version change).
+    """
 
     def __init__(self, granularity: float = 0.02) -> None:
+        if not 0 < granularity <= 1:
+            raise ValueError(f"granularity must be in (0, 1], got {granularity}")
         self.granularity = granularity
-        self._last: tuple[int, int] | None = None  # (bucket, target)
+        self._last: tuple[int, int] | None = None  # (band, target) last reported
+        self._last_collected = 0
+
+    def band(self, collected: int, target: int) -> int:
+        """The `granularity` band `collected` falls in; -1 once complete (its own band)."""
+        if target <= 0:
+            return 0
+        if collected >= target:
+            return -1
+        return int(max(collected, 0) / target / self.granularity + 1e-9)
 
     def should_report(self, collected: int, target: int) -> bool:
-        if target <= 0:
-            bucket = -1
-        else:
-            frac = min(max(collected / target, 0.0), 1.0)
-            bucket = len(range(0, int(frac / self.granularity + 1e-9) + 1)) - 1
-            if frac >= 1.0:
-                bucket = 10**6
-        key = (bucket, target)
-        if key == self._last:
+        key = (self.band(collected, target), target)
+        emptied = collected <= 0 and self._last_collected > 0
+        if key == self._last and not emptied:
             return False
-        self._last = key
+        self._last, self._last_collected = key, collected
         return True
+
+    def reset(self) -> None:
+        self._last = None
 
 
 class ColocatedHooks(NoOpHooks):

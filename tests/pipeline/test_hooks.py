@@ -1,0 +1,53 @@
+"""Hooks: the no-op standalone hooks and the progress throttle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlix.pipeline.hooks import NoOpHooks, ProgressThrottle, RLixHooks
+
+
+def test_noop_hooks_grant_their_fixed_gpus_and_satisfy_the_protocol():
+    hooks = NoOpHooks([2, 3])
+    assert isinstance(hooks, RLixHooks)
+
+    async def main() -> list[int]:
+        gpus = await hooks.before_training(0)
+        await hooks.report_progress(1, 2, 0)
+        await hooks.clear_progress()
+        await hooks.after_training(0)
+        return gpus
+    assert asyncio.run(main()) == [2, 3]
+
+
+def test_progress_is_reported_at_2_percent_steps_and_at_100():
+    throttle = ProgressThrottle()
+    assert [c for c in range(0, 101) if throttle.should_report(c, 100)] == list(range(0, 100, 2)) + [100]
+    assert not throttle.should_report(100, 100)
+    assert not throttle.should_report(150, 100)  # beyond the target is still complete
+    throttle = ProgressThrottle()
+    assert [c for c in range(0, 1001) if throttle.should_report(c, 1000)] == list(range(0, 1000, 20)) + [1000]
+
+
+def test_small_targets_report_every_change_and_target_changes_always_report():
+    throttle = ProgressThrottle()
+    assert [c for c in range(0, 11) if throttle.should_report(c, 10)] == list(range(0, 11))
+    assert throttle.should_report(10, 20)  # new target
+    assert not throttle.should_report(10, 20)
+
+
+def test_falling_back_to_zero_reports_and_reset_forces_the_next_report():
+    throttle = ProgressThrottle()
+    assert throttle.should_report(0, 1000)
+    assert not throttle.should_report(5, 1000)  # 0.5%: same band as 0
+    assert not throttle.should_report(0, 1000)  # last report said 0 already
+    assert throttle.should_report(30, 1000)
+    assert throttle.should_report(0, 1000)  # emptied (a batch was taken)
+    assert throttle.should_report(600, 1000)
+    assert not throttle.should_report(610, 1000)
+    throttle.reset()
+    assert throttle.should_report(610, 1000)
+    with pytest.raises(ValueError):
+        ProgressThrottle(0)
