@@ -1,6 +1,8 @@
-"""Tasks (prompts + verifiable rewards) that pipelines train on."""
+"""Tasks (prompts + graded, verifiable rewards) that pipelines train on."""
 
 from rlix.envs.config import TaskConfig
-from rlix.envs.tasks import ArithmeticTask, JsonlTask, PatternTask, Prompt, Task, make_task
+from rlix.envs.jsonl import VERIFIERS, JsonlTask, load_verifier, numeric_credit
+from rlix.envs.tasks import ArithmeticTask, PatternTask, Prompt, Task, make_task
 
-__all__ = ["ArithmeticTask", "JsonlTask", "PatternTask", "Prompt", "Task", "TaskConfig", "make_task"]
+__all__ = ["VERIFIERS", "ArithmeticTask", "JsonlTask", "PatternTask", "Prompt", "Task", "TaskConfig",
+           "load_verifier", "make_task", "numeric_credit"]

@@ -27,4 +27,7 @@ class TaskConfig(BaseModel):
             raise ValueError("task jsonl needs a path")
         if any(not p for p in self.patterns):
             raise ValueError("patterns must be non-empty strings")
+        builtin = ("exact", "contains", "numeric")
+        if self.verifier not in builtin and not all(self.verifier.partition(":")[::2]):
+            raise ValueError(f"verifier {self.verifier!r}: use one of {', '.join(builtin)} or 'module:function'")
         return self
