@@ -64,7 +64,7 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
             ray.get(trainer.train_step.remote(batch(1)))
             ray.get(trainer.build_cache.remote(1))
             ray.get(trainer.promote_active.remote(1))
-            coord.latest = 1
+            coord.announce(1)
             await coord.resize_inference([], {0: [0]})
             assert fleet.active_ranks() == [0] and coord.versions == {0: 1, 1: 0}
             after = await greedy(fleet.shards[0].url)

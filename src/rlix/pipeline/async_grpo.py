@@ -44,7 +44,7 @@ class StepRecord:
         return asdict(self)
 
 
-def to_samples(groups: list, version: int) -> list[TrainSample]:  # type: ignore[type-arg]
+def to_samples(groups: list) -> list[TrainSample]:  # type: ignore[type-arg]
     """GRPO samples: each trajectory's advantage is its reward normalised within its group."""
     rewards = [[t.reward for t in g.trajectories] for g in groups]
     advantages = group_advantages(rewards)
@@ -87,7 +87,7 @@ class GrpoLoop:
         try:
             await self.trainer.reload.remote()
             groups = self.buffer.take(self.groups_per_step, version, self.max_age)
-            samples = to_samples(groups, version)
+            samples = to_samples(groups)
             metrics = await self.trainer.train_step.remote(samples)
             t_train = time.perf_counter()
             new = version + 1
@@ -96,8 +96,7 @@ class GrpoLoop:
             t_cache = time.perf_counter()
             await self.trainer.offload.remote()
             t_off = time.perf_counter()
-            self.coordinator.latest = new  # shards woken from here on get `new`
-            self.coordinator.published.add(new)
+            self.coordinator.announce(new)  # shards woken from here on get `new`
         finally:
             await self.hooks.after_training(version)
         t_rel = time.perf_counter()

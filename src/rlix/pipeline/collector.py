@@ -1,22 +1,28 @@
 """The async trajectory collector: keeps the pipeline's shards busy and fills the buffer.
 
 Groups (one prompt x `group_size` samples, session-sticky to one shard) are generated
-concurrently through the router. Admission control: no new group starts while the young-enough
-groups buffered plus those in flight already cover `groups_per_step x (max_age + 1)`: more
-could only go stale before the trainer reaches them. A group that still finishes too old is
-dropped and counted ("stale"). Demand goes to the hooks (collected vs target for the next
-step), throttled to 2% steps. A failed request is retried a few times (the router already
-re-dispatches preempted ones); then its whole group is dropped with the reason.
+concurrently through the router, one request per sample. Admission control: no new group
+starts while the young-enough groups buffered plus those in flight already cover
+`groups_per_step x (max_age + 1)`: more could only go stale before the trainer reaches them. A
+group that still finishes too old is dropped and counted ("stale"). Demand goes to the hooks
+(collected vs target for the next step), throttled to 2% steps and sent on every version change.
+A failed request is retried a few times (the router already re-dispatches preempted ones); then
+its whole group is dropped with the reason. Every trajectory started is accounted for exactly
+once in the buffer's counters, whatever happens to its group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+from rlix.errors import CollectorError, InvalidRequestError
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle
 from rlix.pipeline.types import Group, Trajectory
@@ -24,160 +30,292 @@ from rlix.pipeline.types import Group, Trajectory
 Generate = Callable[[list[int], dict, str | None], Awaitable[dict]]
 
 
-class GroupFailed(Exception):
-    pass
+class GroupDropped(Exception):
+    """Internal: this group cannot be used; `reason` is what the accounting records."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason[:160]
+
+
+@dataclass
+class _Pending:
+    task: asyncio.Task
+    accounted: bool = False  # its trajectories are already in the buffer's counters
+
+
+def sample_seed(seed: int, group_index: int, sample: int) -> int:
+    """A per-sample sampling seed that depends only on the collector's seed and the sample's
+    place, not on timing: the same config draws the same prompts and the same seeds."""
+    return random.Random(f"{seed}/{group_index}/{sample}").randrange(1 << 31)
+
+
+def parse_versions(choice: dict, n_tokens: int) -> list[int]:
+    """The distinct weight versions of a generate answer's spans, in order. Unknown versions
+    or spans that do not cover every token make the answer unusable: its age is unprovable."""
+    spans = choice.get("weight_versions") or []
+    if n_tokens == 0:
+        return []
+    versions: list[int] = []
+    covered = 0
+    for span in sorted(spans, key=lambda s: int(s["start"])):
+        try:
+            v = int(span["version"])
+        except (TypeError, ValueError):
+            raise GroupDropped(f"unknown weight version {span.get('version')!r}") from None
+        if int(span["start"]) > covered:
+            break
+        covered = max(covered, int(span["end"]))
+        if v not in versions:
+            versions.append(v)
+    if covered < n_tokens:
+        raise GroupDropped(f"weight versions cover {covered} of {n_tokens} tokens")
+    return versions
 
 
 class TrajectoryCollector:
     def __init__(self, generate: Generate, tokenizer: Any, task: Any, buffer: ReplayBuffer,
                  hooks: Any, *, group_size: int, groups_per_step: int, max_new_tokens: int,
                  temperature: float, max_age: int, concurrency: int, seed: int = 0,
-                 max_retries: int = 3, retry_delay_s: float = 0.5) -> None:
+                 max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02) -> None:
+        if group_size < 1 or groups_per_step < 1 or concurrency < 1 or max_age < 0:
+            raise ValueError("group_size, groups_per_step, concurrency >= 1 and max_age >= 0")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
         self.buffer, self.hooks = buffer, hooks
         self.group_size, self.groups_per_step = group_size, groups_per_step
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.max_age, self.concurrency = max_age, concurrency
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
-        self.rng = random.Random(seed)
         self.seed = seed
+        self.rng = random.Random(seed)  # prompts, drawn in admission order
         self.version = 0
-        self.throttle = ProgressThrottle()
-        self._inflight: dict[str, asyncio.Task] = {}
-        self._changed = asyncio.Event()
+        self.throttle = ProgressThrottle(granularity)
+        self._pending: dict[str, _Pending] = {}
+        self._changed = asyncio.Event()  # buffer, version or in-flight set changed
+        self._report_due = asyncio.Event()
         self._runner: asyncio.Task | None = None
-        self._reports: list[asyncio.Task] = []
+        self._reporter: asyncio.Task | None = None
+        self._stopped = False
         self._count = 0
+        # stats
         self.tokens = 0
         self.groups_done = 0
+        self.requests = 0
+        self.retries = 0
         self.generate_s = 0.0
-        self.errors: list[str] = []
+        self.peak_admitted = 0  # max of (valid groups buffered + groups in flight) at admission
+        self.reports = 0
+        self.errors: deque[str] = deque(maxlen=50)  # the latest drop reasons and report failures
 
     # ------------------------------------------------------------------ control
+    @property
+    def target(self) -> int:
+        return self.groups_per_step * self.group_size
+
+    @property
+    def limit(self) -> int:
+        """Groups that may be buffered (valid) or in flight at once."""
+        return self.groups_per_step * (self.max_age + 1)
+
     def set_version(self, version: int) -> None:
         """The trainer moved on: stale groups go, and the scheduler hears the new demand now
         (with no shard awake, no finished group would tell it)."""
         self.version = int(version)
         self.buffer.drop_stale(self.version, self.max_age)
+        self.throttle.reset()
         self._changed.set()
-        if self._runner is not None:
-            self._reports.append(asyncio.get_running_loop().create_task(self._report()))
-            self._reports = [t for t in self._reports if not t.done()]
+        self._report_due.set()
 
     def start(self) -> None:
+        if self._stopped:
+            raise CollectorError("a stopped collector cannot start again")
         if self._runner is None:
-            self._runner = asyncio.get_running_loop().create_task(self._run())
+            loop = asyncio.get_running_loop()
+            self._runner = loop.create_task(self._run(), name="collector")
+            self._reporter = loop.create_task(self._report_loop(), name="collector-progress")
+            self._report_due.set()
 
     async def stop(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-        tasks = list(self._inflight.values())
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Cancel everything; groups in flight count as dropped ("shutdown"), what is buffered
+        as "unused at shutdown". Idempotent."""
+        self._stopped = True
+        for task in (self._runner, self._reporter):
+            if task is not None:
+                task.cancel()
+        pending = list(self._pending.values())
+        for p in pending:
+            p.task.cancel()
+        await asyncio.gather(*(t for t in (self._runner, self._reporter) if t is not None),
+                             *(p.task for p in pending), return_exceptions=True)
+        for gid, p in list(self._pending.items()):  # those whose done-callback has not run yet
+            self._settle(gid, p, "shutdown")
+        self._changed.set()
         self.buffer.close()
 
     def in_flight(self) -> int:
-        return len(self._inflight) * self.group_size
+        """Trajectories started but not yet accounted for (for check_conservation)."""
+        return sum(self.group_size for p in self._pending.values() if not p.accounted)
 
-    async def wait_for(self, n_groups: int) -> None:
-        """Until the buffer holds `n_groups` groups young enough for the current version."""
-        while self.buffer.valid_groups(self.version, self.max_age) < n_groups:
-            if self._runner is not None and self._runner.done():
-                self._runner.result()  # the loop died: raise its error here
-                raise RuntimeError("the collector stopped")
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
+    def groups_in_flight(self) -> int:
+        return len(self._pending)
+
+    async def wait_for(self, n_groups: int, timeout: float | None = None) -> None:
+        """Until the buffer holds `n_groups` groups young enough for the current version.
+        Raises CollectorError if the collector stops or dies meanwhile (with its cause)."""
+        async def wait() -> None:
+            while self.buffer.valid_groups(self.version, self.max_age) < n_groups:
+                self._raise_if_dead()
+                self._changed.clear()
+                await self._changed.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+    def _raise_if_dead(self) -> None:
+        if self._stopped:
+            raise CollectorError("the collector was stopped")
+        if self._runner is not None and self._runner.done():
+            exc = None if self._runner.cancelled() else self._runner.exception()
+            raise CollectorError(f"the collector died: {exc!r}") from exc
 
     def stats(self) -> dict:
-        return {"tokens": self.tokens, "groups": self.groups_done, "generate_s": round(self.generate_s, 3),
-                "errors": self.errors[-5:]}
+        return {"tokens": self.tokens, "groups": self.groups_done, "requests": self.requests,
+                "retries": self.retries, "generate_s": round(self.generate_s, 3),
+                "in_flight_groups": len(self._pending), "peak_admitted": self.peak_admitted,
+                "reports": self.reports, "errors": list(self.errors)[-5:]}
 
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ admission
     def _admit(self) -> bool:
-        if len(self._inflight) >= self.concurrency:
+        if len(self._pending) >= self.concurrency:
             return False
         ready = self.buffer.valid_groups(self.version, self.max_age)
-        return ready + len(self._inflight) < self.groups_per_step * (self.max_age + 1)
+        return ready + len(self._pending) < self.limit
 
     async def _run(self) -> None:
-        await self._report()
+        loop = asyncio.get_running_loop()
         while True:
             while self._admit():
                 self._count += 1
                 gid = f"g{self.seed}-{self._count}"
+                prompt = self.task.sample_prompt(self.rng)
                 self.buffer.note_started(self.group_size)
-                task = asyncio.get_running_loop().create_task(self._group(gid))
-                self._inflight[gid] = task
+                task = loop.create_task(self._group(gid, self._count, prompt), name=gid)
+                self._pending[gid] = _Pending(task)
                 task.add_done_callback(lambda t, gid=gid: self._done(gid, t))
+                self.peak_admitted = max(self.peak_admitted, len(self._pending) +
+                                         self.buffer.valid_groups(self.version, self.max_age))
             self._changed.clear()
             await self._changed.wait()
 
-    def _done(self, gid: str, task: asyncio.Task) -> None:
-        self._inflight.pop(gid, None)
-        if task.cancelled():
-            self.buffer.note_dropped(self.group_size, "shutdown")
-        elif task.exception() is not None:
-            self.buffer.note_dropped(self.group_size, f"generate failed: {task.exception()}"[:120])
-            self.errors.append(str(task.exception()))
-        self._changed.set()
+    def _settle(self, gid: str, p: _Pending, reason: str | None) -> None:
+        """Account for a group that will not reach the buffer (once)."""
+        if not p.accounted and reason is not None:
+            self.buffer.note_dropped(self.group_size, reason)
+        p.accounted = True
+        self._pending.pop(gid, None)
 
-    async def _group(self, gid: str) -> None:
-        prompt = self.task.sample_prompt(self.rng)
+    def _done(self, gid: str, task: asyncio.Task) -> None:
+        p = self._pending.get(gid)
+        if p is None:
+            return
+        if task.cancelled():
+            reason: str | None = "shutdown"
+        elif isinstance(task.exception(), GroupDropped):
+            reason = task.exception().reason  # type: ignore[union-attr]
+        elif task.exception() is not None:
+            exc = task.exception()
+            reason = f"collector error: {type(exc).__name__}: {exc}"[:160]
+        else:
+            reason = None
+        if reason is not None and reason != "shutdown":
+            self.errors.append(f"{gid}: {reason}")
+        self._settle(gid, p, reason)
+        self._changed.set()
+        self._report_due.set()
+
+    # ------------------------------------------------------------------ one group
+    async def _group(self, gid: str, index: int, prompt: Any) -> None:
         ids = list(self.tokenizer.encode(prompt.text, add_special_tokens=False))
-        base = self.rng.randrange(1 << 30)
         t0 = time.perf_counter()
-        trajectories = await asyncio.gather(*(self._sample(gid, i, prompt, ids, base + i)
-                                              for i in range(self.group_size)))
-        self.generate_s += time.perf_counter() - t0
-        group = Group(gid, prompt.text, list(trajectories))
+        try:
+            async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
+                samples = [tg.create_task(self._sample(gid, i, ids, sample_seed(self.seed, index, i)))
+                           for i in range(self.group_size)]
+        except BaseExceptionGroup as eg:
+            dropped = [e for e in eg.exceptions if isinstance(e, GroupDropped)]
+            raise (dropped[0] if dropped else eg.exceptions[0]) from None
+        finally:
+            self.generate_s += time.perf_counter() - t0
+        trajectories = []
+        for i, s in enumerate(samples):
+            tokens, logprobs, versions, finish, started = s.result()
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            try:
+                reward = float(self.task.reward(prompt, text))
+            except Exception as exc:  # noqa: BLE001 - the task's (user's) code
+                raise GroupDropped(f"reward failed: {exc}") from exc
+            versions = versions or [self.version]  # no tokens: nothing of it can be stale
+            trajectories.append(Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, reward, min(versions),
+                                           versions, finish, started, time.time()))
+        group = Group(gid, prompt.text, trajectories)
         self.groups_done += 1
-        if group.version < self.version - self.max_age:
+        p = self._pending[gid]
+        if not self.buffer.fresh(group.version, self.version, self.max_age):
             self.buffer.note_dropped(len(group), "stale")
         else:
             self.buffer.put(group)
-        await self._report()
+        p.accounted = True  # from here on, cancellation must not count it again
 
-    async def _sample(self, gid: str, i: int, prompt: Any, ids: list[int], seed: int) -> Trajectory:
+    async def _sample(self, gid: str, i: int, ids: list[int], seed: int
+                      ) -> tuple[list[int], list[float], list[int], str, float]:
         params = {"temperature": self.temperature, "max_tokens": self.max_new_tokens, "logprobs": 1,
                   "seed": seed}
         started = time.time()
-        last: BaseException | None = None
         for attempt in range(self.max_retries + 1):
+            self.requests += 1
             try:
                 out = await self.generate(ids, params, gid)
                 break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - retried, then the group is dropped
-                last = exc
+            except InvalidRequestError as exc:  # the request itself is wrong: retrying won't help
+                raise GroupDropped(f"generate failed: {type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - network, no active shard, engine: retried
+                if attempt == self.max_retries:
+                    raise GroupDropped(f"generate failed: {type(exc).__name__}: {exc}") from exc
+                self.retries += 1
                 await asyncio.sleep(self.retry_delay_s * (attempt + 1))
-        else:
-            raise GroupFailed(f"{type(last).__name__}: {last}")
         choice = out["choices"][0]
-        tokens = list(choice["token_ids"])
+        tokens = [int(t) for t in choice.get("token_ids") or []]
         content = (choice.get("logprobs") or {}).get("content") or []
         logprobs = [float(c["logprob"]) for c in content]
         if len(logprobs) != len(tokens):
-            raise GroupFailed(f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens")
-        versions: list[int] = []
-        for span in choice.get("weight_versions") or []:
-            v = int(span["version"])
-            if v not in versions:
-                versions.append(v)
-        versions = versions or [self.version]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            raise GroupDropped(f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens")
+        versions = parse_versions(choice, len(tokens))
         self.tokens += len(tokens)
-        return Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, float(self.task.reward(prompt, text)),
-                          min(versions), versions, str(choice.get("finish_reason")), started, time.time())
+        return tokens, logprobs, versions, str(choice.get("finish_reason")), started
 
-    async def _report(self) -> None:
-        target = self.groups_per_step * self.group_size
-        collected = min(self.buffer.valid_count(self.version, self.max_age), target)
-        if self.throttle.should_report(collected, target):
-            await self.hooks.report_progress(collected, target, self.version)
+    # ------------------------------------------------------------------ progress
+    def collected(self) -> int:
+        """Trajectories valid for the next step, capped at the target."""
+        return min(self.buffer.valid_count(self.version, self.max_age), self.target)
+
+    async def _report_loop(self) -> None:
+        """One reporter, latest state only: a slow control plane never blocks generation, and
+        a failing one never touches the accounting."""
+        while True:
+            await self._report_due.wait()
+            self._report_due.clear()
+            collected, target = self.collected(), self.target
+            if not self.throttle.should_report(collected, target):
+                continue
+            try:
+                await self.hooks.report_progress(collected, target, self.version)
+                self.reports += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - kept in stats; the next change retries
+                self.errors.append(f"report_progress: {type(exc).__name__}: {exc}")
+                self.throttle.reset()
+
+    async def report_now(self) -> None:
+        """Send the current demand through the hooks, unthrottled (e.g. at start)."""
+        with contextlib.suppress(Exception):
+            await self.hooks.report_progress(self.collected(), self.target, self.version)
+            self.reports += 1

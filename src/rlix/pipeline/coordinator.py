@@ -107,12 +107,16 @@ class ShardCoordinator:
                 out["woke"] = ranks
             return out
 
+    def announce(self, version: int) -> None:
+        """`version` is in the cache: shards woken from now on are synced to it."""
+        self.latest = version
+        self.published.add(version)
+
     async def publish(self, version: int) -> list[int]:
         """A new version exists in the cache: refit the shards that are active now, in flight.
         Sleeping shards get it when they wake. Returns the ranks refitted."""
         async with self._lock:
-            self.latest = version
-            self.published.add(version)
+            self.announce(version)
             stale = [r for r in self.fleet.active_ranks() if self.versions.get(r) != version]
             if not stale:
                 return []

@@ -90,8 +90,7 @@ class PipelineRunner:
         self.coordinator = ShardCoordinator(self.fleet, self._sync, initial_version=0)
         ranks = list(range(cfg.max_shards if self.mode == "rlix" else max(len(self.gpus) // cfg.tp, 1)))
         await self.coordinator.start(ranks, version=0, active=False)  # weights from disk = v0
-        self.coordinator.latest = self.start_step
-        self.coordinator.published.add(self.start_step)
+        self.coordinator.announce(self.start_step)
 
         self.buffer = ReplayBuffer()
         shard_gpus = {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp] for r in ranks}
@@ -176,8 +175,7 @@ class PipelineRunner:
             "records": [r.as_dict() for r in records],
             "trained_versions": self.loop.trained_versions if self.loop else [],
             "accounting": self.buffer.accounting(),
-            "collector": self.collector.stats() if callable(getattr(self.collector, "stats", None))
-            else getattr(self.collector, "stats", {}),
+            "collector": self.collector.stats(),
             "shard_history": {r: list(v) for r, v in coord.history.items()},
             "published": sorted(coord.published),
             "version_mismatches": list(coord.stats.version_mismatches),
