@@ -1,4 +1,5 @@
-"""The collector against a fake generate: admission bound, staleness, retries, accounting."""
+"""The collector against a fake generate: admission bound, staleness, retries, progress,
+accounting. No servers (the real-engine test is test_collector_engine.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import random
 import pytest
 
 from rlix.envs import PatternTask
+from rlix.errors import CollectorError, InvalidRequestError
 from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.collector import TrajectoryCollector
+from rlix.pipeline.collector import TrajectoryCollector, parse_versions
+from rlix.pipeline.hooks import ProgressThrottle
 
 
 class Tok:
@@ -21,33 +24,52 @@ class Tok:
 
 
 class Hooks:
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = False, delay: float = 0.0) -> None:
         self.reports: list[tuple[int, int, int]] = []
+        self.fail, self.delay = fail, delay
 
     async def report_progress(self, collected, target, step, shard_load=None):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise ConnectionError("scheduler gone")
         self.reports.append((collected, target, step))
 
 
 class FakeEngine:
-    """Answers after a random delay with the version it was told to serve; can fail."""
+    """Answers after a random delay with the version it serves (optionally switching version
+    mid-response, as a re-dispatched request does); can fail."""
 
-    def __init__(self, fail_first: int = 0, always_fail: bool = False) -> None:
-        self.version, self.calls, self.in_flight, self.peak = 0, 0, 0, 0
-        self.fail_first, self.always_fail = fail_first, always_fail
+    def __init__(self, fail_first: int = 0, error: Exception | None = None, delay=(0.001, 0.01),
+                 split: bool = False, version_label=None) -> None:  # type: ignore[no-untyped-def]
+        self.version, self.calls = 0, 0
+        self.fail_first, self.error = fail_first, error
+        self.delay, self.split, self.version_label = delay, split, version_label
         self.rng = random.Random(0)
+        self.seen: list[tuple[tuple[int, ...], int, str | None]] = []
+        self.on_call = None
+        self.hold_after: int | None = None  # calls after this many wait for `gate`
+        self.gate = asyncio.Event()
 
     async def __call__(self, ids, params, session):  # type: ignore[no-untyped-def]
         self.calls += 1
-        if self.always_fail or self.calls <= self.fail_first:
-            raise ConnectionError("shard went away")
-        self.in_flight += 1
-        self.peak = max(self.peak, self.in_flight)
-        await asyncio.sleep(self.rng.uniform(0.001, 0.01))
-        self.in_flight -= 1
-        toks = [self.rng.randrange(1, 200) for _ in range(params["max_tokens"])]
+        self.seen.append((tuple(ids), params["seed"], session))
+        if self.on_call is not None:
+            self.on_call()
+        if self.error is not None and self.calls <= self.fail_first:
+            raise self.error
+        if self.hold_after is not None and self.calls > self.hold_after:
+            await self.gate.wait()
+        v0 = self.version
+        await asyncio.sleep(self.rng.uniform(*self.delay))
+        n = params["max_tokens"]
+        toks = [random.Random(params["seed"] + k).randrange(1, 200) for k in range(n)]
+        if self.split:  # the first two tokens on the old weights, the rest on newer ones
+            spans = [{"version": str(v0), "start": 0, "end": 2}, {"version": str(v0 + 1), "start": 2, "end": n}]
+        else:
+            spans = [{"version": self.version_label or str(v0), "start": 0, "end": n}]
         return {"choices": [{"token_ids": toks, "finish_reason": "length",
                              "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in toks]},
-                             "weight_versions": [{"version": str(self.version), "start": 0, "end": len(toks)}]}]}
+                             "weight_versions": spans}]}
 
 
 def collector(engine, buffer, hooks, **kw):  # type: ignore[no-untyped-def]
@@ -61,68 +83,213 @@ def test_admission_bounds_generation_to_what_the_trainer_can_use_and_accounting_
     async def main() -> None:
         buf, hooks, engine = ReplayBuffer(), Hooks(), FakeEngine()
         col = collector(engine, buf, hooks)
+        limit = 3 * (1 + 1)
+        worst = []
+        engine.on_call = lambda: worst.append(buf.valid_groups(col.version, 1) + col.groups_in_flight())
         col.start()
-        await col.wait_for(3)
-        await asyncio.sleep(0.2)  # it would run ahead here if admission let it
-        assert buf.valid_groups(0, 1) + len(col._inflight) <= 3 * 2
-        for step in range(3):
+        for step in range(4):
             await col.wait_for(3)
+            await asyncio.sleep(0.05)  # it would run ahead here if admission let it
+            assert buf.valid_groups(step, 1) + col.groups_in_flight() <= limit
             groups = buf.take(3, step, 1)
+            buf.check_conservation(col.in_flight())
             assert all(g.version >= step - 1 for g in groups)
-            assert all(len(t.behaviour_logprobs) == len(t.response_ids) == 5 for g in groups
-                       for t in g.trajectories)
+            for g in groups:
+                assert len({t.group_id for t in g.trajectories}) == 1 and len(g) == 4
+                for t in g.trajectories:
+                    assert len(t.behaviour_logprobs) == len(t.response_ids) == 5
+                    assert t.prompt_ids == Tok().encode("Repeat: a\n") and 0 <= t.reward <= 1
+                    assert t.versions == [t.version] and t.finished_at >= t.started_at
             engine.version = step + 1
             col.set_version(step + 1)
+        await asyncio.sleep(0.01)  # the reporter runs beside the loop
         await col.stop()
+        assert max(worst) <= limit and col.stats()["peak_admitted"] <= limit
         buf.check_conservation()
         acc = buf.accounting()
-        assert acc["trained"] == 36 and acc["started"] == acc["trained"] + sum(acc["dropped"].values())
+        assert acc["trained"] == 48 and acc["started"] == acc["trained"] + sum(acc["dropped"].values())
         assert hooks.reports and all(t == 12 for _, t, _ in hooks.reports)
-        assert col.stats()["tokens"] > 0
+        assert {s for _, _, s in hooks.reports} == {0, 1, 2, 3, 4}  # every version change is heard
+        assert col.stats()["tokens"] > 0 and col.stats()["groups"] >= 12
     asyncio.run(main())
+
+
+def test_concurrency_caps_groups_in_flight_and_sessions_are_group_ids():
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine(delay=(0.02, 0.03))
+        col = collector(engine, buf, Hooks(), concurrency=2, groups_per_step=10)
+        peak = []
+        engine.on_call = lambda: peak.append(col.groups_in_flight())
+        col.start()
+        await col.wait_for(4)
+        await col.stop()
+        assert max(peak) <= 2
+        sessions = {}
+        for _, _, session in engine.seen:
+            sessions[session] = sessions.get(session, 0) + 1
+        assert all(n <= 4 for n in sessions.values()) and all(s.startswith("g7-") for s in sessions)
+        buf.check_conservation()
+    asyncio.run(main())
+
+
+def test_same_seed_same_prompts_and_sampling_seeds():
+    async def run(seed: int) -> list:
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = collector(engine, buf, Hooks(), seed=seed, concurrency=1, groups_per_step=1, max_age=0)
+        col.start()
+        await col.wait_for(1)
+        await col.stop()
+        return sorted(engine.seen)[:4]
+    a, b, c = (asyncio.run(run(s)) for s in (3, 3, 4))
+    assert a == b and a != c
+    assert len({seed for _, seed, _ in a}) == 4  # a distinct seed per sample
 
 
 def test_groups_that_finish_too_old_are_dropped_as_stale():
     async def main() -> None:
         buf, engine = ReplayBuffer(), FakeEngine()
+        engine.hold_after = 12  # three groups finish, the next three wait
         col = collector(engine, buf, Hooks())
         col.start()
         await col.wait_for(3)
-        col.set_version(5)  # the trainer jumped ahead: everything buffered is too old
-        assert buf.valid_groups(5, 1) == 0 and buf.accounting()["dropped"]["stale"] >= 12
+        while engine.calls < 24:
+            await asyncio.sleep(0.001)
+        assert col.groups_in_flight() == 3 and len(buf) == 12
+        col.set_version(5)  # the trainer jumped ahead: everything buffered or in flight is too old
+        assert buf.valid_groups(5, 1) == 0 and buf.accounting()["dropped"]["stale"] == 12
+        engine.gate.set()
+        while col.stats()["groups"] < 6:  # those in flight finish (engine still on version 0)
+            await asyncio.sleep(0.001)
+        assert buf.accounting()["dropped"]["stale"] >= 24
+        assert len(buf) == 0  # nothing stale ever entered the buffer
         await col.stop()
         buf.check_conservation()
     asyncio.run(main())
+
+
+def test_a_response_spanning_two_versions_is_as_old_as_its_oldest_token():
+    buf_holder = {}
+
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine(split=True)
+        engine.version = 2
+        col = collector(engine, buf, Hooks(), max_age=2)
+        col.set_version(3)
+        col.start()
+        await col.wait_for(1)
+        buf_holder["g"] = buf.take(1, 3, 2)[0]
+        await col.stop()
+        buf.check_conservation()
+    asyncio.run(main())
+    t = buf_holder["g"].trajectories[0]
+    assert t.version == 2 and t.versions == [2, 3]
+
+
+def test_unprovable_versions_drop_the_group():
+    with pytest.raises(Exception, match="cover 3 of 5"):
+        parse_versions({"weight_versions": [{"version": "1", "start": 0, "end": 3}]}, 5)
+    assert parse_versions({"weight_versions": [{"version": "1", "start": 0, "end": 3},
+                                               {"version": "2", "start": 3, "end": 5}]}, 5) == [1, 2]
+    assert parse_versions({}, 0) == []
+
+    async def main() -> dict:
+        buf = ReplayBuffer()
+        col = collector(FakeEngine(version_label="unknown"), buf, Hooks())
+        col.start()
+        await asyncio.sleep(0.1)
+        await col.stop()
+        buf.check_conservation()
+        return buf.accounting()
+    acc = asyncio.run(main())
+    assert acc["trained"] == 0 and any("unknown weight version" in r for r in acc["dropped"]), acc
 
 
 def test_failed_requests_are_retried_then_the_group_is_dropped_with_the_reason():
     async def main() -> None:
         buf = ReplayBuffer()
-        col = collector(FakeEngine(fail_first=2), buf, Hooks())
+        col = collector(FakeEngine(fail_first=2, error=ConnectionError("blip")), buf, Hooks())
         col.start()
         await col.wait_for(3)  # two failures were retried away
         await col.stop()
         assert not any(r.startswith("generate failed") for r in buf.accounting()["dropped"])
+        assert col.stats()["retries"] == 2
         buf.check_conservation()
 
-        buf2 = ReplayBuffer()
-        col2 = collector(FakeEngine(always_fail=True), buf2, Hooks(), max_retries=1)
+        buf2, engine = ReplayBuffer(), FakeEngine(fail_first=10**9, error=ConnectionError("shard went away"))
+        col2 = collector(engine, buf2, Hooks(), max_retries=1, concurrency=1)
         col2.start()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.2)
         await col2.stop()
         dropped = buf2.accounting()["dropped"]
-        assert any("generate failed" in r and "shard went away" in r for r in dropped), dropped
+        failed = [r for r in dropped if "generate failed" in r]
+        assert failed and "ConnectionError: shard went away" in failed[0], dropped
+        assert dropped[failed[0]] % 4 == 0  # the whole group goes
+        assert any("shard went away" in e for e in col2.stats()["errors"])
         buf2.check_conservation()
     asyncio.run(main())
 
 
-def test_stop_counts_in_flight_groups_as_dropped_at_shutdown():
+def test_a_bad_request_is_not_retried():
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine(fail_first=10**9, error=InvalidRequestError("prompt too long"))
+        col = collector(engine, buf, Hooks(), concurrency=1, max_retries=5, group_size=1)
+        col.start()
+        await asyncio.sleep(0.05)
+        await col.stop()
+        assert col.stats()["retries"] == 0 and engine.calls == col.stats()["requests"]
+        assert any("prompt too long" in r for r in buf.accounting()["dropped"])
+        buf.check_conservation()
+    asyncio.run(main())
+
+
+def test_progress_is_throttled_to_2_percent_steps():
+    async def main() -> None:
+        buf, hooks = ReplayBuffer(), Hooks()
+        # target 200 trajectories, one per group: each finished group is 0.5%
+        col = collector(FakeEngine(delay=(0.0005, 0.002)), buf, hooks, group_size=1, groups_per_step=200,
+                        max_age=0, concurrency=16)
+        col.start()
+        await col.wait_for(200)
+        await asyncio.sleep(0.05)
+        await col.stop()
+        collected = [c for c, t, _ in hooks.reports]
+        assert collected[0] == 0 and collected[-1] == 200 and collected == sorted(collected)
+        bands = [ProgressThrottle().band(c, 200) for c in collected]
+        assert len(set(bands)) == len(bands)  # never two reports in one 2% band
+        assert 10 <= len(collected) <= 51, collected
+        buf.check_conservation()
+    asyncio.run(main())
+
+
+def test_a_failing_or_slow_control_plane_does_not_disturb_collection():
+    async def main() -> None:
+        for hooks in (Hooks(fail=True), Hooks(delay=0.5)):
+            buf = ReplayBuffer()
+            col = collector(FakeEngine(), buf, hooks)
+            col.start()
+            await asyncio.wait_for(col.wait_for(6), 5)
+            await col.stop()
+            buf.check_conservation()
+            assert buf.accounting()["dropped"].keys() <= {"shutdown", "unused at shutdown"}
+    asyncio.run(main())
+
+
+def test_stop_counts_in_flight_groups_as_dropped_at_shutdown_and_wakes_waiters():
     async def main() -> None:
         buf = ReplayBuffer()
-        col = collector(FakeEngine(), buf, Hooks(), concurrency=2)
+        col = collector(FakeEngine(delay=(0.05, 0.1)), buf, Hooks(), concurrency=2)
         col.start()
-        await asyncio.sleep(0.005)
+        waiter = asyncio.create_task(col.wait_for(100))
+        await asyncio.sleep(0.01)
+        assert col.in_flight() == 8
+        buf.check_conservation(col.in_flight())
         await col.stop()
-        assert buf.accounting()["dropped"].get("shutdown", 0) > 0
+        await col.stop()  # idempotent
+        assert buf.accounting()["dropped"]["shutdown"] == 8
+        assert col.in_flight() == 0
         buf.check_conservation()
+        with pytest.raises(CollectorError, match="stopped"):
+            await waiter
+        with pytest.raises(CollectorError):
+            col.start()
     asyncio.run(main())
