@@ -37,7 +37,9 @@ class Task(Protocol):
 class PatternTask:
     """"Repeat: ab" -> the share of the first `length` characters of the response that follow
     abab... A single fixed character (the default, ["a"]) is what a tiny random model learns
-    within a few dozen GRPO steps; several patterns, chosen by the prompt, take longer."""
+    within a few dozen GRPO steps; several patterns, chosen by the prompt, take longer. Prefer a
+    character that no multi-character token contains ("z", "7" with the tiny preset): with "a",
+    policies can settle on a token like "ab" that earns a steady half reward."""
 
     name = "pattern"
 
