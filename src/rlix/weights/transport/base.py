@@ -109,6 +109,27 @@ class SenderBase:
         return None
 
 
+class StagedSender(SenderBase):
+    """A sender whose GPU-side stream double-buffers host buckets onto `self.device`."""
+
+    device: torch.device | None = None
+    _stager: Any = None
+
+    def stream_staged(self, version: int, buckets: Sequence[torch.Tensor],
+                      checksums: Sequence[int] | None) -> Iterator[Message]:
+        from rlix.weights.transport.staging import CudaStager
+
+        if self._stager is None:
+            self._stager = CudaStager(self.device, max((b.numel() for b in buckets), default=1))
+        for i, view in self._stager.staged(buckets):
+            yield self.send(version, i, view, None if checksums is None else checksums[i])
+
+    def close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
 class ReceiverBase:
     kind = "base"
     persistent = False

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from rlix.weights.receiver import open_cuda_ipc
-from rlix.weights.transport.base import Message, ReceiverBase, SenderBase, header
+from rlix.weights.transport.base import Message, ReceiverBase, StagedSender, header
 from rlix.weights.transport.staging import CudaStager
 
 
-class CudaIpcSender(SenderBase):
+class CudaIpcSender(StagedSender):
     kind = "cuda_ipc"
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
@@ -31,15 +31,10 @@ class CudaIpcSender(SenderBase):
 
     def stream(self, version: int, buckets: Sequence[torch.Tensor],
                checksums: Sequence[int] | None) -> Iterator[Message]:
-        if self._stager is None:
-            self._stager = CudaStager(self.device, max((b.numel() for b in buckets), default=1))
-        for i, view in self._stager.staged(buckets):
-            yield self.send(version, i, view, None if checksums is None else checksums[i])
+        yield from self.stream_staged(version, buckets, checksums)
 
     def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        self.close_stager()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from rlix.weights.transport.base import Message, ReceiverBase, SenderBase, header
+from rlix.weights.transport.base import Message, ReceiverBase, StagedSender, header
 from rlix.weights.transport.staging import CudaStager
 
 
-class LocalSender(SenderBase):
+class LocalSender(StagedSender):
     kind = "local"
 
     def __init__(self, device: str | torch.device | None = None) -> None:
@@ -27,15 +27,10 @@ class LocalSender(SenderBase):
         if self.device is None or self.device.type != "cuda":
             yield from super().stream(version, buckets, checksums)
             return
-        if self._stager is None:
-            self._stager = CudaStager(self.device, max((b.numel() for b in buckets), default=1))
-        for i, view in self._stager.staged(buckets):
-            yield self.send(version, i, view, None if checksums is None else checksums[i])
+        yield from self.stream_staged(version, buckets, checksums)
 
     def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        self.close_stager()
 
 
 class LocalReceiver(ReceiverBase):
