@@ -49,7 +49,8 @@ class PipelineRunner:
         from rlix.inference.backends import EngineBackendConfig, make_backend
         from rlix.inference.client import RemoteInferenceClient
         from rlix.inference.fleet import LocalLauncher, ShardFleet
-        from rlix.inference.router import Router, RouterServer
+        from rlix.inference.data_plane import DataPlaneThread
+        from rlix.inference.router import Router
         from rlix.models.presets import resolve_model
         from rlix.pipeline.buffer import ReplayBuffer
         from rlix.pipeline.collector import TrajectoryCollector
@@ -78,14 +79,19 @@ class PipelineRunner:
         await self.trainer.promote_active.remote(self.start_step)
         await self.trainer.offload.remote()
 
+        # rollouts (router + their HTTP calls) run on their own loop and thread, so control calls
+        # (sleep, wake, sync) never queue behind rollout traffic on this actor's loop
+        self.data_plane = DataPlaneThread(f"{cfg.name}-data-plane")
+        self.data_plane.start()
         self.router = Router(self.api_key, hold_timeout_s=600.0)
-        self.router_server = RouterServer(self.router)
-        await self.router_server.start()
-        client = RemoteInferenceClient(self.router_server.url, {}, self.api_key, cfg.name)
+        router_url = await self.data_plane.serve_router(self.router)
+        self.rollout_client = RemoteInferenceClient(router_url, {}, self.api_key, cfg.name)
+        client = RemoteInferenceClient(router_url, {}, self.api_key, cfg.name)  # control calls
         backend = make_backend(EngineBackendConfig(
             backend="embedded", model=str(path), served_model_name=cfg.name,
             max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
-        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key), self.router, client,
+        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key),
+                                self.data_plane.router_control(self.router), client,
                                 drain_before_sleep=False)  # our engine aborts in-flight at sleep
         self.coordinator = ShardCoordinator(self.fleet, self._sync, initial_version=0)
         ranks = list(range(cfg.max_shards if self.mode == "rlix" else max(len(self.gpus) // cfg.tp, 1)))
@@ -100,7 +106,7 @@ class PipelineRunner:
             self.hooks = ColocatedHooks(self.coordinator, self.gpus[: cfg.train_gpus], shard_gpus)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.collector = TrajectoryCollector(
-            self._generate(client), tokenizer, make_task(cfg.task), self.buffer, self.hooks,
+            self._generate(), tokenizer, make_task(cfg.task), self.buffer, self.hooks,
             group_size=ro.group_size, groups_per_step=ro.groups_per_step,
             max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
             max_age=cfg.max_staleness, concurrency=ro.concurrency,
@@ -121,9 +127,10 @@ class PipelineRunner:
         return {"pipeline": cfg.name, "shards": ranks, "start_step": self.start_step,
                 "setup_s": round(self.setup_s, 2)}
 
-    def _generate(self, client: Any):  # type: ignore[no-untyped-def]
+    def _generate(self):  # type: ignore[no-untyped-def]
         async def generate(token_ids: list[int], sampling_params: dict, session_id: str | None = None) -> dict:
-            return await client.generate(token_ids, sampling_params, session_id=session_id)
+            return await self.data_plane.run(
+                self.rollout_client.generate(token_ids, sampling_params, session_id=session_id))
         return generate
 
     async def _sync(self, version: int, urls: dict[int, str]) -> Any:
@@ -206,8 +213,10 @@ class PipelineRunner:
             await timed("unregister", self.scheduler.unregister.remote(self.cfg.name))
         if hasattr(self, "collector"):
             await timed("collector", self.collector.stop())
-        if hasattr(self, "router_server"):
-            await timed("router", self.router_server.stop())
+        if hasattr(self, "data_plane"):
+            if hasattr(self, "rollout_client") and self.data_plane.alive():
+                await timed("rollout client", self.data_plane.run(self.rollout_client.aclose()))
+            await timed("router", self.data_plane.stop())
         if hasattr(self, "fleet"):
             await timed("shards", self.fleet.shutdown())
         if hasattr(self, "trainer"):
