@@ -77,6 +77,16 @@ def test_router_on_the_plane_serves_rollouts_and_takes_shard_changes(tiny_model_
             assert len(out["choices"][0]["token_ids"]) == 4
             assert [s["rank"] for s in await control.shards()] == [0]
 
+            # state changes of a known shard apply at once (flip) and still wake held requests
+            assert (await control.set_shard(0, state="preempted"))["state"] == "preempted"
+            assert router.table.pick(None) is None
+            held = asyncio.create_task(plane.run(rollout.generate([5, 6, 7], params)))
+            await asyncio.sleep(0.3)
+            assert not held.done()
+            await control.set_shard(0, state="active")
+            out = await asyncio.wait_for(held, 60)
+            assert len(out["choices"][0]["token_ids"]) == 4
+
             # stopping the plane ends a held request instead of hanging on it
             await control.set_shard(0, state="inactive")
             held = asyncio.create_task(plane.run(rollout.generate([5, 6, 7], params)))

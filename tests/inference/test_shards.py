@@ -69,3 +69,26 @@ def test_bad_admin_input():
         t.set(3, state="active")
     with pytest.raises(InvalidRequestError, match="unknown shard state"):
         t.set(3, "http://x", "sleepy")
+
+
+def test_flip_from_another_thread_routes_at_once_and_notify_wakes_held_requests():
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        t = _table(active=(0,), inactive=(1,))
+        # taken out of rotation from another thread: the very next pick sees it
+        await loop.run_in_executor(None, t.flip, 0, "preempted")
+        assert t.pick(None) is None and t.pick("session") is None and t.is_preempted(0)
+        held = asyncio.create_task(t.acquire("session", timeout_s=5))
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        await loop.run_in_executor(None, t.flip, 1, ShardState.ACTIVE)
+        await asyncio.sleep(0.05)
+        assert not held.done()  # a flip alone wakes nobody ...
+        await loop.run_in_executor(None, lambda: loop.call_soon_threadsafe(t.notify))
+        assert (await asyncio.wait_for(held, 1)).rank == 1  # ... notify on the loop does
+        with pytest.raises(InvalidRequestError, match="unknown"):
+            t.flip(7, "active")
+        with pytest.raises(InvalidRequestError, match="unknown shard state"):
+            t.flip(1, "asleep")
+
+    asyncio.run(main())

@@ -9,7 +9,8 @@ control loop only ever sees one completion per rollout request.
 
 `DataPlaneThread.run(coro)` runs a coroutine there and is awaited from any other loop
 (cancelling the waiter cancels the coroutine). `router_control()` gives the fleet the router's
-`RouterControl` methods, executed on the router's own loop (its shard table is not thread-safe).
+`RouterControl` methods, executed on the router's own loop (its shard table is not thread-safe),
+except a known shard's state change, which applies at once (`ShardTable.flip`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,14 @@ class ThreadRouterControl:
         self.router, self.plane = router, plane
 
     async def set_shard(self, rank: int, url: str | None = None, state: str | None = None) -> dict:
+        table = self.router.table
+        if url is None and state is not None and rank in table.shards and self.plane.alive():
+            # a state change takes effect now, not when the busy data-plane loop gets to it
+            # (marking a shard preempted waited ~100 ms there); held requests are woken there
+            view = table.flip(rank, state).view()
+            assert self.plane.loop is not None
+            self.plane.loop.call_soon_threadsafe(table.notify)
+            return view
         return await self.plane.run(self.router.set_shard(rank, url, state))
 
     async def remove_shard(self, rank: int) -> None:

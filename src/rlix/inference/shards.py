@@ -65,7 +65,8 @@ class HashRing:
 
 
 class ShardTable:
-    """Shards by DP rank. Must be used from one event loop (no locks: no awaits mid-change)."""
+    """Shards by DP rank. Must be used from one event loop (no locks: no awaits mid-change),
+    except `flip`, which another thread may call (see there)."""
 
     def __init__(self, vnodes: int = 64) -> None:
         self.shards: dict[int, Shard] = {}
@@ -93,14 +94,35 @@ class ShardTable:
         self._rebuild()
         return shard
 
+    def flip(self, rank: int, state: ShardState | str) -> Shard:
+        """Change a known shard's state without waking waiters; `notify()` on the table's loop
+        must follow. Safe from another thread: one attribute write and one reference swap
+        (the hash ring), each atomic, and no change to the dict that `pick` iterates. A request
+        picked during the flip may still reach the shard: a preempted shard's aborts are
+        re-dispatched, so that costs a retry, not the request."""
+        shard = self.shards.get(rank)
+        if shard is None:
+            raise InvalidRequestError(f"shard {rank} is unknown; give its url to add it")
+        try:
+            shard.state = ShardState(state)
+        except ValueError:
+            raise InvalidRequestError(
+                f"unknown shard state {state!r}; one of: active, inactive, preempted") from None
+        self._ring = HashRing(self.active_ranks(), self._vnodes)
+        return shard
+
+    def notify(self) -> None:
+        """Wake requests held for an active shard (on the table's loop)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def remove(self, rank: int) -> None:
         self.shards.pop(rank, None)
         self._rebuild()
 
     def _rebuild(self) -> None:
         self._ring = HashRing(self.active_ranks(), self._vnodes)
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self.notify()
 
     def active_ranks(self) -> list[int]:
         return sorted(r for r, s in self.shards.items() if s.state is ShardState.ACTIVE)
