@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kit import KEY, shard_processes
-from rlix.errors import EngineStateError, InferenceError
+from rlix.errors import EngineStateError, InferenceError, InvalidRequestError
 from rlix.inference.client import RemoteInferenceClient
 from rlix.inference.data_plane import DataPlaneThread
 from rlix.inference.router import Router
@@ -77,6 +77,10 @@ def test_router_on_the_plane_serves_rollouts_and_takes_shard_changes(tiny_model_
             assert len(out["choices"][0]["token_ids"]) == 4
             assert [s["rank"] for s in await control.shards()] == [0]
 
+            # data-plane answers map to typed errors: a bad request is not retryable
+            with pytest.raises(InvalidRequestError):
+                await plane.run(rollout.generate([5, 6, 7], {"max_tokens": -1}))
+
             # state changes of a known shard apply at once (flip) and still wake held requests
             assert (await control.set_shard(0, state="preempted"))["state"] == "preempted"
             assert router.table.pick(None) is None
@@ -95,5 +99,8 @@ def test_router_on_the_plane_serves_rollouts_and_takes_shard_changes(tiny_model_
             await asyncio.wait_for(plane.stop(), 20)
             with pytest.raises((httpx.HTTPError, InferenceError)):  # 503 or the connection closed
                 await asyncio.wait_for(held, 5)
+            with pytest.raises(EngineStateError, match="unreachable"):  # the router is gone
+                await rollout.generate([5, 6, 7], params)
+            await rollout.aclose()
 
         asyncio.run(main())
