@@ -293,3 +293,27 @@ def test_stop_counts_in_flight_groups_as_dropped_at_shutdown_and_wakes_waiters()
         with pytest.raises(CollectorError):
             col.start()
     asyncio.run(main())
+
+
+def test_report_now_sends_the_new_demand_before_returning_and_is_not_repeated():
+    async def main() -> None:
+        buf, hooks = ReplayBuffer(), Hooks(delay=0.01)
+        engine = FakeEngine()
+        engine.hold_after = 12  # the first step's 3 groups x 4 finish, then generation holds
+        col = collector(engine, buf, hooks)
+        col.start()
+        await asyncio.wait_for(col.wait_for(3), 5)
+        await asyncio.sleep(0.05)  # the reporter loop has sent "3 of 3 groups"
+        buf.take(3, 0, 1)
+        col.set_version(1)
+        before = len(hooks.reports)
+        await col.report_now()
+        assert len(hooks.reports) == before + 1
+        collected, target, step = hooks.reports[-1]
+        assert step == 1 and collected < target  # the demand of the next step, already there
+        await asyncio.sleep(0.1)
+        assert hooks.reports[before + 1:].count(hooks.reports[before]) == 0  # not sent twice
+        engine.gate.set()
+        await col.stop()
+        buf.check_conservation()
+    asyncio.run(main())

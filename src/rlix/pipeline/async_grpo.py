@@ -97,10 +97,14 @@ class GrpoLoop:
             await self.trainer.offload.remote()
             t_off = time.perf_counter()
             self.coordinator.announce(new)  # shards woken from here on get `new`
+            # the new demand reaches the scheduler before the GPUs are freed, so it gives them
+            # back where the demand is (reported after, a GPU went to the other pipeline and
+            # came back one report later: a wasted sleep, wake and sync)
+            self.collector.set_version(new)
+            await self.collector.report_now()
         finally:
             await self.hooks.after_training(version)
         t_rel = time.perf_counter()
-        self.collector.set_version(new)
         await self.coordinator.publish(new)
         t_sync = time.perf_counter()
         self.step = new

@@ -14,7 +14,6 @@ once in the buffer's counters, whatever happens to its group.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections import deque
@@ -296,6 +295,18 @@ class TrajectoryCollector:
         """Trajectories valid for the next step, capped at the target."""
         return min(self.buffer.valid_count(self.version, self.max_age), self.target)
 
+    async def report_now(self) -> None:
+        """Send the current demand and wait for it to arrive (the loop calls this before it
+        releases its training GPUs). The reporter loop will not repeat the same report."""
+        collected, target = self.collected(), self.target
+        self.throttle.should_report(collected, target)  # recorded as the last one sent
+        try:
+            await self.hooks.report_progress(collected, target, self.version)
+            self.reports += 1
+        except Exception as exc:  # noqa: BLE001 - as in the reporter loop
+            self.errors.append(f"report_progress: {type(exc).__name__}: {exc}")
+            self.throttle.reset()
+
     async def _report_loop(self) -> None:
         """One reporter, latest state only: a slow control plane never blocks generation, and
         a failing one never touches the accounting."""
@@ -313,9 +324,3 @@ class TrajectoryCollector:
             except Exception as exc:  # noqa: BLE001 - kept in stats; the next change retries
                 self.errors.append(f"report_progress: {type(exc).__name__}: {exc}")
                 self.throttle.reset()
-
-    async def report_now(self) -> None:
-        """Send the current demand through the hooks, unthrottled (e.g. at start)."""
-        with contextlib.suppress(Exception):
-            await self.hooks.report_progress(self.collected(), self.target, self.version)
-            self.reports += 1
