@@ -295,24 +295,23 @@ def test_stop_counts_in_flight_groups_as_dropped_at_shutdown_and_wakes_waiters()
     asyncio.run(main())
 
 
-def test_report_now_sends_the_new_demand_before_returning_and_is_not_repeated():
+def test_demand_for_release_is_the_next_steps_demand_and_is_not_reported_again():
     async def main() -> None:
-        buf, hooks = ReplayBuffer(), Hooks(delay=0.01)
+        buf, hooks = ReplayBuffer(), Hooks()
         engine = FakeEngine()
         engine.hold_after = 12  # the first step's 3 groups x 4 finish, then generation holds
         col = collector(engine, buf, hooks)
         col.start()
         await asyncio.wait_for(col.wait_for(3), 5)
-        await asyncio.sleep(0.05)  # the reporter loop has sent "3 of 3 groups"
+        await asyncio.sleep(0.05)  # the reporter loop has sent "12 of 12"
         buf.take(3, 0, 1)
         col.set_version(1)
         before = len(hooks.reports)
-        await col.report_now()
-        assert len(hooks.reports) == before + 1
-        collected, target, step = hooks.reports[-1]
-        assert step == 1 and collected < target  # the demand of the next step, already there
+        collected, target = col.demand_for_release()
+        assert collected < target == 12  # the next step's demand
         await asyncio.sleep(0.1)
-        assert hooks.reports[before + 1:].count(hooks.reports[before]) == 0  # not sent twice
+        # the reporter loop, woken by set_version, does not send the same demand again
+        assert (collected, target, 1) not in hooks.reports[before:], hooks.reports
         engine.gate.set()
         await col.stop()
         buf.check_conservation()

@@ -73,6 +73,25 @@ def test_request_returns_once_the_shrinks_on_its_gpus_are_done():
     run(main())
 
 
+def test_release_with_progress_hands_the_gpu_back_where_the_new_demand_is():
+    async def main(with_progress: bool) -> tuple[int, int]:
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        s.register(PipelineSpec("a", train_gpus=1, max_shards=2), Gated())
+        s.register(PipelineSpec("b", max_shards=2), Gated())
+        s.report_progress(Progress("a", remaining=0, target=64))  # a's batch is complete
+        s.report_progress(Progress("b", remaining=64, target=64))
+        await s.request("a", "train", 1)
+        new_demand = Progress("a", remaining=64, target=64, step=1) if with_progress else None
+        s.release("a", Stage.TRAIN, new_demand)
+        await s.settle()
+        held = len(s.core.shard_gpus("a")), len(s.core.shard_gpus("b"))
+        await s.close()
+        return held
+
+    assert run(main(True)) == (1, 1)  # the demand came with the release: one GPU each
+    assert run(main(False)) == (0, 2)  # a's stale "no demand": both went to b
+
+
 def test_rollout_request_waits_for_an_awake_shard():
     async def main():
         s = AsyncScheduler(Topology((2,)), PARAMS)

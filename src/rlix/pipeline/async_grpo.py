@@ -84,6 +84,7 @@ class GrpoLoop:
         t_gen = time.perf_counter()
         await self.hooks.before_training(version)
         t_gpus = time.perf_counter()
+        demand = None
         try:
             await self.trainer.reload.remote()
             groups = self.buffer.take(self.groups_per_step, version, self.max_age)
@@ -97,13 +98,13 @@ class GrpoLoop:
             await self.trainer.offload.remote()
             t_off = time.perf_counter()
             self.coordinator.announce(new)  # shards woken from here on get `new`
-            # the new demand reaches the scheduler before the GPUs are freed, so it gives them
-            # back where the demand is (reported after, a GPU went to the other pipeline and
-            # came back one report later: a wasted sleep, wake and sync)
+            # the new demand goes with the release, so the GPUs go back where the demand is
+            # (reported after it, a GPU went to the other pipeline and came back one report
+            # later: a wasted sleep, wake and sync)
             self.collector.set_version(new)
-            await self.collector.report_now()
+            demand = self.collector.demand_for_release()
         finally:
-            await self.hooks.after_training(version)
+            await self.hooks.after_training(version, demand=demand)
         t_rel = time.perf_counter()
         await self.coordinator.publish(new)
         t_sync = time.perf_counter()

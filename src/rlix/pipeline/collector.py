@@ -295,17 +295,13 @@ class TrajectoryCollector:
         """Trajectories valid for the next step, capped at the target."""
         return min(self.buffer.valid_count(self.version, self.max_age), self.target)
 
-    async def report_now(self) -> None:
-        """Send the current demand and wait for it to arrive (the loop calls this before it
-        releases its training GPUs). The reporter loop will not repeat the same report."""
+    def demand_for_release(self) -> tuple[int, int]:
+        """(collected, target) now, for the loop to send with its GPU release; recorded as
+        reported, so the reporter loop does not send the same report again."""
         collected, target = self.collected(), self.target
-        self.throttle.should_report(collected, target)  # recorded as the last one sent
-        try:
-            await self.hooks.report_progress(collected, target, self.version)
-            self.reports += 1
-        except Exception as exc:  # noqa: BLE001 - as in the reporter loop
-            self.errors.append(f"report_progress: {type(exc).__name__}: {exc}")
-            self.throttle.reset()
+        self.throttle.should_report(collected, target)
+        self.reports += 1
+        return collected, target
 
     async def _report_loop(self) -> None:
         """One reporter, latest state only: a slow control plane never blocks generation, and

@@ -15,8 +15,10 @@ class RLixHooks(Protocol):
         """Block until the training GPUs are this pipeline's; returns them."""
         ...
 
-    async def after_training(self, step: int) -> None:
-        """The training GPUs are free again (weights cached, trainer offloaded)."""
+    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
+        """The training GPUs are free again (weights cached, trainer offloaded). `demand`
+        (collected, target) for the next step goes with the release, so the control plane
+        hands the GPUs out knowing it."""
         ...
 
     async def report_progress(self, collected: int, target: int, step: int,
@@ -36,7 +38,7 @@ class NoOpHooks:
     async def before_training(self, step: int) -> list[int]:
         return list(self.gpus)
 
-    async def after_training(self, step: int) -> None:
+    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
         return None
 
     async def report_progress(self, collected: int, target: int, step: int,
@@ -99,6 +101,6 @@ class ColocatedHooks(NoOpHooks):
             await self.coordinator.resize_inference(sorted(self.overlap), {})
         return list(self.gpus)
 
-    async def after_training(self, step: int) -> None:
+    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
         if self.overlap:
             await self.coordinator.resize_inference([], dict(self.overlap))

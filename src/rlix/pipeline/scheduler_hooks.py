@@ -22,15 +22,20 @@ class SchedulerHooks:
         self.wait_s += time.perf_counter() - t0
         return self.granted
 
-    async def after_training(self, step: int) -> None:
-        await self.scheduler.release.remote(self.pipeline, "train")
+    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
+        """One call: the new demand and the release are applied before one re-plan."""
+        progress = None if demand is None else self._progress(demand[0], demand[1], step + 1)
+        await self.scheduler.release.remote(self.pipeline, "train", progress)
         self.granted = []
+
+    def _progress(self, collected: int, target: int, step: int,
+                  shard_load: dict[int, int] | None = None) -> Progress:
+        return Progress(self.pipeline, remaining=max(int(target) - int(collected), 0), target=int(target),
+                        step=int(step), shard_load=dict(shard_load or {}))
 
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None) -> None:
-        await self.scheduler.report_progress.remote(Progress(
-            self.pipeline, remaining=max(int(target) - int(collected), 0), target=int(target),
-            step=int(step), shard_load=dict(shard_load or {})))
+        await self.scheduler.report_progress.remote(self._progress(collected, target, step, shard_load))
 
     async def clear_progress(self) -> None:
         await self.scheduler.report_progress.remote(Progress(self.pipeline, remaining=0))

@@ -98,7 +98,12 @@ class AsyncScheduler:
         finally:
             self._waiters.pop(req.id, None)
 
-    def release(self, pipeline: str, stage: Stage | str | int) -> list[int]:
+    def release(self, pipeline: str, stage: Stage | str | int, progress: Progress | None = None
+                ) -> list[int]:
+        """Free a stage's GPUs; `progress` (the pipeline's new demand) is applied first, so the
+        one re-plan that follows sees both."""
+        if progress is not None:
+            self.core.report_progress(progress)
         freed = self.core.release(pipeline, stage)
         self._replan(f"release {pipeline}/{parse_stage(stage).name.lower()}")
         return freed
@@ -258,8 +263,9 @@ class SchedulerService:
     async def request(self, pipeline: str, stage: Stage | str | int, gpus: int = 0) -> list[int]:
         return await self._sched.request(pipeline, stage, gpus)
 
-    async def release(self, pipeline: str, stage: Stage | str | int) -> list[int]:
-        return self._sched.release(pipeline, stage)
+    async def release(self, pipeline: str, stage: Stage | str | int,
+                      progress: Progress | None = None) -> list[int]:
+        return self._sched.release(pipeline, stage, progress)
 
     async def report_progress(self, progress: Progress) -> None:
         self._sched.report_progress(progress)
