@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from rlix import env
 from rlix.config.models import RlixConfig
 from rlix.errors import ConfigError
+from rlix.scheduler.core import gpu_roles
 
 
 class RunLog:
@@ -39,15 +40,6 @@ class RunLog:
     def close(self) -> None:
         self.fh.close()
 
-
-def gpu_roles(snapshot: dict) -> dict[int, str]:
-    """GPU -> "pipeline/train" or "pipeline/generate#rank" from a scheduler snapshot."""
-    out: dict[int, str] = {}
-    for h in snapshot.get("ledger", {}).get("holdings", []):
-        what = f"{h['pipeline']}/train" if h["role"] == "train" else f"{h['pipeline']}/generate#{h['dp_rank']}"
-        for g in h["gpus"]:
-            out[int(g)] = what
-    return out
 
 
 def gpu_share(snapshot: dict, shares: dict[str, float], dt: float) -> None:
@@ -133,7 +125,7 @@ def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> dict[str, dic
     runs = {name: a.run.remote() for name, a in actors.items()}
     pending = dict(runs)
     seen_steps: dict[str, int] = {}
-    roles: dict[int, str] = {}
+    seen_change = 0
     shares: dict[str, float] = {}
     last = time.perf_counter()
     while pending:
@@ -146,12 +138,10 @@ def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> dict[str, dic
         if scheduler is not None:
             snap = ray.get(scheduler.snapshot.remote())
             gpu_share(snap, shares, now - last)
-            current = gpu_roles(snap)
-            for gpu in sorted(set(roles) | set(current)):
-                before, after = roles.get(gpu, "idle"), current.get(gpu, "idle")
-                if before != after:
-                    say(f"gpu {gpu}: {before} -> {after}")
-            roles = current
+            # from the scheduler's numbered log: changes between two polls are not lost
+            for change in ray.get(scheduler.role_changes.remote(seen_change)):
+                say(f"gpu {change['gpu']}: {change['before']} -> {change['after']}")
+                seen_change = change["seq"]
         last = now
         for name, prog in zip(actors, ray.get([a.progress.remote() for a in actors.values()])):
             if prog["step"] != seen_steps.get(name) and prog["reward"] is not None:

@@ -189,3 +189,32 @@ def test_one_non_rollout_stage_at_a_time_per_pipeline():
     core.release("a", Stage.INIT)
     core.submit_request("a", Stage.TRAIN, 2)
     assert [g.stage for g in core.replan().grants] == [Stage.TRAIN]
+
+
+def test_role_log_numbers_every_gpu_change_including_ones_a_poller_would_miss():
+    core, clock = make(PipelineSpec("a", train_gpus=1, max_shards=1), PipelineSpec("b", max_shards=2),
+                       per_node=2)
+    core.replan("start")
+    start = core.role_changes()
+    assert [c["before"] for c in start] == ["idle", "idle"] and {c["gpu"] for c in start} == {0, 1}
+    roles = {c["gpu"]: c["after"] for c in start}
+    assert sorted(r.split("#")[0] for r in roles.values()) == ["a/generate", "b/generate"]
+    seen = start[-1]["seq"]
+
+    # train and release again before anyone polls: both changes of that GPU are kept, in order
+    core.submit_request("a", Stage.TRAIN, 1)
+    core.replan("request")
+    core.release("a", "train")
+    core.replan("release")
+    later = core.role_changes(seen)
+    assert [c["seq"] for c in later] == list(range(seen + 1, seen + 1 + len(later)))
+    trained = [c for c in later if c["after"] == "a/train"]
+    assert trained and any(c["before"] == "a/train" and c["gpu"] == trained[0]["gpu"] for c in later)
+    for c in later:  # each change continues from the GPU's previous state
+        assert c["before"] == roles.get(c["gpu"], "idle")
+        roles[c["gpu"]] = c["after"]
+    assert core.role_changes(later[-1]["seq"]) == []
+    b_gpus = sorted(g for g, r in roles.items() if r.startswith("b/"))
+    core.unregister("b")
+    gone = core.role_changes(later[-1]["seq"])
+    assert [(c["gpu"], c["after"]) for c in gone] == [(g, "idle") for g in b_gpus]

@@ -64,6 +64,10 @@ class SchedulerCore:
         self.pending: dict[int, GpuRequest] = {}  # insertion order == submission order
         self.progress: dict[str, Progress] = {}
         self.plan_log: deque[dict] = deque(maxlen=log_size)
+        # every GPU role/owner change, numbered, so a poller misses none (`rlix run`'s log)
+        self.role_log: deque[dict] = deque(maxlen=log_size * 200)
+        self._roles: dict[int, str] = {}
+        self._role_seq = 0
         self.last_error: str | None = None
         self._next_id = 1
 
@@ -85,6 +89,7 @@ class SchedulerCore:
         shards = [ShardMove(name, rank, h.gpus)
                   for rank, h in sorted(self.ledger.shards_of(name).items())]
         freed = self.ledger.unregister(name)
+        self._note_roles()
         cancelled = [r for r in self.pending.values() if r.pipeline == name]
         for r in cancelled:
             del self.pending[r.id]
@@ -147,7 +152,9 @@ class SchedulerCore:
             raise SchedulerError("rollout shards are shrunk by the planner, not released")
         if self.ledger.stage_holding(pipeline, stage) is None:
             raise SchedulerError(f"{pipeline}: holds no GPUs for {stage.name.lower()}")
-        return self.ledger.release(pipeline, stage)
+        freed = self.ledger.release(pipeline, stage)
+        self._note_roles()
+        return freed
 
     def report_progress(self, progress: Progress) -> None:
         if not isinstance(progress, Progress):
@@ -172,6 +179,7 @@ class SchedulerCore:
         try:
             self._check_grants(plan)
             self.ledger.apply(plan, now)
+            self._note_roles()
         except (LedgerError, SchedulerError) as exc:
             self.last_error = f"plan rejected ({reason}): {exc}; plan was: {plan.summary()}"
             log.error("%s", self.last_error)
@@ -201,6 +209,21 @@ class SchedulerCore:
     def shard_gpus(self, pipeline: str) -> dict[int, tuple[int, ...]]:
         """dp rank -> GPUs of the pipeline's shards the ledger counts as active."""
         return {rank: h.gpus for rank, h in sorted(self.ledger.shards_of(pipeline).items())}
+
+    def _note_roles(self) -> None:
+        roles = gpu_roles(self.ledger.snapshot())
+        now = self.clock()
+        for gpu in sorted(set(roles) | set(self._roles)):
+            before, after = self._roles.get(gpu, "idle"), roles.get(gpu, "idle")
+            if before != after:
+                self._role_seq += 1
+                self.role_log.append({"seq": self._role_seq, "at": now, "gpu": gpu,
+                                      "before": before, "after": after})
+        self._roles = roles
+
+    def role_changes(self, since: int = 0) -> list[dict]:
+        """GPU role changes numbered after `since`, oldest first (the last `maxlen` are kept)."""
+        return [c for c in self.role_log if c["seq"] > since]
 
     def snapshot(self) -> dict:
         now = self.clock()
@@ -234,3 +257,14 @@ def parse_stage(stage: Stage | str | int) -> Stage:
         return Stage.parse(stage)
     except ValueError as exc:
         raise SchedulerError(str(exc)) from exc
+
+
+def gpu_roles(snapshot: dict) -> dict[int, str]:
+    """GPU -> "pipeline/train" or "pipeline/generate#rank" from a ledger (or scheduler) snapshot."""
+    holdings = snapshot.get("ledger", snapshot).get("holdings", [])
+    out: dict[int, str] = {}
+    for h in holdings:
+        what = f"{h['pipeline']}/train" if h["role"] == "train" else f"{h['pipeline']}/generate#{h['dp_rank']}"
+        for g in h["gpus"]:
+            out[int(g)] = what
+    return out

@@ -112,6 +112,9 @@ class AsyncScheduler:
         self.core.report_progress(progress)
         self._replan(f"progress {progress.pipeline}")
 
+    def role_changes(self, since: int = 0) -> list[dict]:
+        return self.core.role_changes(since)
+
     def snapshot(self) -> dict:
         snap = self.core.snapshot()
         snap["in_flight"] = self.executor.in_flight()
@@ -269,6 +272,10 @@ class SchedulerService:
 
     async def report_progress(self, progress: Progress) -> None:
         self._sched.report_progress(progress)
+
+    async def role_changes(self, since: int = 0) -> list[dict]:
+        """Every GPU role/owner change numbered after `since` (what `rlix run` logs)."""
+        return self._sched.role_changes(since)
 
     async def snapshot(self) -> dict:
         return self._sched.snapshot()
