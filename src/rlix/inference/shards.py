@@ -39,6 +39,14 @@ class Shard:
                 "outstanding": self.outstanding, "served": self.served}
 
 
+def _parse_state(state: ShardState | str) -> ShardState:
+    try:
+        return ShardState(state)
+    except ValueError:
+        raise InvalidRequestError(
+            f"unknown shard state {state!r}; one of: active, inactive, preempted") from None
+
+
 def _hash(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
@@ -86,11 +94,7 @@ class ShardTable:
         elif url:
             shard.url = url.rstrip("/")
         if state is not None:
-            try:
-                shard.state = ShardState(state)
-            except ValueError:
-                raise InvalidRequestError(
-                    f"unknown shard state {state!r}; one of: active, inactive, preempted") from None
+            shard.state = _parse_state(state)
         self._rebuild()
         return shard
 
@@ -103,11 +107,7 @@ class ShardTable:
         shard = self.shards.get(rank)
         if shard is None:
             raise InvalidRequestError(f"shard {rank} is unknown; give its url to add it")
-        try:
-            shard.state = ShardState(state)
-        except ValueError:
-            raise InvalidRequestError(
-                f"unknown shard state {state!r}; one of: active, inactive, preempted") from None
+        shard.state = _parse_state(state)
         self._ring = HashRing(self.active_ranks(), self._vnodes)
         return shard
 
