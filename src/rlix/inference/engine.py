@@ -23,6 +23,7 @@ import torch
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
 from rlix.inference.api import GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine_core import EngineCore
+from rlix.inference.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.model_runner import ModelRunner, load_model
 from rlix.inference.sequence import Delta, Sequence
 from rlix.inference.weights import WeightStaging
@@ -53,7 +54,7 @@ class TorchEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
                  max_num_seqs: int = 32, max_model_len: int | None = None,
-                 max_prefill_tokens: int = 4096, kv_initial_capacity: int = 256,
+                 max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
                  cuda_graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer

@@ -16,7 +16,7 @@ import torch
 
 from rlix.errors import ConfigError
 from rlix.inference.cuda_graphs import DecodeGraphs
-from rlix.inference.kv_cache import SlotKVCache
+from rlix.inference.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.weights import ServedWeights
 
 
@@ -62,7 +62,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, num_rows: int,
-                 max_model_len: int, kv_initial_capacity: int = 256,
+                 max_model_len: int, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
                  cuda_graphs: bool = True) -> None:
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
