@@ -252,7 +252,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
 
     from rlix.inference.engine import TorchEngine
     from rlix.models.presets import resolve_model
+    from rlix.threads import favour_control_latency
 
+    favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     path = resolve_model(model)
     engine = TorchEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len)

@@ -19,7 +19,9 @@ class PipelineActor:
 
         from rlix.config.models import PipelineConfig
         from rlix.pipeline.runner import PipelineRunner
+        from rlix.threads import favour_control_latency
 
+        favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         scheduler = None
         if mode == "rlix":
