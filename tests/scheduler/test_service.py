@@ -287,6 +287,30 @@ def test_training_request_shrinks_other_pipeline_and_release_expands_back(cluste
         ray.get(sched.release.remote("a", "train"))
 
 
+def test_scheduler_hooks_send_the_release_and_collect_its_answer_later(cluster):
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched, _ = cluster
+    hooks = SchedulerHooks(sched, "a", 2)
+
+    async def cycle() -> tuple[list[int], list[int]]:
+        first = await hooks.before_training(0)
+        await hooks.after_training(0, demand=(0, 64))  # returns with the release in flight
+        second = await hooks.before_training(1)  # the release is applied before this request
+        await hooks.after_training(1)
+        await hooks.settle()
+        return first, second
+
+    first, second = asyncio.run(cycle())
+    assert len(first) == 2 and len(second) == 2
+    held = [h for h in snap(sched)["ledger"]["holdings"] if h["pipeline"] == "a" and h["role"] == "train"]
+    assert held == []
+    # a release the scheduler refuses is not lost: its error surfaces at the next settle
+    asyncio.run(hooks.after_training(2))
+    with pytest.raises(SchedulerError, match="holds no GPUs"):
+        asyncio.run(hooks.settle())
+
+
 def test_dead_coordinator_returns_its_gpus_and_others_go_on(cluster):
     sched, coords = cluster
     a_gpus = poll(lambda: [g for gs in shards(snap(sched), "a").values() for g in gs],

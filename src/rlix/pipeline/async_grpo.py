@@ -35,7 +35,7 @@ class StepRecord:
     train_s: float
     cache_s: float  # building the CPU bucket cache
     offload_s: float
-    release_s: float
+    release_s: float  # the release call; it runs alongside the refit: both start at offload's end
     sync_s: float  # refitting active shards (woken ones are synced inside the scheduler's call)
     step_s: float
     finished_at: float
@@ -84,7 +84,6 @@ class GrpoLoop:
         t_gen = time.perf_counter()
         await self.hooks.before_training(version)
         t_gpus = time.perf_counter()
-        demand = None
         try:
             await self.trainer.reload.remote()
             groups = self.buffer.take(self.groups_per_step, version, self.max_age)
@@ -103,11 +102,20 @@ class GrpoLoop:
             # later: a wasted sleep, wake and sync)
             self.collector.set_version(new)
             demand = self.collector.demand_for_release()
-        finally:
+        except BaseException:
+            await self.hooks.after_training(version)
+            raise
+        # The release and the refit of the shards that stayed active run together (the release
+        # round trip no longer delays the step). The refit takes the coordinator's lock at once,
+        # before the release can come back as a wake: a wake then waits for the refit.
+        t_rel = t_sync = t_off
+        refit = asyncio.ensure_future(self.coordinator.publish(new))
+        try:
             await self.hooks.after_training(version, demand=demand)
-        t_rel = time.perf_counter()
-        await self.coordinator.publish(new)
-        t_sync = time.perf_counter()
+            t_rel = time.perf_counter()
+        finally:
+            await refit
+            t_sync = time.perf_counter()
         self.step = new
         rewards = [t.reward for g in groups for t in g.trajectories]
         mean = sum(rewards) / len(rewards)
@@ -119,7 +127,8 @@ class GrpoLoop:
             tokens=sum(len(s.response_ids) for s in samples), oldest_version=versions[0],
             loss=float(metrics.get("loss", 0.0)), generate_s=t_gen - t0, wait_gpus_s=t_gpus - t_gen,
             train_s=t_train - t_gpus, cache_s=t_cache - t_train, offload_s=t_off - t_cache,
-            release_s=t_rel - t_off, sync_s=t_sync - t_rel, step_s=t_sync - t0, finished_at=time.time())
+            release_s=t_rel - t_off, sync_s=t_sync - t_off, step_s=max(t_rel, t_sync) - t0,
+            finished_at=time.time())
         self.records.append(record)
         if self.checkpoint is not None and self.checkpoint_every and new % self.checkpoint_every == 0:
             await self.checkpoint(new)

@@ -28,6 +28,10 @@ class RLixHooks(Protocol):
 
     async def clear_progress(self) -> None: ...
 
+    async def settle(self) -> None:
+        """Return once every call sent so far has been answered (a release may be in flight)."""
+        ...
+
 
 class NoOpHooks:
     """Standalone: the fixed training GPUs are always granted; progress goes nowhere."""
@@ -46,6 +50,9 @@ class NoOpHooks:
         return None
 
     async def clear_progress(self) -> None:
+        return None
+
+    async def settle(self) -> None:
         return None
 
 

@@ -210,6 +210,8 @@ class PipelineRunner:
         self.closing = True  # the scheduler's late resize calls are ignored from here on
 
         if self.mode == "rlix" and self.scheduler is not None:
+            if hasattr(self, "hooks"):  # the last release before leaving (an error is logged)
+                await timed("release", self.hooks.settle())
             await timed("unregister", self.scheduler.unregister.remote(self.cfg.name))
         if hasattr(self, "collector"):
             await timed("collector", self.collector.stop())

@@ -14,19 +14,30 @@ class SchedulerHooks:
         self.scheduler, self.pipeline, self.train_gpus = scheduler, pipeline, train_gpus
         self.granted: list[int] = []
         self.wait_s = 0.0
+        self._releasing: Any = None  # the release call in flight (a Ray ObjectRef)
 
     async def before_training(self, step: int) -> list[int]:
         """Blocks until the scheduler grants the training GPUs (it shrinks shards there first)."""
         t0 = time.perf_counter()
+        await self.settle()  # an async actor may run calls out of order: the release goes first
         self.granted = list(await self.scheduler.request.remote(self.pipeline, "train", self.train_gpus))
         self.wait_s += time.perf_counter() - t0
         return self.granted
 
     async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
-        """One call: the new demand and the release are applied before one re-plan."""
+        """One call: the new demand and the release are applied before one re-plan. Sent, not
+        awaited: the step goes on while the scheduler re-plans; its answer (or error) is
+        collected by the next `before_training` or `settle`."""
         progress = None if demand is None else self._progress(demand[0], demand[1], step + 1)
-        await self.scheduler.release.remote(self.pipeline, "train", progress)
+        await self.settle()
+        self._releasing = self.scheduler.release.remote(self.pipeline, "train", progress)
         self.granted = []
+
+    async def settle(self) -> None:
+        """Wait for the release in flight, if any; raises its error."""
+        ref, self._releasing = self._releasing, None
+        if ref is not None:
+            await ref
 
     def _progress(self, collected: int, target: int, step: int,
                   shard_load: dict[int, int] | None = None) -> Progress:
