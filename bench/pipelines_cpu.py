@@ -47,6 +47,89 @@ def one_run(cfg: dict, mode: str, workdir: Path) -> dict:
     return result
 
 
+def union_s(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [a, b) intervals (overlapping control operations count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def clip(a: float, b: float, w0: float, w1: float) -> tuple[float, float]:
+    return max(a, w0), min(b, w1)
+
+
+def idle_windows(events: list, until: float) -> list[tuple[float, float]]:
+    """When a pipeline had no active shard: from a sleep's start (the shard is marked preempted
+    first) with nothing active left, to the next activation."""
+    active: set[int] = set()
+    out, since = [], None
+    for at, kind, ranks, _, secs in sorted(events, key=lambda e: e[0] - e[4]):
+        if kind == "sleep":
+            active -= set(ranks)
+            if not active and since is None:
+                since = at - secs
+        elif kind == "activate":
+            if since is not None:
+                out.append((since, at))
+                since = None
+            active |= set(ranks)
+    if since is not None:
+        out.append((since, until))
+    return out
+
+
+def shrunk_for(result: dict, name: str, w0: float, w1: float) -> list[tuple[str, int]]:
+    """(pipeline, dp rank) of the shards the scheduler moved off the GPUs it gave `name` for
+    training in [w0, w1], from the role log; without one (standalone), `name`'s own shards."""
+    if result.get("mode") == "standalone":
+        return [(name, -1)]
+    changes = result.get("role_changes") or []
+    out = []
+    for c in changes:
+        if c["after"] == f"{name}/train" and w0 - 0.05 <= c["at"] <= w1 + 0.05 and "/generate#" in c["before"]:
+            owner, rank = c["before"].split("/generate#")
+            out.append((owner, int(rank)))
+    return out
+
+
+def on_path_s(result: dict) -> tuple[float, dict[str, float]]:
+    """Control-plane seconds on the steps' critical path, summed over steps, and per kind.
+
+    Per step, the union of: the sleeps of the shards that had to leave the GPUs the step
+    trains on (inside its wait for them); the release call and the refit of active shards
+    (they run together); and, inside the wait for the next batch while the pipeline has no
+    active shard, its shards' wake and sync (bringing a shard back is what that wait is
+    waiting for). Pinned pipelines wake inside their release call; time-shared ones after it,
+    through the scheduler: both are counted."""
+    pipes = result["pipelines"]
+    total, kinds = 0.0, {"sleep": 0.0, "release_refit": 0.0, "wake_sync": 0.0}
+    for name, p in pipes.items():
+        end = max(r["finished_at"] for r in p["records"])
+        idle = idle_windows(p["events"], end)
+        bring_up = [(at - secs, at) for at, kind, _, _, secs in p["events"] if kind in ("wake", "sync")]
+        for r in p["records"]:
+            start = r["finished_at"] - r["step_s"]
+            g1 = start + r["generate_s"]
+            w1 = g1 + r["wait_gpus_s"]
+            sleeps = [(at - secs, at) for owner, rank in shrunk_for(result, name, g1, w1)
+                      for at, kind, ranks, _, secs in pipes[owner]["events"]
+                      if kind == "sleep" and (rank < 0 or rank in ranks)]
+            off = r["finished_at"] - r["sync_s"]  # release and refit both start here
+            parts = {
+                "sleep": [clip(a, b, g1, w1) for a, b in sleeps],
+                "release_refit": [(off, r["finished_at"])],
+                "wake_sync": [clip(*clip(a, b, start, g1), i0, i1) for a, b in bring_up
+                              for i0, i1 in idle],
+            }
+            for k, iv in parts.items():
+                kinds[k] += union_s(iv)
+            total += union_s([i for iv in parts.values() for i in iv])
+    return total, kinds
+
+
 def figures(result: dict) -> dict:
     pipes = result["pipelines"].values()
     records = [r for p in pipes for r in p["records"]]
@@ -59,17 +142,13 @@ def figures(result: dict) -> dict:
     step_time = sum(r["step_s"] for r in records)
     control = sum(p["sync_s"] + p["sleep_s"] + p["wake_s"] for p in pipes) + sum(
         r["release_s"] for r in records)
-    sleeps = [(at - secs, at) for p in pipes for at, kind, _, _, secs in p["events"] if kind == "sleep"]
-    on_path = 0.0
-    for r in records:
-        w0 = r["finished_at"] - r["step_s"] + r["generate_s"]
-        w1 = w0 + r["wait_gpus_s"]
-        on_path += sum(max(0.0, min(b, w1) - max(a, w0)) for a, b in sleeps) + r["release_s"] + r["sync_s"]
+    on_path, kinds = on_path_s(result)
     return {
         "steps": steps, "span_s": span, "steps_per_hour": steps / span * 3600,
         "tokens_per_s": tokens / span, "rewards_gain": {
             n: round(p["reward_last5"] - p["reward_first5"], 3) for n, p in result["pipelines"].items()},
         "control_plane_fraction": on_path / step_time if step_time else 0.0,
+        "control_plane_ms_per_step": {k: round(v / max(steps, 1) * 1000, 1) for k, v in kinds.items()},
         "control_plane_upper": control / step_time if step_time else 0.0,
         "wait_gpus_fraction": sum(r["wait_gpus_s"] for r in records) / step_time if step_time else 0.0,
         "phases": {k: round(sum(r[k] for r in records) / max(steps, 1), 3) for k in PHASES},

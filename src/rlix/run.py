@@ -94,7 +94,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         for info in ray.get([a.setup.remote() for a in actors.values()]):
             say(f"{info['pipeline']}: ready in {info['setup_s']}s, shards {info['shards']}, "
                 f"starting at step {info['start_step']}")
-        summaries = _drive(actors, scheduler, say)
+        summaries, role_changes = _drive(actors, scheduler, say)
     finally:
         t_stop = time.perf_counter()
         stopping = {name: a.shutdown.remote() for name, a in actors.items()}
@@ -111,7 +111,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         if scheduler is not None:
             ray.kill(scheduler)
     result = {"config": config_path, "mode": mode, "wall_s": round(time.perf_counter() - t_start, 1),
-              "pipelines": summaries}
+              "pipelines": summaries, "role_changes": role_changes}
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     for line in summary_table(result):
         say(line)
@@ -119,13 +119,16 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
     return result
 
 
-def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> dict[str, dict]:
+def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> tuple[dict[str, dict], list[dict]]:
+    """Wait for every pipeline, logging steps and GPU moves; returns the summaries and the GPU
+    role changes (with `at` in wall-clock seconds, like the pipelines' step records)."""
     import ray
 
     runs = {name: a.run.remote() for name, a in actors.items()}
     pending = dict(runs)
     seen_steps: dict[str, int] = {}
     seen_change = 0
+    role_changes: list[dict] = []
     shares: dict[str, float] = {}
     last = time.perf_counter()
     while pending:
@@ -139,9 +142,12 @@ def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> dict[str, dic
             snap = ray.get(scheduler.snapshot.remote())
             gpu_share(snap, shares, now - last)
             # from the scheduler's numbered log: changes between two polls are not lost
+            # the scheduler's clock is monotonic; the step records are wall-clock
+            to_wall = time.time() - snap["now"]
             for change in ray.get(scheduler.role_changes.remote(seen_change)):
                 say(f"gpu {change['gpu']}: {change['before']} -> {change['after']}")
                 seen_change = change["seq"]
+                role_changes.append(dict(change, at=change["at"] + to_wall))
         last = now
         for name, prog in zip(actors, ray.get([a.progress.remote() for a in actors.values()])):
             if prog["step"] != seen_steps.get(name) and prog["reward"] is not None:
@@ -152,7 +158,7 @@ def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> dict[str, dic
     summaries = {name: s for name, s in zip(actors, ray.get([a.summary.remote() for a in actors.values()]))}
     for name, s in summaries.items():
         s["gpu_seconds"] = round(shares.get(name, 0.0), 1)
-    return summaries
+    return summaries, role_changes
 
 
 def summary_table(result: dict) -> list[str]:
