@@ -7,17 +7,22 @@ so this measures what the control plane costs, not GPU packing:
 
   timeshared_vs_pinned     total train steps per hour, time-shared / pinned (goal >= 0.9)
   tokens_ratio             total rollout tokens per second, time-shared / pinned
-  control_plane_fraction   time-shared, on each step's path: preempting shards while the step
-                           waits for its GPUs (sleep intervals of either pipeline inside that
-                           wait) + releasing the GPUs + refitting active shards, over the step's
-                           wall time, summed over steps (goal <= 0.1). The rest of the wait is
-                           contention (the other pipeline training there) and scheduling.
+  control_plane_fraction   time-shared, on each step's critical path, over the step's wall
+                           time, summed over steps (goal <= 0.1): the sleeps of the shards
+                           moved off the GPUs it trains on (while it waits for them), the
+                           release and the refit of active shards, and the wake and sync of its
+                           shards while it has none active and waits for its next batch
+                           (`control_plane_ms_per_step` splits it). The rest of the wait for
+                           GPUs is contention (the other pipeline training there).
   control_plane_upper      every sleep, wake and sync of both pipelines, on the path or not
                            (most overlap the other pipeline's work), over the same total.
 Per step, where the wall time went (mean seconds): generate, wait for GPUs, train, cache
-build, offload, release, sync.
+build, offload, release, sync (release and sync run together, from the end of offload).
+With --rounds N the pair runs N times, alternating which mode goes first, and the figures are
+pooled (total steps over total time): the machine's drift between runs falls on both modes.
 
     .venv/bin/python bench/pipelines_cpu.py [--config examples/two_pipelines.yaml] [--steps N]
+                                            [--rounds N] [--keep raw.json]
 Ends by printing one JSON line of the figures.
 """
 
@@ -38,6 +43,7 @@ PHASES = ("generate_s", "wait_gpus_s", "train_s", "cache_s", "offload_s", "relea
 def one_run(cfg: dict, mode: str, workdir: Path) -> dict:
     from rlix.run import run
 
+    workdir.mkdir(parents=True, exist_ok=True)
     cfg = dict(cfg, run_dir=str(workdir / mode))
     path = workdir / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -131,28 +137,39 @@ def on_path_s(result: dict) -> tuple[float, dict[str, float]]:
 
 
 def figures(result: dict) -> dict:
+    """One run's sums (pooled over rounds by `pooled`)."""
     pipes = result["pipelines"].values()
     records = [r for p in pipes for r in p["records"]]
     # the span in which steps ran: from the first pipeline's first step start to the last end
     ends = [r["finished_at"] for r in records]
     starts = [r["finished_at"] - r["step_s"] for r in records]
-    span = max(ends) - min(starts)
-    steps = len(records)
-    tokens = sum(p["collector"].get("tokens", 0) for p in pipes)
-    step_time = sum(r["step_s"] for r in records)
-    control = sum(p["sync_s"] + p["sleep_s"] + p["wake_s"] for p in pipes) + sum(
-        r["release_s"] for r in records)
     on_path, kinds = on_path_s(result)
     return {
-        "steps": steps, "span_s": span, "steps_per_hour": steps / span * 3600,
-        "tokens_per_s": tokens / span, "rewards_gain": {
-            n: round(p["reward_last5"] - p["reward_first5"], 3) for n, p in result["pipelines"].items()},
-        "control_plane_fraction": on_path / step_time if step_time else 0.0,
-        "control_plane_ms_per_step": {k: round(v / max(steps, 1) * 1000, 1) for k, v in kinds.items()},
-        "control_plane_upper": control / step_time if step_time else 0.0,
-        "wait_gpus_fraction": sum(r["wait_gpus_s"] for r in records) / step_time if step_time else 0.0,
-        "phases": {k: round(sum(r[k] for r in records) / max(steps, 1), 3) for k in PHASES},
+        "steps": len(records), "span_s": max(ends) - min(starts),
+        "tokens": sum(p["collector"].get("tokens", 0) for p in pipes),
+        "step_time_s": sum(r["step_s"] for r in records), "on_path_s": on_path, "kinds_s": kinds,
+        "control_s": sum(p["sync_s"] + p["sleep_s"] + p["wake_s"] for p in pipes) + sum(
+            r["release_s"] for r in records),
+        "wait_s": sum(r["wait_gpus_s"] for r in records),
+        "phase_sums": {k: sum(r[k] for r in records) for k in PHASES},
+        "rewards_gain": {n: round(p["reward_last5"] - p["reward_first5"], 3)
+                         for n, p in result["pipelines"].items()},
         "dropped": {n: p["accounting"].get("dropped", {}) for n, p in result["pipelines"].items()},
+    }
+
+
+def pooled(runs: list[dict]) -> dict:
+    """Throughput and fractions over all runs of one mode: total steps over total span, etc."""
+    tot = lambda k: sum(r[k] for r in runs)  # noqa: E731
+    steps, span, step_time = tot("steps"), tot("span_s"), tot("step_time_s")
+    return {
+        "steps_per_hour": steps / span * 3600, "tokens_per_s": tot("tokens") / span,
+        "control_plane_fraction": tot("on_path_s") / step_time,
+        "control_plane_ms_per_step": {k: round(sum(r["kinds_s"][k] for r in runs) / steps * 1000, 1)
+                                      for k in runs[0]["kinds_s"]},
+        "control_plane_upper": tot("control_s") / step_time,
+        "wait_gpus_fraction": tot("wait_s") / step_time,
+        "phases": {k: round(sum(r["phase_sums"][k] for r in runs) / steps, 3) for k in PHASES},
     }
 
 
@@ -161,7 +178,10 @@ def main() -> None:
     ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" / "two_pipelines.yaml"))
     ap.add_argument("--steps", type=int, default=None, help="override every pipeline's steps")
     ap.add_argument("--max-shards", type=int, default=None, help="override every pipeline's max_shards")
-    ap.add_argument("--keep", default=None, help="write both runs' raw summaries to this JSON file")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the pair this many times, alternating which mode goes first "
+                         "(2: time-shared, pinned, pinned, time-shared), and pool the figures")
+    ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
     for p in cfg["pipelines"]:
@@ -170,21 +190,29 @@ def main() -> None:
         if args.max_shards:
             p["max_shards"] = args.max_shards
             p["min_shards"] = min(p.get("min_shards", 1), args.max_shards)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp:
-        raw_shared = one_run(cfg, "rlix", Path(tmp))
-        import ray
+    import ray
 
-        ray.shutdown()
-        raw_pinned = one_run(cfg, "standalone", Path(tmp))
-        ray.shutdown()
+    t0 = time.perf_counter()
+    raw: dict[str, list[dict]] = {"rlix": [], "standalone": []}
+    with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp:
+        for i in range(args.rounds):
+            order = ("rlix", "standalone") if i % 2 == 0 else ("standalone", "rlix")
+            for mode in order:
+                raw[mode].append(one_run(cfg, mode, Path(tmp) / f"round{i}"))
+                ray.shutdown()
     if args.keep:
-        Path(args.keep).write_text(json.dumps({"rlix": raw_shared, "standalone": raw_pinned}, default=str))
-    shared, pinned = figures(raw_shared), figures(raw_pinned)
+        Path(args.keep).write_text(json.dumps(raw, default=str))
+    runs = {mode: [figures(r) for r in rs] for mode, rs in raw.items()}
+    shared, pinned = pooled(runs["rlix"]), pooled(runs["standalone"])
+    per_round = [round((a["steps"] / a["span_s"]) / (b["steps"] / b["span_s"]), 3)
+                 for a, b in zip(runs["rlix"], runs["standalone"])]
     out = {
         "timeshared_vs_pinned": round(shared["steps_per_hour"] / pinned["steps_per_hour"], 3),
+        "timeshared_vs_pinned_per_round": per_round,
         "tokens_ratio": round(shared["tokens_per_s"] / pinned["tokens_per_s"], 3),
         "control_plane_fraction": round(shared["control_plane_fraction"], 4),
+        "control_plane_per_round": [round(r["on_path_s"] / r["step_time_s"], 4) for r in runs["rlix"]],
+        "control_plane_ms_per_step": shared["control_plane_ms_per_step"],
         "control_plane_upper": round(shared["control_plane_upper"], 4),
         "pinned_control_plane_fraction": round(pinned["control_plane_fraction"], 4),
         "wait_gpus_fraction": round(shared["wait_gpus_fraction"], 4),
@@ -193,11 +221,13 @@ def main() -> None:
         "timeshared_tokens_per_s": round(shared["tokens_per_s"], 1),
         "pinned_tokens_per_s": round(pinned["tokens_per_s"], 1),
         "timeshared_phases_s": shared["phases"], "pinned_phases_s": pinned["phases"],
-        "timeshared_reward_gain": shared["rewards_gain"], "pinned_reward_gain": pinned["rewards_gain"],
-        "timeshared_dropped": shared["dropped"], "wall_s": round(time.perf_counter() - t0, 1),
+        "timeshared_reward_gain": [r["rewards_gain"] for r in runs["rlix"]],
+        "pinned_reward_gain": [r["rewards_gain"] for r in runs["standalone"]],
+        "timeshared_dropped": [r["dropped"] for r in runs["rlix"]],
+        "rounds": args.rounds, "wall_s": round(time.perf_counter() - t0, 1),
     }
     for k, v in out.items():
-        print(f"{k:28s} {v}", file=sys.stderr)
+        print(f"{k:32s} {v}", file=sys.stderr)
     print(json.dumps(out))
 
 

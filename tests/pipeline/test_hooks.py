@@ -51,3 +51,50 @@ def test_falling_back_to_zero_reports_and_reset_forces_the_next_report():
     assert throttle.should_report(610, 1000)
     with pytest.raises(ValueError):
         ProgressThrottle(0)
+
+
+class _Method:
+    """A fake Ray actor method: `.remote(*args)` records the call and returns an awaitable."""
+
+    def __init__(self, calls: list, name: str, result=None) -> None:  # type: ignore[no-untyped-def]
+        self.calls, self.name, self.result = calls, name, result
+
+    def remote(self, *args):  # type: ignore[no-untyped-def]
+        self.calls.append((self.name, args))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.result)
+        return fut
+
+
+class _FakeScheduler:
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.request = _Method(self.calls, "request", [0])
+        self.release = _Method(self.calls, "release")
+        self.report_progress = _Method(self.calls, "report_progress")
+
+
+def test_scheduler_hooks_carry_batch_complete_with_the_training_request():
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched = _FakeScheduler()
+    hooks = SchedulerHooks(sched, "p", 1)
+
+    async def main() -> None:
+        await hooks.report_progress(32, 64, 3)
+        await hooks.report_progress(64, 64, 3)  # complete: held back, not sent alone
+        await hooks.before_training(3)
+        await hooks.report_progress(64, 64, 3)  # a late completion of step 3 ...
+        await hooks.after_training(3, demand=(0, 64))
+        await hooks.before_training(4)  # ... does not ride with step 4's request
+
+    asyncio.run(main())
+    names = [n for n, _ in sched.calls]
+    assert names == ["report_progress", "request", "release", "request"]
+    sent = sched.calls[0][1][0]
+    assert (sent.remaining, sent.target) == (32, 64)
+    carried = sched.calls[1][1][3]
+    assert (carried.pipeline, carried.remaining, carried.step) == ("p", 0, 3)
+    assert sched.calls[3][1][3] is None
+    released = sched.calls[2][1][2]
+    assert (released.remaining, released.step) == (64, 4)

@@ -92,6 +92,24 @@ def test_release_with_progress_hands_the_gpu_back_where_the_new_demand_is():
     assert run(main(False)) == (0, 2)  # a's stale "no demand": both went to b
 
 
+def test_progress_sent_with_a_request_is_applied_before_its_plan():
+    async def main() -> tuple[int, list[int], int]:
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        s.register(PipelineSpec("a", train_gpus=1, max_shards=2), Gated())
+        s.register(PipelineSpec("b", max_shards=2), Gated())
+        s.report_progress(Progress("a", remaining=8, target=64))
+        s.report_progress(Progress("b", remaining=64, target=64))
+        await s.settle()
+        gpus = await s.request("a", "train", 1, Progress("a", remaining=0, target=64, step=3))
+        await s.settle()
+        remaining, held = s.core.progress["a"].remaining, len(s.core.shard_gpus("b"))
+        await s.close()
+        return remaining, gpus, held
+
+    remaining, gpus, b_shards = run(main())
+    assert remaining == 0 and len(gpus) == 1 and b_shards == 1
+
+
 def test_rollout_request_waits_for_an_awake_shard():
     async def main():
         s = AsyncScheduler(Topology((2,)), PARAMS)

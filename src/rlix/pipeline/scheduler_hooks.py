@@ -15,12 +15,18 @@ class SchedulerHooks:
         self.granted: list[int] = []
         self.wait_s = 0.0
         self._releasing: Any = None  # the release call in flight (a Ray ObjectRef)
+        self._complete: Progress | None = None  # "batch complete", held for the next request
 
     async def before_training(self, step: int) -> list[int]:
-        """Blocks until the scheduler grants the training GPUs (it shrinks shards there first)."""
+        """Blocks until the scheduler grants the training GPUs (it shrinks shards there first).
+        A held "batch complete" report goes with the request."""
         t0 = time.perf_counter()
         await self.settle()  # an async actor may run calls out of order: the release goes first
-        self.granted = list(await self.scheduler.request.remote(self.pipeline, "train", self.train_gpus))
+        complete, self._complete = self._complete, None
+        if complete is not None and complete.step != step:
+            complete = None  # an older batch's (the step is the weight version collected for)
+        self.granted = list(await self.scheduler.request.remote(self.pipeline, "train", self.train_gpus,
+                                                                complete))
         self.wait_s += time.perf_counter() - t0
         return self.granted
 
@@ -46,7 +52,17 @@ class SchedulerHooks:
 
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None) -> None:
-        await self.scheduler.report_progress.remote(self._progress(collected, target, step, shard_load))
+        """A complete batch is not reported on its own: the loop's next call is the training
+        request, which carries it. Alone, "no demand left" let the planner give this
+        pipeline's shard to another pipeline just before the training request took that
+        GPU back (a wasted wake, sync and sleep; ~40% more sleeps in a two-pipeline run)."""
+        progress = self._progress(collected, target, step, shard_load)
+        if target > 0 and collected >= target:
+            self._complete = progress
+            return
+        self._complete = None
+        await self.scheduler.report_progress.remote(progress)
 
     async def clear_progress(self) -> None:
+        self._complete = None
         await self.scheduler.report_progress.remote(Progress(self.pipeline, remaining=0))

@@ -80,10 +80,14 @@ class AsyncScheduler:
         self._fail_waiters(name, f"pipeline {name!r} failed: {reason}")
         self._replan(f"{name} failed")
 
-    async def request(self, pipeline: str, stage: Stage | str | int, gpus: int) -> list[int]:
+    async def request(self, pipeline: str, stage: Stage | str | int, gpus: int,
+                      progress: Progress | None = None) -> list[int]:
         """Wait for GPUs for a stage. For rollout: wait until the pipeline has >= 1 awake
-        shard and return all its shard GPUs."""
+        shard and return all its shard GPUs. `progress` (e.g. "batch complete") is applied
+        with the request, so the one re-plan that follows sees both."""
         stage = parse_stage(stage)
+        if progress is not None:
+            self.core.report_progress(progress)
         if stage is Stage.ROLLOUT:
             return await self._await_rollout(pipeline)
         req = self.core.submit_request(pipeline, stage, gpus)
@@ -263,8 +267,9 @@ class SchedulerService:
         self._handles.pop(name, None)
         return self._sched.unregister(name)
 
-    async def request(self, pipeline: str, stage: Stage | str | int, gpus: int = 0) -> list[int]:
-        return await self._sched.request(pipeline, stage, gpus)
+    async def request(self, pipeline: str, stage: Stage | str | int, gpus: int = 0,
+                      progress: Progress | None = None) -> list[int]:
+        return await self._sched.request(pipeline, stage, gpus, progress)
 
     async def release(self, pipeline: str, stage: Stage | str | int,
                       progress: Progress | None = None) -> list[int]:
