@@ -15,9 +15,9 @@ from rlix.inference.engine import TorchEngine
 class Helpers:
     @staticmethod
     async def collect(engine: TorchEngine, request_id: str, prompt: list[int],
-                      params: SamplingParams) -> GenerationOutput:
+                      params: SamplingParams, final_only: bool = False) -> GenerationOutput:
         last = None
-        async for last in engine.generate(request_id, prompt, params):
+        async for last in engine.generate(request_id, prompt, params, final_only=final_only):
             pass
         assert last is not None and last.finished
         return last

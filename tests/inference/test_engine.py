@@ -277,3 +277,25 @@ def test_sleeping_engine_refuses_generation(engine, prompt, h):
 
 def test_tokenizer_round_trips(tiny_model_dir, engine):
     assert type(engine.tokenizer) is type(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_final_only_delivers_one_output_equal_to_the_streamed_end(engine, prompt, h):
+    async def main():
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=7, logprobs=True, ignore_eos=True)
+        streamed = [o async for o in engine.generate("s", prompt(6), params)]
+        final = [o async for o in engine.generate("f", prompt(6), params, final_only=True)]
+        # an aborted final-only request still gets every token it produced
+        long = asyncio.create_task(h.collect(engine, "cut", prompt(6), SamplingParams(max_tokens=1500, ignore_eos=True),
+                                             final_only=True))
+        await h.wait_for(lambda: engine.num_running() == 1)
+        await asyncio.sleep(0.05)
+        await engine.abort(["cut"])
+        return streamed, final, await long
+
+    streamed, final, cut = asyncio.run(main())
+    assert len(streamed) > 1 and len(final) == 1
+    end, only = streamed[-1], final[0]
+    assert only.token_ids == end.token_ids and only.logprobs == end.logprobs
+    assert only.weight_versions == end.weight_versions and only.finish_reason == "length"
+    assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < 1500
+    assert len(cut.logprobs) == len(cut.token_ids)

@@ -63,8 +63,10 @@ class EngineAPI(Protocol):
     max_model_len: int
     weight_version: int
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[GenerationOutput]: ...
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, final_only: bool = False) -> AsyncIterator[GenerationOutput]:
+        """Cumulative outputs, the last with finish_reason; `final_only`: just that one."""
+        ...
 
     async def abort(self, request_ids: list[str] | None = None) -> int: ...
 

@@ -203,7 +203,9 @@ class OpenAIServing:
     # ------------------------------------------------------------ running
     async def run(self, job: Job, text: TextStream | None) -> AsyncIterator[Step]:
         """Engine outputs -> Steps; a stop string ends the request (the engine is told to abort)."""
-        agen = self.engine.generate(job.rid, job.prompt_ids, job.params)
+        # nothing to send or check before the end: the engine wakes this loop once, not per step
+        final_only = not job.stream and not job.params.stop
+        agen = self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
         seen, done = 0, False
         try:
             async for out in agen:
