@@ -1,11 +1,12 @@
-"""Backend factory and command lines; the client's pickling and fan-out (no servers)."""
+"""Backend factory and command lines; the client's pickling and its fan-out against small
+real HTTP servers."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 
-import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -47,38 +48,72 @@ def test_client_pickles_without_its_connections():
     c = RemoteInferenceClient("http://r", {0: "http://a/", 1: "http://b"}, "k", "tiny")
 
     async def touch():
-        c._client()
+        c._pool()
     asyncio.run(touch())
     c2 = pickle.loads(pickle.dumps(c))
-    assert c2._http is None and c2.shard_urls == {0: "http://a", 1: "http://b"} and c2.api_key == "k"
+    assert c2._lean is None and c2.shard_urls == {0: "http://a", 1: "http://b"} and c2.api_key == "k"
+
+
+async def _tiny_http_server(name: str, seen: list):  # type: ignore[no-untyped-def]
+    """A real HTTP/1.1 server on a free port answering like a shard ("c" is asleep)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                line = await reader.readuntil(b"\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            method, target, _ = line.decode().split(" ", 2)
+            headers = {}
+            while (h := await reader.readuntil(b"\r\n")) != b"\r\n":
+                k, _, v = h.decode().partition(":")
+                headers[k.strip().lower()] = v.strip()
+            body = await reader.readexactly(int(headers.get("content-length", 0)))
+            path, _, query = target.partition("?")
+            seen.append((name, method, path, query, headers.get("authorization"), body))
+            if path == "/metrics":
+                status, out = 200, (b'vllm:num_requests_running{engine="0",model_name="t"} 2.0\n'
+                                    b'vllm:num_requests_waiting{engine="0",model_name="t"} 1.0\n')
+            elif name == "c":
+                status, out = 503, json.dumps({"error": {"message": "asleep", "type": "x", "param": None,
+                                                         "code": 503}}).encode()
+            else:
+                status, out = 200, json.dumps({"status": "ok", "path": path}).encode()
+            writer.write(f"HTTP/1.1 {status} X\r\ncontent-length: {len(out)}\r\n\r\n".encode() + out)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
 def test_client_fans_out_to_the_chosen_ranks():
-    seen = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append((request.url.host, request.url.path, str(request.url.params), request.headers["authorization"]))
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text='vllm:num_requests_running{engine="0",model_name="t"} 2.0\n'
-                                             'vllm:num_requests_waiting{engine="0",model_name="t"} 1.0\n')
-        if request.url.host == "c":
-            return httpx.Response(503, json={"error": {"message": "asleep", "type": "x", "param": None,
-                                                       "code": 503}})
-        return httpx.Response(200, json={"status": "paused"})
+    seen: list = []
 
     async def main():
-        c = RemoteInferenceClient(None, {0: "http://a", 1: "http://b", 2: "http://c"}, "tok")
-        c._http = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
-        assert await c.pause("keep", ranks=[1, 0]) == {0: {"status": "paused"}, 1: {"status": "paused"}}
-        assert await c.load([2]) == {2: {"running": 2.0, "waiting": 1.0}}
-        with pytest.raises(EngineStateError, match="asleep"):
-            await c.resume()
-        with pytest.raises(InvalidRequestError, match="unknown DP ranks"):
-            await c.sleep(1, ranks=[7])
-        await c.aclose()
+        servers = {n: await _tiny_http_server(n, seen) for n in "abc"}
+        c = RemoteInferenceClient(None, {i: servers[n][1] for i, n in enumerate("abc")}, "tok")
+        try:
+            assert await c.pause("keep", ranks=[1, 0]) == {0: {"status": "ok", "path": "/pause"},
+                                                           1: {"status": "ok", "path": "/pause"}}
+            assert await c.load([2]) == {2: {"running": 2.0, "waiting": 1.0}}
+            await c.wake_up(["weights", "kv_cache"], ranks=[0])
+            await c.abort_requests([1], request_ids=["x"])
+            with pytest.raises(EngineStateError, match="asleep"):
+                await c.resume()
+            with pytest.raises(InvalidRequestError, match="unknown DP ranks"):
+                await c.sleep(1, ranks=[7])
+        finally:
+            await c.aclose()
+            for server, _ in servers.values():
+                server.close()
+                await server.wait_closed()
     asyncio.run(main())
-    assert ("a", "/pause", "mode=keep", "Bearer tok") in seen and ("b", "/pause", "mode=keep", "Bearer tok") in seen
-    assert {h for h, p, *_ in seen if p == "/resume"} == {"a", "b", "c"}  # all called before raising
+    assert ("a", "POST", "/pause", "mode=keep", "Bearer tok", b"") in seen
+    assert ("b", "POST", "/pause", "mode=keep", "Bearer tok", b"") in seen
+    assert ("a", "POST", "/wake_up", "tags=weights&tags=kv_cache", "Bearer tok", b"") in seen
+    assert ("b", "POST", "/abort_requests", "", "Bearer tok", b'{"request_ids": ["x"]}') in seen
+    assert {n for n, _, p, *_ in seen if p == "/resume"} == {"a", "b", "c"}  # all called before raising
 
 
 def test_parse_load_sums_engines():

@@ -54,7 +54,13 @@ def _fleet(launcher, supports_sleep=True, busy_polls=2):
 
 
 def _install(client, handler):
-    client._http = (asyncio.get_running_loop(), httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    """Answer the client's shard calls with `handler` (an httpx-style request -> response)."""
+
+    async def request(method, base, target, body, headers):  # type: ignore[no-untyped-def]
+        r = handler(httpx.Request(method, base + target, content=body, headers=headers))
+        return r.status_code, r.content
+
+    client._request = request
 
 
 def test_preempt_marks_aborts_drains_then_sleeps():

@@ -2,9 +2,10 @@
 
 Plain config (router URL, shard URLs by DP rank, token); HTTP clients are made lazily, one per
 event loop, and are not pickled, so the client travels into Ray actors as is. The data plane
-goes through the router, on the lean keep-alive pool of `upstream.py` (httpx's pool cost half a
-core at 64 requests in flight); the control plane (httpx) goes straight to the shards, fanned out
-concurrently to all of them or to a given subset of DP ranks. Only the HTTP API is used, so the
+goes through the router and the control plane straight to the shards (fanned out concurrently
+to all of them or to a given subset of DP ranks), both on the lean keep-alive pool of
+`upstream.py` (httpx's pool cost half a core at 64 requests in flight, and a few ms per control
+call on a busy CPU). Only the HTTP API is used, so the
 same client drives embedded and vLLM shards.
 """
 
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import json as _json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
-
-import httpx
+from urllib.parse import urlencode
 
 from rlix.errors import EngineStateError, InferenceError, InvalidRequestError, WeightUpdateError
 from rlix.inference.upstream import HttpPool, UpstreamError
@@ -48,12 +49,11 @@ class RemoteInferenceClient:
         self.api_key = api_key
         self.model = model
         self.timeout_s = timeout_s
-        self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
         self._lean: tuple[asyncio.AbstractEventLoop, HttpPool] | None = None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_http"] = state["_lean"] = None
+        state["_lean"] = None
         return state
 
     def with_shards(self, shard_urls: Mapping[int, str]) -> RemoteInferenceClient:
@@ -63,26 +63,15 @@ class RemoteInferenceClient:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    def _client(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http[0] is not loop:
-            limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-            self._http = (loop, httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
-                                                  limits=limits))
-        return self._http[1]
-
     def _pool(self) -> HttpPool:
-        """Data-plane calls go through the lean pool: httpx's connection pool scans every
-        connection (a syscall each) per request, which cost half a core at 64 rollouts in flight."""
+        """The lean pool, one per event loop: httpx's connection pool scans every connection
+        (a syscall each) per request, which cost half a core at 64 rollouts in flight."""
         loop = asyncio.get_running_loop()
         if self._lean is None or self._lean[0] is not loop:
             self._lean = (loop, HttpPool())
         return self._lean[1]
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http[1].aclose()
-            self._http = None
         if self._lean is not None:
             await self._lean[1].aclose()
             self._lean = None
@@ -124,17 +113,33 @@ class RemoteInferenceClient:
             raise InvalidRequestError(f"unknown DP ranks {unknown}; known: {sorted(self.shard_urls)}")
         return ranks
 
-    async def _one(self, rank: int, method: str, path: str, error: type[InferenceError], **kw: Any) -> Any:
-        url = self.shard_urls[rank] + path
+    async def _one(self, rank: int, method: str, path: str, error: type[InferenceError], *,
+                   params: Any = None, json: Any = None, content: bytes | None = None,
+                   headers: Mapping[str, str] | None = None) -> Any:
+        """One control call on the lean keep-alive pool (httpx cost a few ms per call on a busy
+        CPU, and a preemption or a wake makes several in a row)."""
+        base = self.shard_urls[rank]
+        target = path + (f"?{urlencode(params, doseq=True)}" if params else "")
+        body = content if content is not None else (b"" if json is None else _json.dumps(json).encode())
+        head = {**self.headers, **({"content-type": "application/json"} if json is not None else {}),
+                **dict(headers or {})}
         try:
-            r = await self._client().request(method, url, headers={**self.headers, **kw.pop("headers", {})}, **kw)
-        except httpx.TransportError as exc:
-            raise EngineStateError(f"shard {rank} ({url}) unreachable: {exc!r}") from None
+            status, answer = await asyncio.wait_for(self._request(method, base, target, body, head),
+                                                    self.timeout_s)
+        except UpstreamError as exc:
+            raise EngineStateError(f"shard {rank} ({base}) unreachable: {exc}") from None
+        except TimeoutError:
+            raise EngineStateError(f"shard {rank} {path}: no answer within {self.timeout_s:g} s") from None
         if path == "/metrics":
-            if r.status_code != 200:
-                raise EngineStateError(f"shard {rank} /metrics answered {r.status_code}")
-            return r.text
-        return _check(r, f"shard {rank} {path}", error)
+            if status != 200:
+                raise EngineStateError(f"shard {rank} /metrics answered {status}")
+            return answer.decode(errors="replace")
+        return _check_answer(status, answer, f"shard {rank} {path}", error)
+
+    async def _request(self, method: str, base: str, target: str, body: bytes,
+                       headers: dict[str, str]) -> tuple[int, bytes]:
+        resp = await self._pool().request(method, base, target, body, headers)
+        return resp.status_code, await resp.read()
 
     async def fan_out(self, method: str, path: str, ranks: Iterable[int] | None = None,
                       error: type[InferenceError] = EngineStateError, **kw: Any) -> dict[int, Any]:
@@ -194,10 +199,6 @@ class RemoteInferenceClient:
         await self.start_weight_update(version, ranks)
         await self.update_weights(tensors, ranks)
         await self.finish_weight_update(version, ranks)
-
-
-def _check(r: httpx.Response, what: str, error: type[InferenceError] = InferenceError) -> Any:
-    return _check_answer(r.status_code, r.content, what, error)
 
 
 def _check_answer(status: int, content: bytes, what: str,
