@@ -20,7 +20,12 @@ def test_factory_picks_by_the_typed_field(tiny_model_dir, monkeypatch):
     emb = make_backend(EngineBackendConfig(model=str(tiny_model_dir)))
     assert isinstance(emb, EmbeddedBackend) and isinstance(emb, EngineBackend)
     cmd = emb.command(host="127.0.0.1", port=9000, api_key="k")
-    assert cmd[1:4] == ["-m", "rlix.cli", "serve"] and "--api-key" in cmd and emb.supports_sleep
+    assert cmd[1:4] == ["-m", "rlix.cli", "serve"] and "--api-key=k" in cmd and emb.supports_sleep
+    # generated tokens may start with "-": the command line must still carry them as values
+    from rlix.cli import build_parser
+
+    args = build_parser().parse_args(emb.command(host="127.0.0.1", port=9000, api_key="-Xy_1")[3:])
+    assert args.api_key == "-Xy_1" and args.port == 9000
     monkeypatch.delenv("RLIX_VLLM_PYTHON", raising=False)
     with pytest.raises(ConfigError, match="RLIX_VLLM_PYTHON"):
         make_backend(EngineBackendConfig(backend="vllm", model=str(tiny_model_dir)))

@@ -78,7 +78,8 @@ class EmbeddedBackend:
         cfg = self.cfg
         cmd = [self.python, "-m", "rlix.cli", "serve", "--model", _model_path(cfg),
                "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
-               "--api-key", api_key, "--device", cfg.device, "--max-num-seqs", str(cfg.max_num_seqs)]
+               f"--api-key={api_key}",  # "=": a token may start with "-"
+               "--device", cfg.device, "--max-num-seqs", str(cfg.max_num_seqs)]
         if cfg.max_model_len:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.cpu_threads:
@@ -114,7 +115,7 @@ class VllmBackend:
         cfg = self.cfg
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", _model_path(cfg),
                "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
-               "--api-key", api_key, "--max-num-seqs", str(cfg.max_num_seqs),
+               f"--api-key={api_key}", "--max-num-seqs", str(cfg.max_num_seqs),
                "--enable-scale-out"]  # without it /inference/v1/generate answers 403
         if cfg.max_model_len:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
