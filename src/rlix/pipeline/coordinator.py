@@ -131,13 +131,10 @@ class ShardCoordinator:
         version = self.latest
         urls = {r: self.fleet.shards[r].url for r in ranks}
         t0 = time.perf_counter()
-        rep = await self._sync_fn(version, urls)
+        await self._sync_fn(version, urls)
         dt = time.perf_counter() - t0
         self.stats.sync_seconds += dt
-        t1 = time.perf_counter()
         reported = await self.fleet.client.fan_out("GET", "/weight_info", ranks)
-        import os as _o
-        open(f"/tmp/b/sync-{_o.getpid()}.log","a").write(f"{dt*1000:.2f} {rep['seconds']*1000:.2f} {rep['setup_seconds']*1000:.2f} {(time.perf_counter()-t1)*1000:.2f}\n")
         for r in ranks:
             got = int(reported[r]["weight_version"])
             if got != version:
