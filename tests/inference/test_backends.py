@@ -125,3 +125,40 @@ def test_parse_load_sums_engines():
     text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0"} 3.0\n'
             'vllm:num_requests_running{engine="1"} 1.0\nvllm:num_requests_waiting 4\n')
     assert parse_load(text) == {"running": 4.0, "waiting": 4.0}
+
+
+class _ExitingBackend:
+    """A 'server' that prints a line and exits: start-up must fail with that line."""
+
+    name, health_path, startup_timeout_s, supports_sleep = "exiting", "/health", 10.0, False
+
+    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+        import sys
+        return [sys.executable, "-c", "import sys; print('model path does not exist'); sys.exit(3)"]
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+
+def test_shard_process_start_failure_shows_the_log_and_stop_removes_its_temp_dir():
+    from rlix.inference.shard_process import ShardProcess
+
+    proc = ShardProcess(_ExitingBackend(), "k")
+    log_dir = proc.log_path.parent
+    proc.start()
+    with pytest.raises(EngineStateError, match="model path does not exist"):
+        proc.wait_ready()
+    assert log_dir.exists()
+    assert proc.stop() == 3
+    assert not log_dir.exists()
+
+
+def test_shard_process_keeps_a_log_dir_it_was_given(tmp_path):
+    from rlix.inference.shard_process import ShardProcess
+
+    proc = ShardProcess(_ExitingBackend(), "k", log_dir=tmp_path)
+    proc.start()
+    with pytest.raises(EngineStateError):
+        proc.wait_ready()
+    proc.stop()
+    assert "model path does not exist" in proc.log_path.read_text()

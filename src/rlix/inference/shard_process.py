@@ -9,6 +9,7 @@ has not exited after a grace period.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,7 +40,10 @@ class ShardProcess:
         self.api_key = api_key
         self.host = host
         self.port = port or free_port(host)
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="rlix-shard-")) / f"shard-{self.port}.log"
+        # Without a log_dir the log lives in a temp dir of our own, removed by stop(): its
+        # tail is already in any start-up error, and hundreds of shard starts leave nothing.
+        self._own_log_dir = None if log_dir else tempfile.mkdtemp(prefix="rlix-shard-")
+        self.log_path = Path(log_dir or self._own_log_dir) / f"shard-{self.port}.log"
         self.extra_env = extra_env or {}
         self.proc: subprocess.Popen | None = None
 
@@ -80,8 +84,9 @@ class ShardProcess:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.1)
+        tail = self.log_tail()  # before stop() removes a log dir of our own
         self.stop()
-        raise EngineStateError(f"shard server not healthy after {timeout_s:g} s:\n{self.log_tail()}")
+        raise EngineStateError(f"shard server not healthy after {timeout_s:g} s:\n{tail}")
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -93,6 +98,7 @@ class ShardProcess:
         """End the process (and its group) by PID; returns its exit code."""
         proc = self.proc
         if proc is None:
+            self._remove_own_log_dir()
             return None
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -102,7 +108,12 @@ class ShardProcess:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers the child left in its group
+        self._remove_own_log_dir()
         return proc.returncode
+
+    def _remove_own_log_dir(self) -> None:
+        if self._own_log_dir is not None:
+            shutil.rmtree(self._own_log_dir, ignore_errors=True)
 
 
 def _signal_group(pid: int, sig: int) -> None:
