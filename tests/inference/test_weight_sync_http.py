@@ -78,11 +78,12 @@ def test_sync_to_1_and_3_of_four_servers_while_0_and_2_keep_generating(four_shar
             await asyncio.sleep(0.3)
             with BucketCache.for_model(new, bucket_bytes=32 << 10) as cache:
                 cache.build_latest(1, new)
-                sync = WeightSync(cache, http_endpoints(urls, KEY), "shm")
+                sync = WeightSync(cache, http_endpoints(urls, KEY), "shm", one_call=False)  # bucket by bucket
                 t_start = time.monotonic()
                 report = await sync.sync(1, [3, 1])
                 t_end = time.monotonic()
                 assert report.ranks == [1, 3] and report.buckets == cache.layout.num_buckets > 20
+                assert not report.bundled
             stop.set()
             await asyncio.gather(*loaders)
 
@@ -148,7 +149,7 @@ DYING_SENDER = textwrap.dedent("""
             os._exit(17)  # mid-transfer, without aborting or closing anything
 
     endpoints[0].push = push
-    asyncio.run(WeightSync(cache, endpoints, "shm", idle_timeout_s=1.0).sync(7, [0]))
+    asyncio.run(WeightSync(cache, endpoints, "shm", idle_timeout_s=1.0, one_call=False).sync(7, [0]))
 """)
 
 
@@ -183,5 +184,73 @@ def test_sender_dying_mid_transfer_leaves_old_weights_and_the_shard_syncable(fou
                 await WeightSync(cache, http_endpoints(urls, KEY), "shm").sync(8, [0])
             assert (await versions(http, urls))[0] == 8
             assert (await greedy(http, urls[0]))[0] != before
+
+    asyncio.run(main())
+
+
+async def is_sleeping(http: httpx.AsyncClient, url: str) -> bool:
+    return (await http.get(f"{url}/is_sleeping", headers=AUTH)).json()["is_sleeping"]
+
+
+def test_one_call_sync_wakes_a_sleeping_shard_and_it_reports_the_new_version(four_shards, tiny_model_dir):
+    urls = {0: four_shards[3]}
+    new = perturbed(served_state(tiny_model_dir), seed=4)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            version_before = (await versions(http, urls))[0]
+            before, _ = await greedy(http, urls[0])
+            (await http.post(f"{urls[0]}/sleep", params={"level": 1}, headers=AUTH)).raise_for_status()
+            assert await is_sleeping(http, urls[0])
+            target = version_before + 3
+            with BucketCache.for_model(new, bucket_bytes=32 << 10) as cache:
+                cache.build_latest(target, new)
+                report = await WeightSync(cache, http_endpoints(urls, KEY), "shm").sync(target, [0], wake=[0])
+            assert report.bundled and report.reported == {0: target} and report.buckets > 20
+            assert not await is_sleeping(http, urls[0])
+            assert (await versions(http, urls))[0] == target
+            after, spans = await greedy(http, urls[0])
+            assert after != before and set(spans) == {target}
+            # the step-by-step protocol wakes with its own call first
+            (await http.post(f"{urls[0]}/sleep", params={"level": 1}, headers=AUTH)).raise_for_status()
+            with BucketCache.for_model(new, bucket_bytes=32 << 10) as cache:
+                cache.build_latest(target + 1, new)
+                report = await WeightSync(cache, http_endpoints(urls, KEY), "shm",
+                                          one_call=False).sync(target + 1, [0], wake=[0])
+            assert not report.bundled and report.ranks == [0]
+            assert not await is_sleeping(http, urls[0])
+            assert (await versions(http, urls))[0] == target + 1
+
+    asyncio.run(main())
+
+
+def test_one_call_sync_refuses_bad_bodies_and_a_failed_update_keeps_the_old_weights(four_shards, tiny_model_dir):
+    url = four_shards[1]
+    new = perturbed(served_state(tiny_model_dir), seed=5)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+            with BucketCache.for_model(new, bucket_bytes=32 << 10) as cache:
+                layout_id = cache.layout.layout_id
+                first = (await versions(http, {0: url}))[0] + 1
+                cache.build_latest(first, new)
+                await WeightSync(cache, http_endpoints({0: url}, KEY), "shm").sync(first, [0])  # layout known
+            version_before = (await versions(http, {0: url}))[0]
+            before, _ = await greedy(http, url)
+            (await http.post(f"{url}/sleep", params={"level": 1}, headers=AUTH)).raise_for_status()
+            good = {"weight_version": version_before + 1, "layout_id": layout_id, "wake_up": True,
+                    "updates": [{"version": version_before + 1, "bucket": 0, "nbytes": 64,
+                                 "shm": "rlix-no-such-segment", "offset": 0}]}
+            for field, bad in (("weight_version", None), ("layout_id", None), ("updates", []),
+                               ("updates", [{"not": "a bucket"}]), ("wake_up", "yes"), ("transfer", [1])):
+                r = await http.post(f"{url}/sync_weights", json={**good, field: bad}, headers=AUTH)
+                assert r.status_code == 400, (field, r.text)
+                assert await is_sleeping(http, url), field  # refused before anything changed
+            r = await http.post(f"{url}/sync_weights", json=good, headers=AUTH)  # a segment that is not there
+            assert r.status_code == 400 and "old weights keep serving" in r.json()["error"]["message"]
+            status = (await http.get(f"{url}/weight_transfer_status", headers=AUTH)).json()
+            assert status["updating"] is None and status["last_error"]
+            assert (await versions(http, {0: url}))[0] == version_before
+            assert (await greedy(http, url))[0] == before
 
     asyncio.run(main())

@@ -41,7 +41,8 @@ async def greedy(url: str) -> list[int]:
         return r.json()["choices"][0]["token_ids"]
 
 
-def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_local, tiny_model_dir):
+@pytest.mark.parametrize("wake_in_sync", [False, True], ids=["wake-then-sync", "wake-in-sync"])
+def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_local, tiny_model_dir, wake_in_sync):
     trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), lr=0.05, seed=0)
 
     async def main() -> None:
@@ -53,10 +54,10 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
                                                    served_model_name="tiny", max_model_len=128))
         fleet = ShardFleet(LocalLauncher(backend, KEY), router, client)
 
-        async def sync(version, urls):  # type: ignore[no-untyped-def]
-            return await trainer.sync_shards.remote(version, urls, KEY)
+        async def sync(version, urls, wake):  # type: ignore[no-untyped-def]
+            return await trainer.sync_shards.remote(version, urls, KEY, wake)
 
-        coord = ShardCoordinator(fleet, sync)
+        coord = ShardCoordinator(fleet, sync, wake_in_sync=wake_in_sync)
         try:
             await coord.start([0, 1], version=0)
             before = await greedy(fleet.shards[0].url)
@@ -67,6 +68,10 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
             coord.announce(1)
             await coord.resize_inference([], {0: [0]})
             assert fleet.active_ranks() == [0] and coord.versions == {0: 1, 1: 0}
+            kinds = [e.kind for e in coord.stats.events if e.kind != "start"]
+            # a stale shard is woken by its own sync call, or by a wake call before it
+            assert kinds == (["sync", "activate"] if wake_in_sync else ["wake", "sync", "activate"])
+            assert fleet.shards[0].asleep is False and fleet.shards[1].asleep is True
             after = await greedy(fleet.shards[0].url)
             assert after != before  # serving the trained weights
             ray.get(trainer.train_step.remote(batch(2)))

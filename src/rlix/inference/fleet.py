@@ -75,7 +75,7 @@ class LocalLauncher:
 class ShardInfo:
     rank: int
     url: str
-    asleep: bool = False
+    asleep: bool | None = False  # None: not known (a wake inside a failed call); ask the shard
     active: bool = False
 
 
@@ -179,7 +179,7 @@ class ShardFleet:
         t0 = time.perf_counter()
         await self.router.set_shard(rank, state=ShardState.PREEMPTED.value)
         info.active = False
-        if info.asleep:
+        if info.asleep is True:
             return {"already_asleep": True}
         t_mark = time.perf_counter()
         forced = False
@@ -217,7 +217,7 @@ class ShardFleet:
         """Wake (all tags, or only these) without activating: a weight sync may come first."""
         async def one(rank: int) -> None:
             info = self.shards[rank]
-            if not info.asleep:
+            if info.asleep is False:
                 return
             if self.supports_sleep:
                 res = (await self.client.wake_up(tags, [rank]))[rank]
@@ -226,6 +226,16 @@ class ShardFleet:
                 await self.client.resume([rank])
                 info.asleep = False
         await self._each(self._known(ranks), one)
+
+    def asleep_ranks(self, ranks: Iterable[int]) -> list[int]:
+        """Those of `ranks` that sleep (or may: state unknown)."""
+        return [r for r in self._known(ranks) if self.shards[r].asleep is not False]
+
+    def note_woken(self, ranks: Iterable[int], woken: bool = True) -> None:
+        """Someone else woke these shards (a sync call that wakes first), or tried to and failed
+        (`woken=False`: the state is unknown, so the next sleep or wake asks the shard)."""
+        for r in self._known(ranks):
+            self.shards[r].asleep = False if woken else None
 
     async def expand(self, ranks: Iterable[int], weights: Mapping[str, Any] | None = None,
                      version: int | None = None) -> None:

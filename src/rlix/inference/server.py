@@ -35,6 +35,7 @@ CONTROL_PATHS = frozenset({
     "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/abort_requests",
     "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
     "/finish_weight_update", "/abort_weight_update", "/weight_transfer_status", "/weight_info",
+    "/sync_weights",
 })
 
 
@@ -228,6 +229,10 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:
         return JSONResponse(await control.finish_weight_update(await _json_body(request)))
+
+    @app.post("/sync_weights")
+    async def sync_weights(request: Request) -> JSONResponse:
+        return JSONResponse(await control.sync_weights(await _json_body(request, required=True)))
 
     @app.post("/abort_weight_update")
     async def abort_weight_update(request: Request) -> JSONResponse:

@@ -1,7 +1,7 @@
 """A shard's weight-transfer endpoints, as the sync driver (rlix.weights.sync) sees them.
 
-`HttpShardEndpoint` maps the driver's five calls (init_transfer, start, push, finish, abort) onto
-an engine server's control plane, so `WeightSync` drives embedded shards in other processes the
+`HttpShardEndpoint` maps the driver's calls (init_transfer, start, push, finish, abort, and
+`apply`: all of an update in one call, /sync_weights) onto an engine server's control plane, so `WeightSync` drives embedded shards in other processes the
 same way it drives in-process ones. Only small control messages go over HTTP; a bucket's bytes
 travel by the transport (shared memory on one host).
 """
@@ -15,9 +15,8 @@ import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import httpx
-
 from rlix.errors import WeightTransferError, WeightUpdateError
+from rlix.inference.upstream import HttpPool, UpstreamError
 
 
 def encode_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -30,7 +29,10 @@ def encode_message(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class HttpShardEndpoint:
-    """One engine server's weight-transfer endpoints. Picklable (the httpx client is not kept)."""
+    """One engine server's weight-transfer endpoints. Picklable (connections are not kept).
+
+    Calls go over the lean keep-alive pool (rlix.inference.upstream): on a busy CPU httpx cost a
+    few ms per call, and a sync is several calls on the path of a waking shard."""
 
     def __init__(self, url: str, api_key: str, name: str | None = None, transport_ranks: int = 1,
                  timeout_s: float = 120.0) -> None:
@@ -39,30 +41,31 @@ class HttpShardEndpoint:
         self.name = name or self.url
         self.transport_ranks = transport_ranks
         self.timeout_s = timeout_s
-        self._http: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] | None = None
+        self._http: tuple[asyncio.AbstractEventLoop, HttpPool] | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_http": None}
 
-    def _client(self) -> httpx.AsyncClient:
+    def _pool(self) -> HttpPool:
         loop = asyncio.get_running_loop()
         if self._http is None or self._http[0] is not loop:
-            self._http = (loop, httpx.AsyncClient(timeout=self.timeout_s,
-                                                  headers={"Authorization": f"Bearer {self.api_key}"}))
+            self._http = (loop, HttpPool())
         return self._http[1]
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {self.api_key}"}
         try:
-            r = await self._client().post(self.url + path, json=body)
-        except httpx.HTTPError as exc:
+            status, content = await asyncio.wait_for(
+                self._pool().post_json(self.url, path, body, headers), self.timeout_s)
+        except (UpstreamError, TimeoutError) as exc:
             raise WeightTransferError(f"{self.name}{path}: {type(exc).__name__}: {exc}") from None
-        if r.status_code == 200:
-            return r.json()
+        if status == 200:
+            return json.loads(content) if content else {}
         try:
-            msg = r.json()["error"]["message"]
+            msg = json.loads(content)["error"]["message"]
         except Exception:  # noqa: BLE001 - not our error shape: show the text
-            msg = r.text[:500]
-        raise WeightUpdateError(f"{self.name}{path} answered {r.status_code}: {msg}")
+            msg = content.decode(errors="replace")[:500]
+        raise WeightUpdateError(f"{self.name}{path} answered {status}: {msg}")
 
     async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
         return await self._post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -78,15 +81,27 @@ class HttpShardEndpoint:
         out = await self._post("/finish_weight_update", {"weight_version": int(version)})
         return int(out.get("weight_version", version))
 
+    async def apply(self, version: int, layout_id: str, transfer: dict[str, Any],
+                    messages: list[Mapping[str, Any]], wake_up: bool = False) -> int:
+        """Start, every message and finish in one call (/sync_weights), waking the engine first
+        if asked; returns the version the shard says it serves afterwards."""
+        out = await self._post("/sync_weights", {
+            "weight_version": int(version), "layout_id": layout_id, "transfer": transfer,
+            "updates": [encode_message(m) for m in messages], "wake_up": bool(wake_up)})
+        return int(out["weight_version"])
+
+    async def wake_up(self) -> None:
+        await self._post("/wake_up", {})
+
     async def abort(self, reason: str) -> None:
         await self._post("/abort_weight_update", {"reason": reason})
 
     async def aclose(self) -> None:
         if self._http is not None:
-            loop, client = self._http
+            loop, pool = self._http
             self._http = None
             if loop is asyncio.get_running_loop():
-                await client.aclose()
+                await pool.aclose()
 
 
 def http_endpoints(shard_urls: Mapping[int, str], api_key: str, ranks: Iterable[int] | None = None,

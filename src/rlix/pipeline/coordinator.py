@@ -7,9 +7,12 @@ and only then routed to. After each training step `publish(version)` gives the s
 stayed active the new version in flight: pause(keep) -> selective sync -> resume, so running
 requests continue on the new weights and none is lost.
 
-Every sync is checked: the shard's own `/weight_info` must report the version just synced, and
-the coordinator keeps each shard's version history, so tests can prove that a shard only ever
-served versions it was synced to.
+Every sync is checked: the shard itself must report the version just synced (in its answer to
+a one-call sync, otherwise through `/weight_info`), and the coordinator keeps each shard's
+version history, so tests can prove that a shard only ever served versions it was synced to.
+
+With `wake_in_sync` (engines that offer /sync_weights), a stale shard that wakes is woken by
+its sync call: one round trip from the trainer instead of a wake, then start, buckets, finish.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from rlix.inference.fleet import ShardFleet
 
 log = logging.getLogger("rlix.pipeline")
 
-SyncFn = Callable[[int, dict[int, str]], Awaitable[Any]]  # (version, {rank: url}) -> report
+#: (version, {rank: url}, ranks to wake first) -> report (a dict; "reported": {rank: version}
+#: holds the versions shards answered in the same call)
+SyncFn = Callable[[int, dict[int, str], list[int]], Awaitable[Any]]
 
 
 @dataclass
@@ -52,9 +57,11 @@ class ShardCoordinator:
     """See module doc. `sync(version, {rank: url})` pushes a cached version to those shards
     (it runs where the cache lives: the trainer's process)."""
 
-    def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0) -> None:
+    def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
+                 wake_in_sync: bool = False) -> None:
         self.fleet = fleet
         self._sync_fn = sync
+        self.wake_in_sync = wake_in_sync and fleet.supports_sleep
         self.latest = initial_version  # newest version the trainer has published
         self.published: set[int] = {initial_version}
         self.versions: dict[int, int] = {}  # rank -> version it serves
@@ -94,18 +101,28 @@ class ShardCoordinator:
                 missing = [r for r in ranks if r not in self.fleet.shards]
                 if missing:
                     raise WeightUpdateError(f"resize asked for shard(s) {missing} that were never started")
-                t0 = time.perf_counter()
-                await self.fleet.wake_up_partial(ranks)
-                dt = time.perf_counter() - t0
-                self.stats.wake_seconds += dt
-                self._event("wake", ranks, seconds=dt)
                 stale = [r for r in ranks if self.versions.get(r) != self.latest]
-                if stale:
-                    await self._sync(stale, "sync")
+                if self.wake_in_sync and stale:
+                    # stale shards wake inside their sync call; the others wake meanwhile
+                    fresh = [r for r in ranks if r not in stale]
+                    await asyncio.gather(self._wake(fresh), self._sync(stale, "sync", wake=True))
+                else:
+                    await self._wake(ranks)
+                    if stale:
+                        await self._sync(stale, "sync")
                 await self.fleet.activate(ranks)
                 self._event("activate", ranks, self.latest)
                 out["woke"] = ranks
             return out
+
+    async def _wake(self, ranks: list[int]) -> None:
+        if not ranks:
+            return
+        t0 = time.perf_counter()
+        await self.fleet.wake_up_partial(ranks)
+        dt = time.perf_counter() - t0
+        self.stats.wake_seconds += dt
+        self._event("wake", ranks, seconds=dt)
 
     def announce(self, version: int) -> None:
         """`version` is in the cache: shards woken from now on are synced to it."""
@@ -127,16 +144,29 @@ class ShardCoordinator:
                 await self.fleet.client.resume(stale)
             return stale
 
-    async def _sync(self, ranks: list[int], kind: str) -> None:
+    async def _sync(self, ranks: list[int], kind: str, wake: bool = False) -> None:
+        """Sync `ranks` to the latest version (waking the sleeping ones in the same call if
+        `wake`), then record what each shard says it serves."""
         version = self.latest
         urls = {r: self.fleet.shards[r].url for r in ranks}
+        asleep = self.fleet.asleep_ranks(ranks) if wake else []
         t0 = time.perf_counter()
-        await self._sync_fn(version, urls)
+        try:
+            rep = await self._sync_fn(version, urls, asleep)
+        except BaseException:
+            self.fleet.note_woken(asleep, woken=False)  # maybe woken before it failed
+            raise
+        self.fleet.note_woken(asleep)
         dt = time.perf_counter() - t0
         self.stats.sync_seconds += dt
-        reported = await self.fleet.client.fan_out("GET", "/weight_info", ranks)
+        reported = {int(r): int(v) for r, v in ((rep or {}).get("reported") or {}).items()} \
+            if isinstance(rep, dict) else {}
+        unanswered = [r for r in ranks if r not in reported]
+        if unanswered:
+            answers = await self.fleet.client.fan_out("GET", "/weight_info", unanswered)
+            reported.update({r: int(answers[r]["weight_version"]) for r in unanswered})
         for r in ranks:
-            got = int(reported[r]["weight_version"])
+            got = reported[r]
             if got != version:
                 self.stats.version_mismatches.append(f"shard {r}: synced {version}, reports {got}")
             self.versions[r] = got

@@ -93,7 +93,8 @@ class PipelineRunner:
         self.fleet = ShardFleet(LocalLauncher(backend, self.api_key),
                                 self.data_plane.router_control(self.router), client,
                                 drain_before_sleep=False)  # our engine aborts in-flight at sleep
-        self.coordinator = ShardCoordinator(self.fleet, self._sync, initial_version=0)
+        self.coordinator = ShardCoordinator(self.fleet, self._sync, initial_version=0,
+                                            wake_in_sync=True)  # our engine serves /sync_weights
         ranks = list(range(cfg.max_shards if self.mode == "rlix" else max(len(self.gpus) // cfg.tp, 1)))
         await self.coordinator.start(ranks, version=0, active=False)  # weights from disk = v0
         self.coordinator.announce(self.start_step)
@@ -133,8 +134,8 @@ class PipelineRunner:
                 self.rollout_client.generate(token_ids, sampling_params, session_id=session_id))
         return generate
 
-    async def _sync(self, version: int, urls: dict[int, str]) -> Any:
-        return await self.trainer.sync_shards.remote(version, urls, self.api_key)
+    async def _sync(self, version: int, urls: dict[int, str], wake: list[int]) -> Any:
+        return await self.trainer.sync_shards.remote(version, urls, self.api_key, wake)
 
     # ------------------------------------------------------------------ running
     async def run(self) -> dict:

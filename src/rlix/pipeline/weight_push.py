@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rlix.inference.weight_endpoint import HttpShardEndpoint
@@ -28,11 +28,14 @@ class ShardWeightPusher:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rlix-weight-push", daemon=True)
         self._thread.start()
 
-    def sync(self, version: int, urls: Mapping[int, str], timeout_s: float = 600.0) -> dict[str, Any]:
-        """Blocking: move those shards to `version` (which must be in the cache)."""
-        return asyncio.run_coroutine_threadsafe(self._run(int(version), dict(urls)), self._loop).result(timeout_s)
+    def sync(self, version: int, urls: Mapping[int, str], wake: Iterable[int] = (),
+             timeout_s: float = 600.0) -> dict[str, Any]:
+        """Blocking: move those shards to `version` (which must be in the cache), waking the
+        ranks in `wake` first."""
+        return asyncio.run_coroutine_threadsafe(self._run(int(version), dict(urls), list(wake)),
+                                                self._loop).result(timeout_s)
 
-    async def _run(self, version: int, urls: dict[int, str]) -> dict[str, Any]:
+    async def _run(self, version: int, urls: dict[int, str], wake: list[int]) -> dict[str, Any]:
         cache = self._cache()
         if self._sync is None or self._sync.cache is not cache:
             self._sync = WeightSync(cache, {}, self.transport, idle_timeout_s=self.idle_timeout_s)
@@ -40,9 +43,10 @@ class ShardWeightPusher:
             known = self._sync.endpoints.get(rank)
             if not isinstance(known, HttpShardEndpoint) or known.url != url.rstrip("/"):
                 self._sync.add_shard(rank, HttpShardEndpoint(url, self.api_key, f"shard {rank}"))
-        report = await self._sync.sync(version, sorted(urls))
+        report = await self._sync.sync(version, sorted(urls), wake)
         return {"version": report.version, "ranks": report.ranks, "seconds": report.seconds,
-                "setup_seconds": report.setup_seconds, "bytes": report.bytes, "buckets": report.buckets}
+                "setup_seconds": report.setup_seconds, "bytes": report.bytes, "buckets": report.buckets,
+                "bundled": report.bundled, "reported": dict(report.reported)}
 
     def close(self) -> None:
         async def shutdown() -> None:

@@ -75,9 +75,11 @@ class TrainerActor:
     def step(self) -> int:
         return self.trainer.step
 
-    def sync_shards(self, version: int, urls: Mapping[int, str], api_key: str) -> dict[str, Any]:
-        """Push cached `version` to these engine servers ({dp rank: url}) and only those: the
-        cache lives here, so the selective sync runs here (rlix.pipeline.weight_push)."""
+    def sync_shards(self, version: int, urls: Mapping[int, str], api_key: str,
+                    wake: list[int] | None = None) -> dict[str, Any]:
+        """Push cached `version` to these engine servers ({dp rank: url}) and only those, waking
+        the ranks in `wake` first: the cache lives here, so the selective sync runs here
+        (rlix.pipeline.weight_push)."""
         if self.trainer.cache is None:
             from rlix.errors import WeightCacheError
 
@@ -86,7 +88,7 @@ class TrainerActor:
             from rlix.pipeline.weight_push import ShardWeightPusher
 
             self._pusher = ShardWeightPusher(lambda: self.trainer.cache, api_key)
-        return self._pusher.sync(version, {int(r): u for r, u in urls.items()})
+        return self._pusher.sync(version, {int(r): u for r, u in urls.items()}, wake or ())
 
     def close(self) -> None:
         """Free the host cache (its shared memory is unlinked); the actor can then be killed."""

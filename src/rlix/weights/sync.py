@@ -6,6 +6,10 @@ independently. Per shard the engine's protocol is followed (start, update per bu
 so a shard applies the version only at finish and any failure leaves its old weights serving.
 With handle-based transports (local, shm, cuda_ipc) a failing shard is dropped and the others
 complete; with a collective one (nccl) a failure aborts every target, since the group is shared.
+
+When the transport's messages are references a shard can read at any time (a cache in shared
+memory) and the endpoints offer `apply`, each shard gets the whole update in one call, woken
+first if asked: the sync of a waking shard is then one round trip, not wake + 2 + buckets.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.weights.cache import BucketCache
 from rlix.weights.endpoint import ShardEndpoint
-from rlix.weights.transport import Transport, make_transport
+from rlix.weights.transport import Transport, make_transport, references
 
 COLLECTIVE = ("nccl",)
 
@@ -34,6 +38,8 @@ class SyncReport:
     setup_seconds: float  # layout init (first time only) and transport rendezvous
     teardown_seconds: float = 0.0  # the sender's transport teardown, after the last finish
     failed: dict[int, str] = field(default_factory=dict)
+    bundled: bool = False  # each shard got the whole update in one call
+    reported: dict[int, int] = field(default_factory=dict)  # rank -> version it answered serving
 
     @property
     def gbps(self) -> float:
@@ -45,7 +51,8 @@ class WeightSync:
 
     def __init__(self, cache: BucketCache, endpoints: Mapping[int, ShardEndpoint] | None = None,
                  transport: Transport | str = "shm", *, verify: bool = False, partial: bool = False,
-                 transport_options: Mapping[str, Any] | None = None, idle_timeout_s: float = 60.0) -> None:
+                 transport_options: Mapping[str, Any] | None = None, idle_timeout_s: float = 60.0,
+                 one_call: bool = True) -> None:
         self.cache = cache
         self.endpoints: dict[int, ShardEndpoint] = dict(endpoints or {})
         if isinstance(transport, str):
@@ -56,6 +63,7 @@ class WeightSync:
         self.transport = transport
         self.verify, self.partial = verify, partial
         self.idle_timeout_s = idle_timeout_s  # a shard aborts an update whose sender went quiet
+        self.one_call = one_call  # whole update in one call per shard where the transport allows
         self._initialised: dict[int, str] = {}  # rank -> layout id it accepted
         self._busy: set[int] = set()
 
@@ -72,10 +80,12 @@ class WeightSync:
         return {"layout": self.cache.layout.to_json(), "transport": self.transport.kind,
                 "verify": self.verify, "partial": self.partial, "idle_timeout_s": self.idle_timeout_s}
 
-    async def sync(self, version: int, dp_ranks: Iterable[int]) -> SyncReport:
-        """Move the shards `dp_ranks` to cached `version`. Raises WeightSyncError naming the
-        shards that failed (each keeps its old weights) and those that succeeded."""
+    async def sync(self, version: int, dp_ranks: Iterable[int], wake: Iterable[int] = ()) -> SyncReport:
+        """Move the shards `dp_ranks` to cached `version`, waking those in `wake` first (they
+        sleep at level 1). Raises WeightSyncError naming the shards that failed (each keeps its
+        old weights) and those that succeeded."""
         ranks = sorted(set(int(r) for r in dp_ranks))
+        wake = {int(r) for r in wake}
         unknown = [r for r in ranks if r not in self.endpoints]
         if unknown:
             raise WeightUpdateError(f"no endpoint for shard(s) {unknown}; known: {sorted(self.endpoints)}")
@@ -85,11 +95,11 @@ class WeightSync:
         self._busy.update(ranks)
         try:
             with self.cache.lease(version) as buckets:
-                return await self._sync(int(version), ranks, buckets)
+                return await self._sync(int(version), ranks, buckets, wake & set(ranks))
         finally:
             self._busy.difference_update(ranks)
 
-    async def _sync(self, version: int, ranks: list[int], buckets: list) -> SyncReport:
+    async def _sync(self, version: int, ranks: list[int], buckets: list, wake: set[int]) -> SyncReport:
         layout = self.cache.layout
         failed: dict[int, str] = {}
         collective = self.transport.kind in COLLECTIVE
@@ -111,6 +121,17 @@ class WeightSync:
                                              for r in ranks if r not in failed}}
         sender = self.transport.sender()
         started: list[int] = []
+        bundle = None
+        if (self.one_call and live and not collective
+                and all(callable(getattr(self.endpoints[r], "apply", None)) for r in live)):
+            bundle = references(sender, version, buckets, checksums)
+        if bundle is not None:
+            try:
+                return await self._apply_bundle(version, ranks, live, failed, sender, bundle, wake, t0)
+            finally:
+                sender.close()  # nothing staged, nothing to tear down
+        if live and wake:
+            live = await self._wake(live, wake, failed)
         try:
             if live:
                 offsets, total = {}, 0
@@ -164,6 +185,46 @@ class WeightSync:
                                   f"shard(s) (they keep their old weights): {detail}", failed, ok)
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
                           t_setup, t_teardown)
+
+    async def _apply_bundle(self, version: int, ranks: list[int], live: list[int], failed: dict[int, str],
+                            sender: Any, bundle: list, wake: set[int], t0: float) -> SyncReport:
+        """Each live shard: [wake,] start, every message, finish, in one call. A shard aborts a
+        failed update itself, so there is nothing to clean up here."""
+        layout = self.cache.layout
+        info = sender.open(len(live))
+        t1 = time.perf_counter()
+        results = await asyncio.gather(
+            *(self.endpoints[r].apply(version, layout.layout_id, {**info, "rank": 1 + i}, bundle, r in wake)
+              for i, r in enumerate(live)), return_exceptions=True)
+        seconds = time.perf_counter() - t1
+        reported: dict[int, int] = {}
+        for r, res in zip(live, results):
+            if isinstance(res, BaseException):
+                failed[r] = f"update: {res}"
+            elif res != version:
+                failed[r] = f"applied version {res}, expected {version}"
+            else:
+                reported[r] = int(res)
+        ok = [r for r in ranks if r not in failed]
+        if failed:
+            detail = "; ".join(f"shard {r}: {why}" for r, why in sorted(failed.items()))
+            raise WeightSyncError(f"sync of version {version} failed on {len(failed)} of {len(ranks)} "
+                                  f"shard(s) (they keep their old weights): {detail}", failed, ok)
+        return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
+                          t1 - t0, bundled=True, reported=reported)
+
+    async def _wake(self, live: list[int], wake: set[int], failed: dict[int, str]) -> list[int]:
+        """Wake these shards before a step-by-step sync (the bundled one wakes in its call)."""
+        targets = [r for r in live if r in wake]
+        for r in targets:
+            if not callable(getattr(self.endpoints[r], "wake_up", None)):
+                failed[r] = "cannot wake: its endpoint has no wake_up"
+        targets = [r for r in targets if r not in failed]
+        results = await asyncio.gather(*(self.endpoints[r].wake_up() for r in targets), return_exceptions=True)
+        for r, res in zip(targets, results):
+            if isinstance(res, BaseException):
+                failed[r] = f"wake up: {res}"
+        return [r for r in live if r not in failed]
 
     @staticmethod
     def _survivors(live: list[int], failed: dict[int, str], collective: bool) -> list[int]:

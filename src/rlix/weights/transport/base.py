@@ -49,6 +49,15 @@ class TransportSender(Protocol):
     def close(self) -> None: ...
 
 
+def references(sender: Any, version: int, buckets: Sequence[torch.Tensor],
+               checksums: Sequence[int] | None) -> list[Message] | None:
+    """Every bucket's message at once, if the sender can give them: only when the bytes need no
+    staging and nothing to connect (a receiver may read them in place whenever it likes), so
+    the driver can send start, all messages and finish to a shard in one call. None otherwise."""
+    fn = getattr(sender, "references", None)
+    return fn(version, buckets, checksums) if callable(fn) else None
+
+
 @runtime_checkable
 class TransportReceiver(Protocol):
     """Receiver side, one per shard rank, kept across syncs."""

@@ -52,6 +52,20 @@ class ShmSender(SenderBase):
             where = (seg.name, 0)
         return {**header(version, index, buffer.numel(), checksum), "shm": where[0], "offset": where[1]}
 
+    def references(self, version: int, buckets: list[torch.Tensor],
+                   checksums: list[int] | None) -> list[Message] | None:
+        """All messages at once when every bucket already lives in shared memory (the cache's
+        own segments): nothing is staged, so they stay valid until the cache slot is reused."""
+        out: list[Message] = []
+        for i, buf in enumerate(buckets):
+            flat = buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+            where = self._locate(buf) if flat else None
+            if where is None:
+                return None
+            out.append({**header(version, i, buf.numel(), None if checksums is None else checksums[i]),
+                        "shm": where[0], "offset": where[1]})
+        return out
+
     def close(self) -> None:
         for seg in self._staging:
             seg.close()
