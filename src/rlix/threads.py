@@ -18,3 +18,25 @@ CONTROL_SWITCH_INTERVAL_S = 0.0005
 def favour_control_latency() -> None:
     """Make GIL handoffs to a waiting thread (an event loop with a control call) prompt."""
     sys.setswitchinterval(CONTROL_SWITCH_INTERVAL_S)
+
+
+#: how much lower than control threads compute threads on CPU devices run (nice steps)
+COMPUTE_NICE_STEPS = 10
+
+
+def yield_cores_to_control(device: str = "cpu") -> bool:
+    """Lower this thread's CPU priority when it computes on the CPU (fake GPUs: the compute
+    shares the cores with every control thread). A control call then runs when it arrives, not
+    after the compute's time slice. Only ever lowers (no privilege needed); False if not done."""
+    import os
+    import threading
+
+    if str(device).split(":")[0] != "cpu" or not hasattr(os, "setpriority"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + COMPUTE_NICE_STEPS))
+    except OSError:
+        return False
+    return True

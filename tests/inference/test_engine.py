@@ -299,3 +299,54 @@ def test_final_only_delivers_one_output_equal_to_the_streamed_end(engine, prompt
     assert only.weight_versions == end.weight_versions and only.finish_reason == "length"
     assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < 1500
     assert len(cut.logprobs) == len(cut.token_ids)
+
+
+def test_a_control_call_is_answered_before_the_next_step(engine, prompt, h):
+    """The worker answers commands as soon as it ran them; a step that never ends must not hold
+    the answer back (it used to come after the step that followed the commands)."""
+    import threading
+
+    core = engine._core
+    real_step = core.step
+    gate, gated = threading.Event(), threading.Event()
+
+    def step() -> None:
+        if gated.is_set():
+            gate.wait(30)
+        real_step()
+
+    core.step = step
+    try:
+        async def main():
+            long = SamplingParams(max_tokens=1500, ignore_eos=True)
+            a = asyncio.create_task(h.collect(engine, "a", prompt(5), long))
+            b = asyncio.create_task(h.collect(engine, "b", prompt(7), long))  # work goes on
+            await h.wait_for(lambda: engine.num_running() == 2)
+            gated.set()  # from the step after the current one, steps block
+            try:
+                aborted = await asyncio.wait_for(engine.abort(["a"]), 10)
+            finally:
+                gate.set()
+            await engine.abort(["b"])
+            return aborted, await a, await b
+
+        aborted, out, _ = asyncio.run(main())
+    finally:
+        core.step = real_step
+    assert aborted == 1 and out.finish_reason == "abort"
+
+
+def test_sleep_answers_first_and_the_requests_it_aborted_still_end(engine, prompt, h):
+    async def main():
+        a = asyncio.create_task(h.collect(engine, "a", prompt(5), SamplingParams(max_tokens=1500, ignore_eos=True)))
+        await h.wait_for(lambda: engine.num_running() == 1)
+        await engine.sleep(1)
+        answered_before_the_abort_reached_the_request = not a.done()
+        try:
+            out = await a
+        finally:
+            await engine.wake_up()
+        return answered_before_the_abort_reached_the_request, out
+
+    first, out = asyncio.run(main())
+    assert first and out.finish_reason == "abort"

@@ -27,6 +27,7 @@ from rlix.inference.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.model_runner import ModelRunner, load_model
 from rlix.inference.sequence import Delta, Sequence
 from rlix.inference.weights import WeightStaging
+from rlix.threads import yield_cores_to_control
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ class TorchEngine:
                                 eos_ids=_eos_ids(model, tokenizer),
                                 max_prefill_tokens=max_prefill_tokens)
         self._cv = threading.Condition()
-        self._inbox: list[tuple[Callable[[], Any], asyncio.Future[Any] | None]] = []
+        # (command, future for its result, answer before the request deltas it produced)
+        self._inbox: list[tuple[Callable[[], Any], asyncio.Future[Any] | None, bool]] = []
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._live_ids: set[str] = set()
         self._pending_adds = 0
@@ -145,20 +147,24 @@ class TorchEngine:
         return len(self._core.waiting) + self._pending_adds
 
     # -- the worker ----------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], Any], fut: asyncio.Future[Any] | None = None) -> None:
+    def _submit(self, fn: Callable[[], Any], fut: asyncio.Future[Any] | None = None,
+                answer_first: bool = False) -> None:
         with self._cv:
             if self._closed:
                 raise EngineStateError("the engine is closed")
-            self._inbox.append((fn, fut))
+            self._inbox.append((fn, fut, answer_first))
             self._cv.notify()
 
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the worker between two steps and return its result here."""
+    async def _call(self, fn: Callable[[], Any], answer_first: bool = False) -> Any:
+        """Run fn on the worker between two steps and return its result here. The answer is
+        posted before the next step runs; after the request deltas fn produced (a returned
+        abort() was seen), unless `answer_first`."""
         fut = asyncio.get_running_loop().create_future()
-        self._submit(fn, fut)
+        self._submit(fn, fut, answer_first)
         return await fut
 
     def _work(self) -> None:
+        yield_cores_to_control(self.device)
         core = self._core
         while True:
             with self._cv:
@@ -168,18 +174,26 @@ class TorchEngine:
                     return
                 commands, self._inbox = self._inbox, []
             results = []
-            for fn, fut in commands:
+            for fn, fut, first in commands:
                 try:
-                    results.append((fut, fn(), None))
+                    results.append((fut, fn(), None, first))
                 except Exception as exc:  # delivered to the caller, the engine carries on
-                    results.append((fut, None, exc))
+                    results.append((fut, None, exc, first))
+            if any(fut is not None for fut, *_ in results):
+                self._deliver(results)  # a control call is answered now, not after a step
+                results = []
             if core.has_work():
                 core.step()
             self._deliver(results)
 
-    def _deliver(self, results: list[tuple[asyncio.Future[Any] | None, Any, Exception | None]]
+    def _deliver(self, results: list[tuple[asyncio.Future[Any] | None, Any, Exception | None, bool]]
                  ) -> None:
-        """Post request deltas first, then command results, so a returned abort() was seen."""
+        """Post request deltas first, then command results, so a returned abort() was seen;
+        results marked answer-first go ahead of the deltas (a sleep's caller should not wait
+        while the loop hands out every request the sleep aborted)."""
+        for fut, result, error, first in results:
+            if first and fut is not None:
+                self._post(fut.get_loop(), _set_future, fut, result, error)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Delta]]] = {}
         for seq, delta in self._core.collect():
             sink = seq.sink
@@ -190,11 +204,11 @@ class TorchEngine:
             by_loop.setdefault(sink.loop, []).append((sink, delta))
         if self._drain_waiters and (self._core.pause_mode != "wait" or self._core.drained()):
             waiters, self._drain_waiters = self._drain_waiters, []
-            results.extend((fut, None, None) for fut in waiters)
+            results.extend((fut, None, None, False) for fut in waiters)
         for loop, items in by_loop.items():
             self._post(loop, _put_all, items)
-        for fut, result, error in results:
-            if fut is not None:
+        for fut, result, error, first in results:
+            if fut is not None and not first:
                 self._post(fut.get_loop(), _set_future, fut, result, error)
 
     def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
@@ -209,7 +223,7 @@ class TorchEngine:
         with self._cv:
             if self._closed:
                 return
-            self._inbox.append((lambda: self._core.abort(None), None))
+            self._inbox.append((lambda: self._core.abort(None), None, False))
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=30)
@@ -325,7 +339,7 @@ class TorchEngine:
 
     async def sleep(self, level: int) -> None:
         """Abort in-flight requests, free the KV cache, offload (1) or drop (2) the weights."""
-        await self._call(lambda: self._core.sleep(level))
+        await self._call(lambda: self._core.sleep(level), answer_first=True)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call(lambda: self._core.wake_up(tags))

@@ -9,11 +9,13 @@ map); remote callers get a small summary of it, never the tensors.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 
+from rlix.threads import yield_cores_to_control
 from rlix.training.types import GroupSpec, TrainSample
 
 
@@ -34,13 +36,25 @@ class TrainerActor:
             torch.set_num_threads(cpu_threads)
 
         self.trainer = PolicyTrainer(model, **kwargs)
+        # On a CPU device forward/backward run on a thread of their own that yields the cores to
+        # control threads (rlix.threads), so cache builds, syncs and the shards' control calls
+        # stay prompt. On CUDA they stay on the calling thread (the current device is per thread).
+        self._compute: ThreadPoolExecutor | None = None
+        if self.trainer.device.type == "cpu":
+            self._compute = ThreadPoolExecutor(1, thread_name_prefix="rlix-train",
+                                               initializer=yield_cores_to_control)
+
+    def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._compute is None:
+            return fn(*args, **kwargs)
+        return self._compute.submit(fn, *args, **kwargs).result()
 
     def train_step(self, samples: Sequence[TrainSample | Mapping[str, Any]],
                    group: GroupSpec | None = None) -> dict[str, float]:
-        return self.trainer.train_step(_samples(samples), group=group)
+        return self._run(self.trainer.train_step, _samples(samples), group=group)
 
     def compute_logprobs(self, samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[list[float]]:
-        return self.trainer.compute_logprobs(_samples(samples))
+        return self._run(self.trainer.compute_logprobs, _samples(samples))
 
     def build_cache(self, version: int) -> dict[str, Any]:
         """Snapshot the weights as `version`; returns version, num_buckets, bytes, seconds and
