@@ -5,6 +5,7 @@ nothing that serves."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ import torch
 from rlix.errors import WeightSyncError
 from rlix.inference.weight_endpoint import http_endpoints
 from rlix.weights import BucketCache, WeightSync
+from rlix.weights.receiver import reap_orphaned_segments
 from kit import AUTH, KEY, shard_processes
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -145,7 +147,7 @@ DYING_SENDER = textwrap.dedent("""
         await real_push(message)
         pushed += 1
         if pushed == 5:
-            print("dying", flush=True)
+            print("dying", os.getpid(), flush=True)
             os._exit(17)  # mid-transfer, without aborting or closing anything
 
     endpoints[0].push = push
@@ -184,6 +186,10 @@ def test_sender_dying_mid_transfer_leaves_old_weights_and_the_shard_syncable(fou
                 await WeightSync(cache, http_endpoints(urls, KEY), "shm").sync(8, [0])
             assert (await versions(http, urls))[0] == 8
             assert (await greedy(http, urls[0]))[0] != before
+            # the dead sender's cache segments are orphans now: reaped by pid
+            dead = int(proc.stdout.split()[1])
+            assert any(n.startswith(f"rlix-w-{dead}-") for n in reap_orphaned_segments("rlix-w"))
+            assert not any(n.startswith(f"rlix-w-{dead}-") for n in os.listdir("/dev/shm"))
 
     asyncio.run(main())
 

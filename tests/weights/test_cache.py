@@ -111,3 +111,31 @@ def test_shm_segments_are_removed_on_close():
     assert names and all(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
     cache.close()
     assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
+
+
+def test_orphaned_shared_memory_of_dead_processes_is_reaped_and_live_ones_kept():
+    import os
+    import subprocess
+    import sys
+
+    from rlix.weights.receiver import SHM_DIR, reap_orphaned_segments
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    names = {"orphan": f"rlix-t-{dead_pid}-0badcafe", "live": f"rlix-t-{os.getpid()}-0badcafe",
+             "other": f"rlix-t-{dead_pid}-not-hex", "other_prefix": f"rlix-u-{dead_pid}-0badcafe"}
+    try:
+        for name in names.values():
+            with open(os.path.join(SHM_DIR, name), "wb") as fh:
+                fh.write(b"x")
+        assert reap_orphaned_segments("rlix-t") == [names["orphan"]]
+        left = set(os.listdir(SHM_DIR))
+        assert names["orphan"] not in left
+        assert {names["live"], names["other"], names["other_prefix"]} <= left
+    finally:
+        for name in names.values():
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass

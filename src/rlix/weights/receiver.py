@@ -407,6 +407,9 @@ class ShmSegment:
     def create(cls, nbytes: int, prefix: str = "rlix") -> ShmSegment:
         if nbytes <= 0:
             raise ValueError("a shared-memory segment needs at least one byte")
+        if prefix not in _REAPED:
+            _REAPED.add(prefix)
+            reap_orphaned_segments(prefix)
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -435,6 +438,38 @@ class ShmSegment:
             pass  # views are still alive; the mapping goes when they do
         if self._unlink is not None:
             self._unlink()
+
+
+_REAPED: set[str] = set()  # prefixes this process already swept
+
+
+def reap_orphaned_segments(prefix: str = "rlix") -> list[str]:
+    """Unlink segments named `{prefix}-{pid}-{hex}` whose creating process is gone (a trainer
+    killed without close() leaves its cache in /dev/shm, 5 MB to GBs each). Run once per
+    process and prefix, at the first create(). Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        rest = name[len(prefix) + 1:] if name.startswith(prefix + "-") else ""
+        pid, _, tail = rest.partition("-")
+        if not (pid.isdigit() and tail and all(c in "0123456789abcdef" for c in tail)):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def _unlink_quietly(path: str) -> None:
