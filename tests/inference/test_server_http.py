@@ -157,3 +157,52 @@ def test_failed_weight_update_keeps_old_weights(server):
     assert r.status_code == 400 and "no weight update in progress" in r.json()["error"]["message"]
     assert server.get("/weight_info").json()["weight_version"] == version
     assert server.post("/inference/v1/generate", json=body).json()["choices"][0]["token_ids"] == before
+
+
+def test_fast_generate_serves_valid_bodies_and_hands_the_rest_to_the_app():
+    import asyncio as aio
+    import json as js
+
+    from rlix.errors import EngineStateError
+    from rlix.inference.server import FastGenerate
+
+    seen: list[bytes] = []
+
+    async def app(scope, receive, send):  # the FastAPI app's stand-in: records what reached it
+        seen.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b"app"})
+
+    class Serving:
+        def prepare_generate(self, req):
+            if req.token_ids == [13]:
+                raise EngineStateError("asleep")
+            return req
+
+        async def generate(self, req):
+            return {"ids": req.token_ids}
+
+    async def call(body: bytes, path: str = "/inference/v1/generate") -> tuple[int, bytes]:
+        sent: list[dict] = []
+        queue = [{"type": "http.request", "body": body[:3], "more_body": True},
+                 {"type": "http.request", "body": body[3:], "more_body": False}]
+
+        async def receive():
+            return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await FastGenerate(app, Serving())({"type": "http", "method": "POST", "path": path}, receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    async def main():
+        ok = await call(js.dumps({"token_ids": [5, 6], "sampling_params": {}}).encode())
+        assert ok[0] == 200 and js.loads(ok[1]) == {"ids": [5, 6]} and seen == []
+        asleep = await call(js.dumps({"token_ids": [13], "sampling_params": {}}).encode())
+        assert asleep[0] == 503 and "asleep" in js.loads(asleep[1])["error"]["message"] and seen == []
+        for body in (b"not json", js.dumps({"token_ids": [5], "sampling_params": {}, "stream": True}).encode()):
+            assert await call(body) == (299, b"app") and seen[-1] == body  # the whole body, replayed
+        assert await call(b"{}", path="/v1/completions") == (299, b"app")
+
+    aio.run(main())

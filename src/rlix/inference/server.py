@@ -64,6 +64,80 @@ def _err(status: int, message: str, type_: str, param: str | None = None) -> JSO
     return JSONResponse(S.error_body(message, type_, status, param), status_code=status)
 
 
+#: rlix errors -> (HTTP status, error type, whether the error names a parameter); most specific first
+ERROR_ANSWERS: tuple[tuple[type[Exception], int, str, bool], ...] = (
+    (ModelNotFoundError, 404, "NotFoundError", True),
+    (InvalidRequestError, 400, "BadRequestError", True),
+    (WeightUpdateError, 400, "BadRequestError", False),
+    (EngineStateError, 503, "ServiceUnavailableError", False),
+)
+
+
+def error_answer(exc: Exception) -> JSONResponse | None:
+    """The answer the app gives for this error, or None if it is not one of ours."""
+    for cls, status, type_, with_param in ERROR_ANSWERS:
+        if isinstance(exc, cls):
+            return _err(status, str(exc), type_, getattr(exc, "param", None) if with_param else None)
+    return None
+
+
+GENERATE_PATH = "/inference/v1/generate"
+
+
+class FastGenerate:
+    """Serves non-streamed POST /inference/v1/generate (what rollouts send) without FastAPI's
+    routing and per-request exit stacks: about half of a shard's HTTP-loop CPU under rollout
+    load went to that machinery (py-spy), and the same loop answers the control calls a
+    preemption waits for. Anything else (a body that does not validate, streaming, other
+    paths) goes to the app unchanged, so its answers, errors included, stay the app's."""
+
+    def __init__(self, app: Any, serving: OpenAIServing) -> None:
+        self.app, self.serving = app, serving
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != GENERATE_PATH:
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            req = S.GenerateRequest.model_validate_json(body)
+        except ValueError:  # pydantic's ValidationError included: the app words the 400
+            req = None
+        if req is None or req.stream:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        try:
+            out = await self.serving.generate(self.serving.prepare_generate(req))
+        except Exception as exc:
+            answer = error_answer(exc)
+            if answer is None:
+                raise
+            await answer(scope, receive, send)
+            return
+        await JSONResponse(out)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that hands the already-read body over once, then defers to the real one."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 async def _json_body(request: Request, required: bool = False) -> Any:
     raw = await request.body()
     if not raw.strip():
@@ -115,7 +189,8 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     app = FastAPI(title="rlix engine server", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving, app.state.control = serving, control
 
-    app.add_middleware(BearerAuth, expected=expected)
+    app.add_middleware(FastGenerate, serving=serving)
+    app.add_middleware(BearerAuth, expected=expected)  # added last: runs first
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -126,21 +201,13 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         n = len(errors)
         return _err(400, f"{n} validation error{'s' if n != 1 else ''}:\n  {lines}", "Bad Request", param)
 
-    @app.exception_handler(ModelNotFoundError)
-    async def on_model(_: Request, exc: ModelNotFoundError) -> JSONResponse:
-        return _err(404, str(exc), "NotFoundError", exc.param)
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        answer = error_answer(exc)
+        assert answer is not None  # registered only for ERROR_ANSWERS' classes
+        return answer
 
-    @app.exception_handler(InvalidRequestError)
-    async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _err(400, str(exc), "BadRequestError", exc.param)
-
-    @app.exception_handler(WeightUpdateError)
-    async def on_weights(_: Request, exc: WeightUpdateError) -> JSONResponse:
-        return _err(400, str(exc), "BadRequestError")
-
-    @app.exception_handler(EngineStateError)
-    async def on_state(_: Request, exc: EngineStateError) -> JSONResponse:
-        return _err(503, str(exc), "ServiceUnavailableError")
+    for cls, *_ in ERROR_ANSWERS:
+        app.add_exception_handler(cls, on_error)
 
     # ------------------------------------------------------------ data plane
     @app.get("/health")
