@@ -12,6 +12,7 @@ next buckets, so its parts follow from (bucket, offset, size) and the bucket siz
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -445,29 +446,20 @@ _REAPED: set[str] = set()  # prefixes this process already swept
 
 def reap_orphaned_segments(prefix: str = "rlix") -> list[str]:
     """Unlink segments named `{prefix}-{pid}-{hex}` whose creating process is gone (a trainer
-    killed without close() leaves its cache in /dev/shm, 5 MB to GBs each). Run once per
-    process and prefix, at the first create(). Returns the names removed."""
+    killed without close() leaves its cache in /dev/shm). Run once per process and prefix, at
+    the first create(). Returns the names removed."""
     removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return removed
-    for name in names:
-        rest = name[len(prefix) + 1:] if name.startswith(prefix + "-") else ""
-        pid, _, tail = rest.partition("-")
-        if not (pid.isdigit() and tail and all(c in "0123456789abcdef" for c in tail)):
+    for name in os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []:
+        pid, _, tail = name[len(prefix) + 1:].partition("-") if name.startswith(prefix + "-") else ("", "", "")
+        if not (pid.isdigit() and tail and set(tail) <= set("0123456789abcdef")):
             continue
         try:
             os.kill(int(pid), 0)
-            continue  # alive (or not ours to signal): keep
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except OSError:
+        except ProcessLookupError:  # gone: its segments are orphans
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+        except OSError:  # alive, not ours to signal
             pass
     return removed
 

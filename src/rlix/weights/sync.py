@@ -178,11 +178,7 @@ class WeightSync:
             t_teardown = time.perf_counter() - t_close
             aborting = [r for r in started if r in failed]
             await asyncio.gather(*(self._quiet_abort(r, failed[r]) for r in aborting))
-        ok = [r for r in ranks if r not in failed]
-        if failed:
-            detail = "; ".join(f"shard {r}: {why}" for r, why in sorted(failed.items()))
-            raise WeightSyncError(f"sync of version {version} failed on {len(failed)} of {len(ranks)} "
-                                  f"shard(s) (they keep their old weights): {detail}", failed, ok)
+        ok = _succeeded(version, ranks, failed)
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
                           t_setup, t_teardown)
 
@@ -205,11 +201,7 @@ class WeightSync:
                 failed[r] = f"applied version {res}, expected {version}"
             else:
                 reported[r] = int(res)
-        ok = [r for r in ranks if r not in failed]
-        if failed:
-            detail = "; ".join(f"shard {r}: {why}" for r, why in sorted(failed.items()))
-            raise WeightSyncError(f"sync of version {version} failed on {len(failed)} of {len(ranks)} "
-                                  f"shard(s) (they keep their old weights): {detail}", failed, ok)
+        ok = _succeeded(version, ranks, failed)
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
                           t1 - t0, bundled=True, reported=reported)
 
@@ -239,3 +231,13 @@ class WeightSync:
             await self.endpoints[rank].abort(reason)
         except Exception:  # noqa: BLE001 - the shard already aborted itself or is gone
             pass
+
+
+def _succeeded(version: int, ranks: list[int], failed: dict[int, str]) -> list[int]:
+    """The ranks that got `version`; raises WeightSyncError naming both sides if any failed."""
+    ok = [r for r in ranks if r not in failed]
+    if failed:
+        detail = "; ".join(f"shard {r}: {why}" for r, why in sorted(failed.items()))
+        raise WeightSyncError(f"sync of version {version} failed on {len(failed)} of {len(ranks)} "
+                              f"shard(s) (they keep their old weights): {detail}", failed, ok)
+    return ok
