@@ -159,8 +159,8 @@ class ShardCoordinator:
         self.fleet.note_woken(asleep)
         dt = time.perf_counter() - t0
         self.stats.sync_seconds += dt
-        reported = {int(r): int(v) for r, v in ((rep or {}).get("reported") or {}).items()} \
-            if isinstance(rep, dict) else {}
+        answered = rep.get("reported") if isinstance(rep, dict) else None
+        reported = {int(r): int(v) for r, v in (answered or {}).items()}
         unanswered = [r for r in ranks if r not in reported]
         if unanswered:
             answers = await self.fleet.client.fan_out("GET", "/weight_info", unanswered)
