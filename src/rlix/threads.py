@@ -9,7 +9,9 @@ handoff to a waiting loop can cost up to 5 ms, and one control call needs severa
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
 #: seconds; CPython's default is 0.005
 CONTROL_SWITCH_INTERVAL_S = 0.0005
@@ -28,9 +30,6 @@ def yield_cores_to_control(device: str = "cpu") -> bool:
     """Lower this thread's CPU priority when it computes on the CPU (fake GPUs: the compute
     shares the cores with every control thread). A control call then runs when it arrives, not
     after the compute's time slice. Only ever lowers (no privilege needed); False if not done."""
-    import os
-    import threading
-
     if str(device).split(":")[0] != "cpu" or not hasattr(os, "setpriority"):
         return False
     tid = threading.get_native_id()

@@ -240,7 +240,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
             return StreamingResponse(serving.chat_stream(job), media_type="text/event-stream")
         return JSONResponse(await serving.chat(job))
 
-    @app.post("/inference/v1/generate")
+    @app.post(GENERATE_PATH)  # non-streamed valid bodies are served by FastGenerate
     async def generate(req: S.GenerateRequest) -> Response:
         job = serving.prepare_generate(req)
         if job.stream:
