@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlix.inference.api import SamplingParams
-from rlix.inference.engine import TorchEngine
+from rlix.inference.engine.api import SamplingParams
+from rlix.inference.engine.engine import TorchEngine
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ import time
 
 import httpx
 
-from rlix.inference.backends import EngineBackendConfig, make_backend
-from rlix.inference.client import RemoteInferenceClient
-from rlix.inference.fleet import LocalLauncher, ShardFleet
-from rlix.inference.router import Router, RouterServer
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router.router import Router
+from rlix.inference.router.app import RouterServer
 
 KEY = "bench-token"
 TOKENS = 64

@@ -22,8 +22,9 @@ import time
 
 import httpx
 
-from rlix.inference.backends import EngineBackendConfig, make_backend
-from rlix.inference.shard_process import ShardProcess, free_port
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.httpkit import free_port
+from rlix.inference.fleet.shard_process import ShardProcess
 
 KEY = "bench-token"
 CASES = {

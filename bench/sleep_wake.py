@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from rlix.inference.api import SamplingParams
-from rlix.inference.engine import TorchEngine
+from rlix.inference.engine.api import SamplingParams
+from rlix.inference.engine.engine import TorchEngine
 
 
 def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:

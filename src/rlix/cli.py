@@ -15,7 +15,7 @@ from rlix.errors import RlixError
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from rlix.scheduler.sim import cli_sim
+    from rlix.sim import cli_sim
 
     return cli_sim(args.scenario, args.json)
 
@@ -62,7 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import secrets
 
     from rlix import env
-    from rlix.inference.server import serve
+    from rlix.inference.server.app import serve
 
     api_key = args.api_key or env.api_key()
     if not api_key:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlix.inference.api import GenerationOutput, SamplingParams
-from rlix.inference.engine import TorchEngine
+from rlix.inference.engine.api import GenerationOutput, SamplingParams
+from rlix.inference.engine.engine import TorchEngine
 
 
 class Helpers:

@@ -7,11 +7,12 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from rlix.inference.backends import EngineBackendConfig, make_backend
-from rlix.inference.client import RemoteInferenceClient
-from rlix.inference.fleet import LocalLauncher, ShardFleet
-from rlix.inference.router import Router, RouterServer
-from rlix.inference.shard_process import ShardProcess
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router.router import Router
+from rlix.inference.router.app import RouterServer
+from rlix.inference.fleet.shard_process import ShardProcess
 
 KEY = "test-token"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -91,7 +92,7 @@ def router_process(shard_urls: dict[int, str]) -> Iterator[str]:
 
     import httpx
 
-    from rlix.inference.shard_process import free_port
+    from rlix.httpkit import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "rlix.inference.router", "--port", str(port), "--api-key", KEY]

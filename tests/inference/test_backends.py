@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError
-from rlix.inference.backends import (EmbeddedBackend, EngineBackend, EngineBackendConfig, VllmBackend,
+from rlix.inference.fleet.backends import (EmbeddedBackend, EngineBackend, EngineBackendConfig, VllmBackend,
                                      make_backend)
-from rlix.inference.client import RemoteInferenceClient, parse_load
+from rlix.inference.fleet.client import RemoteInferenceClient, parse_load
 
 
 def test_factory_picks_by_the_typed_field(tiny_model_dir, monkeypatch):
@@ -141,7 +141,7 @@ class _ExitingBackend:
 
 
 def test_shard_process_start_failure_shows_the_log_and_stop_removes_its_temp_dir():
-    from rlix.inference.shard_process import ShardProcess
+    from rlix.inference.fleet.shard_process import ShardProcess
 
     proc = ShardProcess(_ExitingBackend(), "k")
     log_dir = proc.log_path.parent
@@ -154,7 +154,7 @@ def test_shard_process_start_failure_shows_the_log_and_stop_removes_its_temp_dir
 
 
 def test_shard_process_keeps_a_log_dir_it_was_given(tmp_path):
-    from rlix.inference.shard_process import ShardProcess
+    from rlix.inference.fleet.shard_process import ShardProcess
 
     proc = ShardProcess(_ExitingBackend(), "k", log_dir=tmp_path)
     proc.start()

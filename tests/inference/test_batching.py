@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlix.inference.api import SamplingParams
-from rlix.inference.engine_core import EngineCore, plan_prefill_groups
-from rlix.inference.model_runner import ModelRunner, load_model
-from rlix.inference.sequence import Sequence
+from rlix.inference.engine.api import SamplingParams
+from rlix.inference.engine.core import EngineCore, plan_prefill_groups
+from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.sequence import Sequence
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 
 from kit import KEY, shard_processes
 from rlix.errors import EngineStateError, InferenceError, InvalidRequestError
-from rlix.inference.client import RemoteInferenceClient
-from rlix.inference.data_plane import DataPlaneThread
-from rlix.inference.router import Router
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.router.data_plane import DataPlaneThread
+from rlix.inference.router.router import Router
 
 
 def test_run_executes_on_the_plane_thread_and_cancels_through():

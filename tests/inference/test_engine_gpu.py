@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlix.errors import EngineStateError
-from rlix.inference.api import SamplingParams
+from rlix.inference.engine.api import SamplingParams
 from rlix.models.presets import build_preset
 
 pytestmark = pytest.mark.gpu

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from rlix.errors import EngineStateError
-from rlix.inference.client import RemoteInferenceClient
-from rlix.inference.fleet import ShardFleet
-from rlix.inference.router import Router
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.fleet import ShardFleet
+from rlix.inference.router.router import Router
 
 
 class FakeLauncher:

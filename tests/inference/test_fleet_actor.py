@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from kit import KEY, engine_cfg, pid_alive
-from rlix.inference.fleet_actor import FleetActor
+from rlix.inference.fleet.actors import FleetActor
 
 
 @pytest.fixture(scope="module")

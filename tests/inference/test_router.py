@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from kit import KEY, shard_processes
-from rlix.inference.client import RemoteInferenceClient
-from rlix.inference.router import Router, RouterServer
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.router.router import Router
+from rlix.inference.router.app import RouterServer
 
 N = 120
 GREEDY = {"max_tokens": N, "temperature": 0, "ignore_eos": True}

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from rlix.inference.sampling import RowSampling, sample
+from rlix.inference.engine.sampling import RowSampling, sample
 
 PROBS = torch.tensor([0.1, 0.2, 0.3, 0.4])
 LOGITS = PROBS.log()

@@ -164,7 +164,7 @@ def test_fast_generate_serves_valid_bodies_and_hands_the_rest_to_the_app():
     import json as js
 
     from rlix.errors import EngineStateError
-    from rlix.inference.server import FastGenerate
+    from rlix.inference.server.app import FastGenerate
 
     seen: list[bytes] = []
 

@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
-from rlix.inference.serving import TextStream
-from rlix.inference.server import create_app
+from rlix.inference.server.serving import TextStream
+from rlix.inference.server.app import create_app
 
 KEY = "k"
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rlix.errors import InvalidRequestError, NoActiveShardError
-from rlix.inference.shards import HashRing, ShardState, ShardTable
+from rlix.inference.router.shard_table import HashRing, ShardState, ShardTable
 
 
 def _table(active=(0, 1, 2), inactive=()) -> ShardTable:

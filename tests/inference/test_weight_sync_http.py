@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from rlix.errors import WeightSyncError
-from rlix.inference.weight_endpoint import http_endpoints
+from rlix.weights.http_endpoint import http_endpoints
 from rlix.weights import BucketCache, WeightSync
-from rlix.weights.receiver import reap_orphaned_segments
+from rlix.weights.wire import reap_orphaned_segments
 from kit import AUTH, KEY, shard_processes
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -129,7 +129,7 @@ def test_mismatched_layout_is_refused_before_any_bytes(four_shards, tiny_model_d
 DYING_SENDER = textwrap.dedent("""
     import asyncio, os, sys, torch
     from safetensors.torch import load_file
-    from rlix.inference.weight_endpoint import http_endpoints
+    from rlix.weights.http_endpoint import http_endpoints
     from rlix.weights import BucketCache, WeightSync
 
     url, model_file = sys.argv[1], sys.argv[2]

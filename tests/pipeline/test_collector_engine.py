@@ -11,8 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from kit import KEY, shard_processes  # noqa: E402
 
 from rlix.envs import PatternTask, Prompt  # noqa: E402
-from rlix.inference.client import RemoteInferenceClient  # noqa: E402
-from rlix.inference.router import Router, RouterServer  # noqa: E402
+from rlix.inference.fleet.client import RemoteInferenceClient  # noqa: E402
+from rlix.inference.router.router import Router  # noqa: E402
+from rlix.inference.router.app import RouterServer  # noqa: E402
 from rlix.pipeline.buffer import ReplayBuffer  # noqa: E402
 from rlix.pipeline.collector import TrajectoryCollector  # noqa: E402
 from rlix.pipeline.hooks import NoOpHooks  # noqa: E402

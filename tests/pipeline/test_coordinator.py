@@ -10,10 +10,11 @@ import httpx
 import pytest
 import ray
 
-from rlix.inference.backends import EngineBackendConfig, make_backend
-from rlix.inference.client import RemoteInferenceClient
-from rlix.inference.fleet import LocalLauncher, ShardFleet
-from rlix.inference.router import Router, RouterServer
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router.router import Router
+from rlix.inference.router.app import RouterServer
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.training.actor import TrainerActor
 from rlix.training.types import TrainSample

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from rlix.errors import ScenarioError
-from rlix.scheduler.sim import POLICIES, cli_sim, load_scenario, run_scenario, simulate
-from rlix.scheduler.sim.scenario import ScenarioModel, build_scenario
-from rlix.scheduler.sim.workload import TrajectorySpec, Workload, generate
+from rlix.sim import POLICIES, cli_sim, load_scenario, run_scenario, simulate
+from rlix.sim.scenario import ScenarioModel, build_scenario
+from rlix.sim.workload import TrajectorySpec, Workload, generate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "sim"
@@ -67,7 +67,7 @@ def test_same_seed_gives_identical_json():
 def test_result_does_not_depend_on_the_process_hash_seed(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(json.dumps(scenario_dict()))  # JSON is YAML
-    code = "import sys; from rlix.scheduler.sim import cli_sim; cli_sim(sys.argv[1], True)"
+    code = "import sys; from rlix.sim import cli_sim; cli_sim(sys.argv[1], True)"
     outs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)

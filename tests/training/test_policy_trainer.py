@@ -67,7 +67,7 @@ def test_sequence_aggregation_and_kl_reference(tiny_model_dir, samples_factory):
 def test_state_for_sync_names_and_bit_identical_engine_sync(tiny_model_dir, samples_factory):
     from safetensors.torch import load_file
 
-    from rlix.inference.engine import TorchEngine
+    from rlix.inference.engine.engine import TorchEngine
     from rlix.weights import InProcessEndpoint, ShardReceiver, WeightSync
 
     trainer = PolicyTrainer(str(tiny_model_dir), cache_bucket_bytes=256 << 10)

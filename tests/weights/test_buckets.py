@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from rlix.errors import WeightUpdateError
 from rlix.weights.buckets import pack, plan_layout, unpack
-from rlix.weights.receiver import Layout
+from rlix.weights.wire import Layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 
@@ -66,12 +66,12 @@ def test_mismatched_tensors_are_refused_before_packing():
         pack(layout, {"v": torch.zeros(4, 4)})
 
 
-def test_receiver_module_needs_only_torch_and_the_standard_library(tmp_path):
+def test_wire_module_needs_only_torch_and_the_standard_library(tmp_path):
     """A real vLLM server loads it as a worker extension, where rlix is not installed."""
-    src = Path(__file__).resolve().parents[2] / "src" / "rlix" / "weights" / "receiver.py"
-    (tmp_path / "receiver_alone.py").write_text(src.read_text())
+    src = Path(__file__).resolve().parents[2] / "src" / "rlix" / "weights" / "wire.py"
+    (tmp_path / "wire_alone.py").write_text(src.read_text())
     code = ("import sys; sys.path = [p for p in sys.path if 'rlix' not in p and 'src' not in p]; "
-            "import receiver_alone, torch; print('ok', 'rlix' in sys.modules)")
+            "import wire_alone, torch; print('ok', 'rlix' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlix.errors import HostMemoryError, WeightCacheError, WeightUpdateError
 from rlix.weights.buckets import named_weights, unpack
 from rlix.weights.cache import BucketCache
-from rlix.weights.receiver import SHM_DIR
+from rlix.weights.wire import SHM_DIR
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -118,7 +118,7 @@ def test_orphaned_shared_memory_of_dead_processes_is_reaped_and_live_ones_kept()
     import subprocess
     import sys
 
-    from rlix.weights.receiver import SHM_DIR, reap_orphaned_segments
+    from rlix.weights.wire import SHM_DIR, reap_orphaned_segments
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

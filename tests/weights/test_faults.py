@@ -19,7 +19,7 @@ from rlix.errors import (WeightChecksumError, WeightLayoutError, WeightSyncError
                          WeightTransferError, WeightUpdateError)
 from rlix.weights import (BucketCache, InProcessEndpoint, ModelEngine, ShardReceiver, WeightSync,
                           load_into_model)
-from rlix.weights.receiver import SHM_DIR
+from rlix.weights.wire import SHM_DIR
 from rlix.weights.transport.local import LocalSender, LocalTransport
 
 

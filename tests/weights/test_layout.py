@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rlix.errors import WeightUpdateError
 from rlix.weights.buckets import pack, plan_layout, unpack
-from rlix.weights.receiver import BucketAssembler, Layout, ReceiveError, bucket_checksum
+from rlix.weights.wire import BucketAssembler, Layout, ReceiveError, bucket_checksum
 from rlix.weights.transport import header
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.int8, torch.bool]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-import rlix.weights.receiver as receiver_module
+import rlix.weights.wire as receiver_module
 from rlix.weights.cache import BucketCache
 
 RECEIVER = Path(receiver_module.__file__)

@@ -146,7 +146,7 @@ def test_feeds_the_embedded_engine_through_its_own_update_api(tiny_model_dir):
     """The receiving side drives exactly EngineAPI's start/update/finish on the real engine."""
     from safetensors.torch import load_file
 
-    from rlix.inference.engine import TorchEngine
+    from rlix.inference.engine.engine import TorchEngine
 
     engine = TorchEngine.from_pretrained(tiny_model_dir, device="cpu", max_num_seqs=2)
     try:

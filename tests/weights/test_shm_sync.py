@@ -10,7 +10,7 @@ import textwrap
 import torch
 
 from rlix.weights.buckets import plan_layout
-from rlix.weights.receiver import BucketAssembler, Layout
+from rlix.weights.wire import BucketAssembler, Layout
 from rlix.weights.transport.shm import ShmReceiver
 
 # The trainer side, in its own process: a seeded state dict, packed and sent bucket by bucket.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlix.errors import WeightUpdateError
-from rlix.inference.fleet import ShardFleet
+from rlix.inference.fleet.fleet import ShardFleet
 
 log = logging.getLogger("rlix.pipeline")
 

@@ -46,11 +46,11 @@ class PipelineRunner:
         from transformers import AutoTokenizer
 
         from rlix.envs import make_task
-        from rlix.inference.backends import EngineBackendConfig, make_backend
-        from rlix.inference.client import RemoteInferenceClient
-        from rlix.inference.fleet import LocalLauncher, ShardFleet
-        from rlix.inference.data_plane import DataPlaneThread
-        from rlix.inference.router import Router
+        from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+        from rlix.inference.fleet.client import RemoteInferenceClient
+        from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+        from rlix.inference.router.data_plane import DataPlaneThread
+        from rlix.inference.router.router import Router
         from rlix.models.presets import resolve_model
         from rlix.pipeline.buffer import ReplayBuffer
         from rlix.pipeline.collector import TrajectoryCollector

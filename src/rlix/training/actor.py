@@ -93,13 +93,13 @@ class TrainerActor:
                     wake: list[int] | None = None) -> dict[str, Any]:
         """Push cached `version` to these engine servers ({dp rank: url}) and only those, waking
         the ranks in `wake` first: the cache lives here, so the selective sync runs here
-        (rlix.pipeline.weight_push)."""
+        (rlix.weights.push)."""
         if self.trainer.cache is None:
             from rlix.errors import WeightCacheError
 
             raise WeightCacheError("no weight cache yet: call build_cache first")
         if getattr(self, "_pusher", None) is None:
-            from rlix.pipeline.weight_push import ShardWeightPusher
+            from rlix.weights.push import ShardWeightPusher
 
             self._pusher = ShardWeightPusher(lambda: self.trainer.cache, api_key)
         return self._pusher.sync(version, {int(r): u for r, u in urls.items()}, wake or ())

@@ -9,8 +9,8 @@ sync.py      selective sync to a set of DP ranks         apply.py     loading in
 from rlix.weights.apply import ModelEngine, load_into_model
 from rlix.weights.buckets import named_weights, pack, plan_layout, unpack
 from rlix.weights.cache import BucketCache
-from rlix.weights.endpoint import InProcessEndpoint, ShardEndpoint, ShardReceiver, WeightTarget
-from rlix.weights.receiver import BucketAssembler, Layout, bucket_checksum
+from rlix.weights.shard_updater import InProcessEndpoint, ShardEndpoint, ShardReceiver, WeightTarget
+from rlix.weights.wire import BucketAssembler, Layout, bucket_checksum
 from rlix.weights.sync import SyncReport, WeightSync
 
 __all__ = ["BucketAssembler", "BucketCache", "InProcessEndpoint", "Layout", "ModelEngine",

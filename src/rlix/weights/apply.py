@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from rlix.errors import WeightUpdateError
-from rlix.weights.receiver import Layout, TensorEntry
+from rlix.weights.wire import Layout, TensorEntry
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 

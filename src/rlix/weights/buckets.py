@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from rlix.errors import WeightUpdateError
-from rlix.weights.receiver import DTYPE_CODES, BucketAssembler, Layout, ReceiveError, TensorEntry
+from rlix.weights.wire import DTYPE_CODES, BucketAssembler, Layout, ReceiveError, TensorEntry
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_ALIGNMENT = 256

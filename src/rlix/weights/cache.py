@@ -22,7 +22,7 @@ import torch
 from rlix.errors import HostMemoryError, WeightCacheError
 from rlix.weights.buckets import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, bucket_views, named_weights,
                                   pack, plan_layout)
-from rlix.weights.receiver import SHM_DIR, Layout, ShmSegment, bucket_checksum
+from rlix.weights.wire import SHM_DIR, Layout, ShmSegment, bucket_checksum
 
 HostMemory = Literal["auto", "pinned", "shm", "pageable"]
 MAX_VERSIONS = 2

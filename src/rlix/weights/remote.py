@@ -28,8 +28,8 @@ import torch
 
 from rlix import env, errors
 from rlix.errors import WeightTransferError, WeightUpdateError
-from rlix.weights.endpoint import ShardReceiver
-from rlix.weights.receiver import DTYPE_CODES, DTYPES
+from rlix.weights.shard_updater import ShardReceiver
+from rlix.weights.wire import DTYPE_CODES, DTYPES
 from rlix.weights.transport import Message
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.weights.cache import BucketCache
-from rlix.weights.endpoint import ShardEndpoint
+from rlix.weights.shard_updater import ShardEndpoint
 from rlix.weights.transport import Transport, make_transport, references
 
 COLLECTIVE = ("nccl",)

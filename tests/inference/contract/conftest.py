@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from rlix import env
-from rlix.inference.backends import EngineBackendConfig, make_backend
-from rlix.inference.shard_process import ShardProcess
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.shard_process import ShardProcess
 
 KEY = "contract-token"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rlix.weights.receiver import open_cuda_ipc
+from rlix.weights.wire import open_cuda_ipc
 from rlix.weights.transport.base import Message, ReceiverBase, StagedSender, header
 from rlix.weights.transport.staging import CudaStager
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlix.weights.receiver import ShmMapper, ShmSegment
+from rlix.weights.wire import ShmMapper, ShmSegment
 from rlix.weights.transport.base import Message, ReceiverBase, SenderBase, header
 
 

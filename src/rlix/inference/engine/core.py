@@ -1,0 +1,289 @@
+"""The engine's state machine and step loop, single-threaded and free of asyncio.
+
+One `step()` = admit waiting requests into free rows and prefill them, then decode one token for
+every running row, then retire finished rows. Requests therefore join and leave the batch at
+token granularity. Everything here runs on the engine's worker thread (engine.py), so control
+operations (abort, pause, sleep, weight swaps) always land between two steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from rlix.errors import EngineStateError, InvalidRequestError
+from rlix.inference.engine.api import PauseMode
+from rlix.inference.engine.memory import release_memory, used_bytes
+from rlix.inference.engine.model_runner import ModelRunner
+from rlix.inference.engine.sampling import sample
+from rlix.inference.engine.sequence import Delta, Detokenizer, Sequence
+from rlix.inference.engine.weights import WeightStaging
+
+log = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def plan_prefill_groups(lengths: list[int], max_waste: float = 0.25,
+                        max_padded_tokens: int | None = None) -> list[list[int]]:
+    """Split prompts (indices into `lengths`) into right-padded batches wasting <= max_waste.
+
+    Longest first; a prompt joins the current group while padding stays under the bound (and
+    the padded batch under max_padded_tokens), so a 64-token prompt does not make seven 8-token
+    prompts pay for 64 positions each.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            group = groups[-1]
+            width = lengths[group[0]]
+            padded = width * (len(group) + 1)
+            real = sum(lengths[j] for j in group) + lengths[i]
+            if padded <= real * (1 + max_waste) and (max_padded_tokens is None
+                                                     or padded <= max_padded_tokens):
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+class EngineCore:
+    """Waiting queue, running batch (row i of the KV cache = running[i]), pause and sleep state."""
+
+    def __init__(self, runner: ModelRunner, detokenizer: Detokenizer, *, max_num_seqs: int,
+                 eos_ids: Iterable[int], max_prefill_tokens: int = 4096,
+                 max_prefill_padding: float | None = None, min_admit_batch: int | None = None,
+                 max_admit_delay_steps: int | None = None) -> None:
+        self.runner = runner
+        self.weights = runner.weights
+        self.detokenizer = detokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        # Padding costs compute on a CPU; on a GPU one more forward costs far more than padding.
+        if max_prefill_padding is None:
+            max_prefill_padding = 0.25 if runner.device.type == "cpu" else float("inf")
+        self.max_prefill_padding = max_prefill_padding
+        # While a batch runs, newcomers may wait (at most max_admit_delay_steps) until
+        # min_admit_batch rows are free, so that one prefill forward serves several of them:
+        # worth it on a GPU, where a forward's launch cost dwarfs its compute; off on a CPU.
+        on_gpu = runner.device.type != "cpu"
+        self.min_admit_batch = min_admit_batch or (max(1, max_num_seqs // 4) if on_gpu else 1)
+        self.max_admit_delay_steps = (max_admit_delay_steps if max_admit_delay_steps is not None
+                                      else (8 if on_gpu else 0))
+        self._step_count = 0
+        self._queued_at: dict[Sequence, int] = {}
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pause_mode: PauseMode | None = None
+        self._held_at_pause: set[Sequence] = set()  # in flight when the pause began
+        self.kv_asleep = False
+        self.weight_version = 0
+        self.last_sleep_freed_bytes = 0
+        self._touched: dict[Sequence, None] = {}
+        runner.cache.allocate()
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self.kv_asleep or not self.weights.on_device
+
+    def check_can_generate(self) -> None:
+        if not self.weights.loaded:
+            raise EngineStateError("weights were dropped by a level-2 sleep; wake up and load "
+                                   "them with start_weight_update / update_weights / "
+                                   "finish_weight_update")
+        if self.sleeping:
+            raise EngineStateError("the engine is sleeping; wake it up first")
+
+    def _admissible(self, seq: Sequence) -> bool:
+        return self.pause_mode is None or (self.pause_mode == "wait" and seq in self._held_at_pause)
+
+    def has_work(self) -> bool:
+        if self.pause_mode == "keep" or self.sleeping or not self.weights.loaded:
+            return False
+        if self.running:
+            return True
+        return any(self._admissible(s) for s in self.waiting)
+
+    def drained(self) -> bool:
+        """True when nothing that was in flight at the pause is still running or waiting."""
+        self._held_at_pause = {s for s in self._held_at_pause if not s.finished}
+        return not self._held_at_pause
+
+    # -- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.check_can_generate()
+        self.waiting.append(seq)
+        self._queued_at[seq] = self._step_count
+
+    def reject(self, seq: Sequence, error: BaseException) -> None:
+        """End a request that never entered the engine, handing `error` to its caller."""
+        seq.pending.error = error
+        seq.finish("abort")
+        self._touched[seq] = None
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> int:
+        """End the named (or all) requests with finish_reason "abort"; return how many."""
+        wanted = None if request_ids is None else set(request_ids)
+        hit = [s for s in (*self.running, *self.waiting) if wanted is None or s.request_id in wanted]
+        for seq in hit:
+            seq.finish("abort")
+            self._touched[seq] = None
+            self._queued_at.pop(seq, None)
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        self._retire_finished()
+        return len(hit)
+
+    def collect(self) -> list[tuple[Sequence, Delta]]:
+        """Deltas of every request changed since the last call."""
+        out = []
+        for seq in self._touched:
+            delta = seq.take_delta()
+            if delta is not None:
+                out.append((seq, delta))
+        self._touched.clear()
+        return out
+
+    # -- pause ---------------------------------------------------------------------------
+    def pause(self, mode: PauseMode) -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"unknown pause mode {mode!r}; use abort, wait or keep")
+        if self.pause_mode is None:
+            self._held_at_pause = {*self.running, *self.waiting}
+        self.pause_mode = mode
+        if mode == "abort":
+            self.abort(None)
+
+    def resume(self) -> None:
+        self.pause_mode = None
+        self._held_at_pause = set()
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> None:
+        self._step_count += 1
+        admitted: list[Sequence] = []
+        try:
+            admitted = self._admit()
+            lengths = [len(s.prompt_token_ids) for s in admitted]
+            for group in plan_prefill_groups(lengths, self.max_prefill_padding,
+                                             2 * self.max_prefill_tokens):
+                self._prefill([admitted[i] for i in group])
+            self._retire_finished()
+            if self.running:
+                self._decode()
+            self._retire_finished()
+        except Exception as exc:  # a failed forward fails the batch, not the engine
+            log.exception("engine step failed; failing the running requests")
+            for seq in dict.fromkeys([*self.running, *admitted]):
+                self.reject(seq, exc)
+            self.running = []
+
+    def _admit(self) -> list[Sequence]:
+        """FIFO into free rows under the prefill token budget; paused-out requests stay queued."""
+        admitted: list[Sequence] = []
+        kept: deque[Sequence] = deque()
+        budget = self.max_prefill_tokens
+        free = self.max_num_seqs - len(self.running)
+        if self.running and free < self.min_admit_batch and not self._waited_long_enough():
+            return admitted
+        while self.waiting:
+            seq = self.waiting[0]
+            if not self._admissible(seq):
+                kept.append(self.waiting.popleft())
+                continue
+            size = len(seq.prompt_token_ids)
+            if len(admitted) >= free or (admitted and size > budget):
+                break
+            admitted.append(self.waiting.popleft())
+            budget -= size
+        kept.extend(self.waiting)
+        self.waiting = kept
+        for seq in admitted:
+            self._queued_at.pop(seq, None)
+        return admitted
+
+    def _waited_long_enough(self) -> bool:
+        oldest = next((s for s in self.waiting if self._admissible(s)), None)
+        return oldest is not None and (
+            self._step_count - self._queued_at.get(oldest, 0) > self.max_admit_delay_steps)
+
+    def _live_len(self) -> int:
+        return max((s.cached_len for s in self.running), default=0)
+
+    def _prefill(self, group: list[Sequence]) -> None:
+        cache = self.runner.cache
+        width = max(len(s.prompt_token_ids) for s in group)
+        cache.ensure_capacity(width, live_rows=len(self.running), live_len=self._live_len())
+        first_row = len(self.running)
+        logits = self.runner.prefill([s.prompt_token_ids for s in group], first_row)
+        self.running.extend(group)
+        self._append(group, logits)
+
+    def _decode(self) -> None:
+        positions = [s.cached_len for s in self.running]
+        self.runner.cache.ensure_capacity(max(positions) + 1, live_rows=len(self.running),
+                                          live_len=max(positions))
+        logits = self.runner.decode([s.last_token for s in self.running], positions)
+        self._append(self.running, logits)
+
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample(logits, [s.sampling for s in seqs])
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.append(token, logprob, self.weight_version, self.eos_ids, self.detokenizer)
+            self._touched[seq] = None
+
+    def _retire_finished(self) -> None:
+        """Remove finished rows, moving the last running row into each hole (descending order)."""
+        for row in range(len(self.running) - 1, -1, -1):
+            if not self.running[row].finished:
+                continue
+            last = len(self.running) - 1
+            if row != last:
+                moved = self.running[last]
+                self.runner.cache.move_row(last, row, moved.cached_len)
+                self.running[row] = moved
+            self.running.pop()
+
+    # -- sleep ---------------------------------------------------------------------------
+    def sleep(self, level: int) -> int:
+        """Abort everything in flight, free the KV cache and offload (1) or drop (2) weights."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        self.abort(None)
+        before = used_bytes(self.runner.device)
+        self.runner.release_graphs()
+        self.runner.cache.free()
+        self.kv_asleep = True
+        if level == 2:
+            self.weights.discard()
+        elif self.weights.on_device:
+            self.weights.offload()
+        release_memory(self.runner.device)
+        self.last_sleep_freed_bytes = max(0, before - used_bytes(self.runner.device))
+        return self.last_sleep_freed_bytes
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        tags = list(tags) if tags else list(SLEEP_TAGS)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise InvalidRequestError(f"unknown wake-up tags {unknown}; use {list(SLEEP_TAGS)}")
+        if "weights" in tags and not self.weights.on_device:
+            self.weights.wake()
+        if "kv_cache" in tags and self.kv_asleep:
+            self.runner.cache.allocate()
+            self.kv_asleep = False
+
+    # -- weights -------------------------------------------------------------------------
+    def apply_update(self, staging: WeightStaging) -> int:
+        """Swap a validated update in between two steps; bump the version."""
+        if not self.weights.on_device:
+            raise EngineStateError("weights are asleep; wake_up(['weights']) before updating")
+        complete = staging.check_complete()
+        self.weights.swap_in(staging.staged, complete)
+        self.weight_version = staging.version
+        return self.weight_version

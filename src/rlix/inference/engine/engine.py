@@ -1,0 +1,436 @@
+"""TorchEngine: the embedded engine behind `EngineAPI`, asyncio outside, one model thread inside.
+
+Threading model: a single daemon worker thread owns the model and all engine state (engine_core).
+Async methods hand it commands through a locked inbox; it runs them between two steps, so every
+control operation lands at a token boundary, then posts results and per-request deltas back to
+the caller's event loop with `call_soon_threadsafe` (torch releases the GIL while it computes,
+so the loop stays responsive). Any event loop may call in; each request streams to the loop that
+iterates it. Staging a weight update copies tensors on a helper thread, so decoding continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from os import PathLike
+from typing import Any
+
+import torch
+
+from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
+from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
+from rlix.inference.engine.core import EngineCore
+from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
+from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.sequence import Delta, Sequence
+from rlix.inference.engine.weights import WeightStaging
+from rlix.threads import yield_cores_to_control
+
+log = logging.getLogger(__name__)
+
+
+class _Stream:
+    """Where the worker sends one request's deltas: a queue on the loop that iterates it.
+
+    `final_only`: the worker folds the deltas itself and posts once, when the request ends,
+    instead of waking the caller's loop every step (64 non-streamed requests cost that loop
+    64 wake-ups per step, and control calls queued behind them)."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, final_only: bool = False) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.final_only = final_only
+        self.folded: Delta | None = None  # worker thread only
+
+
+def _set_future(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class TorchEngine:
+    """Continuous-batching engine over a transformers causal LM (see module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
+                 max_num_seqs: int = 32, max_model_len: int | None = None,
+                 max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
+                 cuda_graphs: bool = True) -> None:
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        self.max_model_len = int(max_model_len or limit or 2048)
+        if limit is not None and self.max_model_len > limit:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {limit}")
+        if max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        runner = ModelRunner(model, device=self.device, num_rows=max_num_seqs,
+                             max_model_len=self.max_model_len,
+                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs)
+        self.vocab_size = runner.vocab_size
+        self._weights = runner.weights
+        self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
+                                eos_ids=_eos_ids(model, tokenizer),
+                                max_prefill_tokens=max_prefill_tokens)
+        self._cv = threading.Condition()
+        # (command, future for its result, answer before the request deltas it produced)
+        self._inbox: list[tuple[Callable[[], Any], asyncio.Future[Any] | None, bool]] = []
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._live_ids: set[str] = set()
+        self._pending_adds = 0
+        self._staging: WeightStaging | None = None
+        self._staging_failure: str | None = None
+        self._staging_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="rlix-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str | PathLike[str], device: str | torch.device = "cpu",
+                        dtype: str | torch.dtype | None = None, max_num_seqs: int = 32,
+                        max_model_len: int | None = None, **kwargs: Any) -> TorchEngine:
+        """Load a preset name or a local checkpoint dir; dtype None/"auto" keeps the saved one."""
+        from rlix.models.presets import resolve_model
+
+        device = torch.device(device)
+        if isinstance(dtype, str) and dtype != "auto":
+            resolved = getattr(torch, dtype, None)
+            if not isinstance(resolved, torch.dtype):
+                raise ConfigError(f"unknown dtype {dtype!r}; use e.g. float32, bfloat16, auto")
+            dtype = resolved
+        model, tokenizer = load_model(resolve_model(path), device,
+                                      None if dtype == "auto" else dtype)
+        return cls(model, tokenizer, device=device, max_num_seqs=max_num_seqs,
+                   max_model_len=max_model_len, **kwargs)
+
+    # -- status --------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        """The served transformers model (read-only use: baselines, checks)."""
+        return self._core.runner.model
+
+    @property
+    def weight_version(self) -> int:
+        return self._core.weight_version
+
+    @property
+    def last_sleep_freed_bytes(self) -> int:
+        """Memory the last sleep really gave back: RSS drop on CPU, mem_get_info on CUDA."""
+        return self._core.last_sleep_freed_bytes
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 while it sleeps)."""
+        return self._core.runner.cache.nbytes()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the served parameters (tied ones once)."""
+        return sum(spec.numel * spec.dtype.itemsize for spec in self._weights.specs.values())
+
+    def is_paused(self) -> bool:
+        return self._core.pause_mode is not None
+
+    def is_sleeping(self) -> bool:
+        return self._core.sleeping
+
+    def num_running(self) -> int:
+        return len(self._core.running)
+
+    def num_waiting(self) -> int:
+        return len(self._core.waiting) + self._pending_adds
+
+    # -- the worker ----------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], Any], fut: asyncio.Future[Any] | None = None,
+                answer_first: bool = False) -> None:
+        with self._cv:
+            if self._closed:
+                raise EngineStateError("the engine is closed")
+            self._inbox.append((fn, fut, answer_first))
+            self._cv.notify()
+
+    async def _call(self, fn: Callable[[], Any], answer_first: bool = False) -> Any:
+        """Run fn on the worker between two steps and return its result here. The answer is
+        posted before the next step runs; after the request deltas fn produced (a returned
+        abort() was seen), unless `answer_first`."""
+        fut = asyncio.get_running_loop().create_future()
+        self._submit(fn, fut, answer_first)
+        return await fut
+
+    def _work(self) -> None:
+        yield_cores_to_control(self.device)
+        core = self._core
+        while True:
+            with self._cv:
+                while not self._inbox and not core.has_work() and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._inbox:
+                    return
+                commands, self._inbox = self._inbox, []
+            results = []
+            for fn, fut, first in commands:
+                try:
+                    results.append((fut, fn(), None, first))
+                except Exception as exc:  # delivered to the caller, the engine carries on
+                    results.append((fut, None, exc, first))
+            if any(fut is not None for fut, *_ in results):
+                self._deliver(results)  # a control call is answered now, not after a step
+                results = []
+            if core.has_work():
+                core.step()
+            self._deliver(results)
+
+    def _deliver(self, results: list[tuple[asyncio.Future[Any] | None, Any, Exception | None, bool]]
+                 ) -> None:
+        """Post request deltas first, then command results, so a returned abort() was seen;
+        results marked answer-first go ahead of the deltas (a sleep's caller should not wait
+        while the loop hands out every request the sleep aborted)."""
+        for fut, result, error, first in results:
+            if first and fut is not None:
+                self._post(fut.get_loop(), _set_future, fut, result, error)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Delta]]] = {}
+        for seq, delta in self._core.collect():
+            sink = seq.sink
+            if sink.final_only:
+                sink.folded = delta = _fold(sink.folded, delta)
+                if delta.finish_reason is None and delta.error is None:
+                    continue
+            by_loop.setdefault(sink.loop, []).append((sink, delta))
+        if self._drain_waiters and (self._core.pause_mode != "wait" or self._core.drained()):
+            waiters, self._drain_waiters = self._drain_waiters, []
+            results.extend((fut, None, None, False) for fut in waiters)
+        for loop, items in by_loop.items():
+            self._post(loop, _put_all, items)
+        for fut, result, error, first in results:
+            if fut is not None and not first:
+                self._post(fut.get_loop(), _set_future, fut, result, error)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # that loop is closed: nobody listens to those requests any more
+            if fn is _put_all:
+                self._core.abort([sink.request_id for sink, _ in args[0]])
+
+    def close(self) -> None:
+        """Abort everything and stop the worker thread."""
+        with self._cv:
+            if self._closed:
+                return
+            self._inbox.append((lambda: self._core.abort(None), None, False))
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> TorchEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- generation ----------------------------------------------------------------------
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, *, final_only: bool = False) -> AsyncIterator[GenerationOutput]:
+        """Validate now (InvalidRequestError / EngineStateError raise at call), stream later.
+
+        Each item is the cumulative state; the last has finish_reason set. With `final_only`
+        only that last one comes (for callers that do not stream). Closing the iterator early
+        (client gone) aborts the request.
+        """
+        prompt = self._validate(request_id, prompt_token_ids, params)
+        if self._closed:
+            raise EngineStateError("the engine is closed")
+        self._core.check_can_generate()
+        return self._stream(request_id, prompt, params, final_only)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if request_id in self._live_ids:
+            raise InvalidRequestError(f"request {request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError("prompt_token_ids must be a list of integers") from exc
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if params.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}")
+        if not math.isfinite(params.temperature) or params.temperature < 0:
+            raise InvalidRequestError("temperature must be a finite number >= 0")
+        if not 0.0 < params.top_p <= 1.0:
+            raise InvalidRequestError("top_p must lie in (0, 1]")
+        if any(not isinstance(s, str) or not s for s in params.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        return ids
+
+    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      final_only: bool = False) -> AsyncIterator[GenerationOutput]:
+        if request_id in self._live_ids:
+            raise InvalidRequestError(f"request {request_id!r} is already running")
+        sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
+        seq = Sequence(request_id, prompt, params, sink=sink)
+        out = GenerationOutput(request_id=request_id, prompt_token_ids=prompt)
+        self._live_ids.add(request_id)
+        with self._cv:
+            self._pending_adds += 1
+        try:
+            self._submit(lambda: self._add(seq))
+            while True:
+                delta = await sink.queue.get()
+                error = _merge(out, delta)
+                while error is None and not out.finished and not sink.queue.empty():
+                    error = _merge(out, sink.queue.get_nowait())  # catch up on a slow reader
+                if error is not None:
+                    raise error
+                yield GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
+                                       list(out.logprobs), out.finish_reason,
+                                       list(out.weight_versions), out.stop_reason)
+                if out.finished:
+                    return
+        finally:
+            self._live_ids.discard(request_id)
+            if not out.finished and not self._closed:
+                try:
+                    self._submit(lambda: self._core.abort([request_id]))
+                except EngineStateError:  # closed meanwhile: everything was aborted anyway
+                    pass
+
+    def _add(self, seq: Sequence) -> None:
+        with self._cv:
+            self._pending_adds -= 1
+        try:
+            self._core.add(seq)
+        except Exception as exc:  # e.g. put to sleep between generate() and the worker
+            self._core.reject(seq, exc)
+
+    # -- control -------------------------------------------------------------------------
+    async def abort(self, request_ids: list[str] | None = None) -> int:
+        ids = None if request_ids is None else list(request_ids)
+        return int(await self._call(lambda: self._core.abort(ids)))
+
+    async def pause(self, mode: PauseMode) -> None:
+        """abort: end in-flight requests; wait: return once they finished; keep: freeze them.
+
+        In every mode, requests that arrive while paused queue until resume().
+        """
+        await self._call(lambda: self._core.pause(mode))
+        if mode == "wait":
+            fut = asyncio.get_running_loop().create_future()
+            self._submit(lambda: self._drain_waiters.append(fut))
+            await fut
+
+    async def resume(self) -> None:
+        await self._call(self._core.resume)
+
+    async def sleep(self, level: int) -> None:
+        """Abort in-flight requests, free the KV cache, offload (1) or drop (2) the weights."""
+        await self._call(lambda: self._core.sleep(level), answer_first=True)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda: self._core.wake_up(tags))
+
+    # -- weight update -------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Canonical parameter name -> (shape, dtype): lets a bucket receiver refuse a layout
+        that does not fit this model before an update starts."""
+        return {n: (s.shape, s.dtype) for n, s in self._weights.specs.items()}
+
+    async def start_weight_update(self, version: int, allow_partial: bool = False) -> None:
+        """Open an update; allow_partial lets finish accept a subset of the parameters."""
+        if not self._weights.on_device:
+            raise EngineStateError("weights are asleep; wake_up(['weights']) before updating")
+        with self._staging_lock:
+            if self._staging is not None:
+                raise EngineStateError("a weight update is already in progress; finish or abort it")
+            self._staging = WeightStaging(self._weights, int(version), allow_partial)
+            self._staging_failure = None
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate and stage a batch of tensors (copied; the caller may reuse its buffers)."""
+        await asyncio.to_thread(self._stage, dict(named_tensors))
+
+    def _stage(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        with self._staging_lock:
+            staging = self._require_staging()
+            try:
+                staging.add(named_tensors)
+            except WeightUpdateError as exc:
+                self._staging, self._staging_failure = None, str(exc)
+                raise
+
+    def _require_staging(self) -> WeightStaging:
+        if self._staging is None:
+            if self._staging_failure is not None:
+                raise WeightUpdateError(f"the weight update was refused: {self._staging_failure}")
+            raise EngineStateError("no weight update in progress; call start_weight_update first")
+        return self._staging
+
+    async def finish_weight_update(self) -> int:
+        """Swap the staged weights in between two steps; return the new weight version."""
+        with self._staging_lock:
+            staging = self._require_staging()
+            self._staging = None
+        try:
+            return int(await self._call(lambda: self._core.apply_update(staging)))
+        except WeightUpdateError as exc:
+            self._staging_failure = str(exc)
+            raise
+
+    async def abort_weight_update(self, reason: str) -> None:
+        with self._staging_lock:
+            if self._staging is not None:
+                log.info("weight update to version %d aborted: %s", self._staging.version, reason)
+            self._staging, self._staging_failure = None, None
+
+
+def _merge(out: GenerationOutput, delta: Delta) -> BaseException | None:
+    out.token_ids.extend(delta.token_ids)
+    out.logprobs.extend(delta.logprobs)
+    out.weight_versions.extend(delta.weight_versions)
+    if delta.finish_reason is not None:
+        out.finish_reason = delta.finish_reason
+        out.stop_reason = delta.stop_reason
+    return delta.error
+
+
+def _fold(into: Delta | None, delta: Delta) -> Delta:
+    """`delta` appended to the deltas folded so far (worker thread)."""
+    if into is None:
+        return delta
+    into.token_ids.extend(delta.token_ids)
+    into.logprobs.extend(delta.logprobs)
+    into.weight_versions.extend(delta.weight_versions)
+    into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
+    into.error = delta.error
+    return into
+
+
+def _put_all(items: list[tuple[_Stream, Delta]]) -> None:
+    for sink, delta in items:
+        sink.queue.put_nowait(delta)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for source in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return ids

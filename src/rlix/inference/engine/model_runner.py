@@ -1,0 +1,137 @@
+"""The two forwards the engine needs, prefill and batched decode, over a transformers model.
+
+The model's own modules do the maths (so any checkpoint of a supported architecture runs as
+transformers runs it); rlix only supplies the KV cache (`SlotKVCache`), the positions and an
+explicit mask per layer type, and applies the LM head to just the rows it samples from.
+Supported: decoder-only models whose attention layers call `past_key_values.update(k, v, layer)`
+and take their mask from a per-layer-type dict (Qwen2, Llama, Mistral... in transformers 5),
+with full attention in every layer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlix.errors import ConfigError
+from rlix.inference.engine.cuda_graphs import DecodeGraphs
+from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
+from rlix.inference.engine.weights import ServedWeights
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
+    """Load a causal LM for inference (sdpa attention) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype or "auto", attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load model from {path}: {exc}") from exc
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    if device.type == "cpu":
+        _own_host_weights(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def _own_host_weights(model: torch.nn.Module) -> None:
+    """Copy CPU weights out of the checkpoint's file mapping into memory the engine owns.
+
+    transformers may leave CPU parameters as views of the mmapped safetensors file, with the
+    loader's scratch buffers still held by the allocator; then neither RSS nor a sleep's freed
+    bytes mean anything. Owned copies (and a trim after loading) make them honest.
+    """
+    from rlix.inference.engine.memory import release_memory
+
+    seen: set[int] = set()
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            param.data = param.data.clone()
+    release_memory(torch.device("cpu"))
+
+
+class ModelRunner:
+    """Owns the model, its weights and its slot KV cache; cache rows 0..n-1 are the batch.
+
+    On CUDA (unless cuda_graphs=False) decode runs through captured graphs (cuda_graphs.py);
+    the KV cache is then allocated at full max_model_len capacity so it never moves.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, num_rows: int,
+                 max_model_len: int, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
+                 cuda_graphs: bool = True) -> None:
+        config = model.config
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+            raise ConfigError(f"{type(model).__name__}: only full-attention layers are supported, "
+                              f"got layer types {sorted(layer_types)}")
+        self.model = model
+        self.device = device
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        if self.decoder is None or self.lm_head is None:
+            raise ConfigError(f"{type(model).__name__} has no decoder / output embeddings")
+        self.vocab_size = int(config.vocab_size)
+        self.dtype = next(model.parameters()).dtype
+        self.weights = ServedWeights(model, device)
+        use_graphs = cuda_graphs and device.type == "cuda"
+        if use_graphs:
+            kv_initial_capacity = max_model_len
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.cache = SlotKVCache(
+            num_layers=config.num_hidden_layers, num_rows=num_rows,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim, max_len=max_model_len, dtype=self.dtype, device=device,
+            initial_capacity=kv_initial_capacity)
+        self.mask_min = torch.finfo(self.dtype).min
+        self.graphs = DecodeGraphs(self) if use_graphs else None
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        out = self.decoder(input_ids=input_ids, position_ids=position_ids,
+                           attention_mask={"full_attention": mask},
+                           past_key_values=self.cache, use_cache=False)
+        return out.last_hidden_state
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], first_row: int) -> torch.Tensor:
+        """Run prompts (right-padded) into rows first_row..; return last-position logits [R, V]."""
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        ids = ids.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        self.cache.set_prefill(first_row, len(prompts))
+        # No mask: plain causal attention is exact for every valid (non-padding) query, and the
+        # padding's keys land past each row's length, where decode overwrites them before use.
+        hidden = self.hidden(ids, positions, None)
+        last = torch.tensor(lengths, device=self.device) - 1
+        rows = torch.arange(len(prompts), device=self.device)
+        return self.lm_head(hidden[rows, last])
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each of rows 0..n-1 at its own position; return logits [n, V]."""
+        if self.graphs is not None:
+            return self.graphs.decode(tokens, positions)
+        n = len(tokens)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device)
+        kv_len = max(positions) + 1
+        keep = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]
+        mask = torch.zeros(n, 1, 1, kv_len, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~keep[:, None, None, :], self.mask_min)
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device)[:, None]
+        self.cache.set_decode(pos, kv_len)
+        hidden = self.hidden(ids, pos[:, None], mask)
+        return self.lm_head(hidden[:, 0])

@@ -1,0 +1,119 @@
+"""One engine server process: start it on a free port, wait until healthy, end it by its PID.
+
+Plain class used both directly (tests, single-machine fleets) and inside the shard Ray actor.
+The child runs in its own session, so ending it also ends whatever it spawned (vLLM starts an
+engine-core process): SIGTERM to its process group (whose id is the child's PID), SIGKILL if it
+has not exited after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rlix.errors import EngineStateError
+from rlix.httpkit import free_port
+from rlix.inference.fleet.backends import EngineBackend
+
+
+class ShardProcess:
+    """A backend's server process for one shard."""
+
+    def __init__(self, backend: EngineBackend, api_key: str, host: str = "127.0.0.1",
+                 port: int | None = None, log_dir: str | Path | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.backend = backend
+        self.api_key = api_key
+        self.host = host
+        self.port = port or free_port(host)
+        # Without a log_dir the log lives in a temp dir of our own, removed by stop(): its
+        # tail is already in any start-up error, and hundreds of shard starts leave nothing.
+        self._own_log_dir = None if log_dir else tempfile.mkdtemp(prefix="rlix-shard-")
+        self.log_path = Path(log_dir or self._own_log_dir) / f"shard-{self.port}.log"
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        if self.proc is not None:
+            raise EngineStateError(f"shard process on port {self.port} already started")
+        cmd = self.backend.command(host=self.host, port=self.port, api_key=self.api_key)
+        child_env = {**os.environ, **self.backend.env(), **self.extra_env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=child_env,
+                                         start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Poll the health path until 200; fail early (with the log's tail) if the child exits."""
+        timeout_s = timeout_s or self.backend.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise EngineStateError(f"shard server exited during start-up "
+                                           f"(code {self.proc and self.proc.poll()}):\n{self.log_tail()}")
+                try:
+                    if http.get(self.url + self.backend.health_path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+        tail = self.log_tail()  # before stop() removes a log dir of our own
+        self.stop()
+        raise EngineStateError(f"shard server not healthy after {timeout_s:g} s:\n{tail}")
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """End the process (and its group) by PID; returns its exit code."""
+        proc = self.proc
+        if proc is None:
+            self._remove_own_log_dir()
+            return None
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        _signal_group(proc.pid, signal.SIGKILL)  # stragglers the child left in its group
+        self._remove_own_log_dir()
+        return proc.returncode
+
+    def _remove_own_log_dir(self) -> None:
+        if self._own_log_dir is not None:
+            shutil.rmtree(self._own_log_dir, ignore_errors=True)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,223 @@
+"""The router's HTTP face: an ASGI app in front of a pipeline's engine servers.
+
+It runs in-process (`RouterServer`, on a DataPlaneThread's loop or a test's) or as its own process
+(`python -m rlix.inference.router`). Data plane (open, like the shards' /health; bind it to
+127.0.0.1): /v1/completions, /v1/chat/completions, /inference/v1/generate (sticky by
+`X-Session-ID`, least outstanding otherwise, re-dispatched on preemption; see relay.py), and
+/v1/models, /tokenize, /detokenize passed to any active shard. Admin (bearer token): GET/POST
+/router/shards, DELETE /router/shards/{rank}; `RouterAdminClient` is the fleet's handle on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rlix import env
+from rlix.errors import InvalidRequestError, NoActiveShardError
+from rlix.httpkit import free_port
+from rlix.inference.router.router import Router
+from rlix.inference.router.shard_table import ShardState
+from rlix.inference.server import openai_schema as S
+from rlix.inference.server.control_schema import RouterShardBody, parse_body
+from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
+
+
+def create_router_app(router: Router) -> FastAPI:
+    app = FastAPI(title="rlix router", docs_url=None, redoc_url=None)
+    app.state.router = router
+    expected = f"Bearer {router.api_key}".encode()
+
+    def authorised(request: Request) -> bool:
+        return hmac.compare_digest(request.headers.get("authorization", "").encode(), expected)
+
+    @app.exception_handler(NoActiveShardError)
+    async def on_no_shard(_: Request, exc: NoActiveShardError) -> JSONResponse:
+        return JSONResponse(S.error_body(str(exc), "ServiceUnavailableError", 503), status_code=503)
+
+    @app.exception_handler(InvalidRequestError)
+    async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(S.error_body(str(exc), "BadRequestError", 400, exc.param), status_code=400)
+
+    async def relay(request: Request, path: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("Request body must be a JSON object")
+        session = request.headers.get("x-session-id")
+        if body.get("stream"):
+            opened = await router.relay.open_stream(path, body, session)
+            if isinstance(opened, tuple):
+                return JSONResponse(opened[1], status_code=opened[0])
+            return StreamingResponse(opened, media_type="text/event-stream")
+        status, data = await router.relay.unary(path, body, session)
+        if isinstance(data, bytes):
+            return Response(data, status_code=status, media_type="application/json")
+        return JSONResponse(data, status_code=status)
+
+    @app.post(COMPLETIONS)
+    async def completions(request: Request) -> Response:
+        return await relay(request, COMPLETIONS)
+
+    @app.post(CHAT)
+    async def chat(request: Request) -> Response:
+        return await relay(request, CHAT)
+
+    @app.post(GENERATE)
+    async def generate(request: Request) -> Response:
+        return await relay(request, GENERATE)
+
+    async def passthrough(method: str, path: str, body: bytes | None) -> Response:
+        passed = await router.passthrough(method, path, body)
+        return Response(passed.body, status_code=passed.status, media_type=passed.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await passthrough("GET", "/v1/models", None)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await passthrough("POST", "/tokenize", await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await passthrough("POST", "/detokenize", await request.body())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        lines = [f"rlix:router_requests_total {router.relay.requests}",
+                 f"rlix:router_redispatched_total {router.relay.redispatched}"]
+        for s in router.table.shards.values():
+            lines.append(f'rlix:router_outstanding{{rank="{s.rank}",state="{s.state.value}"}} {s.outstanding}')
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.get("/router/shards")
+    async def list_shards() -> JSONResponse:
+        return JSONResponse({"shards": await router.shards(),
+                             "active": router.table.active_ranks()})
+
+    @app.post("/router/shards")
+    async def set_shard(request: Request) -> JSONResponse:
+        if not authorised(request):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        try:
+            raw = json.loads(await request.body() or b"{}")
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
+        body = parse_body(RouterShardBody, raw)
+        return JSONResponse(await router.set_shard(body.rank, body.url, body.state))
+
+    @app.delete("/router/shards/{rank}")
+    async def remove_shard(rank: int, request: Request) -> JSONResponse:
+        if not authorised(request):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        await router.remove_shard(rank)
+        return JSONResponse({"removed": rank})
+
+    return app
+
+
+class RouterAdminClient:
+    """The fleet's handle on a router in another process: same methods as `Router`."""
+
+    def __init__(self, url: str, api_key: str) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self._http: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=10.0)
+        return self._http
+
+    async def set_shard(self, rank: int, url: str | None = None, state: str | None = None) -> dict:
+        body: dict[str, Any] = {"rank": rank}
+        if url:
+            body["url"] = url
+        if state:
+            body["state"] = ShardState(state).value
+        r = await self._client().post(f"{self.url}/router/shards", json=body, headers=self.headers)
+        r.raise_for_status()
+        return r.json()
+
+    async def remove_shard(self, rank: int) -> None:
+        r = await self._client().delete(f"{self.url}/router/shards/{rank}", headers=self.headers)
+        r.raise_for_status()
+
+    async def shards(self) -> list[dict]:
+        r = await self._client().get(f"{self.url}/router/shards")
+        r.raise_for_status()
+        return r.json()["shards"]
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+class RouterServer:
+    """Serve a Router with uvicorn inside the running event loop (tests, the fleet actor)."""
+
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn  # deferred: only servers need it, not the router's in-process users
+
+        self.router = router
+        self.host, self.port = host, port or free_port(host)
+        config = uvicorn.Config(create_router_app(router), host=self.host, port=self.port,
+                                log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.router.table.close()  # held requests end now instead of holding the shutdown
+        self.server.should_exit = True
+        if self._task is not None:
+            await self._task
+        await self.router.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a router as its own process."""
+    import uvicorn  # deferred: see RouterServer
+
+    p = argparse.ArgumentParser(prog="python -m rlix.inference.router")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--api-key", default=None, help="admin token (default RLIX_API_KEY)")
+    p.add_argument("--shard-api-key", default=None, help="token the shards expect (default: --api-key)")
+    p.add_argument("--hold-timeout", type=float, default=60.0, help="s to hold requests with no active shard")
+    p.add_argument("--shard", action="append", default=[], metavar="RANK=URL", help="an active shard")
+    args = p.parse_args(argv)
+    api_key = args.api_key or env.api_key()
+    if not api_key:
+        p.error("give --api-key or set RLIX_API_KEY")
+    router = Router(api_key, args.shard_api_key, args.hold_timeout)
+    for spec in args.shard:
+        rank, _, url = spec.partition("=")
+        router.table.set(int(rank), url, ShardState.ACTIVE)
+    uvicorn.run(create_router_app(router), host=args.host, port=args.port, log_level="warning",
+                access_log=False)

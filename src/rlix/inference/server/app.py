@@ -1,0 +1,339 @@
+"""The engine server: a FastAPI app around one EngineAPI, speaking vLLM's HTTP API.
+
+Handlers only parse and delegate: data plane to `OpenAIServing`, control plane to
+`ControlPlane`. Auth follows vLLM where vLLM has it (/v1 and /inference need the bearer token)
+and goes further on the control plane, which always needs it (vLLM leaves its dev endpoints
+open). Errors carry vLLM's body `{"error": {"message", "type", "param", "code"}}`; an
+unauthorised call gets 401 `{"error": "Unauthorized"}`, as from vLLM.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
+                         WeightUpdateError)
+from rlix.inference.server import openai_schema as S
+from rlix.inference.engine.api import EngineAPI
+from rlix.inference.server.control import ControlPlane, bucket_message, decode_safetensors
+from rlix.inference.server.paths import CONTROL_PATHS, GENERATE, PROTECTED_PREFIXES
+from rlix.inference.server.serving import OpenAIServing
+
+log = logging.getLogger("rlix.server")
+
+
+
+class _EngineGauges:
+    """Scrape-time gauges under vLLM's names, so tools that watch vLLM watch us too."""
+
+    def __init__(self, engine: EngineAPI, model_name: str) -> None:
+        self.engine, self.labels = engine, ["0", model_name]
+
+    def collect(self):  # noqa: ANN201 - prometheus_client collector protocol
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             self.engine.num_running()),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             self.engine.num_waiting()),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["engine", "model_name"])
+            g.add_metric(self.labels, float(value))
+            yield g
+        g = GaugeMetricFamily("rlix:weight_version", "Weight version being served.", labels=["engine", "model_name"])
+        g.add_metric(self.labels, float(self.engine.weight_version))
+        yield g
+
+
+def _err(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(S.error_body(message, type_, status, param), status_code=status)
+
+
+#: rlix errors -> (HTTP status, error type, whether the error names a parameter); most specific first
+ERROR_ANSWERS: tuple[tuple[type[Exception], int, str, bool], ...] = (
+    (ModelNotFoundError, 404, "NotFoundError", True),
+    (InvalidRequestError, 400, "BadRequestError", True),
+    (WeightUpdateError, 400, "BadRequestError", False),
+    (EngineStateError, 503, "ServiceUnavailableError", False),
+)
+
+
+def error_answer(exc: Exception) -> JSONResponse | None:
+    """The answer the app gives for this error, or None if it is not one of ours."""
+    for cls, status, type_, with_param in ERROR_ANSWERS:
+        if isinstance(exc, cls):
+            return _err(status, str(exc), type_, getattr(exc, "param", None) if with_param else None)
+    return None
+
+
+class FastGenerate:
+    """Serves non-streamed POST /inference/v1/generate (what rollouts send) without FastAPI's
+    routing and per-request exit stacks: about half of a shard's HTTP-loop CPU under rollout
+    load went to that machinery (py-spy), and the same loop answers the control calls a
+    preemption waits for. Anything else (a body that does not validate, streaming, other
+    paths) goes to the app unchanged, so its answers, errors included, stay the app's."""
+
+    def __init__(self, app: Any, serving: OpenAIServing) -> None:
+        self.app, self.serving = app, serving
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != GENERATE:
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            req = S.GenerateRequest.model_validate_json(body)
+        except ValueError:  # pydantic's ValidationError included: the app words the 400
+            req = None
+        if req is None or req.stream:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        try:
+            out = await self.serving.generate(self.serving.prepare_generate(req))
+        except Exception as exc:
+            answer = error_answer(exc)
+            if answer is None:
+                raise
+            await answer(scope, receive, send)
+            return
+        await JSONResponse(out)(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A `receive` that hands the already-read body over once, then defers to the real one."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _json_body(request: Request, required: bool = False) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise InvalidRequestError("Invalid JSON format")
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise InvalidRequestError("Invalid JSON format") from None
+
+
+class BearerAuth:
+    """Refuses control and API paths without the bearer token; plain ASGI on purpose: Starlette's
+    `@app.middleware("http")` runs each request in a task group with memory streams, which was a
+    third of a shard's HTTP-loop CPU under rollout load (profiled), and that loop also answers
+    the control calls a preemption waits for."""
+
+    def __init__(self, app: Any, expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path in CONTROL_PATHS or path.startswith(PROTECTED_PREFIXES):
+                got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+                if not hmac.compare_digest(got, self.expected):
+                    await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
+               model_root: str = "", close_engine: bool = False) -> FastAPI:
+    """The app for one engine. `close_engine` closes it when the app shuts down."""
+    serving = OpenAIServing(engine, tokenizer, model_name, model_root)
+    control = ControlPlane(engine)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineGauges(engine, model_name))
+    expected = f"Bearer {api_key}".encode()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        close = getattr(engine, "close", None)
+        if close_engine and close is not None:
+            close()
+
+    app = FastAPI(title="rlix engine server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving, app.state.control = serving, control
+
+    app.add_middleware(FastGenerate, serving=serving)
+    app.add_middleware(BearerAuth, expected=expected)  # added last: runs first
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        lines = "\n  ".join(f"{{'type': {e.get('type')!r}, 'loc': {'.'.join(map(str, e.get('loc', ())))!r}, "
+                            f"'msg': {e.get('msg')!r}}}" for e in errors)
+        param = ".".join(map(str, errors[0].get("loc", ()))) if errors else None
+        n = len(errors)
+        return _err(400, f"{n} validation error{'s' if n != 1 else ''}:\n  {lines}", "Bad Request", param)
+
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        answer = error_answer(exc)
+        assert answer is not None  # registered only for ERROR_ANSWERS' classes
+        return answer
+
+    for cls, *_ in ERROR_ANSWERS:
+        app.add_exception_handler(cls, on_error)
+
+    # ------------------------------------------------------------ data plane
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
+
+    @app.post("/tokenize")
+    async def tokenize(req: S.TokenizeRequest) -> JSONResponse:
+        return JSONResponse(serving.tokenize(req))
+
+    @app.post("/detokenize")
+    async def detokenize(req: S.DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(serving.detokenize(req))
+
+    @app.post("/v1/completions")
+    async def completions(req: S.CompletionRequest) -> Response:
+        job = serving.prepare_completion(req)
+        if job.stream:
+            return StreamingResponse(serving.completion_stream(job), media_type="text/event-stream")
+        return JSONResponse(await serving.completion(job))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: S.ChatCompletionRequest) -> Response:
+        job = serving.prepare_chat(req)
+        if job.stream:
+            return StreamingResponse(serving.chat_stream(job), media_type="text/event-stream")
+        return JSONResponse(await serving.chat(job))
+
+    @app.post(GENERATE)  # non-streamed valid bodies are served by FastGenerate
+    async def generate(req: S.GenerateRequest) -> Response:
+        job = serving.prepare_generate(req)
+        if job.stream:
+            return StreamingResponse(serving.generate_stream(job), media_type="text/event-stream")
+        return JSONResponse(await serving.generate(job))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------ control plane
+    @app.post("/pause")
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> JSONResponse:
+        return JSONResponse(await control.pause(mode))
+
+    @app.post("/resume")
+    async def resume() -> JSONResponse:
+        return JSONResponse(await control.resume())
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse(control.is_paused())
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1), mode: str = Query("abort")) -> JSONResponse:
+        return JSONResponse(await control.sleep(level, mode))
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> JSONResponse:
+        return JSONResponse(await control.wake_up(request.query_params.getlist("tags")))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse(control.is_sleeping())
+
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request) -> JSONResponse:
+        return JSONResponse(await control.abort_requests(await _json_body(request, required=True)))
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> JSONResponse:
+        body = await _json_body(request, required=True)
+        info = body.get("init_info") if isinstance(body, dict) else None
+        if not isinstance(info, dict):
+            raise InvalidRequestError("body must be {\"init_info\": {...}}", param="init_info")
+        return JSONResponse(control.init_weight_transfer_engine(info))
+
+    @app.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> JSONResponse:
+        return JSONResponse(await control.start_weight_update(await _json_body(request)))
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        raw = await request.body()
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError:
+            body = None
+        message = bucket_message(body.get("update_info") if isinstance(body, dict) else None)
+        if message is not None:
+            return JSONResponse(await control.update_bucket(message))
+        return JSONResponse(await control.update_weights(lambda: control.tensors_from_json(body)))
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> JSONResponse:
+        return JSONResponse(await control.finish_weight_update(await _json_body(request)))
+
+    @app.post("/sync_weights")
+    async def sync_weights(request: Request) -> JSONResponse:
+        return JSONResponse(await control.sync_weights(await _json_body(request, required=True)))
+
+    @app.post("/abort_weight_update")
+    async def abort_weight_update(request: Request) -> JSONResponse:
+        return JSONResponse(await control.abort_weight_update(await _json_body(request)))
+
+    @app.get("/weight_transfer_status")
+    async def weight_transfer_status() -> JSONResponse:
+        return JSONResponse(control.transfer_status())
+
+    @app.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse(control.weight_info())
+
+    return app
+
+
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
+          device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
+          served_model_name: str | None = None) -> None:
+    """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
+    import uvicorn
+
+    from rlix.inference.engine.engine import TorchEngine
+    from rlix.models.presets import resolve_model
+    from rlix.threads import favour_control_latency
+
+    favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
+    path = resolve_model(model)
+    engine = TorchEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs,
+                                         max_model_len=max_model_len)
+    app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
+                     model_root=str(path), close_engine=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,322 @@
+"""The engine server's control plane as a plain class: pause, sleep, abort, weight updates.
+
+Answers have vLLM's shapes (dev-mode endpoints of vLLM 0.32). Weights arrive two ways:
+- packed buckets (what rlix's selective sync uses): `/init_weight_transfer_engine` carries the
+  bucket layout once (`{"init_info": {"layout": ..., "transport": "shm"}}`), `/start_weight_update`
+  names the version, layout id and transport details, each `/update_weights` carries one small
+  transport message (`{"update_info": {"bucket": i, "version": v, "shm": ..., "offset": ...}}`;
+  the bytes travel by shared memory, CUDA IPC or NCCL, never through HTTP), then
+  `/finish_weight_update`. The receiving logic is rlix.weights.shard_updater.ShardReceiver.
+  rlix extension `/sync_weights`: when every message is a reference the shard can read whenever
+  it likes (the trainer's cache in shared memory), start, all messages and finish come in one
+  call, optionally waking the engine first: one round trip instead of 2 + buckets (+ a wake).
+- safetensors over HTTP (simple clients, small models): POST /update_weights with the raw file
+  as the body (Content-Type: application/octet-stream), or `{"update_info": {"safetensors_b64"}}`.
+Versions are integers (the trainer's step); `/start_weight_update` may name the version
+(`{"weight_version": 3}`), otherwise it is the serving version + 1. Any failure aborts the whole
+update, so the old weights keep serving; the caller starts again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import pickle
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from rlix.errors import InvalidRequestError, WeightUpdateError
+from rlix.inference.engine.api import EngineAPI
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+def parse_version(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"weight_version must be an integer (a trainer step), got {value!r}",
+                                  param="weight_version") from None
+
+
+def decode_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as exc:
+        raise WeightUpdateError(f"the body is not a safetensors file: {exc}") from None
+
+
+class ControlPlane:
+    """Thin policy over EngineAPI's control methods."""
+
+    def __init__(self, engine: EngineAPI) -> None:
+        self.engine = engine
+        self.transfer_info: dict[str, Any] = {}
+        self._updating: int | None = None
+        self._bucketed = False  # the update in progress comes as packed buckets
+        self._receiver: Any = None  # rlix.weights.shard_updater.ShardReceiver, made on first use
+        self._resume_on_wake = False
+        self.idle_timeout_s = 60.0  # a bucket update idle this long is aborted (sender gone)
+        self._last_activity = 0.0
+        self._watchdog: asyncio.Task | None = None
+
+    async def pause(self, mode: str) -> dict:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"mode must be one of abort, wait, keep; got {mode!r}", param="mode")
+        await self.engine.pause(mode)  # type: ignore[arg-type]
+        return {"status": "paused"}
+
+    async def resume(self) -> dict:
+        await self.engine.resume()
+        return {"status": "resumed"}
+
+    def is_paused(self) -> dict:
+        return {"is_paused": self.engine.is_paused()}
+
+    async def sleep(self, level: int, mode: str = "abort") -> dict:
+        """In-flight requests are aborted (mode=abort) or finished first (mode=wait; the engine
+        then stays paused until it is fully awake again). A sleeping engine refuses new work
+        (503) either way."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"level must be 1 (weights to CPU) or 2 (weights dropped), got {level}",
+                                      param="level")
+        if mode not in ("abort", "wait"):
+            raise InvalidRequestError("sleep mode must be abort or wait: keep would need the KV cache "
+                                      "that sleeping frees", param="mode")
+        if not self.engine.is_sleeping():
+            if mode == "wait" and not self.engine.is_paused():
+                await self.engine.pause(mode)  # type: ignore[arg-type]
+                self._resume_on_wake = True
+            # abort: the engine's sleep aborts what is in flight itself, in the same step (one
+            # trip to the engine thread, which matters on a preemption path)
+            await self.engine.sleep(level)
+        return {"status": "sleeping", "level": level}
+
+    async def wake_up(self, tags: list[str] | None) -> dict:
+        tags = tags or None
+        await self.engine.wake_up(tags)
+        awake = not self.engine.is_sleeping()
+        if awake and self._resume_on_wake:
+            self._resume_on_wake = False
+            await self.engine.resume()
+        return {"status": "awake" if awake else "sleeping", "tags": tags}
+
+    def is_sleeping(self) -> dict:
+        return {"is_sleeping": self.engine.is_sleeping()}
+
+    async def abort_requests(self, body: Any) -> dict:
+        if not isinstance(body, dict):
+            raise InvalidRequestError("Request body must be a JSON object")
+        ids = body.get("request_ids") or None
+        if ids is None:
+            return {"status": "aborted", "aborted": await self.engine.abort(None)}
+        # callers may use the request_id they gave /inference/v1/generate; like vLLM, the count
+        # is of the ids asked for
+        await self.engine.abort([i for rid in ids for i in (rid, f"generate-tokens-{rid}")])
+        return {"status": "aborted", "aborted": len(ids)}
+
+    def receiver(self) -> Any:
+        if self._receiver is None:
+            from rlix.weights.shard_updater import ShardReceiver
+
+            self._receiver = ShardReceiver(self.engine, device=getattr(self.engine, "device", "cpu"))
+        return self._receiver
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict:
+        """With a `layout`, set up bucket receiving now: a layout that does not match the model
+        is refused here, before any update starts."""
+        if self._updating is not None:
+            raise WeightUpdateError("cannot re-initialise the weight transfer during an update")
+        if "layout" in init_info:
+            timeout = init_info.get("idle_timeout_s", self.idle_timeout_s)
+            if not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise InvalidRequestError(f"idle_timeout_s must be a positive number, got {timeout!r}",
+                                          param="idle_timeout_s")
+            details = self.receiver().init_transfer(init_info)
+            self.idle_timeout_s = float(timeout)
+            self.transfer_info = dict(init_info)
+            return {"message": "Weight transfer initialized", **details}
+        self.transfer_info = dict(init_info)
+        return {"message": "Weight transfer initialized"}
+
+    async def start_weight_update(self, body: Any) -> dict:
+        body = body if isinstance(body, dict) else {}
+        version = body.get("weight_version")
+        version = self.engine.weight_version + 1 if version is None else parse_version(version)
+        if self._updating is not None:
+            raise WeightUpdateError(f"an update to version {self._updating} is already in progress")
+        layout_id = body.get("layout_id")
+        if layout_id is not None:
+            transfer = body.get("transfer") or {}
+            if not isinstance(transfer, dict):
+                raise InvalidRequestError("transfer must be an object", param="transfer")
+            await self.receiver().start(version, str(layout_id), transfer)
+            self._bucketed = True
+            self._touch()
+        else:
+            await self.engine.start_weight_update(version)
+            self._bucketed = False
+        self._updating = version
+        return {"message": "Weight update started"}
+
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+                             ) -> dict:
+        """`tensors` may be a loader, so that a body that does not parse aborts the update too."""
+        if self._updating is None:
+            raise WeightUpdateError("no weight update in progress: call /start_weight_update first")
+        if self._bucketed:
+            await self._abort_update("safetensors body during a bucket update")
+            raise WeightUpdateError("this update was started for packed buckets; a safetensors body "
+                                    "cannot join it; update aborted, old weights keep serving")
+        try:
+            await self.engine.update_weights(tensors() if callable(tensors) else tensors)
+        except Exception as exc:
+            await self._abort_update(f"update_weights failed: {exc}")
+            raise WeightUpdateError(f"update refused, old weights keep serving: {exc}") from None
+        return {"message": "Weights updated"}
+
+    async def update_bucket(self, message: dict[str, Any]) -> dict:
+        """One bucket's transport message; the receiver aborts the update itself on failure."""
+        if self._updating is None or not self._bucketed:
+            raise WeightUpdateError("no bucket update in progress: start one with a layout_id first")
+        self._touch()
+        try:
+            await self.receiver().bucket(message)
+        except Exception:
+            self._updating, self._bucketed = None, False
+            raise
+        self._touch()
+        return {"message": "Weights updated", "bucket": message.get("bucket")}
+
+    async def finish_weight_update(self, body: Any) -> dict:
+        if self._updating is None:
+            raise WeightUpdateError("no weight update in progress: call /start_weight_update first")
+        named = body.get("weight_version") if isinstance(body, dict) else None
+        if named is not None and parse_version(named) != self._updating:
+            started = self._updating
+            await self._abort_update("version mismatch")
+            raise WeightUpdateError(f"finish names version {named} but the update started as "
+                                    f"{started}; update aborted, old weights keep serving")
+        try:
+            if self._bucketed:
+                await self.receiver().finish(self._updating)
+            else:
+                await self.engine.finish_weight_update()
+        except Exception as exc:
+            await self._abort_update(f"finish failed: {exc}")
+            raise WeightUpdateError(f"finish refused, old weights keep serving: {exc}") from None
+        self._updating, self._bucketed = None, False
+        return {"message": "Weight update finished"}  # vLLM's answer, key for key
+
+    async def sync_weights(self, body: Any) -> dict:
+        """rlix extension: [wake up,] start, every bucket message, finish, in one call. The whole
+        body is checked before anything changes; a failure after the start aborts the update
+        (the old weights keep serving). Answers the version the engine serves afterwards."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("Request body must be a JSON object")
+        if body.get("weight_version") is None:
+            raise InvalidRequestError("weight_version is required", param="weight_version")
+        version = parse_version(body["weight_version"])
+        layout_id = body.get("layout_id")
+        if not isinstance(layout_id, str) or not layout_id:
+            raise InvalidRequestError("layout_id (from /init_weight_transfer_engine) is required",
+                                      param="layout_id")
+        updates = body.get("updates")
+        messages = [bucket_message(u) for u in updates] if isinstance(updates, list) else []
+        if not messages or any(m is None for m in messages):
+            raise InvalidRequestError("updates must be a non-empty list of bucket messages "
+                                      "(each like an /update_weights update_info)", param="updates")
+        transfer = body.get("transfer") or {}
+        if not isinstance(transfer, dict):
+            raise InvalidRequestError("transfer must be an object", param="transfer")
+        wake = body.get("wake_up", False)
+        if not isinstance(wake, bool):
+            raise InvalidRequestError("wake_up must be true or false", param="wake_up")
+        if wake:
+            await self.wake_up(None)
+        await self.start_weight_update({"weight_version": version, "layout_id": layout_id,
+                                        "transfer": transfer})
+        for message in messages:
+            await self.update_bucket(message)
+        await self.finish_weight_update({"weight_version": version})
+        return {"message": "Weight update finished", "weight_version": self.engine.weight_version,
+                "is_sleeping": self.engine.is_sleeping()}
+
+    async def abort_weight_update(self, body: Any) -> dict:
+        """rlix extension: drop the update in progress (if any); the old weights keep serving."""
+        reason = body.get("reason") if isinstance(body, dict) else None
+        aborted = self._updating is not None
+        if aborted:
+            await self._abort_update(str(reason or "aborted by the caller"))
+        return {"message": "Weight update aborted" if aborted else "No weight update in progress"}
+
+    def transfer_status(self) -> dict:
+        """rlix extension: the update in progress and why the last one failed, if it did."""
+        receiver = self._receiver
+        got, total = receiver.progress() if receiver is not None else (0, 0)
+        return {"weight_version": self.engine.weight_version, "updating": self._updating,
+                "buckets_received": got, "buckets_total": total,
+                "last_error": receiver.last_error if receiver is not None else None}
+
+    def _touch(self) -> None:
+        """Note sender activity; a watchdog aborts a bucket update whose sender went quiet, so a
+        driver that died mid-transfer leaves the old weights serving and the shard syncable."""
+        self._last_activity = time.monotonic()
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while self._updating is not None and self._bucketed:
+            idle = time.monotonic() - self._last_activity
+            if idle >= self.idle_timeout_s:
+                got, total = self._receiver.progress()
+                await self._abort_update(
+                    f"no message from the sender for {idle:.1f}s (after {got} of {total} buckets of "
+                    f"version {self._updating}); update aborted, old weights keep serving")
+                return
+            await asyncio.sleep(min(self.idle_timeout_s - idle, 1.0) + 0.01)
+
+    async def _abort_update(self, reason: str) -> None:
+        bucketed, self._updating, self._bucketed = self._bucketed, None, False
+        if bucketed:
+            await self.receiver().abort(reason)
+        else:
+            await self.engine.abort_weight_update(reason)
+
+    def weight_info(self) -> dict:
+        return {"weight_version": str(self.engine.weight_version)}
+
+    @staticmethod
+    def tensors_from_json(body: Any) -> dict[str, torch.Tensor]:
+        info = body.get("update_info") if isinstance(body, dict) else None
+        data = info.get("safetensors_b64") if isinstance(info, dict) else None
+        if not isinstance(data, str):
+            raise InvalidRequestError("JSON /update_weights needs {\"update_info\": {\"safetensors_b64\": "
+                                      "...}}; or send the safetensors file as application/octet-stream",
+                                      param="update_info")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise InvalidRequestError("update_info.safetensors_b64 is not base64", param="update_info") from None
+        return decode_safetensors(raw)
+
+
+def bucket_message(info: Any) -> dict[str, Any] | None:
+    """The transport message in a JSON /update_weights body, or None if it is not one. Messages
+    that are not plain JSON (CUDA IPC handles) come pickled: control endpoints need the bearer
+    token, and the servers bind 127.0.0.1."""
+    if not isinstance(info, dict):
+        return None
+    if "message_b64" in info:
+        try:
+            message = pickle.loads(base64.b64decode(info["message_b64"], validate=True))
+        except Exception as exc:
+            raise InvalidRequestError(f"update_info.message_b64 does not decode: {exc}",
+                                      param="update_info") from None
+        return message if isinstance(message, dict) else None
+    return dict(info) if "bucket" in info else None

@@ -1,0 +1,15 @@
+"""The engine server's routes that other layers name (the router relays them, auth guards them)."""
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GENERATE = "/inference/v1/generate"
+
+#: every route under these needs the bearer token (as in vLLM)
+PROTECTED_PREFIXES = ("/v1/", "/inference/")
+#: the control plane: always needs the bearer token (vLLM leaves its dev endpoints open)
+CONTROL_PATHS = frozenset({
+    "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/abort_requests",
+    "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+    "/finish_weight_update", "/abort_weight_update", "/weight_transfer_status", "/weight_info",
+    "/sync_weights",
+})

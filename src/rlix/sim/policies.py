@@ -1,0 +1,243 @@
+"""The three policies (and "alone"), each a way of carving the cluster into planner domains.
+
+- exclusive-queue: each pipeline holds what its config asks for, max(train_gpus,
+  max_shards * tp) (train_gpus + max_shards * tp without partial overlap), for its whole run;
+  pipelines that do not fit wait in a FIFO queue (no backfill past the head).
+- exclusive-partition: the cluster is cut into equal contiguous slices (node-aligned where the
+  sizes allow), one per pipeline, all at once; each spec is clipped to its slice.
+- rlix: one domain over the whole cluster, every pipeline registered on it.
+- alone: one pipeline by itself on the whole cluster (for the ideal bound).
+Inside its GPUs every baseline pipeline runs through the same planner, so it gets the same
+async loop, staleness bound and partial overlap as under RLix: only sharing differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+
+from rlix.errors import ScenarioError
+from rlix.sim.engine import Clock, Domain
+from rlix.sim.pipeline import PipelineRun
+from rlix.sim.scenario import PipelineSetup, Scenario
+from rlix.sim.workload import Workload
+from rlix.scheduler.types import PipelineSpec, Topology
+
+POLICIES = ("exclusive-queue", "exclusive-partition", "rlix")
+
+
+@dataclass
+class PipelineResult:
+    name: str
+    priority: int
+    started_at: float
+    finished_at: float
+    step_ends: list[float]
+    trajectories: int
+    tokens: float
+    prefill_tokens: float
+    preempted_turns: int
+    aborted_turns: int
+    kept_tokens: float
+    train_gpu_s: float
+    shard_busy_gpu_s: float
+    decode_s: float
+    seq_s: float
+    whole_cluster: bool  # ran on a domain equal to the whole cluster, alone
+    traj_finish_times: list  # per released trajectory, None if it never finished
+    train_waits: list
+    expands: int
+    turns: int
+    queue_turn_s: float
+
+    @property
+    def makespan(self) -> float:
+        return self.finished_at
+
+    @property
+    def duration(self) -> float:
+        return self.finished_at - self.started_at
+
+
+@dataclass
+class RunResult:
+    policy: str
+    gpus: int
+    pipelines: dict[str, PipelineResult] = field(default_factory=dict)
+    plan_calls: int = 0
+    transition_gpu_s: float = 0.0
+    events: int = 0
+
+    @property
+    def makespan(self) -> float:
+        return max(p.finished_at for p in self.pipelines.values())
+
+
+class _Sim:
+    """Collects domains and runs the clock to the end."""
+
+    def __init__(self, scenario: Scenario, workloads: dict[str, Workload], policy: str,
+                 on_step=None) -> None:
+        self.scenario = scenario
+        self.workloads = workloads
+        self.policy = policy
+        self.clock = Clock()
+        self.domains: list[Domain] = []
+        self.runs: list[PipelineRun] = []
+        self.on_step = on_step
+
+    def domain(self, topology: Topology, gpu_ids: list[int], on_finish=None) -> Domain:
+        d = Domain(self.clock, topology, self.scenario.params, gpu_ids, on_finish)
+        self.domains.append(d)
+        return d
+
+    def launch(self, domain: Domain, setup: PipelineSetup, spec: PipelineSpec) -> None:
+        run = PipelineRun(self.clock, domain, setup, spec, self.workloads[setup.name])
+        if self.on_step is not None:
+            run.on_step = self.on_step
+        self.runs.append(run)
+        domain.add(run)
+
+    def finish(self) -> RunResult:
+        self.clock.run()
+        stuck = [r.name for r in self.runs if r.finished_at is None]
+        if stuck or len(self.runs) != len(self.scenario.pipelines) and self.policy != "alone":
+            raise RuntimeError(f"simulation of {self.policy} ended with pipelines unfinished: {stuck}"
+                               f" (t={self.clock.now:.1f}s)")
+        whole = self.scenario.topology
+        out = RunResult(self.policy, self.scenario.gpus, events=self.clock.events)
+        for d in self.domains:
+            out.plan_calls += d.plan_calls
+            out.transition_gpu_s += d.transition_gpu_s
+        for r in self.runs:
+            shards = r.all_shards()
+            out.pipelines[r.name] = PipelineResult(
+                name=r.name, priority=r.spec.priority, started_at=r.started_at,
+                finished_at=r.finished_at, step_ends=list(r.step_ends),
+                trajectories=r.finish_events, tokens=sum(s.tokens for s in shards),
+                prefill_tokens=r.prefill_tokens, preempted_turns=r.preempted_turns,
+                aborted_turns=r.aborted_turns, kept_tokens=r.kept_tokens,
+                train_gpu_s=r.train_gpu_s, shard_busy_gpu_s=sum(s.busy_gpu_s for s in shards),
+                decode_s=sum(s.decode_s for s in shards), seq_s=sum(s.seq_s for s in shards),
+                whole_cluster=(r.domain.ledger.topology == whole and self.policy in
+                               ("alone", "exclusive-queue")),
+                traj_finish_times=[t.finished_at for batch in r.trajs for t in batch],
+                train_waits=list(r.train_waits), expands=r.expands, turns=r.turns_dispatched,
+                queue_turn_s=r.queue_area)
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+def sub_topology(topology: Topology, gpu_ids: list[int]) -> Topology:
+    """The topology of a set of GPUs (ids sorted), keeping node boundaries."""
+    node_of = topology.node_of()
+    counts: dict[int, int] = {}
+    for g in gpu_ids:
+        counts[node_of[g]] = counts.get(node_of[g], 0) + 1
+    return Topology(tuple(counts[n] for n in sorted(counts)))
+
+
+def pick_gpus(topology: Topology, free: set[int], need: int) -> list[int] | None:
+    """Node-aligned choice: one node if it fits (best fit), else the emptiest nodes first."""
+    by_node = {n: [g for g in topology.node_gpus(n) if g in free] for n in range(topology.num_nodes)}
+    fits = [(len(gs), n) for n, gs in by_node.items() if len(gs) >= need]
+    if fits:
+        return by_node[min(fits)[1]][:need]
+    picked: list[int] = []
+    for n in sorted(by_node, key=lambda n: (-len(by_node[n]), n)):
+        picked += by_node[n][:need - len(picked)]
+        if len(picked) == need:
+            return sorted(picked)
+    return None
+
+
+def config_gpus(spec: PipelineSpec, total: int) -> int:
+    """What a standalone job's config asks the cluster for."""
+    shards = spec.max_shards * spec.tp
+    need = max(spec.train_gpus, shards) if spec.partial_overlap else spec.train_gpus + shards
+    return min(need, total)
+
+
+def clip_spec(spec: PipelineSpec, topology: Topology, where: str) -> PipelineSpec:
+    """Fit a pipeline's spec into a smaller set of GPUs."""
+    size = topology.num_gpus
+    capacity = sum(n // spec.tp for n in topology.gpus_per_node)
+    if capacity == 0:
+        raise ScenarioError(f"{where}.tp: a shard of tp={spec.tp} does not fit the pipeline's "
+                            f"slice of {size} GPUs {topology.gpus_per_node} under exclusive-partition")
+    train = min(spec.train_gpus, size)
+    if not spec.partial_overlap:
+        train = min(train, size - spec.tp)
+        if train < 1:
+            raise ScenarioError(f"{where}.train_gpus: no room to train beside a shard in a slice of "
+                                f"{size} GPUs without partial_overlap (exclusive-partition)")
+    max_shards = min(spec.max_shards, capacity)
+    return dataclasses.replace(spec, train_gpus=train, max_shards=max_shards,
+                               min_shards=min(spec.min_shards, max_shards))
+
+
+# ---------------------------------------------------------------------- policies
+def run_rlix(sim: _Sim) -> None:
+    domain = sim.domain(sim.scenario.topology, list(range(sim.scenario.gpus)))
+    for setup in sim.scenario.pipelines:
+        sim.launch(domain, setup, setup.spec)
+
+
+def run_partition(sim: _Sim) -> None:
+    scenario = sim.scenario
+    total, count = scenario.gpus, len(scenario.pipelines)
+    if count > total:
+        raise ScenarioError(f"{scenario.source}: pipelines: {count} pipelines cannot each get a GPU "
+                            f"of the {total} under exclusive-partition")
+    offset = 0
+    for setup in scenario.pipelines:
+        size = total // count + (1 if setup.index < total % count else 0)
+        ids = list(range(offset, offset + size))
+        offset += size
+        topo = sub_topology(scenario.topology, ids)
+        spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+        sim.launch(sim.domain(topo, ids), setup, spec)
+
+
+def run_queue(sim: _Sim) -> None:
+    scenario = sim.scenario
+    free = set(range(scenario.gpus))
+    waiting = deque(scenario.pipelines)
+
+    def admit() -> None:
+        while waiting:
+            setup = waiting[0]
+            ids = pick_gpus(scenario.topology, free, config_gpus(setup.spec, scenario.gpus))
+            if ids is None:
+                return
+            waiting.popleft()
+            free.difference_update(ids)
+            topo = sub_topology(scenario.topology, ids)
+            spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+            sim.launch(sim.domain(topo, ids, on_finish=done), setup, spec)
+
+    def done(run: PipelineRun) -> None:
+        free.update(run.domain.gpu_ids)
+        admit()
+
+    admit()
+
+
+def simulate(scenario: Scenario, workloads: dict[str, Workload], policy: str,
+             only: str | None = None, on_step=None) -> RunResult:
+    """Run one policy (or `alone` with `only` = a pipeline name) to the end."""
+    sim = _Sim(scenario, workloads, policy, on_step)
+    if policy == "rlix":
+        run_rlix(sim)
+    elif policy == "exclusive-partition":
+        run_partition(sim)
+    elif policy == "exclusive-queue":
+        run_queue(sim)
+    elif policy == "alone":
+        setup = next(p for p in scenario.pipelines if p.name == only)
+        domain = sim.domain(scenario.topology, list(range(scenario.gpus)))
+        sim.launch(domain, setup, setup.spec)
+    else:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES} or 'alone'")
+    return sim.finish()

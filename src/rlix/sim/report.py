@@ -1,0 +1,194 @@
+"""Metrics per policy, the ideal bound, the JSON object and the rich tables.
+
+The ideal bound is what no scheduler can beat: max(total GPU work / GPU count, the longest
+makespan of any pipeline run alone on the whole cluster). GPU work counts training, decode at
+the most efficient batch (a full shard: tokens * step_time(max_seqs) / max_seqs) and prefill
+with a perfect prefix cache, so it is a lower bound on every real schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlix.sim.policies import RunResult
+from rlix.sim.scenario import Scenario
+from rlix.sim.workload import Workload
+
+
+def _r(x: float, digits: int = 3) -> float:
+    return round(float(x), digits)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); 0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def policy_metrics(res: RunResult) -> dict:
+    makespan = res.makespan
+    hours = makespan / 3600.0
+    pipes = res.pipelines.values()
+    trajectories = sum(p.trajectories for p in pipes)
+    tokens = sum(p.tokens for p in pipes)
+    train = sum(p.train_gpu_s for p in pipes)
+    inference = sum(p.shard_busy_gpu_s for p in pipes)
+    capacity = res.gpus * makespan
+    steps = [b - a for p in pipes for a, b in zip(p.step_ends, p.step_ends[1:])]
+    decode_s = sum(p.decode_s for p in pipes)
+    waits = [w for p in pipes for w in p.train_waits]
+    turns = sum(p.turns for p in pipes)
+    return {
+        "makespan_s": _r(makespan),
+        "trajectories": trajectories,
+        "trajectories_per_hour": _r(trajectories / hours),
+        "tokens_generated": int(round(tokens)),
+        "tokens_per_gpu_hour": _r(tokens / (res.gpus * hours), 1),
+        "train_steps_per_hour": {p.name: _r(len(p.step_ends) / (p.finished_at / 3600.0))
+                                 for p in pipes},
+        "train_steps": {p.name: len(p.step_ends) for p in pipes},
+        "gpu_busy_fraction": _r((train + inference) / capacity, 4),
+        "step_time_p50_s": _r(percentile(steps, 50)),
+        "step_time_p95_s": _r(percentile(steps, 95)),
+        "pipeline_makespan_s": {p.name: _r(p.finished_at) for p in pipes},
+        "pipeline_started_s": {p.name: _r(p.started_at) for p in pipes},
+        "gpu_seconds": {
+            "train": _r(train, 1),
+            "inference_busy": _r(inference, 1),
+            "transitions": _r(res.transition_gpu_s, 1),
+            "capacity": _r(capacity, 1),
+        },
+        "mean_decode_batch": _r(sum(p.seq_s for p in pipes) / decode_s if decode_s else 0.0, 2),
+        "prefill_tokens": int(round(sum(p.prefill_tokens for p in pipes))),
+        "train_wait_mean_s": _r(sum(waits) / len(waits) if waits else 0.0),
+        "train_wait_p95_s": _r(percentile(waits, 95)),
+        "router_wait_per_turn_s": _r(sum(p.queue_turn_s for p in pipes) / max(1, turns)),
+        "shard_wakes": sum(p.expands for p in pipes),
+        "preempted_turns": sum(p.preempted_turns for p in pipes),
+        "kept_tokens": int(round(sum(p.kept_tokens for p in pipes))),
+        "plan_calls": res.plan_calls,
+    }
+
+
+def ideal_bound(scenario: Scenario, workloads: dict[str, Workload],
+                alone: dict[str, float]) -> dict:
+    train = decode = prefill = 0.0
+    for setup in scenario.pipelines:
+        w, e, tp = workloads[setup.name], setup.engine, setup.spec.tp
+        train += setup.steps * setup.train_gpu_seconds
+        best_step_s = (e.decode_base_ms + e.decode_per_seq_ms * e.max_seqs) / 1000.0
+        decode += w.tokens * best_step_s / e.max_seqs * tp
+        prefill += w.min_prefill_tokens() / e.prefill_tokens_per_s * tp
+    work = train + decode + prefill
+    work_bound = work / scenario.gpus
+    alone_bound = max(alone.values())
+    return {
+        "ideal_makespan_s": _r(max(work_bound, alone_bound)),
+        "gpu_work_s": _r(work, 1),
+        "train_gpu_s": _r(train, 1),
+        "decode_gpu_s": _r(decode, 1),
+        "prefill_gpu_s": _r(prefill, 1),
+        "work_bound_s": _r(work_bound),
+        "alone_bound_s": _r(alone_bound),
+    }
+
+
+def priority_check(scenario: Scenario, rlix: RunResult, alone: dict[str, float]) -> dict | None:
+    """For a mixed-priority scenario: how much the top tier loses to sharing, and how far the
+    others got meanwhile."""
+    tiers = {p.spec.priority for p in scenario.pipelines}
+    if len(tiers) < 2:
+        return None
+    top = max(tiers)
+    high = [p.name for p in scenario.pipelines if p.spec.priority == top]
+    done_at = max(rlix.pipelines[n].finished_at for n in high)
+    return {
+        "high_priority": high,
+        "slowdown_vs_alone": {n: _r(rlix.pipelines[n].finished_at / alone[n] - 1.0, 4) for n in high},
+        "within_10pct_of_alone": all(rlix.pipelines[n].finished_at <= 1.1 * alone[n] for n in high),
+        "others_steps_when_high_done": {
+            p.name: sum(1 for t in p.step_ends if t <= done_at)
+            for p in rlix.pipelines.values() if p.name not in high},
+        "others_trajectories_per_hour_while_high_ran": _r(sum(
+            sum(1 for t in p.traj_finish_times if t is not None and t <= done_at)
+            for p in rlix.pipelines.values() if p.name not in high) / (done_at / 3600.0)),
+    }
+
+
+def build_report(scenario: Scenario, workloads: dict[str, Workload], runs: dict[str, RunResult],
+                 alone: dict[str, float], alone_source: dict[str, str]) -> dict:
+    out: dict = {
+        "scenario": scenario.name,
+        "source": scenario.source,
+        "seed": scenario.seed,
+        "gpus": scenario.gpus,
+        "pipelines": [p.name for p in scenario.pipelines],
+        "policies": {name: policy_metrics(res) for name, res in runs.items()},
+        "alone_makespan_s": {n: _r(t) for n, t in alone.items()},
+        "alone_source": alone_source,
+    }
+    ideal = ideal_bound(scenario, workloads, alone)
+    out["ideal_makespan_s"] = ideal["ideal_makespan_s"]
+    out["ideal"] = ideal
+    pol = out["policies"]
+    if "rlix" in pol:
+        rl = pol["rlix"]
+        if "exclusive-queue" in pol:
+            out["throughput_ratio_vs_exclusive"] = _r(
+                rl["trajectories_per_hour"] / pol["exclusive-queue"]["trajectories_per_hour"], 4)
+        if "exclusive-partition" in pol:
+            out["throughput_ratio_vs_partition"] = _r(
+                rl["trajectories_per_hour"] / pol["exclusive-partition"]["trajectories_per_hour"], 4)
+        out["efficiency_vs_ideal"] = _r(ideal["ideal_makespan_s"] / rl["makespan_s"], 4)
+        check = priority_check(scenario, runs["rlix"], alone)
+        if check is not None:
+            out["priority_check"] = check
+    return out
+
+
+def render(report: dict, console, wall_s: float | None = None) -> None:
+    """Human-readable tables (rich)."""
+    from rich.table import Table
+
+    pol = report["policies"]
+    t = Table(title=f"{report['scenario']}: {report['gpus']} GPUs, {len(report['pipelines'])} pipelines")
+    t.add_column("policy", no_wrap=True)
+    for col in ("makespan h", "traj/h", "tok/GPU-h", "GPU busy", "step p50 s", "step p95 s",
+                "decode batch", "preempted"):
+        t.add_column(col, justify="right")
+    for name, m in pol.items():
+        t.add_row(name, f"{m['makespan_s'] / 3600:.2f}", f"{m['trajectories_per_hour']:.0f}",
+                  f"{m['tokens_per_gpu_hour']:,.0f}", f"{m['gpu_busy_fraction']:.1%}",
+                  f"{m['step_time_p50_s']:.0f}", f"{m['step_time_p95_s']:.0f}",
+                  f"{m['mean_decode_batch']:.1f}", f"{m['preempted_turns']}")
+    console.print(t)
+
+    p = Table(title="pipeline makespan (s, from t=0)")
+    p.add_column("pipeline", no_wrap=True)
+    for name in pol:
+        p.add_column(name, justify="right")
+    p.add_column("alone", justify="right")
+    for n in report["pipelines"]:
+        p.add_row(n, *[f"{pol[k]['pipeline_makespan_s'][n]:.0f}" for k in pol],
+                  f"{report['alone_makespan_s'][n]:.0f}")
+    console.print(p)
+
+    ideal = report["ideal"]
+    console.print(f"ideal makespan {ideal['ideal_makespan_s']:.0f} s = max(GPU work "
+                  f"{ideal['gpu_work_s']:.0f} GPU-s / {report['gpus']} = {ideal['work_bound_s']:.0f} s, "
+                  f"longest alone {ideal['alone_bound_s']:.0f} s)")
+    for key in ("throughput_ratio_vs_exclusive", "throughput_ratio_vs_partition", "efficiency_vs_ideal"):
+        if key in report:
+            console.print(f"{key}: {report[key]:.3f}")
+    if "priority_check" in report:
+        c = report["priority_check"]
+        console.print(f"priority: {', '.join(c['high_priority'])} slowdown vs alone "
+                      f"{c['slowdown_vs_alone']}; within 10%: {c['within_10pct_of_alone']}; "
+                      f"others' steps meanwhile {c['others_steps_when_high_done']}")
+    if wall_s is not None:
+        console.print(f"simulated in {wall_s:.1f} s wall time")

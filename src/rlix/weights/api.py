@@ -1,0 +1,77 @@
+"""What the weight layer offers and needs: the sync driver's view of a shard, the shard side's
+view of an engine, and the typed report of a sync.
+
+Two verbs cross this layer: a trainer *publishes* a version into its cache (cache.py), and the
+driver *syncs* chosen shards to it (sync.py -> `ShardEndpoint` -> the shard's `ShardUpdater`).
+The transport's own Protocols (how a bucket's bytes travel) are in transport/base.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rlix.weights.transport.base import Message
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """The part of EngineAPI a shard needs to receive weights (EngineAPI satisfies it). An engine
+    may also offer `weight_specs()` (name -> (shape, dtype), to refuse a mismatched layout up
+    front) and `weight_destination(name)` (a staging tensor to assemble split tensors into)."""
+
+    weight_version: int
+
+    async def start_weight_update(self, version: int) -> None: ...
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    async def finish_weight_update(self) -> int: ...
+
+    async def abort_weight_update(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class ShardEndpoint(Protocol):
+    """What the sync driver calls on one shard, in this order: init_transfer once per layout,
+    then per update start, push (once per bucket), finish; abort on any failure.
+
+    An endpoint may also offer `sync(version, layout_id, transfer, messages, wake_up) -> int`
+    (the whole update in one call, answering the version served afterwards) and `wake_up()`;
+    the driver uses them when present."""
+
+    name: str
+    transport_ranks: int  # ranks this shard adds to a collective transport (its TP size)
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def start(self, version: int, layout_id: str, transfer: dict[str, Any]) -> None: ...
+
+    async def push(self, message: Message) -> None: ...
+
+    async def finish(self, version: int) -> int: ...
+
+    async def abort(self, reason: str) -> None: ...
+
+
+@dataclass
+class SyncReport:
+    """What one sync did; crosses process boundaries (trainer actor -> pipeline) as is."""
+
+    version: int
+    ranks: list[int]
+    buckets: int
+    bytes: int
+    seconds: float  # start of the first start() to the last finish()
+    setup_seconds: float  # layout init (first time only) and transport rendezvous
+    teardown_seconds: float = 0.0  # the sender's transport teardown, after the last finish
+    failed: dict[int, str] = field(default_factory=dict)
+    bundled: bool = False  # each shard got the whole update in one call
+    reported: dict[int, int] = field(default_factory=dict)  # rank -> version it answered serving
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")

@@ -1,0 +1,269 @@
+"""One shard's end of a sync: the receiving logic, and the interface the sync driver talks to.
+
+`ShardReceiver` sits next to an engine and turns transport messages into the engine's own
+update protocol (start_weight_update / update_weights... / finish_weight_update), so whatever
+the transport, the engine sees named tensors. It refuses a layout that does not fit the model
+before any update starts, and on any failure aborts the engine's update so the old weights keep
+serving. `ShardEndpoint` is what the driver needs from a shard; an in-process endpoint calls a
+ShardReceiver directly, a subprocess one goes over a pipe (remote.py), and the HTTP adapter for
+the engine server maps the same five calls onto the weight-transfer endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rlix.errors import (WeightChecksumError, WeightLayoutError, WeightTransferError,
+                         WeightUpdateError)
+from rlix.weights.wire import BucketAssembler, Layout, ReceiveError, ReceiveSession
+from rlix.weights.transport import Message, TransportReceiver, make_receiver
+
+_TEARDOWN = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlix-transport-teardown")
+
+_ERRORS: dict[str, type[WeightUpdateError]] = {
+    "layout": WeightLayoutError, "checksum": WeightChecksumError, "transfer": WeightTransferError,
+    "incomplete": WeightTransferError, "version": WeightUpdateError,
+}
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """The part of EngineAPI a shard needs to receive weights (EngineAPI satisfies it). An engine
+    may also offer `weight_specs()` (name -> (shape, dtype), to refuse a mismatched layout up
+    front) and `weight_destination(name)` (a staging tensor to assemble split tensors into)."""
+
+    weight_version: int
+
+    async def start_weight_update(self, version: int) -> None: ...
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
+
+    async def finish_weight_update(self) -> int: ...
+
+    async def abort_weight_update(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class ShardEndpoint(Protocol):
+    """What the sync driver calls on one shard, in this order: init_transfer once per layout,
+    then per update start, push (once per bucket), finish; abort on any failure."""
+
+    name: str
+    transport_ranks: int  # ranks this shard adds to a collective transport (its TP size)
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def start(self, version: int, layout_id: str, transfer: dict[str, Any]) -> None: ...
+
+    async def push(self, message: Message) -> None: ...
+
+    async def finish(self, version: int) -> int: ...
+
+    async def abort(self, reason: str) -> None: ...
+
+
+def as_update_error(exc: BaseException, context: str) -> WeightUpdateError:
+    """One typed error for anything that went wrong receiving, with its context in front."""
+    if isinstance(exc, ReceiveError):
+        return _ERRORS.get(exc.kind, WeightUpdateError)(f"{context}: {exc}")
+    if isinstance(exc, WeightUpdateError):
+        try:
+            return type(exc)(f"{context}: {exc}")
+        except TypeError:  # a subclass with a richer constructor
+            return WeightUpdateError(f"{context}: {exc}")
+    return WeightTransferError(f"{context}: {type(exc).__name__}: {exc}")
+
+
+class ShardReceiver:
+    """Receives buckets for one engine; kept for the shard's lifetime (layout cached here)."""
+
+    def __init__(self, engine: WeightTarget, device: str | torch.device = "cpu") -> None:
+        self.engine = engine
+        self.device = torch.device(device)
+        self.layout: Layout | None = None
+        self.verify = False
+        self.transport: TransportReceiver | None = None
+        self._assembler: BucketAssembler | None = None
+        self._session: ReceiveSession | None = None
+        self._bucket_target: Callable[[int], tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None] | None = None
+        self.last_error: str | None = None
+        self._teardown: concurrent.futures.Future | None = None
+
+    @property
+    def updating(self) -> int | None:
+        return None if self._session is None else self._session.version
+
+    def progress(self) -> tuple[int, int]:
+        """(buckets received, buckets expected) of the update in progress."""
+        if self._session is None or self.layout is None:
+            return 0, 0
+        return len(self._session.received), self.layout.num_buckets
+
+    def init_transfer(self, init_info: Mapping[str, Any]) -> dict[str, Any]:
+        """Take the layout (sent once) and the transport kind; check the layout against the
+        model now, so a mismatch is refused before any update starts."""
+        if self._session is not None:
+            raise WeightUpdateError("cannot change the transfer layout during an update")
+        if self._teardown is not None:  # the transport may be replaced below
+            concurrent.futures.wait([self._teardown])
+            self._teardown = None
+        try:
+            layout = Layout.from_json(init_info["layout"])
+            specs_fn = getattr(self.engine, "weight_specs", None)
+            if callable(specs_fn):
+                layout.check_against(specs_fn(), require_all=not init_info.get("partial", False))
+            kind = str(init_info.get("transport", "shm"))
+            if self.transport is None or self.transport.kind != kind:
+                if self.transport is not None:
+                    self.transport.close()
+                self.transport = make_receiver(kind, self.device)
+        except Exception as exc:
+            self.layout = self._assembler = None
+            raise self._fail(exc, "weight transfer init refused") from None
+        self.layout, self.verify = layout, bool(init_info.get("verify", False))
+        self._assembler = BucketAssembler(layout, getattr(self.engine, "weight_destination", None))
+        adopt = getattr(self.engine, "adopt_layout", None)
+        self._bucket_target = (getattr(self.engine, "weight_bucket", None)
+                               if callable(adopt) and adopt(layout) else None)
+        return {"layout_id": layout.layout_id, "tensors": len(layout.entries),
+                "buckets": layout.num_buckets, "bytes": layout.total_bytes}
+
+    async def start(self, version: int, layout_id: str, transfer: Mapping[str, Any]) -> None:
+        context = f"update to version {version} refused, old weights keep serving"
+        if self.layout is None or self._assembler is None or self.transport is None:
+            raise self._fail(WeightLayoutError("no transfer layout: init_transfer first"), context)
+        if layout_id != self.layout.layout_id:
+            raise self._fail(WeightLayoutError(f"the update uses layout {layout_id}, this shard was "
+                                               f"initialised with {self.layout.layout_id}"), context)
+        if self._session is not None:
+            raise self._fail(WeightUpdateError(f"an update to version {self._session.version} is "
+                                               f"in progress"), context)
+        await self.wait_teardown()
+        try:
+            self.transport.open(dict(transfer))
+            await self.engine.start_weight_update(int(version))
+        except Exception as exc:
+            self.transport.end()
+            raise self._fail(exc, context) from None
+        self._session = ReceiveSession(self._assembler, int(version), self.verify)
+
+    async def bucket(self, message: Message) -> None:
+        session, transport = self._require()
+        try:
+            target = self._bucket_target(message.get("bucket")) if self._bucket_target else None
+            landed = target is not None and getattr(transport, "receives_into", False)
+            if landed:
+                tensor = transport.receive(message, out=target[0])  # straight into staging
+            else:
+                tensor = transport.receive(message)
+            if target is not None:  # the engine keeps its weights in bucket layout: one copy
+                dest, named = target
+                view = session.check(message, tensor)
+                if view.data_ptr() != dest.data_ptr():
+                    dest.copy_(view)
+                await self.engine.update_weights(named)
+            else:
+                named = session.accept(message, tensor, cache_views=transport.persistent)
+                if named:
+                    await self.engine.update_weights(dict(named))
+            if tensor.is_cuda and not landed:
+                # consumed: the transport may reuse its buffer. Bytes that landed in staging need
+                # no wait here (finish synchronises), so the sender's next bucket follows at once.
+                torch.cuda.current_stream(tensor.device).synchronize()
+            del named, tensor
+            transport.release(message)
+        except Exception as exc:
+            raise await self._abort_on(exc, f"bucket {message.get('bucket')}") from None
+
+    async def finish(self, version: int) -> int:
+        session, transport = self._require()
+        try:
+            if int(version) != session.version:
+                raise ReceiveError("version", f"finish names version {version} but the update "
+                                              f"started as {session.version}")
+            session.close()
+            applied = int(await self.engine.finish_weight_update())
+        except Exception as exc:
+            raise await self._abort_on(exc, "finish") from None
+        self._session = None
+        # Tearing the transport down (an NCCL communicator abort takes ~0.5 s) happens after
+        # the answer: the new weights already serve; the next start() waits for it.
+        self._teardown = _TEARDOWN.submit(transport.end)
+        self.last_error = None
+        return applied
+
+    async def abort(self, reason: str) -> None:
+        self.last_error = reason
+        if self._session is not None:
+            self._session = None
+            try:
+                await self.engine.abort_weight_update(reason)
+            finally:
+                if self.transport is not None:
+                    self.transport.end()
+
+    async def wait_teardown(self) -> None:
+        """Wait for the previous update's transport teardown (errors there are not this update's)."""
+        pending, self._teardown = self._teardown, None
+        if pending is not None:
+            try:
+                await asyncio.wrap_future(pending)
+            except Exception:  # noqa: BLE001 - a failed teardown leaves nothing to reuse anyway
+                pass
+
+    def close(self) -> None:
+        if self._teardown is not None:
+            concurrent.futures.wait([self._teardown])
+            self._teardown = None
+        if self._assembler is not None:
+            self._assembler.drop_cached_views()
+        if self.transport is not None:
+            self.transport.end()
+            self.transport.close()
+            self.transport = None
+
+    def _require(self) -> tuple[ReceiveSession, TransportReceiver]:
+        if self._session is None or self.transport is None:
+            raise WeightUpdateError("no weight update in progress: start it first")
+        return self._session, self.transport
+
+    async def _abort_on(self, exc: BaseException, where: str) -> WeightUpdateError:
+        version = self._session.version if self._session is not None else None
+        err = self._fail(exc, f"update to version {version} failed at {where}; aborted, old weights "
+                              f"keep serving")
+        await self.abort(str(err))
+        return err
+
+    def _fail(self, exc: BaseException, context: str) -> WeightUpdateError:
+        err = as_update_error(exc, context)
+        self.last_error = str(err)
+        return err
+
+
+class InProcessEndpoint:
+    """A shard living in the driver's process: direct calls into its ShardReceiver."""
+
+    def __init__(self, receiver: ShardReceiver, name: str = "shard", transport_ranks: int = 1) -> None:
+        self.receiver = receiver
+        self.name = name
+        self.transport_ranks = transport_ranks
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        return self.receiver.init_transfer(init_info)
+
+    async def start(self, version: int, layout_id: str, transfer: dict[str, Any]) -> None:
+        await self.receiver.start(version, layout_id, transfer)
+
+    async def push(self, message: Message) -> None:
+        await self.receiver.bucket(message)
+
+    async def finish(self, version: int) -> int:
+        return await self.receiver.finish(version)
+
+    async def abort(self, reason: str) -> None:
+        await self.receiver.abort(reason)
