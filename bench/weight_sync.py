@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 import tempfile
 import time
 from datetime import timedelta
@@ -48,9 +49,12 @@ from datetime import timedelta
 import torch
 
 from rlix import env
-from rlix.weights import (BucketCache, InProcessEndpoint, ModelEngine, ShardReceiver, WeightSync,
-                          unpack)
-from rlix.weights.remote import ReceiverProcess, write_spec
+from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync, unpack
+
+# the receiving side is test scaffolding (a minimal engine in a process of its own)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "weights"))
+from model_engine import ModelEngine  # noqa: E402
+from pipe_shard import PipeShard, write_spec  # noqa: E402
 
 env.apply_nccl_defaults()  # this process and every process it starts
 
@@ -110,7 +114,7 @@ def shm_sync_seconds(state: dict[str, torch.Tensor], bucket: int, rounds: int, t
                      adopt: bool = True) -> tuple[float, dict]:  # type: ignore[type-arg]
     """Best sync time of `state` from a shm cache into a receiver process (after a warm-up)."""
     spec = write_spec(os.path.join(tmp, "spec.json"), {n: (tuple(t.shape), t.dtype) for n, t in state.items()})
-    proc = ReceiverProcess(spec, name="bench-shard", call_timeout=600, adopt_layouts=adopt)
+    proc = PipeShard(spec, name="bench-shard", call_timeout=600, adopt_layouts=adopt)
     try:
         with BucketCache.for_model(state, bucket_bytes=bucket, host="shm") as cache:
             cache.build_latest(1, state)
@@ -172,7 +176,7 @@ def h2d_seconds(total: int, rounds: int) -> float:
 def gpu_local(cache: BucketCache, specs: dict, rounds: int) -> tuple[float, float]:  # type: ignore[type-arg]
     """(best sync seconds, peak extra bytes) cache -> in-process shard on cuda:0."""
     engine = ModelEngine({n: torch.zeros(s, dtype=d, device="cuda:0") for n, (s, d) in specs.items()})
-    sync = WeightSync(cache, {0: InProcessEndpoint(ShardReceiver(engine, "cuda:0"))}, "local",
+    sync = WeightSync(cache, {0: InProcessEndpoint(ShardUpdater(engine, "cuda:0"))}, "local",
                       transport_options={"device": "cuda:0"})
     asyncio.run(sync.sync(1, [0]))  # warm-up: engine staging allocated once
     times, peaks = [], []
@@ -250,7 +254,7 @@ class DeviceBuckets:
         yield self._buckets
 
 
-def nccl_syncs(source, proc: ReceiverProcess, rounds: int) -> tuple[list, int]:  # type: ignore[no-untyped-def]
+def nccl_syncs(source, proc: PipeShard, rounds: int) -> tuple[list, int]:  # type: ignore[no-untyped-def]
     """Warm syncs' reports, and the receiver's peak extra GPU bytes over them."""
     sync = WeightSync(source, {0: proc.endpoint}, "nccl", transport_options={"device": "cuda:0"})
     asyncio.run(sync.sync(1, [0]))  # warm-up: layout adopted, staging allocated
@@ -280,7 +284,7 @@ def gpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[typ
     if torch.cuda.device_count() >= 2:
         t_bcast = raw_broadcast_seconds(total, args.rounds)
         spec = write_spec(os.path.join(tmp, "gpu_spec.json"), specs)
-        proc = ReceiverProcess(spec, device="cuda:1", name="nccl-shard", call_timeout=600)
+        proc = PipeShard(spec, device="cuda:1", name="nccl-shard", call_timeout=600)
         try:
             from_cache, peak_cache = nccl_syncs(cache, proc, args.rounds)
             on_gpu = DeviceBuckets(cache, 1, "cuda:0")

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 
-from rlix import __version__
+from rlix import __version__, env
 from rlix.errors import RlixError
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
-    from rlix.sim import cli_sim
+    from rlix.sim import cli_sim  # deferred: see _cmd_run
 
     return cli_sim(args.scenario, args.json)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # deferred: each command imports only what it runs (`rlix check` needs neither torch nor Ray)
     from rlix.run import run
 
     result = run(args.config, resume=args.resume, mode=args.mode)
@@ -29,7 +31,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from rlix.config import load_config
+    from rlix.config import load_config  # deferred: see _cmd_run
 
     cfg = load_config(args.config)
     cluster = "auto (from Ray)" if cfg.cluster.is_auto else (
@@ -43,10 +45,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    import ray
+    import ray  # deferred: see _cmd_run
 
-    from rlix import env
-    from rlix.scheduler.service import get_scheduler
+    from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
 
     address = args.address or env.ray_address() or "auto"
     ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
@@ -59,10 +60,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import secrets
-
-    from rlix import env
-    from rlix.inference.server.app import serve
+    from rlix.inference.server.app import serve  # deferred: see _cmd_run (torch, the engine)
 
     api_key = args.api_key or env.api_key()
     if not api_key:
@@ -71,7 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"rlix serve: {args.model} on http://{args.host}:{args.port} ({args.device})", file=sys.stderr)
     if args.threads:
-        import torch
+        import torch  # deferred: see _cmd_run
 
         torch.set_num_threads(args.threads)
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,

@@ -17,10 +17,16 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import ray
+
 from rlix import env
+from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.errors import ConfigError
+from rlix.pipeline.actor import PipelineActor
 from rlix.scheduler.core import gpu_roles
+from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.service import start_scheduler
 
 
 class RunLog:
@@ -52,11 +58,6 @@ def gpu_share(snapshot: dict, shares: dict[str, float], dt: float) -> None:
 def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         out: TextIO = sys.stdout) -> dict:
     """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json)."""
-    import ray
-
-    from rlix.config import load_config
-    from rlix.pipeline.actor import PipelineActor
-
     cfg: RlixConfig = load_config(config_path)
     mode = mode or env.control_plane(cfg.control_plane)
     run_dir = Path(cfg.run_dir)
@@ -81,9 +82,6 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
     actors: dict[str, Any] = {}
     try:
         if mode == "rlix":
-            from rlix.scheduler.planner import PlannerParams
-            from rlix.scheduler.service import start_scheduler
-
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
             scheduler = start_scheduler(None if cfg.cluster.is_auto else cfg.cluster.topology(), params)
         all_gpus = list(range(total or 0))
@@ -122,8 +120,6 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
 def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> tuple[dict[str, dict], list[dict]]:
     """Wait for every pipeline, logging steps and GPU moves; returns the summaries and the GPU
     role changes (with `at` in wall-clock seconds, like the pipelines' step records)."""
-    import ray
-
     runs = {name: a.run.remote() for name, a in actors.items()}
     pending = dict(runs)
     seen_steps: dict[str, int] = {}

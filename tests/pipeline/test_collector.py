@@ -8,8 +8,10 @@ import random
 
 import pytest
 
+from rlix.config.models import RolloutConfig
 from rlix.envs import PatternTask
 from rlix.errors import CollectorError, InvalidRequestError
+from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector, parse_versions
 from rlix.pipeline.hooks import ProgressThrottle
@@ -67,16 +69,19 @@ class FakeEngine:
             spans = [{"version": str(v0), "start": 0, "end": 2}, {"version": str(v0 + 1), "start": 2, "end": n}]
         else:
             spans = [{"version": self.version_label or str(v0), "start": 0, "end": n}]
-        return {"choices": [{"token_ids": toks, "finish_reason": "length",
-                             "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in toks]},
-                             "weight_versions": spans}]}
+        return Generation.from_answer({
+            "choices": [{"token_ids": toks, "finish_reason": "length",
+                         "logprobs": {"content": [{"token_id": t, "logprob": -1.0} for t in toks]},
+                         "weight_versions": spans}]})
 
 
 def collector(engine, buffer, hooks, **kw):  # type: ignore[no-untyped-def]
-    settings = dict(group_size=4, groups_per_step=3, max_new_tokens=5, temperature=1.0, max_age=1,
-                    concurrency=8, seed=7, retry_delay_s=0.001)
+    rollout = dict(group_size=4, groups_per_step=3, max_new_tokens=5, temperature=1.0, concurrency=8)
+    rollout.update({k: kw.pop(k) for k in list(kw) if k in rollout})
+    settings = dict(max_age=1, seed=7, retry_delay_s=0.001)
     settings.update(kw)
-    return TrajectoryCollector(engine, Tok(), PatternTask(["a"], 4), buffer, hooks, **settings)
+    return TrajectoryCollector(engine, Tok(), PatternTask(["a"], 4), buffer, hooks,
+                               RolloutConfig(**rollout), **settings)
 
 
 def test_admission_bounds_generation_to_what_the_trainer_can_use_and_accounting_holds():
@@ -187,10 +192,9 @@ def test_a_response_spanning_two_versions_is_as_old_as_its_oldest_token():
 
 def test_unprovable_versions_drop_the_group():
     with pytest.raises(Exception, match="cover 3 of 5"):
-        parse_versions({"weight_versions": [{"version": "1", "start": 0, "end": 3}]}, 5)
-    assert parse_versions({"weight_versions": [{"version": "1", "start": 0, "end": 3},
-                                               {"version": "2", "start": 3, "end": 5}]}, 5) == [1, 2]
-    assert parse_versions({}, 0) == []
+        parse_versions([VersionSpan(1, 0, 3)], 5)
+    assert parse_versions([VersionSpan(1, 0, 3), VersionSpan(2, 3, 5)], 5) == [1, 2]
+    assert parse_versions([], 0) == []
 
     async def main() -> dict:
         buf = ReplayBuffer()
@@ -232,7 +236,7 @@ def test_failed_requests_are_retried_then_the_group_is_dropped_with_the_reason()
 def test_a_bad_request_is_not_retried():
     async def main() -> None:
         buf, engine = ReplayBuffer(), FakeEngine(fail_first=10**9, error=InvalidRequestError("prompt too long"))
-        col = collector(engine, buf, Hooks(), concurrency=1, max_retries=5, group_size=1)
+        col = collector(engine, buf, Hooks(), concurrency=1, max_retries=5, group_size=2)
         col.start()
         await asyncio.sleep(0.05)
         await col.stop()
@@ -245,11 +249,11 @@ def test_a_bad_request_is_not_retried():
 def test_progress_is_throttled_to_2_percent_steps():
     async def main() -> None:
         buf, hooks = ReplayBuffer(), Hooks()
-        # target 200 trajectories, one per group: each finished group is 0.5%
-        col = collector(FakeEngine(delay=(0.0005, 0.002)), buf, hooks, group_size=1, groups_per_step=200,
+        # target 200 trajectories, two per group: each finished group is 1%
+        col = collector(FakeEngine(delay=(0.0005, 0.002)), buf, hooks, group_size=2, groups_per_step=100,
                         max_age=0, concurrency=16)
         col.start()
-        await col.wait_for(200)
+        await col.wait_for(100)
         await asyncio.sleep(0.05)
         await col.stop()
         collected = [c for c, t, _ in hooks.reports]

@@ -1,4 +1,5 @@
-"""The collector against a real engine-server process behind the router (tiny model, CPU)."""
+"""The collector against a real engine-server process behind an in-process router (tiny model, CPU),
+as a pipeline runs it: one HTTP hop, router -> shard."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from kit import KEY, shard_processes  # noqa: E402
 
 from rlix.envs import PatternTask, Prompt  # noqa: E402
-from rlix.inference.fleet.client import RemoteInferenceClient  # noqa: E402
-from rlix.inference.router.router import Router  # noqa: E402
-from rlix.inference.router.app import RouterServer  # noqa: E402
+import pytest  # noqa: E402
+
+from rlix.config.models import RolloutConfig  # noqa: E402
+from rlix.errors import InvalidRequestError  # noqa: E402
+from rlix.inference.router.router import Generation, Router  # noqa: E402
 from rlix.pipeline.buffer import ReplayBuffer  # noqa: E402
 from rlix.pipeline.collector import TrajectoryCollector  # noqa: E402
 from rlix.pipeline.hooks import NoOpHooks  # noqa: E402
@@ -27,19 +30,18 @@ def test_collects_groups_through_the_router_from_a_real_engine(tiny_model_dir):
 
     async def main(url: str) -> tuple[list, dict, dict]:
         router = Router(KEY)
-        server = RouterServer(router)
-        await server.start()
-        client = RemoteInferenceClient(server.url, {0: url}, KEY, "tiny")
         try:
             await router.set_shard(0, url, "active")
 
-            async def generate(ids: list[int], params: dict, session: str | None) -> dict:
-                return await client.generate(ids, params, session_id=session)
+            async def generate(ids: list[int], params: dict, session: str | None) -> Generation:
+                return await router.generate(ids, params, session)
 
             buf = ReplayBuffer()
-            col = TrajectoryCollector(generate, tokenizer, task, buf, NoOpHooks(), group_size=4,
-                                      groups_per_step=2, max_new_tokens=8, temperature=1.0, max_age=0,
-                                      concurrency=2, seed=1)
+            rollout = RolloutConfig(group_size=4, groups_per_step=2, max_new_tokens=8, temperature=1.0,
+                                    concurrency=2)
+            col = TrajectoryCollector(generate, tokenizer, task, buf, NoOpHooks(), rollout, max_age=0, seed=1)
+            with pytest.raises(InvalidRequestError):  # the shard's 400 comes back typed: not retried
+                await router.generate(list(range(1, 600)), {"max_tokens": 4}, "too-long")
             col.start()
             await asyncio.wait_for(col.wait_for(2), 120)
             groups = buf.take(2, 0, 0)
@@ -47,8 +49,7 @@ def test_collects_groups_through_the_router_from_a_real_engine(tiny_model_dir):
             buf.check_conservation()
             return groups, buf.accounting(), col.stats()
         finally:
-            await server.stop()
-            await client.aclose()
+            await router.close()
 
     with shard_processes(tiny_model_dir, 1) as procs:
         groups, acc, stats = asyncio.run(main(procs[0].url))

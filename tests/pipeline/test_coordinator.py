@@ -10,6 +10,7 @@ import httpx
 import pytest
 import ray
 
+from rlix.config.models import TrainConfig
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
@@ -44,7 +45,8 @@ async def greedy(url: str) -> list[int]:
 
 @pytest.mark.parametrize("wake_in_sync", [False, True], ids=["wake-then-sync", "wake-in-sync"])
 def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_local, tiny_model_dir, wake_in_sync):
-    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), lr=0.05, seed=0)
+    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), TrainConfig(lr=0.05),
+                                                             seed=0, api_key=KEY)
 
     async def main() -> None:
         router = Router(KEY)
@@ -55,17 +57,13 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
                                                    served_model_name="tiny", max_model_len=128))
         fleet = ShardFleet(LocalLauncher(backend, KEY), router, client)
 
-        async def sync(version, urls, wake):  # type: ignore[no-untyped-def]
-            return await trainer.sync_shards.remote(version, urls, KEY, wake)
-
-        coord = ShardCoordinator(fleet, sync, wake_in_sync=wake_in_sync)
+        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=wake_in_sync)
         try:
             await coord.start([0, 1], version=0)
             before = await greedy(fleet.shards[0].url)
             await fleet.sleep_partial([0, 1])
             ray.get(trainer.train_step.remote(batch(1)))
-            ray.get(trainer.build_cache.remote(1))
-            ray.get(trainer.promote_active.remote(1))
+            ray.get(trainer.publish.remote(1))
             coord.announce(1)
             await coord.resize_inference([], {0: [0]})
             assert fleet.active_ranks() == [0] and coord.versions == {0: 1, 1: 0}
@@ -76,8 +74,7 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
             after = await greedy(fleet.shards[0].url)
             assert after != before  # serving the trained weights
             ray.get(trainer.train_step.remote(batch(2)))
-            ray.get(trainer.build_cache.remote(2))
-            ray.get(trainer.promote_active.remote(2))
+            ray.get(trainer.publish.remote(2))
             assert await coord.publish(2) == [0]  # only the active shard is refitted
             assert coord.versions == {0: 2, 1: 0}
             await coord.resize_inference([0], {1: [1]})  # the scheduler moves the shard

@@ -68,7 +68,7 @@ def test_state_for_sync_names_and_bit_identical_engine_sync(tiny_model_dir, samp
     from safetensors.torch import load_file
 
     from rlix.inference.engine.engine import TorchEngine
-    from rlix.weights import InProcessEndpoint, ShardReceiver, WeightSync
+    from rlix.weights import InProcessEndpoint, ShardUpdater, WeightSync
 
     trainer = PolicyTrainer(str(tiny_model_dir), cache_bucket_bytes=256 << 10)
     trainer.train_step(samples_factory(4, seed=5, trainer=trainer))
@@ -80,7 +80,7 @@ def test_state_for_sync_names_and_bit_identical_engine_sync(tiny_model_dir, samp
         assert set(state) == set(engine._weights.params)
         cache = trainer.build_cache(1)
         assert trainer.cache is cache and cache.latest_version == 1
-        ep = InProcessEndpoint(ShardReceiver(engine), "embedded")
+        ep = InProcessEndpoint(ShardUpdater(engine), "embedded")
         asyncio.run(WeightSync(cache, {0: ep}, "local").sync(1, [0]))
         assert engine.weight_version == 1
         for n, t in state.items():

@@ -20,9 +20,10 @@ def local_ray():
 
 
 def test_one_step_through_the_actor(local_ray, tiny_model_dir, samples_factory, tmp_path):
+    from rlix.config.models import TrainConfig
     from rlix.training.actor import TrainerActor
 
-    actor = TrainerActor.remote(str(tiny_model_dir), micro_batch_size=4)
+    actor = TrainerActor.remote(str(tiny_model_dir), TrainConfig(micro_batch_size=4))
     samples = samples_factory(6, seed=60)
     behaviour = ray.get(actor.compute_logprobs.remote(samples))
     for s, lp in zip(samples, behaviour):
@@ -30,9 +31,8 @@ def test_one_step_through_the_actor(local_ray, tiny_model_dir, samples_factory, 
     metrics = ray.get(actor.train_step.remote(samples))
     assert metrics["step"] == 1 and metrics["num_samples"] == 6
     assert metrics["ratio"] == pytest.approx(1.0, abs=1e-5)  # on-policy: behaviour == current
-    info = ray.get(actor.build_cache.remote(1))
-    assert info["version"] == 1 and info["num_buckets"] >= 1 and info["bytes"] > 0
-    ray.get(actor.promote_active.remote(1))
+    info = ray.get(actor.publish.remote(1))
+    assert info.version == 1 and info.num_buckets >= 1 and info.bytes > 0 and info.versions == [1]
     ray.get([actor.offload.remote(), actor.reload.remote()])
     ray.get(actor.save_checkpoint.remote(str(tmp_path / "ckpt")))
     # dict samples work too (callers outside Python's dataclass world)

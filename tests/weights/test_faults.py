@@ -17,10 +17,11 @@ import torch
 
 from rlix.errors import (WeightChecksumError, WeightLayoutError, WeightSyncError,
                          WeightTransferError, WeightUpdateError)
-from rlix.weights import (BucketCache, InProcessEndpoint, ModelEngine, ShardReceiver, WeightSync,
-                          load_into_model)
+from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync
 from rlix.weights.wire import SHM_DIR
 from rlix.weights.transport.local import LocalSender, LocalTransport
+
+from model_engine import ModelEngine, load_into_model
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -61,7 +62,8 @@ SENDER = textwrap.dedent("""
     import asyncio, sys, torch
     from multiprocessing.connection import Client
     from rlix.weights import BucketCache, WeightSync
-    from rlix.weights.remote import ConnectionEndpoint
+    sys.path.insert(0, HERE)
+    from pipe_shard import ConnectionEndpoint
     path, port = sys.argv[1], int(sys.argv[2])
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     sd = torch.load(path)
@@ -70,16 +72,16 @@ SENDER = textwrap.dedent("""
     endpoint = ConnectionEndpoint(Client(("127.0.0.1", port), authkey=authkey), "receiver")
     asyncio.run(WeightSync(cache, {0: endpoint}, "shm").sync(1, [0]))
     print("sender finished", flush=True)
-""")
+""").replace("HERE", repr(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_sender_killed_mid_transfer_aborts_the_update_and_keeps_old_weights(tmp_path):
-    from rlix.weights.remote import serve_connection
+    from pipe_shard import serve_connection
 
     torch.save(state(1), tmp_path / "new.pt")
     engine = Spy(state(0), stall_at=3)
     before = snapshot(engine)
-    receiver = ShardReceiver(engine)
+    receiver = ShardUpdater(engine)
     authkey = os.urandom(16)
     outcome: dict[str, BaseException | None] = {}
     with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
@@ -133,7 +135,7 @@ def test_mismatched_layout_is_refused_before_any_bytes(change, words):
     change(sd)
     with BucketCache.for_model(sd, bucket_bytes=16 << 10) as cache:
         cache.build_latest(1, sd)
-        ep = InProcessEndpoint(ShardReceiver(engine))
+        ep = InProcessEndpoint(ShardUpdater(engine))
         with pytest.raises(WeightSyncError, match="layout refused") as err:
             asyncio.run(WeightSync(cache, {0: ep}, "local").sync(1, [0]))
     assert words in str(err.value) and err.value.failed.keys() == {0} and err.value.succeeded == []
@@ -161,7 +163,7 @@ def test_without_specs_the_engine_refuses_and_the_update_is_aborted():
     with BucketCache.for_model(sd, bucket_bytes=16 << 10) as cache:
         cache.build_latest(4, sd)
         with pytest.raises(WeightSyncError, match="w3: got torch.float32 \\(64, 128\\)"):
-            asyncio.run(WeightSync(cache, {0: InProcessEndpoint(ShardReceiver(NoSpecs(engine)))},
+            asyncio.run(WeightSync(cache, {0: InProcessEndpoint(ShardUpdater(NoSpecs(engine)))},
                                    "local").sync(4, [0]))
     assert engine.weight_version == 0 and equal(engine.served(), before)
 
@@ -190,7 +192,7 @@ def test_checksum_mismatch_is_rejected_when_verifying():
     before = snapshot(engine)
     with BucketCache.for_model(state(1), bucket_bytes=16 << 10) as cache:
         cache.build_latest(1, state(1))
-        ep = InProcessEndpoint(ShardReceiver(engine))
+        ep = InProcessEndpoint(ShardUpdater(engine))
         with pytest.raises(WeightSyncError, match="bucket 2 checksum .* bytes corrupted") as err:
             asyncio.run(WeightSync(cache, {0: ep}, Corrupting(2), verify=True).sync(1, [0]))
         assert isinstance(err.value, WeightUpdateError)
@@ -198,7 +200,7 @@ def test_checksum_mismatch_is_rejected_when_verifying():
         asyncio.run(WeightSync(cache, {0: ep}, "local", verify=True).sync(1, [0]))  # clean retry
         assert engine.weight_version == 1 and equal(engine.served(), state(1))
         # the shard-level error is typed
-        rec = ShardReceiver(ModelEngine(state(0)))
+        rec = ShardUpdater(ModelEngine(state(0)))
         rec.init_transfer({"layout": cache.layout.to_json(), "transport": "local", "verify": True})
         asyncio.run(rec.start(1, cache.layout.layout_id, {}))
         bad = cache.buckets(1)[0].clone()
@@ -215,7 +217,7 @@ def test_receiver_refuses_wrong_version_layout_duplicates_and_incomplete_updates
     with BucketCache.for_model(state(1), bucket_bytes=16 << 10) as cache:
         cache.build_latest(1, state(1))
         buckets = cache.buckets(1)
-        rec = ShardReceiver(engine)
+        rec = ShardUpdater(engine)
         rec.init_transfer({"layout": cache.layout.to_json(), "transport": "local"})
         lid = cache.layout.layout_id
 

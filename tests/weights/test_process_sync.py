@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlix.errors import WeightSyncError
 from rlix.weights import BucketCache, WeightSync, named_weights
-from rlix.weights.remote import ReceiverProcess
+from pipe_shard import PipeShard
 
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -26,12 +26,12 @@ def receiver(tmp_path_factory, request):
     """A receiver process serving a differently initialised copy of the model."""
     path = tmp_path_factory.mktemp("recv") / "init.pt"
     torch.save({n: t.clone() for n, t in named_weights(tiny_model(seed=99)).items()}, path)
-    proc = ReceiverProcess(str(path), name="shard0", adopt_layouts=request.param)
+    proc = PipeShard(str(path), name="shard0", adopt_layouts=request.param)
     yield proc
     proc.close()
 
 
-def served(proc: ReceiverProcess, tmp_path) -> dict[str, torch.Tensor]:
+def served(proc: PipeShard, tmp_path) -> dict[str, torch.Tensor]:
     return torch.load(proc.call("dump", path=str(tmp_path / "served.pt")))
 
 

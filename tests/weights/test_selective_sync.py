@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from rlix.errors import WeightUpdateError
-from rlix.weights import BucketCache, InProcessEndpoint, ModelEngine, ShardReceiver, WeightSync
+from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync
+
+from model_engine import ModelEngine
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -21,7 +23,7 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 def shards(n: int, seed: int = 100, adopt: bool = True) -> tuple[list[ModelEngine], dict[int, InProcessEndpoint]]:
     engines = [ModelEngine({k: v.clone() for k, v in state(seed).items()}, adopt_layouts=adopt)
                for _ in range(n)]
-    return engines, {i: InProcessEndpoint(ShardReceiver(e), f"shard{i}") for i, e in enumerate(engines)}
+    return engines, {i: InProcessEndpoint(ShardUpdater(e), f"shard{i}") for i, e in enumerate(engines)}
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -32,7 +34,7 @@ class Watched(InProcessEndpoint):
     """Lets the test look at every shard between two buckets of the sync."""
 
     def __init__(self, inner: InProcessEndpoint, on_push) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(inner.receiver, inner.name)
+        super().__init__(inner.updater, inner.name)
         self.on_push = on_push
 
     async def push(self, message):  # type: ignore[no-untyped-def]
@@ -155,7 +157,7 @@ def test_feeds_the_embedded_engine_through_its_own_update_api(tiny_model_dir):
         new = {n: (t + 0.5).contiguous() for n, t in base.items() if n in names}
         with BucketCache.for_model(new, bucket_bytes=256 << 10) as cache:
             cache.build_latest(3, new)
-            ep = InProcessEndpoint(ShardReceiver(engine), "embedded")
+            ep = InProcessEndpoint(ShardUpdater(engine), "embedded")
             asyncio.run(WeightSync(cache, {0: ep}, "local").sync(3, [0]))
         assert engine.weight_version == 3
         for n, t in new.items():

@@ -7,8 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from rlix.weights import BucketCache, InProcessEndpoint, ModelEngine, ShardReceiver, WeightSync
-from rlix.weights.remote import ReceiverProcess
+from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync
+
+from model_engine import ModelEngine
+from pipe_shard import PipeShard
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +41,7 @@ def init_state(tmp_path):
 
 
 def test_cuda_ipc_same_gpu_is_bit_identical_and_stages_at_most_two_buckets(init_state, tmp_path):
-    proc = ReceiverProcess(init_state, device="cuda:0", name="ipc-shard")
+    proc = PipeShard(init_state, device="cuda:0", name="ipc-shard")
     try:
         want = state(1)
         with BucketCache.for_model(want, bucket_bytes=BUCKET) as cache:
@@ -60,7 +62,7 @@ def test_cuda_ipc_same_gpu_is_bit_identical_and_stages_at_most_two_buckets(init_
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_to_another_gpu_is_bit_identical_with_a_fresh_group_per_sync(init_state, tmp_path):
-    proc = ReceiverProcess(init_state, device="cuda:1", name="nccl-shard")
+    proc = PipeShard(init_state, device="cuda:1", name="nccl-shard")
     try:
         with BucketCache.for_model(state(1), bucket_bytes=BUCKET) as cache:
             sync = WeightSync(cache, {0: proc.endpoint}, "nccl",
@@ -83,7 +85,7 @@ def test_peak_extra_gpu_memory_of_a_sync_is_at_most_two_buckets(adopt):
     assembled straight into the engine's staging."""
     engine = ModelEngine({k: torch.zeros_like(v) for k, v in state(0).items()}, device="cuda:0",
                          adopt_layouts=adopt)
-    ep = InProcessEndpoint(ShardReceiver(engine, device="cuda:0"))
+    ep = InProcessEndpoint(ShardUpdater(engine, device="cuda:0"))
     with BucketCache.for_model(state(1), bucket_bytes=BUCKET) as cache:
         assert any(cache.layout.is_split(i) for i in range(len(cache.layout.entries)))
         sync = WeightSync(cache, {0: ep}, "local", transport_options={"device": "cuda:0"})

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from rlix.errors import ConfigError
+from rlix.config.models import RlixConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -50,6 +51,4 @@ def load_model(model: type[M], path: str | Path, error: type[ConfigError] = Conf
 
 
 def load_config(path: str | Path):
-    from rlix.config.models import RlixConfig
-
     return load_model(RlixConfig, path)

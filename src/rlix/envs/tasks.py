@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from rlix.envs.config import TaskConfig
+from rlix.envs.verifiers import numeric_credit
 
 
 @dataclass(frozen=True)
@@ -71,28 +70,4 @@ class ArithmeticTask:
         return Prompt(f"{a}+{b}=", a + b)
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        from rlix.envs.jsonl import numeric_credit
-
         return numeric_credit(prompt.answer, response)
-
-
-def make_task(cfg: TaskConfig | dict | str) -> Task:
-    """A task from its settings: a name ("pattern"), a dict (as in YAML) or a TaskConfig."""
-    from pydantic import ValidationError
-
-    from rlix.envs.config import TaskConfig
-    from rlix.envs.jsonl import JsonlTask
-    from rlix.errors import ConfigError
-
-    if not isinstance(cfg, TaskConfig):
-        try:
-            cfg = TaskConfig.model_validate({"name": cfg} if isinstance(cfg, str) else cfg)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"]) or "task"
-            raise ConfigError(f"task: {where}: {first['msg']}") from None
-    if cfg.name == "pattern":
-        return PatternTask(cfg.patterns, cfg.length)
-    if cfg.name == "arithmetic":
-        return ArithmeticTask(cfg.max_operand)
-    return JsonlTask(cfg.path or "", cfg.verifier)

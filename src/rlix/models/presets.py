@@ -62,7 +62,7 @@ def preset_names() -> list[str]:
 
 def preset_config(name: str, vocab_size: int, eos_token_id: int, pad_token_id: int):  # type: ignore[no-untyped-def]
     """The transformers Qwen2Config of preset `name` (no weights)."""
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config  # deferred: `rlix check` resolves presets without torch
 
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(preset_names())}")
@@ -87,10 +87,10 @@ def preset_config(name: str, vocab_size: int, eos_token_id: int, pad_token_id: i
 
 def build_preset(name: str, dest: Path) -> Path:
     """Build preset `name` into `dest` (created; must not hold a checkpoint yet) and return it."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import torch  # deferred: only building a preset needs torch (`rlix check` resolves without it)
+    from transformers import AutoModelForCausalLM, GenerationConfig  # deferred: as torch
 
-    from rlix.models.tokenizer import ENDOFTEXT, IM_END, build_tokenizer
+    from rlix.models.tokenizer import ENDOFTEXT, IM_END, build_tokenizer  # deferred: imports transformers
 
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(preset_names())}")

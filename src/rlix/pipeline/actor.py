@@ -1,37 +1,42 @@
 """PipelineActor: the Ray actor of one pipeline, and its coordinator as the scheduler sees it.
 
 Thin: everything is in PipelineRunner. It is an async actor, so the scheduler's
-`resize_inference` runs while the pipeline's own loop waits in `request()` for GPUs.
+`resize_inference` runs while the pipeline's own loop waits in `request()` for GPUs. The run
+mode's name is read here, once, to pick the hooks that are the mode from then on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import ray
+
+from rlix.config.models import PipelineConfig
+from rlix.pipeline.hooks import ColocatedHooks, RLixHooks
+from rlix.pipeline.runner import PipelineRunner
+from rlix.pipeline.scheduler_hooks import SchedulerHooks
+from rlix.scheduler.service import get_scheduler
+from rlix.threads import favour_control_latency
+
+
+def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any) -> RLixHooks:
+    """The strategy of a run mode: "rlix" time-shares through the scheduler; "standalone"
+    runs on the fixed `gpus`."""
+    if mode == "rlix":
+        return SchedulerHooks(get_scheduler(), cfg.name, cfg.train_gpus, handle)
+    return ColocatedHooks(gpus, cfg.train_gpus)
 
 
 @ray.remote(num_cpus=0)
 class PipelineActor:
     def __init__(self, cfg: dict, *, mode: str, run_dir: str, api_key: str, gpus: list[int],
                  resume: bool = False) -> None:
-        import logging
-
-        from rlix.config.models import PipelineConfig
-        from rlix.pipeline.runner import PipelineRunner
-        from rlix.threads import favour_control_latency
-
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        scheduler = None
-        if mode == "rlix":
-            from rlix.scheduler.service import get_scheduler
-
-            scheduler = get_scheduler()
-        self.runner = PipelineRunner(PipelineConfig.model_validate(cfg), mode=mode, run_dir=run_dir,
-                                     api_key=api_key, gpus=gpus, scheduler=scheduler,
-                                     self_handle=ray.get_runtime_context().current_actor,
-                                     resume=resume)
+        config = PipelineConfig.model_validate(cfg)
+        hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor)
+        self.runner = PipelineRunner(config, hooks, run_dir=run_dir, api_key=api_key, resume=resume)
 
     async def setup(self) -> dict:
         return await self.runner.setup()

@@ -16,7 +16,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rlix.config.models import PipelineConfig
+from rlix.pipeline.buffer import ReplayBuffer
+from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.pipeline.hooks import RLixHooks
 from rlix.training.grpo import group_advantages
 from rlix.training.types import TrainSample
 
@@ -57,18 +61,20 @@ def to_samples(groups: list) -> list[TrainSample]:  # type: ignore[type-arg]
 
 
 class GrpoLoop:
-    """Drives one pipeline's steps. `trainer` is a TrainerActor handle (awaitable calls);
-    `hooks` the RLixHooks of the mode; `on_step(record)` is called after every step."""
+    """Drives one pipeline's steps, as its config says. `trainer` is a TrainerActor handle
+    (awaitable calls); `hooks` the mode's RLixHooks; `on_step(record)` is called after every
+    step, `checkpoint(step)` every `checkpoint_every` steps."""
 
-    def __init__(self, *, name: str, trainer: Any, coordinator: ShardCoordinator, collector: Any,
-                 buffer: Any, hooks: Any, groups_per_step: int, max_age: int, steps: int,
+    def __init__(self, cfg: PipelineConfig, *, trainer: Any, coordinator: ShardCoordinator,
+                 collector: TrajectoryCollector, buffer: ReplayBuffer, hooks: RLixHooks,
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
-                 checkpoint: Callable[[int], Any] | None = None, checkpoint_every: int = 0) -> None:
-        self.name, self.trainer, self.coordinator = name, trainer, coordinator
+                 checkpoint: Callable[[int], Any] | None = None) -> None:
+        self.name, self.trainer, self.coordinator = cfg.name, trainer, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
-        self.groups_per_step, self.max_age, self.steps = groups_per_step, max_age, steps
+        self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
+        self.steps = cfg.steps
         self.step = start_step  # = the version the trainer holds
-        self.on_step, self.checkpoint, self.checkpoint_every = on_step, checkpoint, checkpoint_every
+        self.on_step, self.checkpoint, self.checkpoint_every = on_step, checkpoint, cfg.checkpoint_every
         self.records: list[StepRecord] = []
         self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
 
@@ -91,8 +97,7 @@ class GrpoLoop:
             metrics = await self.trainer.train_step.remote(samples)
             t_train = time.perf_counter()
             new = version + 1
-            await self.trainer.build_cache.remote(new)
-            await self.trainer.promote_active.remote(new)
+            await self.trainer.publish.remote(new)
             t_cache = time.perf_counter()
             await self.trainer.offload.remote()
             t_off = time.perf_counter()

@@ -1,7 +1,8 @@
 """The async trajectory collector: keeps the pipeline's shards busy and fills the buffer.
 
 Groups (one prompt x `group_size` samples, session-sticky to one shard) are generated
-concurrently through the router, one request per sample. Admission control: no new group
+concurrently through the router, one request per sample; each answer comes back typed
+(`Generation`: token ids, logprobs, weight-version spans, finish reason). Admission control: no new group
 starts while the young-enough groups buffered plus those in flight already cover
 `groups_per_step x (max_age + 1)`: more could only go stale before the trainer reaches them. A
 group that still finishes too old is dropped and counted ("stale"). Demand goes to the hooks
@@ -21,12 +22,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlix.config.models import RolloutConfig
+from rlix.envs.tasks import Task
 from rlix.errors import CollectorError, InvalidRequestError
+from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.hooks import ProgressThrottle
+from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
 from rlix.pipeline.types import Group, Trajectory
 
-Generate = Callable[[list[int], dict, str | None], Awaitable[dict]]
+#: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router in-process
+Generate = Callable[[list[int], dict, str | None], Awaitable[Generation]]
 
 
 class GroupDropped(Exception):
@@ -49,41 +54,40 @@ def sample_seed(seed: int, group_index: int, sample: int) -> int:
     return random.Random(f"{seed}/{group_index}/{sample}").randrange(1 << 31)
 
 
-def parse_versions(choice: dict, n_tokens: int) -> list[int]:
+def parse_versions(spans: list[VersionSpan], n_tokens: int) -> list[int]:
     """The distinct weight versions of a generate answer's spans, in order. Unknown versions
     or spans that do not cover every token make the answer unusable: its age is unprovable."""
-    spans = choice.get("weight_versions") or []
     if n_tokens == 0:
         return []
     versions: list[int] = []
     covered = 0
-    for span in sorted(spans, key=lambda s: int(s["start"])):
-        try:
-            v = int(span["version"])
-        except (TypeError, ValueError):
-            raise GroupDropped(f"unknown weight version {span.get('version')!r}") from None
-        if int(span["start"]) > covered:
+    for span in sorted(spans, key=lambda s: s.start):
+        if span.version is None:
+            raise GroupDropped("unknown weight version")
+        if span.start > covered:
             break
-        covered = max(covered, int(span["end"]))
-        if v not in versions:
-            versions.append(v)
+        covered = max(covered, span.end)
+        if span.version not in versions:
+            versions.append(span.version)
     if covered < n_tokens:
         raise GroupDropped(f"weight versions cover {covered} of {n_tokens} tokens")
     return versions
 
 
 class TrajectoryCollector:
-    def __init__(self, generate: Generate, tokenizer: Any, task: Any, buffer: ReplayBuffer,
-                 hooks: Any, *, group_size: int, groups_per_step: int, max_new_tokens: int,
-                 temperature: float, max_age: int, concurrency: int, seed: int = 0,
+    """See module doc. `rollout` is the pipeline's `rollout:` section; `max_age` its
+    `max_staleness`."""
+
+    def __init__(self, generate: Generate, tokenizer: Any, task: Task, buffer: ReplayBuffer,
+                 hooks: RLixHooks, rollout: RolloutConfig, *, max_age: int, seed: int = 0,
                  max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02) -> None:
-        if group_size < 1 or groups_per_step < 1 or concurrency < 1 or max_age < 0:
-            raise ValueError("group_size, groups_per_step, concurrency >= 1 and max_age >= 0")
+        if max_age < 0:
+            raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
         self.buffer, self.hooks = buffer, hooks
-        self.group_size, self.groups_per_step = group_size, groups_per_step
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.max_age, self.concurrency = max_age, concurrency
+        self.group_size, self.groups_per_step = rollout.group_size, rollout.groups_per_step
+        self.max_new_tokens, self.temperature = rollout.max_new_tokens, rollout.temperature
+        self.max_age, self.concurrency = max_age, rollout.concurrency
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.seed = seed
         self.rng = random.Random(seed)  # prompts, drawn in admission order
@@ -280,15 +284,12 @@ class TrajectoryCollector:
                     raise GroupDropped(f"generate failed: {type(exc).__name__}: {exc}") from exc
                 self.retries += 1
                 await asyncio.sleep(self.retry_delay_s * (attempt + 1))
-        choice = out["choices"][0]
-        tokens = [int(t) for t in choice.get("token_ids") or []]
-        content = (choice.get("logprobs") or {}).get("content") or []
-        logprobs = [float(c["logprob"]) for c in content]
+        tokens, logprobs = out.token_ids, out.logprobs
         if len(logprobs) != len(tokens):
             raise GroupDropped(f"engine returned {len(logprobs)} logprobs for {len(tokens)} tokens")
-        versions = parse_versions(choice, len(tokens))
+        versions = parse_versions(out.weight_versions, len(tokens))
         self.tokens += len(tokens)
-        return tokens, logprobs, versions, str(choice.get("finish_reason")), started
+        return tokens, logprobs, versions, out.finish_reason, started
 
     # ------------------------------------------------------------------ progress
     def collected(self) -> int:

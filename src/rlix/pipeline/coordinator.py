@@ -26,12 +26,13 @@ from typing import Any
 
 from rlix.errors import WeightUpdateError
 from rlix.inference.fleet.fleet import ShardFleet
+from rlix.weights.api import SyncReport
 
 log = logging.getLogger("rlix.pipeline")
 
-#: (version, {rank: url}, ranks to wake first) -> report (a dict; "reported": {rank: version}
-#: holds the versions shards answered in the same call)
-SyncFn = Callable[[int, dict[int, str], list[int]], Awaitable[Any]]
+#: (version, {rank: url}, ranks to wake first) -> the sync's report (`reported` holds the
+#: versions shards answered in the same call); the pipeline passes TrainerActor.sync_weights
+SyncFn = Callable[[int, dict[int, str], list[int]], Awaitable[SyncReport]]
 
 
 @dataclass
@@ -54,7 +55,7 @@ class CoordinatorStats:
 
 
 class ShardCoordinator:
-    """See module doc. `sync(version, {rank: url})` pushes a cached version to those shards
+    """See module doc. `sync(version, {rank: url}, wake)` moves those shards to a cached version
     (it runs where the cache lives: the trainer's process)."""
 
     def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
@@ -159,8 +160,7 @@ class ShardCoordinator:
         self.fleet.note_woken(asleep)
         dt = time.perf_counter() - t0
         self.stats.sync_seconds += dt
-        answered = rep.get("reported") if isinstance(rep, dict) else None
-        reported = {int(r): int(v) for r, v in (answered or {}).items()}
+        reported = {int(r): int(v) for r, v in rep.reported.items()}
         unanswered = [r for r in ranks if r not in reported]
         if unanswered:
             answers = await self.fleet.client.fan_out("GET", "/weight_info", unanswered)

@@ -1,16 +1,38 @@
-"""The hooks through which a pipeline talks to a control plane, and the no-op standalone ones.
+"""The hooks through which a pipeline talks to its control plane: the run mode as a strategy.
 
-Time-sharing mode uses rlix.pipeline.scheduler_hooks.SchedulerHooks (GPU requests and demand go
-to the rlix scheduler); standalone mode uses NoOpHooks (fixed GPUs, nobody to tell).
+The hooks object decides everything that differs between modes, so nothing else tests a mode
+name: which shards the pipeline starts (and on which GPUs), who places them once started
+(`join`), how training GPUs are obtained and given back, where demand goes, and what leaving
+means. Time-sharing: rlix.pipeline.scheduler_hooks.SchedulerHooks (the rlix scheduler places
+shards and grants GPUs). Standalone on fixed GPUs: ColocatedHooks (the shards on the trainer's
+GPUs sleep while it trains); NoOpHooks grants fixed GPUs and touches no shard.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fleet
+    from rlix.config.models import PipelineConfig
+    from rlix.pipeline.coordinator import ShardCoordinator
 
 
 @runtime_checkable
 class RLixHooks(Protocol):
+    mode: str  # the run mode's name, for reports
+
+    def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
+        """The dp ranks this pipeline starts, each with its GPUs if fixed (else [])."""
+        ...
+
+    async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
+        """The shards are started, asleep-capable and inactive: hand them to whoever places them."""
+        ...
+
+    async def leave(self) -> None:
+        """The pipeline ends: give everything back (after `settle`)."""
+        ...
+
     async def before_training(self, step: int) -> list[int]:
         """Block until the training GPUs are this pipeline's; returns them."""
         ...
@@ -34,10 +56,24 @@ class RLixHooks(Protocol):
 
 
 class NoOpHooks:
-    """Standalone: the fixed training GPUs are always granted; progress goes nowhere."""
+    """Standalone: the fixed training GPUs are always granted; progress goes nowhere; every
+    shard is activated at once and stays active."""
+
+    mode = "standalone"
 
     def __init__(self, gpus: list[int] | None = None) -> None:
         self.gpus = list(gpus or [])
+
+    def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
+        """One shard per `tp` fixed GPUs (at least one)."""
+        n = max(len(self.gpus) // cfg.tp, 1)
+        return {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp] for r in range(n)}
+
+    async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
+        await coordinator.resize_inference([], self.shard_gpus(cfg))
+
+    async def leave(self) -> None:
+        return None
 
     async def before_training(self, step: int) -> list[int]:
         return list(self.gpus)
@@ -93,21 +129,28 @@ class ProgressThrottle:
 
 
 class ColocatedHooks(NoOpHooks):
-    """Standalone on fixed GPUs: the shards that share a GPU with the trainer sleep while it
-    trains and come back (synced to the new version) after; the others keep generating. The
-    same partial overlap the scheduler applies, without a scheduler. `coordinator` is the
-    pipeline's ShardCoordinator; `shard_gpus` maps each dp rank to its GPUs."""
+    """Standalone on fixed GPUs: the shards that share a GPU with the trainer (its first
+    `train_gpus` of `gpus`) sleep while it trains and come back (synced to the new version)
+    after; the others keep generating. The same partial overlap the scheduler applies, without
+    a scheduler."""
 
-    def __init__(self, coordinator, train_gpus: list[int], shard_gpus: dict[int, list[int]]) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(train_gpus)
+    def __init__(self, gpus: list[int], train_gpus: int = 1) -> None:
+        super().__init__(gpus)
+        self.train = list(gpus[:train_gpus])
+        self.coordinator: ShardCoordinator | None = None
+        self.overlap: dict[int, list[int]] = {}
+
+    async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
         self.coordinator = coordinator
-        self.overlap = {r: g for r, g in shard_gpus.items() if set(g) & set(train_gpus)}
+        shards = self.shard_gpus(cfg)
+        self.overlap = {r: g for r, g in shards.items() if set(g) & set(self.train)}
+        await coordinator.resize_inference([], shards)
 
     async def before_training(self, step: int) -> list[int]:
-        if self.overlap:
+        if self.overlap and self.coordinator is not None:
             await self.coordinator.resize_inference(sorted(self.overlap), {})
-        return list(self.gpus)
+        return list(self.train)
 
     async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
-        if self.overlap:
+        if self.overlap and self.coordinator is not None:
             await self.coordinator.resize_inference([], dict(self.overlap))

@@ -1,11 +1,10 @@
 """One pipeline, assembled: trainer actor, shard fleet + router, coordinator, buffer, collector
-and the GRPO loop, in either mode. `PipelineActor` (actor.py) is the thin Ray shell around it.
+and the GRPO loop. `PipelineActor` (actor.py) is the thin Ray shell around it.
 
-Time-sharing (`rlix`): every shard process is started, put to sleep, and the pipeline registers
-with the scheduler, which then wakes shards where and when it decides (resize_inference) and
-grants training GPUs on request. Standalone: the shards on the pipeline's fixed GPUs are
-activated at once; those sharing a GPU with the trainer sleep while it trains and are woken and
-synced after (ColocatedHooks), the others stay active and are refitted in flight.
+The run mode is the hooks object it is given (pipeline/hooks.py): it says which shards start
+and on which GPUs, who places them (`join`: the scheduler, or the fixed GPUs at once), how
+training GPUs are obtained, and what leaving means. Nothing here tests a mode's name.
+Rollouts call the router in this process, on the data-plane thread (one HTTP hop: to a shard).
 """
 
 from __future__ import annotations
@@ -18,128 +17,124 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+from transformers import AutoTokenizer
+
 from rlix.config.models import PipelineConfig
+from rlix.envs import make_task
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router.data_plane import DataPlaneThread
+from rlix.inference.router.router import Generation, Router
+from rlix.models.presets import resolve_model
 from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
+from rlix.pipeline.buffer import ReplayBuffer
+from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.pipeline.hooks import RLixHooks
+from rlix.training.actor import TrainerActor
 
 log = logging.getLogger("rlix.pipeline")
 
+#: the longest one rollout request may take, holds for an active shard included
+GENERATE_TIMEOUT_S = 600.0
+
 
 class PipelineRunner:
-    def __init__(self, cfg: PipelineConfig, *, mode: str, run_dir: str | Path, api_key: str,
-                 gpus: list[int], scheduler: Any = None, self_handle: Any = None,
+    def __init__(self, cfg: PipelineConfig, hooks: RLixHooks, *, run_dir: str | Path, api_key: str,
                  resume: bool = False) -> None:
-        self.cfg, self.mode, self.api_key = cfg, mode, api_key
+        self.cfg, self.hooks, self.api_key, self.resume = cfg, hooks, api_key, resume
         self.dir = Path(run_dir) / cfg.name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.gpus = gpus
-        self.scheduler, self.self_handle, self.resume = scheduler, self_handle, resume
         self.start_step = 0
         self.history: list[dict] = []  # every step's record, across resumes
-        self.loop: GrpoLoop | None = None
         self.started_at = time.time()
         self.closing = False
         self.setup_s = 0.0
+        # built by setup(), in this order; shutdown() stops whatever exists
+        self.trainer: Any = None
+        self.data_plane: DataPlaneThread | None = None
+        self.router: Router | None = None
+        self.fleet: ShardFleet | None = None
+        self.coordinator: ShardCoordinator | None = None
+        self.buffer = ReplayBuffer()
+        self.collector: TrajectoryCollector | None = None
+        self.loop: GrpoLoop | None = None
+        self.joined = False
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> dict:
-        from transformers import AutoTokenizer
-
-        from rlix.envs import make_task
-        from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
-        from rlix.inference.fleet.client import RemoteInferenceClient
-        from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
-        from rlix.inference.router.data_plane import DataPlaneThread
-        from rlix.inference.router.router import Router
-        from rlix.models.presets import resolve_model
-        from rlix.pipeline.buffer import ReplayBuffer
-        from rlix.pipeline.collector import TrajectoryCollector
-        from rlix.pipeline.hooks import ColocatedHooks
-        from rlix.pipeline.scheduler_hooks import SchedulerHooks
-        from rlix.training.actor import TrainerActor
-
         t0 = time.perf_counter()
-        cfg, tr, ro = self.cfg, self.cfg.train, self.cfg.rollout
-        path = resolve_model(cfg.model)
-        self.trainer = TrainerActor.options(max_concurrency=2).remote(
-            str(path), cpu_threads=cfg.cpu_threads, device="cpu", lr=tr.lr, weight_decay=tr.weight_decay,
-            micro_batch_size=tr.micro_batch_size, clip_eps=tr.clip_eps, kl_coef=tr.kl_coef,
-            aggregation=tr.aggregation, max_grad_norm=tr.max_grad_norm, seed=cfg.seed,
-            temperature=ro.temperature, cache_bucket_bytes=tr.bucket_mib << 20)
-        ckpt = self.dir / "checkpoint"
-        if self.resume and (ckpt / "trainer").exists():
-            self.start_step = int(await self.trainer.load_checkpoint.remote(str(ckpt / "trainer")))
-            metrics = self.dir / "metrics.jsonl"
-            if metrics.exists():
-                self.history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-                self.history = [h for h in self.history if h["step"] <= self.start_step]
-        elif not self.resume:
-            (self.dir / "metrics.jsonl").write_text("")
-        await self.trainer.build_cache.remote(self.start_step)
-        await self.trainer.promote_active.remote(self.start_step)
-        await self.trainer.offload.remote()
-
-        # rollouts (router + their HTTP calls) run on their own loop and thread, so control calls
-        # (sleep, wake, sync) never queue behind rollout traffic on this actor's loop
-        self.data_plane = DataPlaneThread(f"{cfg.name}-data-plane")
-        self.data_plane.start()
-        self.router = Router(self.api_key, hold_timeout_s=600.0)
-        router_url = await self.data_plane.serve_router(self.router)
-        self.rollout_client = RemoteInferenceClient(router_url, {}, self.api_key, cfg.name)
-        client = RemoteInferenceClient(router_url, {}, self.api_key, cfg.name)  # control calls
-        backend = make_backend(EngineBackendConfig(
-            backend="embedded", model=str(path), served_model_name=cfg.name,
-            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
-        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key),
-                                self.data_plane.router_control(self.router), client,
-                                drain_before_sleep=False)  # our engine aborts in-flight at sleep
-        self.coordinator = ShardCoordinator(self.fleet, self._sync, initial_version=0,
-                                            wake_in_sync=True)  # our engine serves /sync_weights
-        ranks = list(range(cfg.max_shards if self.mode == "rlix" else max(len(self.gpus) // cfg.tp, 1)))
-        await self.coordinator.start(ranks, version=0, active=False)  # weights from disk = v0
-        self.coordinator.announce(self.start_step)
-
-        self.buffer = ReplayBuffer()
-        shard_gpus = {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp] for r in ranks}
-        if self.mode == "rlix":
-            self.hooks: Any = SchedulerHooks(self.scheduler, cfg.name, cfg.train_gpus)
-        else:  # fixed GPUs: shards on the trainer's GPUs sleep while it trains
-            self.hooks = ColocatedHooks(self.coordinator, self.gpus[: cfg.train_gpus], shard_gpus)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.collector = TrajectoryCollector(
-            self._generate(), tokenizer, make_task(cfg.task), self.buffer, self.hooks,
-            group_size=ro.group_size, groups_per_step=ro.groups_per_step,
-            max_new_tokens=ro.max_new_tokens, temperature=ro.temperature,
-            max_age=cfg.max_staleness, concurrency=ro.concurrency,
-            seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step)
-        self.collector.set_version(self.start_step)
-        if self.mode == "rlix":
-            await self.fleet.sleep_partial(ranks)  # the scheduler decides where shards run
-            await self.scheduler.register.remote(cfg.spec(), self.self_handle)
-        else:
-            await self.coordinator.resize_inference([], shard_gpus)
-        self.loop = GrpoLoop(
-            name=cfg.name, trainer=self.trainer, coordinator=self.coordinator,
-            collector=self.collector, buffer=self.buffer, hooks=self.hooks,
-            groups_per_step=ro.groups_per_step, max_age=cfg.max_staleness, steps=cfg.steps,
-            start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint,
-            checkpoint_every=cfg.checkpoint_every)
+        path = resolve_model(self.cfg.model)
+        await self._start_trainer(str(path))
+        ranks = await self._start_shards(str(path))
+        self._start_collector(str(path))
+        self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
+        await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
+        self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,  # type: ignore[arg-type]
+                             collector=self.collector, buffer=self.buffer, hooks=self.hooks,  # type: ignore[arg-type]
+                             start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint)
         self.setup_s = time.perf_counter() - t0
-        return {"pipeline": cfg.name, "shards": ranks, "start_step": self.start_step,
+        return {"pipeline": self.cfg.name, "shards": ranks, "start_step": self.start_step,
                 "setup_s": round(self.setup_s, 2)}
 
-    def _generate(self):  # type: ignore[no-untyped-def]
-        async def generate(token_ids: list[int], sampling_params: dict, session_id: str | None = None) -> dict:
-            return await self.data_plane.run(
-                self.rollout_client.generate(token_ids, sampling_params, session_id=session_id))
-        return generate
+    async def _start_trainer(self, path: str) -> None:
+        """The trainer (resumed from its checkpoint if asked), its first version published."""
+        cfg = self.cfg
+        self.trainer = TrainerActor.options(max_concurrency=2).remote(
+            path, cfg.train, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
+            cpu_threads=cfg.cpu_threads, device="cpu")
+        ckpt = self.dir / "checkpoint"
+        metrics = self.dir / "metrics.jsonl"
+        if self.resume and (ckpt / "trainer").exists():
+            self.start_step = int(await self.trainer.load_checkpoint.remote(str(ckpt / "trainer")))
+            if metrics.exists():
+                rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                self.history = [h for h in rows if h["step"] <= self.start_step]
+        elif not self.resume:
+            metrics.write_text("")
+        await self.trainer.publish.remote(self.start_step)
+        await self.trainer.offload.remote()
 
-    async def _sync(self, version: int, urls: dict[int, str], wake: list[int]) -> Any:
-        return await self.trainer.sync_shards.remote(version, urls, self.api_key, wake)
+    async def _start_shards(self, path: str) -> list[int]:
+        """The router on its own thread (control calls never queue behind rollout traffic on this
+        actor's loop), the shard processes, and the coordinator over them; shards start
+        inactive, serving the weights on disk as version 0."""
+        cfg, ro = self.cfg, self.cfg.rollout
+        self.data_plane = DataPlaneThread(f"{cfg.name}-data-plane")
+        self.data_plane.start()
+        self.router = Router(self.api_key, hold_timeout_s=GENERATE_TIMEOUT_S)
+        backend = make_backend(EngineBackendConfig(
+            backend="embedded", model=path, served_model_name=cfg.name,
+            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
+        control = RemoteInferenceClient(None, {}, self.api_key, cfg.name)  # straight to the shards
+        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key),
+                                self.data_plane.router_control(self.router), control,
+                                drain_before_sleep=False)  # our engine aborts in-flight at sleep
+        self.coordinator = ShardCoordinator(self.fleet, self.trainer.sync_weights.remote, initial_version=0,
+                                            wake_in_sync=True)  # our engine serves /sync_weights
+        ranks = sorted(self.hooks.shard_gpus(cfg))
+        await self.coordinator.start(ranks, version=0, active=False)
+        self.coordinator.announce(self.start_step)
+        return ranks
+
+    def _start_collector(self, path: str) -> None:
+        cfg = self.cfg
+        self.collector = TrajectoryCollector(
+            self._generate, AutoTokenizer.from_pretrained(path), make_task(cfg.task), self.buffer,
+            self.hooks, cfg.rollout, max_age=cfg.max_staleness,
+            seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step)
+        self.collector.set_version(self.start_step)
+
+    async def _generate(self, token_ids: list[int], sampling_params: dict, session_id: str | None) -> Generation:
+        assert self.data_plane is not None and self.router is not None
+        return await self.data_plane.run(
+            self.router.generate(token_ids, sampling_params, session_id, timeout_s=GENERATE_TIMEOUT_S))
 
     # ------------------------------------------------------------------ running
     async def run(self) -> dict:
-        assert self.loop is not None, "setup() first"
+        assert self.loop is not None and self.collector is not None, "setup() first"
         self.collector.start()
         try:
             await self.loop.run()
@@ -159,7 +154,7 @@ class PipelineRunner:
         await self.trainer.save_checkpoint.remote(str(self.dir / "checkpoint" / "trainer"))
 
     async def resize_inference(self, remove: list[int], add: dict[int, list[int]]) -> dict:
-        if self.closing:
+        if self.closing or self.coordinator is None:
             return {"skipped": "pipeline is shutting down"}
         return await self.coordinator.resize_inference(remove, add)
 
@@ -167,7 +162,7 @@ class PipelineRunner:
         last = self.history[-1] if self.history else None
         return {"pipeline": self.cfg.name, "step": self.loop.step if self.loop else self.start_step,
                 "steps": self.cfg.steps, "reward": last["reward"] if last else None,
-                "active_shards": self.fleet.active_ranks() if hasattr(self, "fleet") else [],
+                "active_shards": self.fleet.active_ranks() if self.fleet is not None else [],
                 "buffered": self.buffer.valid_count(self.loop.step, self.cfg.max_staleness)
                 if self.loop else 0}
 
@@ -175,8 +170,9 @@ class PipelineRunner:
         rewards = [h["reward"] for h in self.history]
         records = self.loop.records if self.loop else []
         coord = self.coordinator
+        assert coord is not None and self.collector is not None, "setup() first"
         return {
-            "pipeline": self.cfg.name, "mode": self.mode, "steps": len(self.history),
+            "pipeline": self.cfg.name, "mode": self.hooks.mode, "steps": len(self.history),
             "start_step": self.start_step, "rewards": rewards,
             "reward_first5": sum(rewards[:5]) / max(len(rewards[:5]), 1),
             "reward_last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
@@ -195,11 +191,9 @@ class PipelineRunner:
 
     async def shutdown(self) -> dict[str, float]:
         """Stop everything this pipeline started; returns seconds per part (slow ones show)."""
-        import ray
-
         took: dict[str, float] = {}
 
-        async def timed(name: str, coro, limit_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+        async def timed(name: str, coro: Any, limit_s: float = 20.0) -> None:
             t0 = time.perf_counter()
             try:
                 await asyncio.wait_for(coro, limit_s)
@@ -208,21 +202,18 @@ class PipelineRunner:
                 took[f"{name} failed"] = 1.0
             took[name] = round(time.perf_counter() - t0, 3)
 
-        self.closing = True  # the scheduler's late resize calls are ignored from here on
-
-        if self.mode == "rlix" and self.scheduler is not None:
-            if hasattr(self, "hooks"):  # the last release before leaving (an error is logged)
-                await timed("release", self.hooks.settle())
-            await timed("unregister", self.scheduler.unregister.remote(self.cfg.name))
-        if hasattr(self, "collector"):
+        self.closing = True  # the control plane's late resize calls are ignored from here on
+        if self.joined:  # the scheduler (if any) frees its GPUs
+            await timed("leave", self.hooks.leave())
+        if self.collector is not None:
             await timed("collector", self.collector.stop())
-        if hasattr(self, "data_plane"):
-            if hasattr(self, "rollout_client") and self.data_plane.alive():
-                await timed("rollout client", self.data_plane.run(self.rollout_client.aclose()))
-            await timed("router", self.data_plane.stop())
-        if hasattr(self, "fleet"):
+        if self.data_plane is not None:
+            if self.router is not None and self.data_plane.alive():
+                await timed("router", self.data_plane.run(self.router.close()))
+            await timed("data plane", self.data_plane.stop())
+        if self.fleet is not None:
             await timed("shards", self.fleet.shutdown())
-        if hasattr(self, "trainer"):
+        if self.trainer is not None:
             await timed("trainer", self.trainer.close.remote())
             ray.kill(self.trainer)
         return took

@@ -1,21 +1,52 @@
-"""The hooks of time-sharing mode: the loop's GPU requests and the collector's demand go to the
-rlix scheduler (the Ray actor "rlix:scheduler"); standalone mode uses rlix.pipeline.hooks.NoOpHooks."""
+"""The hooks of time-sharing mode: the rlix scheduler (the Ray actor "rlix:scheduler") places the
+pipeline's shards and grants its training GPUs; the loop's requests and the collector's demand go
+there. Standalone mode uses rlix.pipeline.hooks.ColocatedHooks."""
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlix.scheduler.types import Progress
 
+if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fleet
+    from rlix.config.models import PipelineConfig
+    from rlix.pipeline.coordinator import ShardCoordinator
+
+log = logging.getLogger("rlix.pipeline")
+
 
 class SchedulerHooks:
-    def __init__(self, scheduler: Any, pipeline: str, train_gpus: int) -> None:
+    """`coordinator_handle` is what the scheduler calls back (`resize_inference`): the
+    pipeline's Ray actor."""
+
+    mode = "rlix"
+
+    def __init__(self, scheduler: Any, pipeline: str, train_gpus: int, coordinator_handle: Any = None) -> None:
         self.scheduler, self.pipeline, self.train_gpus = scheduler, pipeline, train_gpus
+        self.coordinator_handle = coordinator_handle
         self.granted: list[int] = []
         self.wait_s = 0.0
         self._releasing: Any = None  # the release call in flight (a Ray ObjectRef)
         self._complete: Progress | None = None  # "batch complete", held for the next request
+
+    def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
+        """Every shard it may use; the scheduler decides where and when each runs."""
+        return {r: [] for r in range(cfg.max_shards)}
+
+    async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
+        """Put every shard to sleep, then register: the scheduler wakes them where it decides."""
+        await coordinator.fleet.sleep_partial(sorted(coordinator.fleet.shards))
+        await self.scheduler.register.remote(cfg.spec(), self.coordinator_handle)
+
+    async def leave(self) -> None:
+        """The last release is collected (its error logged), then the pipeline unregisters."""
+        try:
+            await self.settle()
+        except Exception as exc:  # noqa: BLE001 - leaving anyway; the scheduler frees its GPUs
+            log.warning("%s: the last release failed: %r", self.pipeline, exc)
+        await self.scheduler.unregister.remote(self.pipeline)
 
     async def before_training(self, step: int) -> list[int]:
         """Blocks until the scheduler grants the training GPUs (it shrinks shards there first).

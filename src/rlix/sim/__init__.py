@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+from rich.console import Console
+from rich.progress import Progress
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,9 +69,6 @@ def cli_sim(path: str, as_json: bool) -> int:
     scenario = load_scenario(path)
     started = time.perf_counter()
     if sys.stderr.isatty():
-        from rich.console import Console
-        from rich.progress import Progress
-
         with Progress(console=Console(stderr=True), transient=True) as bar:
             def on_run(label: str, steps: int):
                 task = bar.add_task(label, total=steps)
@@ -81,7 +81,5 @@ def cli_sim(path: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        from rich.console import Console
-
         render(report, Console(width=None if sys.stdout.isatty() else 120), wall_s=wall)
     return 0

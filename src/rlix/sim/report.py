@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from rich.table import Table
+
 from rlix.sim.policies import RunResult
 from rlix.sim.scenario import Scenario
 from rlix.sim.workload import Workload
@@ -153,8 +155,6 @@ def build_report(scenario: Scenario, workloads: dict[str, Workload], runs: dict[
 
 def render(report: dict, console, wall_s: float | None = None) -> None:
     """Human-readable tables (rich)."""
-    from rich.table import Table
-
     pol = report["policies"]
     t = Table(title=f"{report['scenario']}: {report['gpus']} GPUs, {len(report['pipelines'])} pipelines")
     t.add_column("policy", no_wrap=True)

@@ -1,22 +1,30 @@
 """TrainerActor: a thin Ray shell over PolicyTrainer, one per trainer rank.
 
 Everything interesting lives in trainer.py (testable without Ray). Placement is the caller's:
-`TrainerActor.options(num_gpus=1).remote(model, device="cuda", rank=r, world_size=n)`. The
-weight cache stays in this process (pinned, or shared memory another process on the host can
-map); remote callers get a small summary of it, never the tensors.
+`TrainerActor.options(num_gpus=1).remote(model, train_cfg, device="cuda", rank=r, world_size=n)`.
+The weight cache stays in this process (pinned, or shared memory another process on the host
+can map), so the two verbs of the weight path run here: `publish(version)` snapshots the
+weights into the cache, `sync_weights(version, shards)` moves chosen shards to a cached
+version. Remote callers get typed summaries, never the tensors.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
+import torch
 
+from rlix.config.models import TrainConfig
+from rlix.errors import WeightCacheError
 from rlix.threads import yield_cores_to_control
-from rlix.training.types import GroupSpec, TrainSample
+from rlix.training.trainer import PolicyTrainer
+from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
+from rlix.weights.api import SyncReport
+from rlix.weights.push import ShardWeightPusher
 
 
 def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSample]:
@@ -25,17 +33,21 @@ def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSa
 
 @ray.remote(num_cpus=0)
 class TrainerActor:
-    """One PolicyTrainer rank; keyword arguments go to PolicyTrainer unchanged."""
+    """One PolicyTrainer rank, configured by the pipeline's `train:` section.
 
-    def __init__(self, model: str, cpu_threads: int | None = None, **kwargs: Any) -> None:
-        from rlix.training.trainer import PolicyTrainer
+    `api_key` is the shards' token (for `sync_weights`); `cpu_threads` caps torch's threads
+    (several trainers and shards on a few cores: oversubscription cost 7x); other keyword
+    arguments (device, dtype, rank, world_size, cache_host...) go to PolicyTrainer."""
 
-        if cpu_threads:  # several trainers and shards on a few cores: oversubscription costs 7x
-            import torch
-
+    def __init__(self, model: str, train: TrainConfig | None = None, *, seed: int = 0,
+                 temperature: float = 1.0, api_key: str = "", cpu_threads: int | None = None,
+                 **kwargs: Any) -> None:
+        if cpu_threads:
             torch.set_num_threads(cpu_threads)
-
-        self.trainer = PolicyTrainer(model, **kwargs)
+        self.trainer = PolicyTrainer.from_config(model, train or TrainConfig(), seed=seed,
+                                                 temperature=temperature, **kwargs)
+        self.api_key = api_key
+        self._pusher: ShardWeightPusher | None = None
         # On a CPU device forward/backward run on a thread of their own that yields the cores to
         # control threads (rlix.threads), so cache builds, syncs and the shards' control calls
         # stay prompt. On CUDA they stay on the calling thread (the current device is per thread).
@@ -56,22 +68,24 @@ class TrainerActor:
     def compute_logprobs(self, samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[list[float]]:
         return self._run(self.trainer.compute_logprobs, _samples(samples))
 
-    def build_cache(self, version: int) -> dict[str, Any]:
-        """Snapshot the weights as `version`; returns version, num_buckets, bytes, seconds and
-        the cache's shared-memory segment names (empty when it is pinned instead)."""
+    def publish(self, version: int) -> PublishedVersion:
+        """Snapshot the weights into the cache as `version` and make it the version shards are
+        synced to (the cache keeps at most two)."""
         started = time.perf_counter()
         cache = self.trainer.build_cache(version)
-        return {"version": int(version), "num_buckets": cache.layout.num_buckets,
-                "bytes": cache.layout.total_bytes, "seconds": time.perf_counter() - started,
-                "versions": list(cache.versions()),
-                "shm_segments": [s.name for s in cache.shm_segments()]}
+        cache.promote_active(version)
+        return PublishedVersion(int(version), cache.layout.num_buckets, cache.layout.total_bytes,
+                                time.perf_counter() - started, list(cache.versions()),
+                                [s.name for s in cache.shm_segments()])
 
-    def promote_active(self, version: int) -> None:
+    def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
+        """Move these engine servers ({dp rank: url}), and only those, to cached `version`,
+        waking the ranks in `wake` first."""
         if self.trainer.cache is None:
-            from rlix.errors import WeightCacheError
-
-            raise WeightCacheError("no weight cache yet: call build_cache first")
-        self.trainer.cache.promote_active(version)
+            raise WeightCacheError("no weight cache yet: publish a version first")
+        if self._pusher is None:
+            self._pusher = ShardWeightPusher(lambda: self.trainer.cache, self.api_key)
+        return self._pusher.sync(version, {int(r): u for r, u in shards.items()}, wake)
 
     def offload(self) -> None:
         self.trainer.offload()
@@ -89,24 +103,9 @@ class TrainerActor:
     def step(self) -> int:
         return self.trainer.step
 
-    def sync_shards(self, version: int, urls: Mapping[int, str], api_key: str,
-                    wake: list[int] | None = None) -> dict[str, Any]:
-        """Push cached `version` to these engine servers ({dp rank: url}) and only those, waking
-        the ranks in `wake` first: the cache lives here, so the selective sync runs here
-        (rlix.weights.push)."""
-        if self.trainer.cache is None:
-            from rlix.errors import WeightCacheError
-
-            raise WeightCacheError("no weight cache yet: call build_cache first")
-        if getattr(self, "_pusher", None) is None:
-            from rlix.weights.push import ShardWeightPusher
-
-            self._pusher = ShardWeightPusher(lambda: self.trainer.cache, api_key)
-        return self._pusher.sync(version, {int(r): u for r, u in urls.items()}, wake or ())
-
     def close(self) -> None:
         """Free the host cache (its shared memory is unlinked); the actor can then be killed."""
-        if getattr(self, "_pusher", None) is not None:
+        if self._pusher is not None:
             self._pusher.close()
             self._pusher = None
         if self.trainer.cache is not None:

@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from rlix.config.models import TrainConfig
 from rlix.errors import TrainingError
+from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, TrainSample
 from rlix.weights.buckets import DEFAULT_BUCKET_BYTES
@@ -54,8 +58,6 @@ class PolicyTrainer:
                  temperature: float = 1.0, rank: int = 0, world_size: int = 1,
                  cache_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  cache_host: HostMemory = "auto") -> None:
-        from rlix.models.presets import resolve_model
-
         if micro_batch_size < 1:
             raise TrainingError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if aggregation not in ("token", "sequence"):
@@ -97,9 +99,16 @@ class PolicyTrainer:
         self.cache: BucketCache | None = None
         self.on_device = True
 
-    def _load(self, dtype: torch.dtype | None) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+    @classmethod
+    def from_config(cls, model: str | os.PathLike[str], train: TrainConfig, **kwargs: Any) -> PolicyTrainer:
+        """A trainer with a pipeline's `train:` settings; `kwargs` add the rest (seed, device...)."""
+        return cls(model, lr=train.lr, weight_decay=train.weight_decay,
+                   micro_batch_size=train.micro_batch_size, clip_eps=train.clip_eps,
+                   kl_coef=train.kl_coef, aggregation=train.aggregation,
+                   max_grad_norm=train.max_grad_norm, cache_bucket_bytes=train.bucket_mib << 20,
+                   **kwargs)
 
+    def _load(self, dtype: torch.dtype | None) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype or "auto")
 
     # -- batches ----------------------------------------------------------------------------
@@ -353,8 +362,6 @@ class PolicyTrainer:
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Resume from save_checkpoint(path): weights in place, optimizer, RNG, step. The
         reference model (if any) stays the one this trainer was built with."""
-        from safetensors.torch import load_file
-
         root = Path(path)
         files = sorted((root / "model").glob("*.safetensors"))
         if not files or not (root / "trainer.json").is_file():

@@ -35,3 +35,15 @@ class GroupSpec:
     @property
     def init_method(self) -> str:
         return f"tcp://{self.master_addr}:{self.master_port}"
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """A version the trainer put in its weight cache, ready for shards to sync to."""
+
+    version: int
+    num_buckets: int
+    bytes: int
+    seconds: float
+    versions: list[int]  # every version the cache holds now
+    shm_segments: list[str]  # the cache's shared-memory segments (empty when pinned instead)

@@ -1,9 +1,12 @@
-"""A shard's weight-transfer endpoints, as the sync driver (rlix.weights.sync) sees them.
+"""The one HTTP client of an engine server's weight endpoints.
 
-`HttpShardEndpoint` maps the driver's calls (init_transfer, start, push, finish, abort, and
-`apply`: all of an update in one call, /sync_weights) onto an engine server's control plane, so `WeightSync` drives embedded shards in other processes the
-same way it drives in-process ones. Only small control messages go over HTTP; a bucket's bytes
-travel by the transport (shared memory on one host).
+`HttpShardEndpoint` is the sync driver's `ShardEndpoint` (weights/api.py) for a shard behind an
+engine server: init_transfer, start, push, finish, abort, and `sync` (the whole update in one
+/sync_weights call) map onto the server's weight-transfer endpoints, so `WeightSync` drives
+shards in other processes as it drives in-process ones. Only small control messages go over
+HTTP; a bucket's bytes travel by the transport (shared memory on one host). `push_tensors`
+sends named tensors as a safetensors body instead (small models, simple callers, a shard woken
+from a level-2 sleep with nothing to fall back on).
 """
 
 from __future__ import annotations
@@ -15,8 +18,15 @@ import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from safetensors.torch import save
+
 from rlix.errors import WeightTransferError, WeightUpdateError
-from rlix.httpkit import HttpPool, UpstreamError
+from rlix.httpkit import HttpPool, UpstreamError, bearer
+
+
+def safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
+    """Named tensors as one safetensors file (CPU, contiguous)."""
+    return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
 
 
 def encode_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -53,10 +63,16 @@ class HttpShardEndpoint:
         return self._http[1]
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self.api_key}"}
+        return await self._request(path, json.dumps(body).encode(), "application/json")
+
+    async def _request(self, path: str, body: bytes | None, content_type: str | None = None,
+                       method: str = "POST") -> dict[str, Any]:
+        headers = bearer(self.api_key)
+        if content_type:
+            headers["content-type"] = content_type
         try:
             status, content = await asyncio.wait_for(
-                self._pool().post_json(self.url, path, body, headers), self.timeout_s)
+                self._send(method, path, body or b"", headers), self.timeout_s)
         except (UpstreamError, TimeoutError) as exc:
             raise WeightTransferError(f"{self.name}{path}: {type(exc).__name__}: {exc}") from None
         if status == 200:
@@ -66,6 +82,10 @@ class HttpShardEndpoint:
         except Exception:  # noqa: BLE001 - not our error shape: show the text
             msg = content.decode(errors="replace")[:500]
         raise WeightUpdateError(f"{self.name}{path} answered {status}: {msg}")
+
+    async def _send(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        resp = await self._pool().request(method, self.url, path, body, headers)
+        return resp.status_code, await resp.read()
 
     async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
         return await self._post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -81,7 +101,7 @@ class HttpShardEndpoint:
         out = await self._post("/finish_weight_update", {"weight_version": int(version)})
         return int(out.get("weight_version", version))
 
-    async def apply(self, version: int, layout_id: str, transfer: dict[str, Any],
+    async def sync(self, version: int, layout_id: str, transfer: dict[str, Any],
                     messages: list[Mapping[str, Any]], wake_up: bool = False) -> int:
         """Start, every message and finish in one call (/sync_weights), waking the engine first
         if asked; returns the version the shard says it serves afterwards."""
@@ -89,6 +109,19 @@ class HttpShardEndpoint:
             "weight_version": int(version), "layout_id": layout_id, "transfer": transfer,
             "updates": [encode_message(m) for m in messages], "wake_up": bool(wake_up)})
         return int(out["weight_version"])
+
+    async def push_tensors(self, tensors: Mapping[str, Any], version: int | None = None) -> int:
+        """start -> one safetensors body -> finish; a failure aborts the update on the shard (the
+        old weights keep serving). Returns the version the shard serves afterwards."""
+        named = {} if version is None else {"weight_version": int(version)}
+        await self._post("/start_weight_update", named)
+        await self._request("/update_weights", safetensors_bytes(tensors), "application/octet-stream")
+        await self._post("/finish_weight_update", named)
+        return await self.served_version()
+
+    async def served_version(self) -> int:
+        """The version the shard says it serves (/weight_info)."""
+        return int((await self._request("/weight_info", None, method="GET"))["weight_version"])
 
     async def wake_up(self) -> None:
         await self._post("/wake_up", {})

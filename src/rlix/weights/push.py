@@ -1,7 +1,7 @@
-"""The trainer-process side of selective sync: push a cached version to shards over HTTP.
+"""The trainer-process side of selective sync: sync engine servers to a cached version over HTTP.
 
 The bucket cache lives in the trainer's process (its shared-memory or pinned slots), so the
-sync driver runs there too; the pipeline's coordinator asks for `sync(version, {rank: url})`.
+sync driver runs there too (TrainerActor.sync_weights calls `sync(version, {rank: url})`).
 One event loop in a helper thread serves every sync, so HTTP connections and each shard's
 "layout already sent" state survive between syncs.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 
 from rlix.weights.http_endpoint import HttpShardEndpoint
+from rlix.weights.api import SyncReport
 from rlix.weights.cache import BucketCache
 from rlix.weights.sync import WeightSync
 
@@ -29,13 +29,13 @@ class ShardWeightPusher:
         self._thread.start()
 
     def sync(self, version: int, urls: Mapping[int, str], wake: Iterable[int] = (),
-             timeout_s: float = 600.0) -> dict[str, Any]:
+             timeout_s: float = 600.0) -> SyncReport:
         """Blocking: move those shards to `version` (which must be in the cache), waking the
         ranks in `wake` first."""
         return asyncio.run_coroutine_threadsafe(self._run(int(version), dict(urls), list(wake)),
                                                 self._loop).result(timeout_s)
 
-    async def _run(self, version: int, urls: dict[int, str], wake: list[int]) -> dict[str, Any]:
+    async def _run(self, version: int, urls: dict[int, str], wake: list[int]) -> SyncReport:
         cache = self._cache()
         if self._sync is None or self._sync.cache is not cache:
             self._sync = WeightSync(cache, {}, self.transport, idle_timeout_s=self.idle_timeout_s)
@@ -43,10 +43,7 @@ class ShardWeightPusher:
             known = self._sync.endpoints.get(rank)
             if not isinstance(known, HttpShardEndpoint) or known.url != url.rstrip("/"):
                 self._sync.add_shard(rank, HttpShardEndpoint(url, self.api_key, f"shard {rank}"))
-        report = await self._sync.sync(version, sorted(urls), wake)
-        return {"version": report.version, "ranks": report.ranks, "seconds": report.seconds,
-                "setup_seconds": report.setup_seconds, "bytes": report.bytes, "buckets": report.buckets,
-                "bundled": report.bundled, "reported": dict(report.reported)}
+        return await self._sync.sync(version, sorted(urls), wake)
 
     def close(self) -> None:
         async def shutdown() -> None:

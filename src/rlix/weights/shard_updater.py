@@ -1,12 +1,11 @@
-"""One shard's end of a sync: the receiving logic, and the interface the sync driver talks to.
+"""One shard's end of a sync: the update it receives in buckets, applied to the engine beside it.
 
-`ShardReceiver` sits next to an engine and turns transport messages into the engine's own
+`ShardUpdater` sits next to an engine and turns transport messages into the engine's own
 update protocol (start_weight_update / update_weights... / finish_weight_update), so whatever
 the transport, the engine sees named tensors. It refuses a layout that does not fit the model
 before any update starts, and on any failure aborts the engine's update so the old weights keep
-serving. `ShardEndpoint` is what the driver needs from a shard; an in-process endpoint calls a
-ShardReceiver directly, a subprocess one goes over a pipe (remote.py), and the HTTP adapter for
-the engine server maps the same five calls onto the weight-transfer endpoints.
+serving. The engine server's control plane owns one; `InProcessEndpoint` is the sync driver's
+`ShardEndpoint` (weights/api.py) for a shard in the driver's own process.
 """
 
 from __future__ import annotations
@@ -14,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from rlix.errors import (WeightChecksumError, WeightLayoutError, WeightTransferError,
                          WeightUpdateError)
+from rlix.weights.api import WeightTarget
 from rlix.weights.wire import BucketAssembler, Layout, ReceiveError, ReceiveSession
 from rlix.weights.transport import Message, TransportReceiver, make_receiver
 
@@ -29,42 +29,6 @@ _ERRORS: dict[str, type[WeightUpdateError]] = {
     "layout": WeightLayoutError, "checksum": WeightChecksumError, "transfer": WeightTransferError,
     "incomplete": WeightTransferError, "version": WeightUpdateError,
 }
-
-
-@runtime_checkable
-class WeightTarget(Protocol):
-    """The part of EngineAPI a shard needs to receive weights (EngineAPI satisfies it). An engine
-    may also offer `weight_specs()` (name -> (shape, dtype), to refuse a mismatched layout up
-    front) and `weight_destination(name)` (a staging tensor to assemble split tensors into)."""
-
-    weight_version: int
-
-    async def start_weight_update(self, version: int) -> None: ...
-
-    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
-
-    async def finish_weight_update(self) -> int: ...
-
-    async def abort_weight_update(self, reason: str) -> None: ...
-
-
-@runtime_checkable
-class ShardEndpoint(Protocol):
-    """What the sync driver calls on one shard, in this order: init_transfer once per layout,
-    then per update start, push (once per bucket), finish; abort on any failure."""
-
-    name: str
-    transport_ranks: int  # ranks this shard adds to a collective transport (its TP size)
-
-    async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]: ...
-
-    async def start(self, version: int, layout_id: str, transfer: dict[str, Any]) -> None: ...
-
-    async def push(self, message: Message) -> None: ...
-
-    async def finish(self, version: int) -> int: ...
-
-    async def abort(self, reason: str) -> None: ...
 
 
 def as_update_error(exc: BaseException, context: str) -> WeightUpdateError:
@@ -79,7 +43,7 @@ def as_update_error(exc: BaseException, context: str) -> WeightUpdateError:
     return WeightTransferError(f"{context}: {type(exc).__name__}: {exc}")
 
 
-class ShardReceiver:
+class ShardUpdater:
     """Receives buckets for one engine; kept for the shard's lifetime (layout cached here)."""
 
     def __init__(self, engine: WeightTarget, device: str | torch.device = "cpu") -> None:
@@ -246,24 +210,24 @@ class ShardReceiver:
 
 
 class InProcessEndpoint:
-    """A shard living in the driver's process: direct calls into its ShardReceiver."""
+    """A shard living in the driver's process: direct calls into its ShardUpdater."""
 
-    def __init__(self, receiver: ShardReceiver, name: str = "shard", transport_ranks: int = 1) -> None:
-        self.receiver = receiver
+    def __init__(self, updater: ShardUpdater, name: str = "shard", transport_ranks: int = 1) -> None:
+        self.updater = updater
         self.name = name
         self.transport_ranks = transport_ranks
 
     async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]:
-        return self.receiver.init_transfer(init_info)
+        return self.updater.init_transfer(init_info)
 
     async def start(self, version: int, layout_id: str, transfer: dict[str, Any]) -> None:
-        await self.receiver.start(version, layout_id, transfer)
+        await self.updater.start(version, layout_id, transfer)
 
     async def push(self, message: Message) -> None:
-        await self.receiver.bucket(message)
+        await self.updater.bucket(message)
 
     async def finish(self, version: int) -> int:
-        return await self.receiver.finish(version)
+        return await self.updater.finish(version)
 
     async def abort(self, reason: str) -> None:
-        await self.receiver.abort(reason)
+        await self.updater.abort(reason)

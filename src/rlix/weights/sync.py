@@ -8,7 +8,7 @@ With handle-based transports (local, shm, cuda_ipc) a failing shard is dropped a
 complete; with a collective one (nccl) a failure aborts every target, since the group is shared.
 
 When the transport's messages are references a shard can read at any time (a cache in shared
-memory) and the endpoints offer `apply`, each shard gets the whole update in one call, woken
+memory) and the endpoints offer `sync`, each shard gets the whole update in one call, woken
 first if asked: the sync of a waking shard is then one round trip, not wake + 2 + buckets.
 """
 
@@ -17,33 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.weights.cache import BucketCache
-from rlix.weights.shard_updater import ShardEndpoint
+from rlix.weights.api import ShardEndpoint, SyncReport
 from rlix.weights.transport import Transport, make_transport, references
 
 COLLECTIVE = ("nccl",)
-
-
-@dataclass
-class SyncReport:
-    version: int
-    ranks: list[int]
-    buckets: int
-    bytes: int
-    seconds: float  # start of the first start() to the last finish()
-    setup_seconds: float  # layout init (first time only) and transport rendezvous
-    teardown_seconds: float = 0.0  # the sender's transport teardown, after the last finish
-    failed: dict[int, str] = field(default_factory=dict)
-    bundled: bool = False  # each shard got the whole update in one call
-    reported: dict[int, int] = field(default_factory=dict)  # rank -> version it answered serving
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
 class WeightSync:
@@ -123,11 +104,11 @@ class WeightSync:
         started: list[int] = []
         bundle = None
         if (self.one_call and live and not collective
-                and all(callable(getattr(self.endpoints[r], "apply", None)) for r in live)):
+                and all(callable(getattr(self.endpoints[r], "sync", None)) for r in live)):
             bundle = references(sender, version, buckets, checksums)
         if bundle is not None:
             try:
-                return await self._apply_bundle(version, ranks, live, failed, sender, bundle, wake, t0)
+                return await self._sync_bundled(version, ranks, live, failed, sender, bundle, wake, t0)
             finally:
                 sender.close()  # nothing staged, nothing to tear down
         if live and wake:
@@ -182,7 +163,7 @@ class WeightSync:
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
                           t_setup, t_teardown)
 
-    async def _apply_bundle(self, version: int, ranks: list[int], live: list[int], failed: dict[int, str],
+    async def _sync_bundled(self, version: int, ranks: list[int], live: list[int], failed: dict[int, str],
                             sender: Any, bundle: list, wake: set[int], t0: float) -> SyncReport:
         """Each live shard: [wake,] start, every message, finish, in one call. A shard aborts a
         failed update itself, so there is nothing to clean up here."""
@@ -190,7 +171,7 @@ class WeightSync:
         info = sender.open(len(live))
         t1 = time.perf_counter()
         results = await asyncio.gather(
-            *(self.endpoints[r].apply(version, layout.layout_id, {**info, "rank": 1 + i}, bundle, r in wake)
+            *(self.endpoints[r].sync(version, layout.layout_id, {**info, "rank": 1 + i}, bundle, r in wake)
               for i, r in enumerate(live)), return_exceptions=True)
         seconds = time.perf_counter() - t1
         reported: dict[int, int] = {}

@@ -494,6 +494,6 @@ class ShmMapper:
 
 def open_cuda_ipc(handle: tuple) -> torch.Tensor:
     """Rebuild a bucket shared by the sender with reduce_tensor (same GPU, another process)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor  # deferred: CUDA IPC only
 
     return rebuild_cuda_tensor(*handle)

@@ -27,6 +27,7 @@ from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.model_runner import ModelRunner, load_model
 from rlix.inference.engine.sequence import Delta, Sequence
 from rlix.inference.engine.weights import WeightStaging
+from rlix.models.presets import resolve_model
 from rlix.threads import yield_cores_to_control
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,6 @@ class TorchEngine:
                         dtype: str | torch.dtype | None = None, max_num_seqs: int = 32,
                         max_model_len: int | None = None, **kwargs: Any) -> TorchEngine:
         """Load a preset name or a local checkpoint dir; dtype None/"auto" keeps the saved one."""
-        from rlix.models.presets import resolve_model
-
         device = torch.device(device)
         if isinstance(dtype, str) and dtype != "auto":
             resolved = getattr(torch, dtype, None)

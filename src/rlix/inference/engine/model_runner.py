@@ -13,17 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
 from rlix.inference.engine.cuda_graphs import DecodeGraphs
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
+from rlix.inference.engine.memory import release_memory
 from rlix.inference.engine.weights import ServedWeights
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
     """Load a causal LM for inference (sdpa attention) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype or "auto", attn_implementation="sdpa")
@@ -44,8 +44,6 @@ def _own_host_weights(model: torch.nn.Module) -> None:
     loader's scratch buffers still held by the allocator; then neither RSS nor a sleep's freed
     bytes mean anything. Owned copies (and a trim after loading) make them honest.
     """
-    from rlix.inference.engine.memory import release_memory
-
     seen: set[int] = set()
     for param in model.parameters():
         if id(param) not in seen:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlix import env
 from rlix.errors import ConfigError
+from rlix.models.presets import resolve_model
 
 
 class EngineBackendConfig(BaseModel):
@@ -57,8 +58,6 @@ class EngineBackend(Protocol):
 
 
 def _model_path(cfg: EngineBackendConfig) -> str:
-    from rlix.models.presets import resolve_model
-
     return str(resolve_model(cfg.model))
 
 

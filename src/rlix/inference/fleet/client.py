@@ -4,9 +4,9 @@ Plain config (router URL, shard URLs by DP rank, token); HTTP clients are made l
 event loop, and are not pickled, so the client travels into Ray actors as is. The data plane
 goes through the router and the control plane straight to the shards (fanned out concurrently
 to all of them or to a given subset of DP ranks), both on the lean keep-alive pool of
-`upstream.py` (httpx's pool cost half a core at 64 requests in flight, and a few ms per control
-call on a busy CPU). Only the HTTP API is used, so the
-same client drives embedded and vLLM shards.
+`rlix.httpkit` (httpx's pool cost half a core at 64 requests in flight, and a few ms per control
+call on a busy CPU). Only the HTTP API is used, so the same client drives embedded and vLLM
+shards. Weight updates have their own client (rlix.weights.http_endpoint.HttpShardEndpoint).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
-from rlix.errors import EngineStateError, InferenceError, InvalidRequestError, WeightUpdateError
+from rlix.errors import EngineStateError, InferenceError, InvalidRequestError
 from rlix.httpkit import HttpPool, UpstreamError
 
 _GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
@@ -31,12 +31,6 @@ def parse_load(metrics_text: str) -> dict[str, float]:
     for name, value in _GAUGE.findall(metrics_text):
         out[name.rsplit("_", 1)[1]] += float(value)
     return out
-
-
-def safetensors_bytes(tensors: Mapping[str, Any]) -> bytes:
-    from safetensors.torch import save
-
-    return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
 
 
 class RemoteInferenceClient:
@@ -178,27 +172,6 @@ class RemoteInferenceClient:
     async def load(self, ranks: Iterable[int] | None = None) -> dict[int, dict[str, float]]:
         """Running and waiting requests per shard, from vLLM's gauges."""
         return {r: parse_load(t) for r, t in (await self.fan_out("GET", "/metrics", ranks)).items()}
-
-    async def start_weight_update(self, version: int | None = None, ranks: Iterable[int] | None = None) -> dict:
-        body = {} if version is None else {"weight_version": version}
-        return await self.fan_out("POST", "/start_weight_update", ranks, WeightUpdateError, json=body)
-
-    async def update_weights(self, tensors: Mapping[str, Any], ranks: Iterable[int] | None = None) -> dict:
-        """One bucket of named tensors, sent as a safetensors body (serialised once)."""
-        data = safetensors_bytes(tensors)
-        return await self.fan_out("POST", "/update_weights", ranks, WeightUpdateError, content=data,
-                                  headers={"content-type": "application/octet-stream"})
-
-    async def finish_weight_update(self, version: int | None = None, ranks: Iterable[int] | None = None) -> dict:
-        body = {} if version is None else {"weight_version": version}
-        return await self.fan_out("POST", "/finish_weight_update", ranks, WeightUpdateError, json=body)
-
-    async def push_weights(self, tensors: Mapping[str, Any], version: int | None = None,
-                           ranks: Iterable[int] | None = None) -> None:
-        """start -> update -> finish on the given ranks; a failure aborts it on the failing ones."""
-        await self.start_weight_update(version, ranks)
-        await self.update_weights(tensors, ranks)
-        await self.finish_weight_update(version, ranks)
 
 
 def _check_answer(status: int, content: bytes, what: str,

@@ -27,6 +27,7 @@ from rlix.inference.fleet.backends import EngineBackend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.inference.router.shard_table import ShardState
+from rlix.weights.http_endpoint import HttpShardEndpoint
 
 
 class ShardLauncher(Protocol):
@@ -246,9 +247,16 @@ class ShardFleet:
             await self.wake_up_partial(ranks)
         else:
             await self.wake_up_partial(ranks, ["weights"])
-            await self.client.push_weights(weights, version, ranks)
+            await asyncio.gather(*(self._push_tensors(r, weights, version) for r in ranks))
             await self.wake_up_partial(ranks, ["kv_cache"])
         await self.activate(ranks)
+
+    async def _push_tensors(self, rank: int, weights: Mapping[str, Any], version: int | None) -> None:
+        endpoint = HttpShardEndpoint(self.shards[rank].url, self.client.api_key, f"shard {rank}")
+        try:
+            await endpoint.push_tensors(weights, version)
+        finally:
+            await endpoint.aclose()
 
     async def shrink(self, ranks: Iterable[int]) -> dict[int, dict]:
         return await self.sleep_partial(ranks)

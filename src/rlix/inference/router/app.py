@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -172,8 +173,6 @@ class RouterServer:
     """Serve a Router with uvicorn inside the running event loop (tests, the fleet actor)."""
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
-        import uvicorn  # deferred: only servers need it, not the router's in-process users
-
         self.router = router
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(create_router_app(router), host=self.host, port=self.port,
@@ -197,13 +196,11 @@ class RouterServer:
         self.server.should_exit = True
         if self._task is not None:
             await self._task
-        await self.router.aclose()
+        await self.router.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run a router as its own process."""
-    import uvicorn  # deferred: see RouterServer
-
     p = argparse.ArgumentParser(prog="python -m rlix.inference.router")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)

@@ -21,6 +21,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from rlix.errors import EngineStateError
+from rlix.inference.router.app import RouterServer
 
 T = TypeVar("T")
 
@@ -67,8 +68,6 @@ class DataPlaneThread:
 
     async def serve_router(self, router: Any) -> str:
         """Start a RouterServer for `router` on this thread's loop; returns its URL."""
-        from rlix.inference.router.app import RouterServer
-
         async def start() -> str:
             self._router_server = RouterServer(router)
             await self._router_server.start()

@@ -120,7 +120,9 @@ class Router:
             self.table.release(shard, True)
         return Passed(r.status_code, r.headers.get(b"content-type", b"application/json").decode(), content)
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
+        """Held requests end now (NoActiveShardError); idle shard connections are closed."""
+        self.table.close()
         await self.pool.aclose()
 
 

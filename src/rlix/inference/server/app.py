@@ -15,6 +15,7 @@ import logging
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,11 +24,16 @@ from prometheus_client.core import GaugeMetricFamily
 
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
                          WeightUpdateError)
-from rlix.inference.server import openai_schema as S
 from rlix.inference.engine.api import EngineAPI
+from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.server import control_schema as C
+from rlix.inference.server import openai_schema as S
 from rlix.inference.server.control import ControlPlane, bucket_message, decode_safetensors
+from rlix.inference.server.control_schema import parse_body
 from rlix.inference.server.paths import CONTROL_PATHS, GENERATE, PROTECTED_PREFIXES
 from rlix.inference.server.serving import OpenAIServing
+from rlix.models.presets import resolve_model
+from rlix.threads import favour_control_latency
 
 log = logging.getLogger("rlix.server")
 
@@ -127,6 +133,10 @@ def _replay(body: bytes, receive: Any) -> Any:
         return await receive()
 
     return replay
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
 
 
 async def _json_body(request: Request, required: bool = False) -> Any:
@@ -269,19 +279,18 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> JSONResponse:
-        return JSONResponse(await control.abort_requests(await _json_body(request, required=True)))
+        body = parse_body(C.AbortRequestsBody, await _json_body(request, required=True))
+        return JSONResponse(await control.abort_requests(body))
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request) -> JSONResponse:
-        body = await _json_body(request, required=True)
-        info = body.get("init_info") if isinstance(body, dict) else None
-        if not isinstance(info, dict):
-            raise InvalidRequestError("body must be {\"init_info\": {...}}", param="init_info")
-        return JSONResponse(control.init_weight_transfer_engine(info))
+        body = parse_body(C.InitTransferBody, await _json_body(request, required=True))
+        return JSONResponse(control.init_weight_transfer_engine(body.init_info))
 
     @app.post("/start_weight_update")
     async def start_weight_update(request: Request) -> JSONResponse:
-        return JSONResponse(await control.start_weight_update(await _json_body(request)))
+        body = parse_body(C.StartWeightUpdateBody, await _json_body(request))
+        return JSONResponse(await control.start_weight_update(body))
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> JSONResponse:
@@ -289,25 +298,29 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         if request.headers.get("content-type", "").startswith("application/octet-stream"):
             return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
         try:
-            body = json.loads(raw or b"null")
-        except ValueError:
-            body = None
-        message = bucket_message(body.get("update_info") if isinstance(body, dict) else None)
+            body = parse_body(C.UpdateWeightsBody, json.loads(raw or b"null"))
+        except (ValueError, InvalidRequestError) as exc:  # the update in progress is aborted too
+            error = exc
+            return JSONResponse(await control.update_weights(lambda: _raise(error)))
+        message = bucket_message(body.update_info)
         if message is not None:
             return JSONResponse(await control.update_bucket(message))
         return JSONResponse(await control.update_weights(lambda: control.tensors_from_json(body)))
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request) -> JSONResponse:
-        return JSONResponse(await control.finish_weight_update(await _json_body(request)))
+        body = parse_body(C.FinishWeightUpdateBody, await _json_body(request))
+        return JSONResponse(await control.finish_weight_update(body))
 
     @app.post("/sync_weights")
     async def sync_weights(request: Request) -> JSONResponse:
-        return JSONResponse(await control.sync_weights(await _json_body(request, required=True)))
+        body = parse_body(C.SyncWeightsBody, await _json_body(request, required=True))
+        return JSONResponse(await control.sync_weights(body))
 
     @app.post("/abort_weight_update")
     async def abort_weight_update(request: Request) -> JSONResponse:
-        return JSONResponse(await control.abort_weight_update(await _json_body(request)))
+        body = parse_body(C.AbortWeightUpdateBody, await _json_body(request))
+        return JSONResponse(await control.abort_weight_update(body))
 
     @app.get("/weight_transfer_status")
     async def weight_transfer_status() -> JSONResponse:
@@ -324,12 +337,6 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
           served_model_name: str | None = None) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
-    import uvicorn
-
-    from rlix.inference.engine.engine import TorchEngine
-    from rlix.models.presets import resolve_model
-    from rlix.threads import favour_control_latency
-
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     path = resolve_model(model)
     engine = TorchEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs,

@@ -6,7 +6,7 @@ Answers have vLLM's shapes (dev-mode endpoints of vLLM 0.32). Weights arrive two
   names the version, layout id and transport details, each `/update_weights` carries one small
   transport message (`{"update_info": {"bucket": i, "version": v, "shm": ..., "offset": ...}}`;
   the bytes travel by shared memory, CUDA IPC or NCCL, never through HTTP), then
-  `/finish_weight_update`. The receiving logic is rlix.weights.shard_updater.ShardReceiver.
+  `/finish_weight_update`. The receiving logic is rlix.weights.shard_updater.ShardUpdater.
   rlix extension `/sync_weights`: when every message is a reference the shard can read whenever
   it likes (the trainer's cache in shared memory), start, all messages and finish come in one
   call, optionally waking the engine first: one round trip instead of 2 + buckets (+ a wake).
@@ -27,24 +27,21 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from pydantic import BaseModel
+from safetensors.torch import load
 
 from rlix.errors import InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import EngineAPI
+from rlix.inference.server.control_schema import (AbortRequestsBody, AbortWeightUpdateBody,
+                                                  FinishWeightUpdateBody, InitTransferInfo,
+                                                  StartWeightUpdateBody, SyncWeightsBody,
+                                                  UpdateWeightsBody)
+from rlix.weights.shard_updater import ShardUpdater
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-def parse_version(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise InvalidRequestError(f"weight_version must be an integer (a trainer step), got {value!r}",
-                                  param="weight_version") from None
-
-
 def decode_safetensors(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
     try:
         return load(data)
     except Exception as exc:
@@ -59,7 +56,7 @@ class ControlPlane:
         self.transfer_info: dict[str, Any] = {}
         self._updating: int | None = None
         self._bucketed = False  # the update in progress comes as packed buckets
-        self._receiver: Any = None  # rlix.weights.shard_updater.ShardReceiver, made on first use
+        self._updater: ShardUpdater | None = None  # made on the first bucket transfer
         self._resume_on_wake = False
         self.idle_timeout_s = 60.0  # a bucket update idle this long is aborted (sender gone)
         self._last_activity = 0.0
@@ -109,10 +106,8 @@ class ControlPlane:
     def is_sleeping(self) -> dict:
         return {"is_sleeping": self.engine.is_sleeping()}
 
-    async def abort_requests(self, body: Any) -> dict:
-        if not isinstance(body, dict):
-            raise InvalidRequestError("Request body must be a JSON object")
-        ids = body.get("request_ids") or None
+    async def abort_requests(self, body: AbortRequestsBody) -> dict:
+        ids = body.request_ids or None
         if ids is None:
             return {"status": "aborted", "aborted": await self.engine.abort(None)}
         # callers may use the request_id they gave /inference/v1/generate; like vLLM, the count
@@ -120,42 +115,32 @@ class ControlPlane:
         await self.engine.abort([i for rid in ids for i in (rid, f"generate-tokens-{rid}")])
         return {"status": "aborted", "aborted": len(ids)}
 
-    def receiver(self) -> Any:
-        if self._receiver is None:
-            from rlix.weights.shard_updater import ShardReceiver
+    def updater(self) -> ShardUpdater:
+        if self._updater is None:
+            self._updater = ShardUpdater(self.engine, device=getattr(self.engine, "device", "cpu"))
+        return self._updater
 
-            self._receiver = ShardReceiver(self.engine, device=getattr(self.engine, "device", "cpu"))
-        return self._receiver
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict:
+    def init_weight_transfer_engine(self, info: InitTransferInfo) -> dict:
         """With a `layout`, set up bucket receiving now: a layout that does not match the model
         is refused here, before any update starts."""
         if self._updating is not None:
             raise WeightUpdateError("cannot re-initialise the weight transfer during an update")
-        if "layout" in init_info:
-            timeout = init_info.get("idle_timeout_s", self.idle_timeout_s)
-            if not isinstance(timeout, (int, float)) or timeout <= 0:
-                raise InvalidRequestError(f"idle_timeout_s must be a positive number, got {timeout!r}",
-                                          param="idle_timeout_s")
-            details = self.receiver().init_transfer(init_info)
-            self.idle_timeout_s = float(timeout)
-            self.transfer_info = dict(init_info)
+        init_info = info.model_dump(exclude_none=True)
+        if info.layout is not None:
+            details = self.updater().init_transfer(init_info)
+            if info.idle_timeout_s is not None:
+                self.idle_timeout_s = info.idle_timeout_s
+            self.transfer_info = init_info
             return {"message": "Weight transfer initialized", **details}
-        self.transfer_info = dict(init_info)
+        self.transfer_info = init_info
         return {"message": "Weight transfer initialized"}
 
-    async def start_weight_update(self, body: Any) -> dict:
-        body = body if isinstance(body, dict) else {}
-        version = body.get("weight_version")
-        version = self.engine.weight_version + 1 if version is None else parse_version(version)
+    async def start_weight_update(self, body: StartWeightUpdateBody) -> dict:
+        version = self.engine.weight_version + 1 if body.weight_version is None else body.weight_version
         if self._updating is not None:
             raise WeightUpdateError(f"an update to version {self._updating} is already in progress")
-        layout_id = body.get("layout_id")
-        if layout_id is not None:
-            transfer = body.get("transfer") or {}
-            if not isinstance(transfer, dict):
-                raise InvalidRequestError("transfer must be an object", param="transfer")
-            await self.receiver().start(version, str(layout_id), transfer)
+        if body.layout_id is not None:
+            await self.updater().start(version, body.layout_id, body.transfer)
             self._bucketed = True
             self._touch()
         else:
@@ -186,25 +171,25 @@ class ControlPlane:
             raise WeightUpdateError("no bucket update in progress: start one with a layout_id first")
         self._touch()
         try:
-            await self.receiver().bucket(message)
+            await self.updater().bucket(message)
         except Exception:
             self._updating, self._bucketed = None, False
             raise
         self._touch()
         return {"message": "Weights updated", "bucket": message.get("bucket")}
 
-    async def finish_weight_update(self, body: Any) -> dict:
+    async def finish_weight_update(self, body: FinishWeightUpdateBody) -> dict:
         if self._updating is None:
             raise WeightUpdateError("no weight update in progress: call /start_weight_update first")
-        named = body.get("weight_version") if isinstance(body, dict) else None
-        if named is not None and parse_version(named) != self._updating:
+        named = body.weight_version
+        if named is not None and named != self._updating:
             started = self._updating
             await self._abort_update("version mismatch")
             raise WeightUpdateError(f"finish names version {named} but the update started as "
                                     f"{started}; update aborted, old weights keep serving")
         try:
             if self._bucketed:
-                await self.receiver().finish(self._updating)
+                await self.updater().finish(self._updating)
             else:
                 await self.engine.finish_weight_update()
         except Exception as exc:
@@ -213,43 +198,27 @@ class ControlPlane:
         self._updating, self._bucketed = None, False
         return {"message": "Weight update finished"}  # vLLM's answer, key for key
 
-    async def sync_weights(self, body: Any) -> dict:
+    async def sync_weights(self, body: SyncWeightsBody) -> dict:
         """rlix extension: [wake up,] start, every bucket message, finish, in one call. The whole
         body is checked before anything changes; a failure after the start aborts the update
         (the old weights keep serving). Answers the version the engine serves afterwards."""
-        if not isinstance(body, dict):
-            raise InvalidRequestError("Request body must be a JSON object")
-        if body.get("weight_version") is None:
-            raise InvalidRequestError("weight_version is required", param="weight_version")
-        version = parse_version(body["weight_version"])
-        layout_id = body.get("layout_id")
-        if not isinstance(layout_id, str) or not layout_id:
-            raise InvalidRequestError("layout_id (from /init_weight_transfer_engine) is required",
-                                      param="layout_id")
-        updates = body.get("updates")
-        messages = [bucket_message(u) for u in updates] if isinstance(updates, list) else []
-        if not messages or any(m is None for m in messages):
+        messages = [bucket_message(u) for u in body.updates]
+        if any(m is None for m in messages):
             raise InvalidRequestError("updates must be a non-empty list of bucket messages "
                                       "(each like an /update_weights update_info)", param="updates")
-        transfer = body.get("transfer") or {}
-        if not isinstance(transfer, dict):
-            raise InvalidRequestError("transfer must be an object", param="transfer")
-        wake = body.get("wake_up", False)
-        if not isinstance(wake, bool):
-            raise InvalidRequestError("wake_up must be true or false", param="wake_up")
-        if wake:
+        if body.wake_up:
             await self.wake_up(None)
-        await self.start_weight_update({"weight_version": version, "layout_id": layout_id,
-                                        "transfer": transfer})
+        await self.start_weight_update(StartWeightUpdateBody(
+            weight_version=body.weight_version, layout_id=body.layout_id, transfer=body.transfer))
         for message in messages:
-            await self.update_bucket(message)
-        await self.finish_weight_update({"weight_version": version})
+            await self.update_bucket(message)  # type: ignore[arg-type]
+        await self.finish_weight_update(FinishWeightUpdateBody(weight_version=body.weight_version))
         return {"message": "Weight update finished", "weight_version": self.engine.weight_version,
                 "is_sleeping": self.engine.is_sleeping()}
 
-    async def abort_weight_update(self, body: Any) -> dict:
+    async def abort_weight_update(self, body: AbortWeightUpdateBody) -> dict:
         """rlix extension: drop the update in progress (if any); the old weights keep serving."""
-        reason = body.get("reason") if isinstance(body, dict) else None
+        reason = body.reason
         aborted = self._updating is not None
         if aborted:
             await self._abort_update(str(reason or "aborted by the caller"))
@@ -257,11 +226,11 @@ class ControlPlane:
 
     def transfer_status(self) -> dict:
         """rlix extension: the update in progress and why the last one failed, if it did."""
-        receiver = self._receiver
-        got, total = receiver.progress() if receiver is not None else (0, 0)
+        updater = self._updater
+        got, total = updater.progress() if updater is not None else (0, 0)
         return {"weight_version": self.engine.weight_version, "updating": self._updating,
                 "buckets_received": got, "buckets_total": total,
-                "last_error": receiver.last_error if receiver is not None else None}
+                "last_error": updater.last_error if updater is not None else None}
 
     def _touch(self) -> None:
         """Note sender activity; a watchdog aborts a bucket update whose sender went quiet, so a
@@ -274,7 +243,7 @@ class ControlPlane:
         while self._updating is not None and self._bucketed:
             idle = time.monotonic() - self._last_activity
             if idle >= self.idle_timeout_s:
-                got, total = self._receiver.progress()
+                got, total = self.updater().progress()
                 await self._abort_update(
                     f"no message from the sender for {idle:.1f}s (after {got} of {total} buckets of "
                     f"version {self._updating}); update aborted, old weights keep serving")
@@ -284,7 +253,7 @@ class ControlPlane:
     async def _abort_update(self, reason: str) -> None:
         bucketed, self._updating, self._bucketed = self._bucketed, None, False
         if bucketed:
-            await self.receiver().abort(reason)
+            await self.updater().abort(reason)
         else:
             await self.engine.abort_weight_update(reason)
 
@@ -292,10 +261,9 @@ class ControlPlane:
         return {"weight_version": str(self.engine.weight_version)}
 
     @staticmethod
-    def tensors_from_json(body: Any) -> dict[str, torch.Tensor]:
-        info = body.get("update_info") if isinstance(body, dict) else None
-        data = info.get("safetensors_b64") if isinstance(info, dict) else None
-        if not isinstance(data, str):
+    def tensors_from_json(body: UpdateWeightsBody) -> dict[str, torch.Tensor]:
+        data = body.update_info.safetensors_b64
+        if data is None:
             raise InvalidRequestError("JSON /update_weights needs {\"update_info\": {\"safetensors_b64\": "
                                       "...}}; or send the safetensors file as application/octet-stream",
                                       param="update_info")
@@ -307,9 +275,11 @@ class ControlPlane:
 
 
 def bucket_message(info: Any) -> dict[str, Any] | None:
-    """The transport message in a JSON /update_weights body, or None if it is not one. Messages
-    that are not plain JSON (CUDA IPC handles) come pickled: control endpoints need the bearer
-    token, and the servers bind 127.0.0.1."""
+    """The transport message in an `update_info`, or None if it is not one. Messages that are not
+    plain JSON (CUDA IPC handles) come pickled: control endpoints need the bearer token, and the
+    servers bind 127.0.0.1."""
+    if isinstance(info, BaseModel):
+        info = info.model_dump(exclude_none=True)
     if not isinstance(info, dict):
         return None
     if "message_b64" in info:

@@ -22,19 +22,19 @@ KINDS = ("local", "shm", "cuda_ipc", "nccl")
 def make_transport(kind: str, **options: Any) -> Transport:
     """The sending side's transport of `kind`; options go to its constructor (device, backend...)."""
     if kind == "local":
-        from rlix.weights.transport.local import LocalTransport
+        from rlix.weights.transport.local import LocalTransport  # deferred: only the kind asked for
 
         return LocalTransport(**options)
     if kind == "shm":
-        from rlix.weights.transport.shm import ShmTransport
+        from rlix.weights.transport.shm import ShmTransport  # deferred: as above
 
         return ShmTransport(**options)
     if kind == "cuda_ipc":
-        from rlix.weights.transport.cuda_ipc import CudaIpcTransport
+        from rlix.weights.transport.cuda_ipc import CudaIpcTransport  # deferred: CUDA only
 
         return CudaIpcTransport(**options)
     if kind == "nccl":
-        from rlix.weights.transport.nccl import NcclTransport
+        from rlix.weights.transport.nccl import NcclTransport  # deferred: torch.distributed
 
         return NcclTransport(**options)
     raise WeightUpdateError(f"unknown weight transport {kind!r}; expected one of {', '.join(KINDS)}")

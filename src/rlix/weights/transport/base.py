@@ -126,7 +126,7 @@ class StagedSender(SenderBase):
 
     def stream_staged(self, version: int, buckets: Sequence[torch.Tensor],
                       checksums: Sequence[int] | None) -> Iterator[Message]:
-        from rlix.weights.transport.staging import CudaStager
+        from rlix.weights.transport.staging import CudaStager  # deferred: staging imports this module
 
         if self._stager is None:
             self._stager = CudaStager(self.device, max((b.numel() for b in buckets), default=1))

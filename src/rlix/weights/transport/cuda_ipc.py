@@ -24,7 +24,7 @@ class CudaIpcSender(StagedSender):
     def send(self, version: int, index: int, buffer: torch.Tensor, checksum: int | None = None) -> Message:
         if not buffer.is_cuda:
             raise ValueError("cuda_ipc sends device buffers; use stream() to stage host buckets")
-        from torch.multiprocessing.reductions import reduce_tensor
+        from torch.multiprocessing.reductions import reduce_tensor  # deferred: CUDA buffers only
 
         _, args = reduce_tensor(buffer)
         return {**header(version, index, buffer.numel(), checksum), "ipc": args}

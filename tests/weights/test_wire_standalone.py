@@ -1,4 +1,4 @@
-"""receiver.py runs where rlix is not installed (inside a vLLM server): torch + stdlib only."""
+"""wire.py runs where rlix is not installed (inside a vLLM server): torch + stdlib only."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-import rlix.weights.wire as receiver_module
+import rlix.weights.wire as wire_module
 from rlix.weights.cache import BucketCache
 
-RECEIVER = Path(receiver_module.__file__)
+WIRE = Path(wire_module.__file__)
 
 
 def test_imports_only_torch_and_the_standard_library():
-    tree = ast.parse(RECEIVER.read_text())
+    tree = ast.parse(WIRE.read_text())
     roots = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -36,12 +36,12 @@ CHILD = textwrap.dedent("""
             if name.split(".")[0] in ("rlix", "numpy", "pydantic"):
                 raise ModuleNotFoundError(f"blocked: {name}")
     sys.meta_path.insert(0, Block())
-    import receiver
+    import wire
     job = json.load(open(sys.argv[1]))
-    layout = receiver.Layout.from_json(job["layout"])
+    layout = wire.Layout.from_json(job["layout"])
     layout.check_against({n: (s, getattr(__import__("torch"), d)) for n, (s, d) in job["specs"].items()})
-    session = receiver.ReceiveSession(receiver.BucketAssembler(layout), job["version"], verify=True)
-    mapper = receiver.ShmMapper()
+    session = wire.ReceiveSession(wire.BucketAssembler(layout), job["version"], verify=True)
+    mapper = wire.ShmMapper()
     out = {}
     for msg in job["messages"]:
         bucket = mapper.bucket(msg["shm"], msg["offset"], msg["nbytes"])
@@ -72,7 +72,7 @@ def test_rebuilds_tensors_from_shared_memory_without_rlix(tmp_path):
         (tmp_path / "job.json").write_text(json.dumps(job))
         alone = tmp_path / "alone"
         alone.mkdir()
-        shutil.copy(RECEIVER, alone / "receiver.py")
+        shutil.copy(WIRE, alone / "wire.py")
         proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.json")], cwd=alone,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr

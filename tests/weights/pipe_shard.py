@@ -4,7 +4,7 @@ Only control messages cross the pipe (a few hundred bytes per bucket); the bytes
 by the transport (shared memory, CUDA IPC, NCCL). If the sender dies mid-update the receiving
 loop sees the pipe close, aborts the engine's update (old weights keep serving) and raises.
 
-`python -m rlix.weights.remote --state FILE` runs a receiver process over a ModelEngine (tests
+`python tests/weights/pipe_shard.py --state FILE` runs a shard process over a ModelEngine (tests
 and benchmarks); it reads the authkey (hex) from stdin and prints the port it listens on.
 """
 
@@ -28,9 +28,11 @@ import torch
 
 from rlix import env, errors
 from rlix.errors import WeightTransferError, WeightUpdateError
-from rlix.weights.shard_updater import ShardReceiver
+from rlix.weights.shard_updater import ShardUpdater
 from rlix.weights.wire import DTYPE_CODES, DTYPES
 from rlix.weights.transport import Message
+
+from model_engine import ModelEngine
 
 
 class ConnectionEndpoint:
@@ -89,7 +91,7 @@ class ConnectionEndpoint:
         self.conn.close()
 
 
-def serve_connection(conn: Connection, receiver: ShardReceiver,
+def serve_connection(conn: Connection, receiver: ShardUpdater,
                      handlers: Mapping[str, Callable[..., Any]] | None = None) -> None:
     """Answer requests until `close` or until the peer goes away. Returns normally when idle at
     that point; raises WeightTransferError (after aborting the update) if it was mid-update."""
@@ -135,7 +137,7 @@ def _reply(conn: Connection, reply: tuple) -> bool:
         return False
 
 
-def _peer_gone(loop: asyncio.AbstractEventLoop, receiver: ShardReceiver) -> None:
+def _peer_gone(loop: asyncio.AbstractEventLoop, receiver: ShardUpdater) -> None:
     version = receiver.updating
     if version is None:
         return
@@ -146,15 +148,15 @@ def _peer_gone(loop: asyncio.AbstractEventLoop, receiver: ShardReceiver) -> None
     raise WeightTransferError(reason)
 
 
-class ReceiverProcess:
-    """A receiver process over a ModelEngine, started and ended by its own pid."""
+class PipeShard:
+    """A shard process over a ModelEngine, reached over a pipe; started and ended by its own pid."""
 
     def __init__(self, state_path: str, device: str = "cpu", name: str = "shard",
                  start_timeout: float = 120.0, call_timeout: float = 120.0,
                  adopt_layouts: bool = True) -> None:
         authkey = os.urandom(16)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlix.weights.remote", "--state", state_path, "--device", device]
+            [sys.executable, __file__, "--state", state_path, "--device", device]
             + ([] if adopt_layouts else ["--copy-per-tensor"]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env.nccl_child_env())
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -205,8 +207,6 @@ def write_spec(path: str, tensors: Mapping[str, tuple[tuple[int, ...], torch.dty
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from rlix.weights.apply import ModelEngine
-
     p = argparse.ArgumentParser(description="rlix weight receiver process (tests, benchmarks)")
     p.add_argument("--state", required=True, help="torch.save'd dict of the initial named tensors, "
                                                   "or a .json spec {name: [shape, dtype]} (zeros)")
@@ -217,7 +217,7 @@ def _main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a stuck receiver is
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     engine = ModelEngine(_initial_state(args.state, args.device), adopt_layouts=not args.copy_per_tensor)
-    receiver = ShardReceiver(engine, device=args.device)
+    receiver = ShardUpdater(engine, device=args.device)
     with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
         print(f"port {listener.address[1]}", flush=True)
         conn = listener.accept()

@@ -1,6 +1,6 @@
-"""The engine side of an update: load named tensors into a model, and a minimal engine that
-keeps the update contract (staged, invisible until finish) for tests, benchmarks and the
-subprocess receiver. The real engines (embedded, vLLM) bring their own update_weights."""
+"""Test scaffolding: a minimal engine that keeps the weight-update contract (staged, invisible
+until finish), for the weight tests, bench/weight_sync.py and pipe_shard.py. The real engines
+(embedded, vLLM) bring their own update_weights."""
 
 from __future__ import annotations
 
