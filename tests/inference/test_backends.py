@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError
-from rlix.inference.fleet.backends import (EmbeddedBackend, EngineBackend, EngineBackendConfig, VllmBackend,
+from rlix.inference.fleet.api import EngineBackend
+from rlix.inference.fleet.backends import (EmbeddedBackend, EngineBackendConfig, VllmBackend,
                                      make_backend)
 from rlix.inference.fleet.client import RemoteInferenceClient, parse_load
 

@@ -93,3 +93,9 @@ class EngineAPI(Protocol):
     async def finish_weight_update(self) -> int: ...
 
     async def abort_weight_update(self, reason: str) -> None: ...
+
+
+class Detokenizer(Protocol):
+    """What the engine needs of a tokenizer to apply stop strings (transformers' tokenizers are)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 import torch
 
 from rlix.errors import EngineStateError, InvalidRequestError
-from rlix.inference.engine.api import PauseMode
+from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.memory import release_memory, used_bytes
 from rlix.inference.engine.model_runner import ModelRunner
 from rlix.inference.engine.sampling import sample
-from rlix.inference.engine.sequence import Delta, Detokenizer, Sequence
+from rlix.inference.engine.sequence import Delta, Sequence
 from rlix.inference.engine.weights import WeightStaging
 
 log = logging.getLogger(__name__)

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from rlix.inference.engine.api import FinishReason, SamplingParams
+from rlix.inference.engine.api import Detokenizer, FinishReason, SamplingParams
 from rlix.inference.engine.sampling import RowSampling, new_rng
 
 _arrival = itertools.count()
-
-
-class Detokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass

@@ -9,12 +9,13 @@ is the only place that maps the name to a class.
 from __future__ import annotations
 
 import sys
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlix import env
 from rlix.errors import ConfigError
+from rlix.inference.fleet.api import EngineBackend
 from rlix.models.presets import resolve_model
 
 
@@ -40,21 +41,6 @@ class EngineBackendConfig(BaseModel):
     @property
     def name_in_api(self) -> str:
         return self.served_model_name or self.model
-
-
-@runtime_checkable
-class EngineBackend(Protocol):
-    """What the fleet needs to start a shard and know when it is ready."""
-
-    name: str
-    health_path: str
-    startup_timeout_s: float
-    #: sleep/wake really frees memory (vLLM refuses sleep mode on CPU)
-    supports_sleep: bool
-
-    def command(self, *, host: str, port: int, api_key: str) -> list[str]: ...
-
-    def env(self) -> dict[str, str]: ...
 
 
 def _model_path(cfg: EngineBackendConfig) -> str:

@@ -1,7 +1,7 @@
 """The shard fleet of one pipeline: start, sleep/wake, (de)activate and preempt its shards.
 
 Plain asyncio logic, testable without Ray: shard processes come from a `ShardLauncher` (local
-processes here, Ray actors in fleet_actor.py), routing state goes to a `RouterControl` (the
+processes here, Ray actors in actors.py), routing state goes to a `RouterControl` (the
 in-process Router or a RouterAdminClient), and shard control goes over HTTP through
 `RemoteInferenceClient`, so the backend never matters here.
 
@@ -20,30 +20,14 @@ import asyncio
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from rlix.errors import InvalidRequestError
-from rlix.inference.fleet.backends import EngineBackend
+from rlix.inference.fleet.api import EngineBackend, RouterControl, ShardLauncher
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.inference.router.shard_table import ShardState
 from rlix.weights.http_endpoint import HttpShardEndpoint
-
-
-class ShardLauncher(Protocol):
-    """Starts and ends the engine server process of one DP rank."""
-
-    async def start(self, rank: int) -> str: ...  # the shard's URL, once healthy
-
-    async def stop(self, rank: int) -> None: ...
-
-    def pids(self) -> dict[int, int]: ...
-
-
-class RouterControl(Protocol):
-    async def set_shard(self, rank: int, url: str | None = None, state: str | None = None) -> dict: ...
-
-    async def remove_shard(self, rank: int) -> None: ...
 
 
 class LocalLauncher:

@@ -20,7 +20,7 @@ import httpx
 
 from rlix.errors import EngineStateError
 from rlix.httpkit import free_port
-from rlix.inference.fleet.backends import EngineBackend
+from rlix.inference.fleet.api import EngineBackend
 
 
 class ShardProcess:

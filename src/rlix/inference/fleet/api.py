@@ -1,0 +1,36 @@
+"""The fleet's Protocols: what it needs from a launcher, a router and an engine backend."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """What the fleet needs to start a shard and know when it is ready."""
+
+    name: str
+    health_path: str
+    startup_timeout_s: float
+    #: sleep/wake really frees memory (vLLM refuses sleep mode on CPU)
+    supports_sleep: bool
+
+    def command(self, *, host: str, port: int, api_key: str) -> list[str]: ...
+
+    def env(self) -> dict[str, str]: ...
+
+
+class ShardLauncher(Protocol):
+    """Starts and ends the engine server process of one DP rank."""
+
+    async def start(self, rank: int) -> str: ...  # the shard's URL, once healthy
+
+    async def stop(self, rank: int) -> None: ...
+
+    def pids(self) -> dict[int, int]: ...
+
+
+class RouterControl(Protocol):
+    async def set_shard(self, rank: int, url: str | None = None, state: str | None = None) -> dict: ...
+
+    async def remove_shard(self, rank: int) -> None: ...
