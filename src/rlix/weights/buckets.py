@@ -4,7 +4,7 @@ The layout is computed once per model shape (names, dtypes, shapes never change 
 training steps), sent once, and cached on both ends; each update then moves whole buckets and
 says only (version, bucket index). That keeps per-update metadata and per-transfer handles
 independent of the number of tensors: the costs that dominate refits of many-tensor models.
-The decoding half lives in receiver.py, which must stay free of rlix imports.
+The decoding half lives in wire.py, which must stay free of rlix imports.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """TorchEngine: the embedded engine behind `EngineAPI`, asyncio outside, one model thread inside.
 
-Threading model: a single daemon worker thread owns the model and all engine state (engine_core).
+Threading model: a single daemon worker thread owns the model and all engine state (core.py).
 Async methods hand it commands through a locked inbox; it runs them between two steps, so every
 control operation lands at a token boundary, then posts results and per-request deltas back to
 the caller's event loop with `call_soon_threadsafe` (torch releases the GIL while it computes,
