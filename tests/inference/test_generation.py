@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from rlix.errors import EngineStateError, InferenceError, InvalidRequestError, NoActiveShardError
-from rlix.inference.router.router import Generation, Router, VersionSpan, _answer_error
+from rlix.inference.router.router import Generation, Router, VersionSpan
+from rlix.inference.server.openai_schema import answer_error
 
 
 def test_an_answer_becomes_a_typed_generation():
@@ -31,9 +32,9 @@ def test_a_malformed_answer_is_an_inference_error(answer):
 
 def test_refusals_map_to_typed_errors():
     body = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
-    assert isinstance(_answer_error(400, body), InvalidRequestError)
-    assert isinstance(_answer_error(503, body), EngineStateError)
-    other = _answer_error(500, "boom")
+    assert isinstance(answer_error(400, body, "generate"), InvalidRequestError)
+    assert isinstance(answer_error(503, body, "generate"), EngineStateError)
+    other = answer_error(500, "boom", "generate")
     assert type(other) is InferenceError and "boom" in str(other)
 
 

@@ -181,3 +181,35 @@ def test_session_stickiness(shards):
 
     served = asyncio.run(main())
     assert sorted(served) == [0, 6]
+
+
+def test_in_process_generate_survives_a_shard_killed_by_pid(tiny_model_dir, shards):
+    """The pipeline's path (Router.generate, no router server): a shard SIGKILLed mid-request is
+    re-dispatched to the live one, the typed answer has every token with its versions, and the
+    live shard keeps serving."""
+    from kit import pid_alive
+
+    async def main():
+        with shard_processes(tiny_model_dir, 1) as (doomed,):
+            router = Router(KEY)
+            client = RemoteInferenceClient(None, {9: doomed.url, 0: shards[0]}, KEY)
+            try:
+                await router.set_shard(9, doomed.url, "active")
+                task = asyncio.create_task(router.generate([9, 8, 7], {**GREEDY, "logprobs": 1}, "s"))
+                while await _running(client, 9) < 1:
+                    await asyncio.sleep(0.005)
+                await router.set_shard(0, shards[0], "active")
+                os.kill(doomed.pid, signal.SIGKILL)
+                out = await task
+                dead = not pid_alive(doomed.pid)
+                after = await router.generate([1, 2], {"max_tokens": 4, "temperature": 0}, "t")
+                return out, router.relay.redispatched, dead, after
+            finally:
+                await client.aclose()
+                await router.close()
+
+    out, redispatched, dead, after = asyncio.run(main())
+    assert dead and redispatched >= 1
+    assert len(out.token_ids) == N and len(out.logprobs) == N and out.finish_reason == "length"
+    assert out.weight_versions[0].start == 0 and out.weight_versions[-1].end == N
+    assert len(after.token_ids) == 4

@@ -20,7 +20,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 from rlix.errors import EngineStateError, InferenceError, InvalidRequestError
-from rlix.httpkit import HttpPool, UpstreamError
+from rlix.httpkit import HttpPool, UpstreamError, bearer
+from rlix.inference.server.openai_schema import answer_error
 
 _GAUGE = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.M)
 
@@ -55,7 +56,7 @@ class RemoteInferenceClient:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
+        return bearer(self.api_key)
 
     def _pool(self) -> HttpPool:
         """The lean pool, one per event loop: httpx's connection pool scans every connection
@@ -176,17 +177,8 @@ class RemoteInferenceClient:
 
 def _check_answer(status: int, content: bytes, what: str,
                   error: type[InferenceError] = InferenceError) -> Any:
-    """The JSON of a 200 answer; otherwise the error class its status means, with its message."""
+    """The JSON of a 200 answer; otherwise the error its status means, with its message."""
     if status == 200:
         return json.loads(content) if content else None
-    try:
-        body = json.loads(content)
-        msg = body["error"]["message"] if isinstance(body.get("error"), dict) else str(body)
-    except Exception:
-        msg = content.decode(errors="replace")[:500]
-    if status == 503:
-        raise EngineStateError(f"{what}: {msg}")
-    if status in (400, 404, 422) and error is InferenceError:
-        raise InvalidRequestError(f"{what}: {msg}")
-    raise error(f"{what} answered {status}: {msg}")
+    raise answer_error(status, content, what, error)
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlix import env
 from rlix.errors import InvalidRequestError, NoActiveShardError
-from rlix.httpkit import free_port
+from rlix.httpkit import bearer, free_port
 from rlix.inference.router.router import Router
 from rlix.inference.router.shard_table import ShardState
 from rlix.inference.server import openai_schema as S
@@ -136,7 +136,7 @@ class RouterAdminClient:
 
     def __init__(self, url: str, api_key: str) -> None:
         self.url = url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {api_key}"}
+        self.headers = bearer(api_key)
         self._http: httpx.AsyncClient | None = None
 
     def _client(self) -> httpx.AsyncClient:

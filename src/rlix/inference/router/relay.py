@@ -24,7 +24,7 @@ from rlix.errors import NoActiveShardError, ShardPreemptedError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
 from rlix.inference.router.shard_table import Shard, ShardState, ShardTable
-from rlix.httpkit import HttpPool, UpstreamError, UpstreamResponse
+from rlix.httpkit import HttpPool, UpstreamError, UpstreamResponse, bearer
 
 MAX_ATTEMPTS = 64
 
@@ -142,7 +142,7 @@ class Relay:
                  hold_timeout_s: float = 60.0) -> None:
         self.table = table
         self.pool = pool
-        self.headers = {"Authorization": f"Bearer {shard_api_key}"}
+        self.headers = bearer(shard_api_key)
         self.hold_timeout_s = hold_timeout_s
         self.redispatched = 0
         self.requests = 0

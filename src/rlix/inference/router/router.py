@@ -13,10 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rlix.errors import EngineStateError, InferenceError, InvalidRequestError, NoActiveShardError
+from rlix.errors import InferenceError, NoActiveShardError
 from rlix.httpkit import HttpPool, UpstreamError
 from rlix.inference.router.relay import Relay
 from rlix.inference.router.shard_table import ShardTable
+from rlix.inference.server.openai_schema import answer_error
 from rlix.inference.server.paths import GENERATE
 
 
@@ -104,7 +105,7 @@ class Router:
         status, answer = await (call if timeout_s is None else asyncio.wait_for(call, timeout_s))
         data = json.loads(answer) if isinstance(answer, bytes) else answer
         if status != 200:
-            raise _answer_error(status, data)
+            raise answer_error(status, data, "generate")
         return Generation.from_answer(data)
 
     async def passthrough(self, method: str, path: str, body: bytes | None) -> Passed:
@@ -124,14 +125,3 @@ class Router:
         """Held requests end now (NoActiveShardError); idle shard connections are closed."""
         self.table.close()
         await self.pool.aclose()
-
-
-def _answer_error(status: int, body: Any) -> InferenceError:
-    """The typed error of a refused generate (the shard's or the relay's answer)."""
-    error = body.get("error") if isinstance(body, dict) else None
-    message = error.get("message") if isinstance(error, dict) else str(body)[:500]
-    if status in (400, 404, 422):
-        return InvalidRequestError(f"generate answered {status}: {message}")
-    if status == 503:
-        return EngineStateError(f"generate answered 503: {message}")
-    return InferenceError(f"generate answered {status}: {message}")

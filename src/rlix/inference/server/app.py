@@ -302,7 +302,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         except (ValueError, InvalidRequestError) as exc:  # the update in progress is aborted too
             error = exc
             return JSONResponse(await control.update_weights(lambda: _raise(error)))
-        message = bucket_message(body.update_info)
+        message = bucket_message(body.update_info.model_dump(exclude_none=True))
         if message is not None:
             return JSONResponse(await control.update_bucket(message))
         return JSONResponse(await control.update_weights(lambda: control.tensors_from_json(body)))

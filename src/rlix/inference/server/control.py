@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from pydantic import BaseModel
 from safetensors.torch import load
 
 from rlix.errors import InvalidRequestError, WeightUpdateError
@@ -278,8 +277,6 @@ def bucket_message(info: Any) -> dict[str, Any] | None:
     """The transport message in an `update_info`, or None if it is not one. Messages that are not
     plain JSON (CUDA IPC handles) come pickled: control endpoints need the bearer token, and the
     servers bind 127.0.0.1."""
-    if isinstance(info, BaseModel):
-        info = info.model_dump(exclude_none=True)
     if not isinstance(info, dict):
         return None
     if "message_b64" in info:

@@ -7,11 +7,14 @@ Fields we never fill (routed_experts, kv_transfer_params...) are present as null
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rlix.errors import EngineStateError, InferenceError, InvalidRequestError
 
 SYSTEM_FINGERPRINT = "rlix"
 
@@ -111,6 +114,23 @@ def new_id(prefix: str) -> str:
 
 def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def answer_error(status: int, body: bytes | Any, what: str,
+                 error: type[InferenceError] = InferenceError) -> InferenceError:
+    """The typed error a refusal means, read back from `error_body`'s shape (or any text):
+    503 -> EngineStateError (the shard cannot now); 400/404/422 -> InvalidRequestError unless the
+    caller names its own class (retrying will not help); anything else -> `error`."""
+    try:
+        data = json.loads(body) if isinstance(body, bytes) else body
+        msg = data["error"]["message"] if isinstance(data.get("error"), dict) else str(data)
+    except Exception:  # noqa: BLE001 - not JSON, or not our shape: quote the text
+        msg = (body.decode(errors="replace") if isinstance(body, bytes) else str(body))[:500]
+    if status == 503:
+        return EngineStateError(f"{what}: {msg}")
+    if status in (400, 404, 422) and error is InferenceError:
+        return InvalidRequestError(f"{what}: {msg}")
+    return error(f"{what} answered {status}: {msg}")
 
 
 def usage(prompt: int, completion: int, *, details: bool = True) -> dict:
