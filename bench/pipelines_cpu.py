@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-PHASES = ("generate_s", "wait_gpus_s", "train_s", "cache_s", "offload_s", "release_s", "sync_s")
+PHASES = ("generate_s", "wait_gpus_s", "reload_s", "train_s", "cache_s", "offload_s", "release_s", "sync_s")
 
 
 def one_run(cfg: dict, mode: str, workdir: Path) -> dict:

@@ -69,3 +69,27 @@ def nccl_child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     for key, value in NCCL_DEFAULTS.items():
         out.setdefault(key, value)
     return out
+
+
+def visible_devices() -> str | None:
+    """`CUDA_VISIBLE_DEVICES` of this process: the GPUs placement gave it (None: not set)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+#: the variable through which a placed process is shown only its GPUs
+VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+
+
+def process_visible_devices(pid: int) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` another process of ours was started with (from /proc; None if
+    unset or unreadable): how a placement is checked, not assumed."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            entries = fh.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = VISIBLE_DEVICES_VAR.encode() + b"="
+    for entry in entries:
+        if entry.startswith(prefix):
+            return entry[len(prefix):].decode()
+    return None

@@ -113,3 +113,12 @@ class TaskError(RlixError):
 
 class CollectorError(RlixError):
     """The trajectory collector stopped (or died) while the training loop waited on it."""
+
+
+class GpuMemoryError(RlixError):
+    """A GPU hand-off failed: a holder did not free its memory, or the next holder found too
+    little free (or ran out). The message names the GPU and the holder."""
+
+
+class PipelineFailedError(RlixError):
+    """Every pipeline of a run failed (each one's error is in the message)."""

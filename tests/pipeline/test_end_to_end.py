@@ -9,6 +9,10 @@ carries was published); every trajectory started was trained on or dropped with 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 
 import pytest
 import ray
@@ -77,6 +81,78 @@ def test_time_sharing_run_moves_gpus_and_keeps_its_guarantees(tmp_path, fresh_ra
         assert p["steps"] == steps[name] and len(p["rewards"]) == steps[name]
         # woken shards were synced before serving: some shard moved past version 0
         assert any(len(h) > 1 for h in p["shard_history"].values())
+        check_placement(p)
+
+
+def check_placement(p: dict) -> None:
+    """Each process saw exactly the GPUs it was placed on (its own environment, read back; on
+    one local node Ray's GPU ids are rlix's), and each GPU hand-off was measured."""
+    trainer = p["trainer_placement"]
+    assert len(trainer["gpus"]) == 1 and trainer["visible_devices"] == str(trainer["gpus"][0]), trainer
+    assert p["shard_placements"], "no shard was ever placed"
+    for start in p["shard_placements"]:
+        assert start["visible_devices"] == ",".join(map(str, start["gpus"])), start
+    events = {row["event"] for row in p["gpu_memory"]}
+    assert {"acquire", "release"} <= events, events
+    # the trainer trains on its home only: every acquire names the GPU it was placed on
+    assert {tuple(r["gpus"]) for r in p["gpu_memory"] if r["holder"].startswith("trainer")} == \
+        {tuple(trainer["gpus"])}
+
+
+def test_a_pipeline_whose_shard_hangs_ends_alone_with_its_gpu_named(tmp_path, fresh_ray):
+    """pa's shard is frozen (SIGSTOP, by PID) mid-run: when the scheduler takes that GPU for pb's
+    training, the shard cannot confirm its release, is killed, and pa ends with one line naming
+    the GPU and the holder; pb trains to the end on the GPUs the scheduler took back."""
+    path = config(tmp_path, "rlix", steps=3, run_dir="fault", pb_steps=8)
+    cfg = yaml.safe_load(open(path))
+    cfg["release_timeout_s"] = 3
+    cfg["pipelines"][0]["steps"] = 30  # pa would outlive pb if it were not stopped
+    cfg["pipelines"][0]["max_shards"] = cfg["pipelines"][1]["max_shards"] = 1
+    with open(path, "w") as fh:
+        yaml.safe_dump(cfg, fh)
+    frozen: list[int] = []
+
+    def freeze_pa_shard() -> None:
+        metrics = tmp_path / "fault" / "pa" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
+                pids = shard_pids("pa")
+                if pids:
+                    os.kill(pids[0], signal.SIGSTOP)
+                    frozen.append(pids[0])
+                    return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=freeze_pa_shard, daemon=True)
+    watcher.start()
+    summary = run(path, mode=None)
+    watcher.join(5)
+    assert frozen, "pa's shard was never found"
+    pa, pb = summary["pipelines"]["pa"], summary["pipelines"]["pb"]
+    assert "GpuMemoryError" in pa["error"] and "shard 0 of pipeline pa on GPU" in pa["error"], pa["error"]
+    assert "\n" not in pa["error"]
+    assert pa["steps"] < 30
+    assert pb["steps"] == 8 and "error" not in pb
+    with pytest.raises(ProcessLookupError):
+        os.kill(frozen[0], 0)
+    log = (tmp_path / "fault" / "run.log").read_text()
+    assert "pa: failed: GpuMemoryError" in log
+
+
+def shard_pids(pipeline: str) -> list[int]:
+    """PIDs of the engine servers serving `pipeline` (their command line names it)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and b"--served-model-name" in cmd and pipeline.encode() in cmd:
+            out.append(int(entry))
+    return out
 
 
 def test_standalone_runs_the_same_config_and_resume_continues(tmp_path, fresh_ray):

@@ -96,6 +96,9 @@ class PipelineConfig(_Strict):
     gpus: list[int] | None = Field(None, description="standalone mode: the fixed GPUs this pipeline uses "
                                                      "(default: all); ignored when time-sharing")
     checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
+    audit_weights: bool = Field(False, description="after every sync, compare each shard's weight "
+                                                   "checksums with the trainer's (a pass over the "
+                                                   "weights on both sides: for tests and benchmarks)")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads of its trainer and of each shard "
                                                          "process on CPU (None: torch's default)")
 
@@ -115,13 +118,26 @@ class PipelineConfig(_Strict):
             name=self.name, priority=self.priority, weight=self.weight, train_gpus=self.train_gpus,
             tp=self.tp, min_shards=self.min_shards, max_shards=self.max_shards,
             partial_overlap=self.partial_overlap, seqs_per_shard=self.seqs_per_shard,
+            fixed_trainer=True,  # its trainer is a process bound to GPUs (rlix.placement)
         )
+
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 class RlixConfig(_Strict):
     """A whole `rlix run` file."""
 
     cluster: ClusterConfig = ClusterConfig()
+    device: Device = Field("auto", description="where trainers and shards compute: cuda when the Ray "
+                                               "cluster has real GPUs (auto), else cpu with the "
+                                               "cluster's GPUs as fake ones")
+    dtype: DType = Field("auto", description="weights and compute dtype (auto: bfloat16 on cuda, the "
+                                             "checkpoint's on cpu)")
+    release_timeout_s: float = Field(60.0, gt=0, description="how long a GPU's holder may take to "
+                                                             "confirm its memory is free before the "
+                                                             "pipeline is failed and the GPU taken back")
     scheduler: SchedulerConfig = SchedulerConfig()
     control_plane: Literal["rlix", "standalone"] = Field(
         "rlix", description="rlix: pipelines time-share GPUs through the scheduler; standalone: each "

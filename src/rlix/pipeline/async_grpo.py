@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlix.config.models import PipelineConfig
+from rlix.devices import check_released
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
@@ -35,7 +36,8 @@ class StepRecord:
     oldest_version: int  # oldest weight version in the batch
     loss: float
     generate_s: float  # waiting for the batch (generation not hidden behind the last step)
-    wait_gpus_s: float  # before_training: the scheduler freeing training GPUs
+    wait_gpus_s: float  # before_training: the scheduler freeing training GPUs (shards sleeping)
+    reload_s: float  # the trainer's state back on its GPU (after measuring it free)
     train_s: float
     cache_s: float  # building the CPU bucket cache
     offload_s: float
@@ -68,38 +70,63 @@ class GrpoLoop:
     def __init__(self, cfg: PipelineConfig, *, trainer: Any, coordinator: ShardCoordinator,
                  collector: TrajectoryCollector, buffer: ReplayBuffer, hooks: RLixHooks,
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
-                 checkpoint: Callable[[int], Any] | None = None) -> None:
+                 checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0) -> None:
         self.name, self.trainer, self.coordinator = cfg.name, trainer, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
         self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
         self.steps = cfg.steps
+        self.audit = cfg.audit_weights
         self.step = start_step  # = the version the trainer holds
         self.on_step, self.checkpoint, self.checkpoint_every = on_step, checkpoint, cfg.checkpoint_every
         self.records: list[StepRecord] = []
+        self.memory_log: list[dict] = []  # the trainer's hand-offs: memory measured at each
+        self.release_timeout_s = release_timeout_s
         self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
 
     async def run(self) -> list[StepRecord]:
-        while self.step < self.steps:
-            await self.one_step()
+        """Every step; a failed GPU hand-off of the shards (the coordinator's `failure`, found
+        while the scheduler moved them) ends the run with that error, wherever the step was."""
+        failed = asyncio.ensure_future(self.coordinator.failed.wait())
+        try:
+            while self.step < self.steps:
+                step = asyncio.ensure_future(self.one_step())
+                await asyncio.wait({step, failed}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                if self.coordinator.failure is not None:
+                    raise self.coordinator.failure
+                step.result()
+        finally:
+            failed.cancel()
         return self.records
+
+    def _memory(self, event: str, gpus: list[int], report: Any) -> None:
+        row = report.as_dict() if hasattr(report, "as_dict") else dict(report)
+        self.memory_log.append({"event": event, "holder": f"trainer of {self.name}", "gpus": list(gpus), **row})
 
     async def one_step(self) -> StepRecord:
         version = self.step
         t0 = time.perf_counter()
         await self.collector.wait_for(self.groups_per_step)
         t_gen = time.perf_counter()
-        await self.hooks.before_training(version)
+        gpus = await self.hooks.before_training(version)
         t_gpus = time.perf_counter()
+        where = ",".join(map(str, gpus))
         try:
-            await self.trainer.reload.remote()
+            # the GPU's previous holders confirmed their release; the reload also measures it
+            self._memory("acquire", gpus, await self.trainer.reload.remote(self.release_timeout_s, where))
+            t_reload = time.perf_counter()
             groups = self.buffer.take(self.groups_per_step, version, self.max_age)
             samples = to_samples(groups)
             metrics = await self.trainer.train_step.remote(samples)
             t_train = time.perf_counter()
             new = version + 1
-            await self.trainer.publish.remote(new)
+            await self.trainer.publish.remote(new, self.audit)
             t_cache = time.perf_counter()
-            await self.trainer.offload.remote()
+            released = await self.trainer.offload.remote()
+            self._memory("release", gpus, released)
+            check_released(released, f"the trainer of {self.name}", where)
             t_off = time.perf_counter()
             self.coordinator.announce(new)  # shards woken from here on get `new`
             # the new demand goes with the release, so the GPUs go back where the demand is
@@ -131,7 +158,7 @@ class GrpoLoop:
             step=new, reward=mean, reward_std=std, samples=len(samples),
             tokens=sum(len(s.response_ids) for s in samples), oldest_version=versions[0],
             loss=float(metrics.get("loss", 0.0)), generate_s=t_gen - t0, wait_gpus_s=t_gpus - t_gen,
-            train_s=t_train - t_gpus, cache_s=t_cache - t_train, offload_s=t_off - t_cache,
+            reload_s=t_reload - t_gpus, train_s=t_train - t_reload, cache_s=t_cache - t_train, offload_s=t_off - t_cache,
             release_s=t_rel - t_off, sync_s=t_sync - t_off, step_s=max(t_rel, t_sync) - t0,
             finished_at=time.time())
         self.records.append(record)

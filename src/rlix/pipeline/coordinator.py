@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlix.errors import WeightUpdateError
+from rlix.errors import GpuMemoryError, WeightUpdateError
 from rlix.inference.fleet.fleet import ShardFleet
 from rlix.weights.api import SyncReport
 
@@ -51,6 +51,8 @@ class CoordinatorStats:
     sleep_seconds: float = 0.0
     wake_seconds: float = 0.0
     version_mismatches: list[str] = field(default_factory=list)
+    checksum_checks: int = 0  # shard syncs audited (audit: checksums compared with the trainer's)
+    checksum_mismatches: list[str] = field(default_factory=list)
     sleep_phases_ms: dict[str, float] = field(default_factory=dict)  # preemption phases, summed
 
 
@@ -59,13 +61,23 @@ class ShardCoordinator:
     (it runs where the cache lives: the trainer's process)."""
 
     def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
-                 wake_in_sync: bool = False) -> None:
+                 wake_in_sync: bool = False, placed: bool = False,
+                 audit: Callable[[int], Awaitable[Mapping[str, int]]] | None = None) -> None:
         self.fleet = fleet
+        # placed: each shard's process runs on the GPUs the scheduler names in `add` and is
+        # started (or moved) there on demand; level-2 sleeps drop its weights
+        self.placed = placed
+        # audit(version) -> the trainer's per-tensor checksums of it: every synced shard's
+        # served weights are compared with them (costs a pass over the weights on both sides)
+        self._audit = audit
+        self.failure: GpuMemoryError | None = None  # a GPU hand-off failed: the pipeline must end
+        self.failed = asyncio.Event()
         self._sync_fn = sync
         self.wake_in_sync = wake_in_sync and fleet.supports_sleep
+        self.initial_version = initial_version  # what a shard process started from disk serves
         self.latest = initial_version  # newest version the trainer has published
         self.published: set[int] = {initial_version}
-        self.versions: dict[int, int] = {}  # rank -> version it serves
+        self.versions: dict[int, int | None] = {}  # rank -> version it serves (None: no weights)
         self.history: dict[int, list[int]] = {}  # rank -> every version it was synced to, in order
         self.stats = CoordinatorStats()
         self._lock = asyncio.Lock()  # resize and publish never interleave
@@ -84,8 +96,22 @@ class ShardCoordinator:
     def active_ranks(self) -> list[int]:
         return self.fleet.active_ranks()
 
+    def _fail(self, exc: GpuMemoryError) -> GpuMemoryError:
+        if self.failure is None:
+            self.failure = exc
+            self.failed.set()
+            log.error("%s", exc)
+        return exc
+
     async def resize_inference(self, remove: list[int], add: Mapping[int, Any]) -> dict:
-        """The scheduler's call: sleep `remove`, then wake + sync + activate `add`."""
+        """The scheduler's call: sleep `remove`, then wake + sync + activate `add`. A failed GPU
+        hand-off (GpuMemoryError) ends the pipeline: it is kept in `failure` and raised."""
+        try:
+            return await self._resize(remove, add)
+        except GpuMemoryError as exc:
+            raise self._fail(exc) from None
+
+    async def _resize(self, remove: list[int], add: Mapping[int, Any]) -> dict:
         async with self._lock:
             out: dict[str, Any] = {}
             if remove:
@@ -97,8 +123,18 @@ class ShardCoordinator:
                     for k in ("mark_ms", "abort_ms", "drain_ms", "sleep_ms"):
                         self.stats.sleep_phases_ms[k] = self.stats.sleep_phases_ms.get(k, 0.0) + phases.get(k, 0.0)
                 self._event("sleep", remove, seconds=dt)
+                if self.fleet.sleep_level >= 2:  # weights dropped: a wake must sync them
+                    for r in remove:
+                        self.versions[r] = None
             if add:
                 ranks = sorted(int(r) for r in add)
+                if self.placed:
+                    for r in await self.fleet.place({r: add[r] for r in ranks}):
+                        # a new process serves the weights on disk: the initial version
+                        self.versions[r] = self.initial_version
+                        if not self.history.get(r):
+                            self.history[r] = [self.initial_version]
+                        self._event("start", [r], self.initial_version)
                 missing = [r for r in ranks if r not in self.fleet.shards]
                 if missing:
                     raise WeightUpdateError(f"resize asked for shard(s) {missing} that were never started")
@@ -154,8 +190,14 @@ class ShardCoordinator:
         t0 = time.perf_counter()
         try:
             rep = await self._sync_fn(version, urls, asleep)
-        except BaseException:
+        except BaseException as exc:
             self.fleet.note_woken(asleep, woken=False)  # maybe woken before it failed
+            if self.placed and "out of memory" in str(exc).lower():
+                names = ", ".join(self.fleet.describe(r) for r in ranks)
+                for r in ranks:  # their processes may hold half an update: end them
+                    await self.fleet.kill(r)
+                raise GpuMemoryError(f"{names} ran out of GPU memory during a {kind} to version "
+                                     f"{version}: {exc}") from None
             raise
         self.fleet.note_woken(asleep)
         dt = time.perf_counter() - t0
@@ -173,3 +215,18 @@ class ShardCoordinator:
             self.history[r].append(got)
         self._event(kind, ranks, version, dt)
         log.info("%s shards %s to version %d in %.3fs", kind, ranks, version, dt)
+        if self._audit is not None:
+            await self._check_checksums(ranks, version)
+
+    async def _check_checksums(self, ranks: list[int], version: int) -> None:
+        want = dict(await self._audit(version))  # type: ignore[misc]
+        answers = await self.fleet.client.fan_out("GET", "/weight_checksums", ranks)
+        for r in ranks:
+            got = answers[r]["checksums"]
+            bad = sorted(n for n in want if got.get(n) != want[n])
+            extra = sorted(set(got) - set(want))
+            self.stats.checksum_checks += 1
+            if bad or extra:
+                self.stats.checksum_mismatches.append(
+                    f"shard {r} at version {version}: {len(bad)} tensors differ ({bad[:3]}), "
+                    f"{len(extra)} unknown ({extra[:3]})")

@@ -25,6 +25,11 @@ class RLixHooks(Protocol):
         """The dp ranks this pipeline starts, each with its GPUs if fixed (else [])."""
         ...
 
+    async def reserve(self, cfg: PipelineConfig) -> list[int]:
+        """Make the pipeline known to whoever grants its GPUs; returns the GPUs its trainer is
+        placed on (its training home). Shards may be placed from here on (once ready)."""
+        ...
+
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
         """The shards are started, asleep-capable and inactive: hand them to whoever places them."""
         ...
@@ -68,6 +73,9 @@ class NoOpHooks:
         """One shard per `tp` fixed GPUs (at least one)."""
         n = max(len(self.gpus) // cfg.tp, 1)
         return {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp] for r in range(n)}
+
+    async def reserve(self, cfg: PipelineConfig) -> list[int]:
+        return list(self.gpus[:cfg.train_gpus])
 
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
         await coordinator.resize_inference([], self.shard_gpus(cfg))

@@ -14,12 +14,15 @@ import json
 import logging
 import random
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from transformers import AutoTokenizer
 
+from rlix import env
 from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
@@ -33,6 +36,7 @@ from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.hooks import RLixHooks
+from rlix.placement import GpuReservation
 from rlix.training.actor import TrainerActor
 
 log = logging.getLogger("rlix.pipeline")
@@ -41,10 +45,33 @@ log = logging.getLogger("rlix.pipeline")
 GENERATE_TIMEOUT_S = 600.0
 
 
+@dataclass(frozen=True)
+class DevicePlan:
+    """Where a pipeline's processes compute, as `rlix run` resolved it for the whole run."""
+
+    device: str = "cpu"  # "cpu" | "cuda"
+    dtype: str | None = None  # None: the checkpoint's
+    #: the run's GPUs as physical devices; None: processes are not placed (tests, no Ray GPUs)
+    reservation: GpuReservation | None = None
+    release_timeout_s: float = 60.0  # a holder's release confirmation, at most
+
+    @property
+    def sleep_level(self) -> int:
+        """Shards leaving a GPU drop their weights there (2); on CPU offloading them (1) is
+        cheaper and frees nothing another holder could use anyway."""
+        return 2 if self.device == "cuda" else 1
+
+    def visible_devices_env(self, gpus: Sequence[int]) -> dict[str, str]:
+        assert self.reservation is not None
+        return {env.VISIBLE_DEVICES_VAR: self.reservation.visible_devices(gpus)}
+
+
 class PipelineRunner:
     def __init__(self, cfg: PipelineConfig, hooks: RLixHooks, *, run_dir: str | Path, api_key: str,
-                 resume: bool = False) -> None:
+                 resume: bool = False, devices: DevicePlan | None = None) -> None:
         self.cfg, self.hooks, self.api_key, self.resume = cfg, hooks, api_key, resume
+        self.devices = devices or DevicePlan()
+        self.ready = asyncio.Event()  # set once the coordinator can take the scheduler's calls
         self.dir = Path(run_dir) / cfg.name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.start_step = 0
@@ -62,29 +89,38 @@ class PipelineRunner:
         self.collector: TrajectoryCollector | None = None
         self.loop: GrpoLoop | None = None
         self.joined = False
+        self.trainer_placement: dict = {}
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> dict:
         t0 = time.perf_counter()
         path = resolve_model(self.cfg.model)
-        await self._start_trainer(str(path))
+        self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
+        train_gpus = await self.hooks.reserve(self.cfg)  # the scheduler may place shards from now on
+        await self._start_trainer(str(path), train_gpus)
         ranks = await self._start_shards(str(path))
         self._start_collector(str(path))
-        self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
         await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
+        self.ready.set()
         self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,  # type: ignore[arg-type]
                              collector=self.collector, buffer=self.buffer, hooks=self.hooks,  # type: ignore[arg-type]
-                             start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint)
+                             start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint,
+                             release_timeout_s=self.devices.release_timeout_s)
         self.setup_s = time.perf_counter() - t0
         return {"pipeline": self.cfg.name, "shards": ranks, "start_step": self.start_step,
                 "setup_s": round(self.setup_s, 2)}
 
-    async def _start_trainer(self, path: str) -> None:
-        """The trainer (resumed from its checkpoint if asked), its first version published."""
-        cfg = self.cfg
-        self.trainer = TrainerActor.options(max_concurrency=2).remote(
+    async def _start_trainer(self, path: str, gpus: list[int]) -> None:
+        """The trainer, placed on its training GPUs (resumed from its checkpoint if asked), its
+        first version published. On CUDA it starts offloaded: the GPU is not its until granted."""
+        cfg, dev = self.cfg, self.devices
+        options: dict[str, Any] = {"max_concurrency": 2}
+        if dev.reservation is not None and gpus:
+            options.update(dev.reservation.actor_options(gpus))
+        extra = {"dtype": dev.dtype} if dev.dtype else {}
+        self.trainer = TrainerActor.options(**options).remote(
             path, cfg.train, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
-            cpu_threads=cfg.cpu_threads, device="cpu")
+            cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda", **extra)
         ckpt = self.dir / "checkpoint"
         metrics = self.dir / "metrics.jsonl"
         if self.resume and (ckpt / "trainer").exists():
@@ -94,7 +130,9 @@ class PipelineRunner:
                 self.history = [h for h in rows if h["step"] <= self.start_step]
         elif not self.resume:
             metrics.write_text("")
-        await self.trainer.publish.remote(self.start_step)
+        await self.trainer.publish.remote(self.start_step, cfg.audit_weights)
+        self.trainer_placement = {"gpus": list(gpus), "pid": await self.trainer.pid.remote(),
+                                  "visible_devices": await self.trainer.visible_devices.remote()}
         await self.trainer.offload.remote()
 
     async def _start_shards(self, path: str) -> list[int]:
@@ -105,17 +143,27 @@ class PipelineRunner:
         self.data_plane = DataPlaneThread(f"{cfg.name}-data-plane")
         self.data_plane.start()
         self.router = Router(self.api_key, hold_timeout_s=GENERATE_TIMEOUT_S)
+        dev = self.devices
+        extra = {"dtype": dev.dtype} if dev.dtype else {}
         backend = make_backend(EngineBackendConfig(
-            backend="embedded", model=path, served_model_name=cfg.name,
-            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
+            backend="embedded", model=path, served_model_name=cfg.name, device=dev.device,
+            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads,
+            **extra))
         control = RemoteInferenceClient(None, {}, self.api_key, cfg.name)  # straight to the shards
-        self.fleet = ShardFleet(LocalLauncher(backend, self.api_key),
-                                self.data_plane.router_control(self.router), control,
+        placed = dev.reservation is not None
+        launcher = LocalLauncher(backend, self.api_key,
+                                 placement=dev.visible_devices_env if placed else None)
+        self.fleet = ShardFleet(launcher, self.data_plane.router_control(self.router), control,
+                                sleep_level=dev.sleep_level, release_timeout_s=dev.release_timeout_s,
+                                holder=f"pipeline {cfg.name}",
                                 drain_before_sleep=False)  # our engine aborts in-flight at sleep
         self.coordinator = ShardCoordinator(self.fleet, self.trainer.sync_weights.remote, initial_version=0,
-                                            wake_in_sync=True)  # our engine serves /sync_weights
+                                            wake_in_sync=True,  # our engine serves /sync_weights
+                                            placed=placed,
+                                            audit=self.trainer.weight_checksums.remote if cfg.audit_weights else None)
         ranks = sorted(self.hooks.shard_gpus(cfg))
-        await self.coordinator.start(ranks, version=0, active=False)
+        if not placed:  # placed shards start where and when they are first given GPUs
+            await self.coordinator.start(ranks, version=0, active=False)
         self.coordinator.announce(self.start_step)
         return ranks
 
@@ -154,9 +202,17 @@ class PipelineRunner:
         await self.trainer.save_checkpoint.remote(str(self.dir / "checkpoint" / "trainer"))
 
     async def resize_inference(self, remove: list[int], add: dict[int, list[int]]) -> dict:
+        """The scheduler's call; one that comes during setup waits until the shards can move."""
+        await self.ready.wait()
         if self.closing or self.coordinator is None:
             return {"skipped": "pipeline is shutting down"}
         return await self.coordinator.resize_inference(remove, add)
+
+    def memory_log(self) -> list[dict]:
+        """Every GPU hand-off of this pipeline's holders, with the memory measured at it."""
+        rows = list(self.loop.memory_log if self.loop else [])
+        rows += self.fleet.memory_log if self.fleet is not None else []
+        return sorted(rows, key=lambda r: r.get("at", 0.0))
 
     def progress(self) -> dict:
         last = self.history[-1] if self.history else None
@@ -183,10 +239,15 @@ class PipelineRunner:
             "shard_history": {r: list(v) for r, v in coord.history.items()},
             "published": sorted(coord.published),
             "version_mismatches": list(coord.stats.version_mismatches),
+            "checksum_checks": coord.stats.checksum_checks,
+            "checksum_mismatches": list(coord.stats.checksum_mismatches),
             "sync_s": coord.stats.sync_seconds, "sleep_s": coord.stats.sleep_seconds,
             "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s,
             "sleep_phases_ms": {k: round(v, 1) for k, v in coord.stats.sleep_phases_ms.items()},
             "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
+            "device": self.devices.device, "gpu_memory": self.memory_log(),
+            "trainer_placement": self.trainer_placement,
+            "shard_placements": list(self.fleet.placements) if self.fleet is not None else [],
         }
 
     async def shutdown(self) -> dict[str, float]:
@@ -203,6 +264,7 @@ class PipelineRunner:
             took[name] = round(time.perf_counter() - t0, 3)
 
         self.closing = True  # the control plane's late resize calls are ignored from here on
+        self.ready.set()
         if self.joined:  # the scheduler (if any) frees its GPUs
             await timed("leave", self.hooks.leave())
         if self.collector is not None:

@@ -27,6 +27,7 @@ class SchedulerHooks:
         self.scheduler, self.pipeline, self.train_gpus = scheduler, pipeline, train_gpus
         self.coordinator_handle = coordinator_handle
         self.granted: list[int] = []
+        self.home: list[int] = []
         self.wait_s = 0.0
         self._releasing: Any = None  # the release call in flight (a Ray ObjectRef)
         self._complete: Progress | None = None  # "batch complete", held for the next request
@@ -35,10 +36,16 @@ class SchedulerHooks:
         """Every shard it may use; the scheduler decides where and when each runs."""
         return {r: [] for r in range(cfg.max_shards)}
 
+    async def reserve(self, cfg: PipelineConfig) -> list[int]:
+        """Register; the scheduler answers with the training home, where the trainer is placed.
+        Its calls to place shards wait until the pipeline is ready (PipelineRunner.ready)."""
+        self.home = list(await self.scheduler.register.remote(cfg.spec(), self.coordinator_handle))
+        return self.home
+
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
-        """Put every shard to sleep, then register: the scheduler wakes them where it decides."""
+        """Shards started unplaced go to sleep: the scheduler wakes them where it decides.
+        (Placed shards start only when the scheduler first gives them GPUs.)"""
         await coordinator.fleet.sleep_partial(sorted(coordinator.fleet.shards))
-        await self.scheduler.register.remote(cfg.spec(), self.coordinator_handle)
 
     async def leave(self) -> None:
         """The last release is collected (its error logged), then the pipeline unregisters."""

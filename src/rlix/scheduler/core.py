@@ -122,8 +122,8 @@ class SchedulerCore:
         home = self.ledger.train_home.get(pipeline)
         if home is not None and gpus > len(home):
             raise SchedulerError(
-                f"{pipeline}: asks for {gpus} GPUs but, without partial overlap, it trains only "
-                f"on its {len(home)} home GPUs {sorted(home)}")
+                f"{pipeline}: asks for {gpus} GPUs but it trains only on its {len(home)} home "
+                f"GPUs {sorted(home)}")
         for r in self.pending.values():
             if r.pipeline == pipeline:
                 raise SchedulerError(

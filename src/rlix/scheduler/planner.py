@@ -132,7 +132,7 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
         rank = pool.next_rank(name, spec.max_shards)
         if rank is None:
             continue
-        exclude = ledger.train_home.get(name, frozenset())
+        exclude = ledger.shard_exclusion(name)
         gpus = pool.place_shard(name, spec.tp, rank, exclude)
         if gpus is None:
             first_shard = pool.shard_count[name] == 0
@@ -163,7 +163,7 @@ def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -
         rank = pool.next_rank(name, spec.max_shards)
         if rank is None:
             continue
-        gpus = pool.place_shard(name, spec.tp, rank, ledger.train_home.get(name, frozenset()))
+        gpus = pool.place_shard(name, spec.tp, rank, ledger.shard_exclusion(name))
         if gpus is None:
             continue
         pool.expand(name, rank, gpus, now)

@@ -52,10 +52,12 @@ class AsyncScheduler:
         self.errors: deque[dict] = deque(maxlen=20)
 
     # ------------------------------------------------------------------ calls
-    def register(self, spec: PipelineSpec, resize: ResizeFn) -> None:
+    def register(self, spec: PipelineSpec, resize: ResizeFn) -> list[int]:
+        """Returns the pipeline's training home (its trainer's GPUs), [] if it has none."""
         self.core.register(spec)
         self._coordinators[spec.name] = resize
         self._replan(f"register {spec.name}")
+        return sorted(self.core.ledger.train_home.get(spec.name, ()))
 
     def unregister(self, name: str) -> list[int]:
         """A live pipeline leaves: its shards are put to sleep before others get its GPUs."""
@@ -255,13 +257,15 @@ class SchedulerService:
         self._start()
         return {"gpus_per_node": list(self._sched.core.ledger.topology.gpus_per_node)}
 
-    async def register(self, spec: PipelineSpec, coordinator) -> None:
+    async def register(self, spec: PipelineSpec, coordinator) -> list[int]:
+        """Returns the pipeline's training home (where a bound trainer is placed)."""
         self._start()
         if not isinstance(coordinator, ray.actor.ActorHandle):
             raise SchedulerError(f"register {getattr(spec, 'name', spec)!r}: coordinator must be "
                                  f"a Ray actor handle, got {type(coordinator).__name__}")
-        self._sched.register(spec, ray_resize(coordinator))
+        home = self._sched.register(spec, ray_resize(coordinator))
         self._handles[spec.name] = coordinator
+        return home
 
     async def unregister(self, name: str) -> list[int]:
         self._handles.pop(name, None)

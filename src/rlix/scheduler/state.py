@@ -9,7 +9,9 @@ the ledger as it was):
      overlap. A pipeline without partial overlap gets a fixed training home at registration:
      its non-rollout stages run only there and its shards never go there (its engines never
      sit on the GPUs its trainer uses). A pipeline with partial overlap may train on GPUs its
-     own shards used a moment before: those shards sleep while it trains;
+     own shards used a moment before: those shards sleep while it trains. A pipeline whose
+     trainer is a process bound to GPUs (`fixed_trainer`) also gets a home, and with partial
+     overlap its shards may use it;
   4. every holding belongs to a registered pipeline, at most one holding per stage.
 """
 
@@ -51,9 +53,9 @@ class Ledger:
                 f"pipeline {spec.name!r}: tp={spec.tp} does not fit on one node "
                 f"(largest node has {biggest_node} GPUs)"
             )
-        if not spec.partial_overlap and spec.train_gpus > 0:
+        if (not spec.partial_overlap or spec.fixed_trainer) and spec.train_gpus > 0:
             home = self._pick_train_home(spec)
-            if not self._fits_outside(spec.tp, home):
+            if not spec.partial_overlap and not self._fits_outside(spec.tp, home):
                 raise LedgerError(
                     f"pipeline {spec.name!r}: without partial_overlap its {spec.train_gpus} training "
                     f"GPUs leave no room for one shard of tp={spec.tp}"
@@ -90,6 +92,14 @@ class Ledger:
 
     def stage_holding(self, pipeline: str, stage: Stage) -> Holding | None:
         return self.holdings.get((pipeline, "stage", stage))
+
+    def shard_exclusion(self, pipeline: str) -> frozenset[int]:
+        """GPUs this pipeline's shards may never use: its training home, unless it declares
+        partial overlap (then its shards sleep there while it trains)."""
+        spec = self.pipelines.get(pipeline)
+        if spec is None or spec.partial_overlap:
+            return frozenset()
+        return self.train_home.get(pipeline, frozenset())
 
     def idle_gpus(self) -> list[int]:
         return [g for g, key in enumerate(self.owner) if key is None]
@@ -195,7 +205,7 @@ class Ledger:
                 raise LedgerError(f"shard {h.key} holds {len(h.gpus)} GPUs, its tp is {spec.tp}")
             if len({self.node_of[g] for g in h.gpus}) != 1:
                 raise LedgerError(f"shard {h.key} spans several nodes: {list(h.gpus)}")
-            if home is not None and home.intersection(h.gpus):
+            if home is not None and not spec.partial_overlap and home.intersection(h.gpus):
                 raise LedgerError(
                     f"shard {h.key} sits on its own training GPUs {sorted(home.intersection(h.gpus))} "
                     f"but {h.pipeline!r} declares no partial overlap"
@@ -205,8 +215,7 @@ class Ledger:
                 raise LedgerError(f"holding {h.key}: rollout is held by shards, not by a stage")
             if home is not None and not home.issuperset(h.gpus):
                 raise LedgerError(
-                    f"{h.pipeline!r} declares no partial overlap, so it trains only on its home "
-                    f"{sorted(home)}, not on {list(h.gpus)}"
+                    f"{h.pipeline!r} trains only on its home {sorted(home)}, not on {list(h.gpus)}"
                 )
 
     def _validate_new(self, h: Holding, removed: set[HoldingKey]) -> None:

@@ -60,6 +60,9 @@ class PipelineSpec:
     max_shards: int = 1
     partial_overlap: bool = True
     seqs_per_shard: int = 8
+    #: its trainer is a process bound to its GPUs (a real run): it trains on a home chosen at
+    #: registration, always the same GPUs; its own shards may still sit there (partial overlap)
+    fixed_trainer: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -10,6 +10,7 @@ version. Remote callers get typed summaries, never the tensors.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,12 +19,15 @@ from typing import Any
 import ray
 import torch
 
+from rlix import env
 from rlix.config.models import TrainConfig
+from rlix.devices import DeviceMemory
 from rlix.errors import WeightCacheError
 from rlix.threads import yield_cores_to_control
 from rlix.training.trainer import PolicyTrainer
 from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
 from rlix.weights.api import SyncReport
+from rlix.weights.buckets import tensor_checksums
 from rlix.weights.push import ShardWeightPusher
 
 
@@ -47,6 +51,7 @@ class TrainerActor:
         self.trainer = PolicyTrainer.from_config(model, train or TrainConfig(), seed=seed,
                                                  temperature=temperature, **kwargs)
         self.api_key = api_key
+        self._checksums: dict[int, dict[str, int]] = {}
         self._pusher: ShardWeightPusher | None = None
         # On a CPU device forward/backward run on a thread of their own that yields the cores to
         # control threads (rlix.threads), so cache builds, syncs and the shards' control calls
@@ -68,15 +73,24 @@ class TrainerActor:
     def compute_logprobs(self, samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[list[float]]:
         return self._run(self.trainer.compute_logprobs, _samples(samples))
 
-    def publish(self, version: int) -> PublishedVersion:
+    def publish(self, version: int, audit: bool = False) -> PublishedVersion:
         """Snapshot the weights into the cache as `version` and make it the version shards are
-        synced to (the cache keeps at most two)."""
+        synced to (the cache keeps at most two). `audit`: also keep per-tensor checksums of it,
+        computed where the weights are (the GPU), for `weight_checksums`."""
         started = time.perf_counter()
+        if audit:
+            self._checksums = {int(version): tensor_checksums(self.trainer.state_for_sync())}
         cache = self.trainer.build_cache(version)
         cache.promote_active(version)
         return PublishedVersion(int(version), cache.layout.num_buckets, cache.layout.total_bytes,
                                 time.perf_counter() - started, list(cache.versions()),
                                 [s.name for s in cache.shm_segments()])
+
+    def weight_checksums(self, version: int) -> dict[str, int]:
+        """Per-tensor checksums of a version published with `audit`."""
+        if int(version) not in self._checksums:
+            raise WeightCacheError(f"no checksums of version {version} (publish it with audit=True)")
+        return self._checksums[int(version)]
 
     def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
         """Move these engine servers ({dp rank: url}), and only those, to cached `version`,
@@ -87,11 +101,20 @@ class TrainerActor:
             self._pusher = ShardWeightPusher(lambda: self.trainer.cache, self.api_key)
         return self._pusher.sync(version, {int(r): u for r, u in shards.items()}, wake)
 
-    def offload(self) -> None:
-        self.trainer.offload()
+    def offload(self) -> DeviceMemory:
+        """Offload, then the device memory measured afterwards (the release confirmation)."""
+        return self.trainer.offload()
 
-    def reload(self) -> None:
-        self.trainer.reload()
+    def reload(self, timeout_s: float = 60.0, gpu: str | None = None) -> DeviceMemory:
+        """Reload once the GPU has room (measured); GpuMemoryError naming `gpu` otherwise."""
+        return self.trainer.reload(timeout_s, gpu)
+
+    def visible_devices(self) -> str | None:
+        """CUDA_VISIBLE_DEVICES of this process, as placement set it."""
+        return env.visible_devices()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def save_checkpoint(self, path: str) -> str:
         return str(self.trainer.save_checkpoint(path))

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from rlix.errors import WeightUpdateError
-from rlix.weights.wire import DTYPE_CODES, BucketAssembler, Layout, ReceiveError, TensorEntry
+from rlix.weights.wire import (DTYPE_CODES, BucketAssembler, Layout, ReceiveError, TensorEntry,
+                             bucket_checksum)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_ALIGNMENT = 256
@@ -43,6 +44,13 @@ def named_weights(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[
             seen.add(key)
         out[name] = t.detach()
     return out
+
+
+def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Per-tensor checksums of the raw bytes, computed where the tensors are (a shard's GPU
+    parameters, a trainer's weights): the audit that a shard serves exactly what was sent."""
+    return {n: bucket_checksum(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            for n, t in tensors.items()}
 
 
 def plan_layout(tensors: Mapping[str, torch.Tensor] | Iterable[TensorSpec],

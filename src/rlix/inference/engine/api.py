@@ -62,6 +62,7 @@ class EngineAPI(Protocol):
 
     max_model_len: int
     weight_version: int
+    device: torch.device  # where it computes: its memory is what a sleep must free
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, final_only: bool = False) -> AsyncIterator[GenerationOutput]:

@@ -344,6 +344,10 @@ class TorchEngine:
         await self._call(lambda: self._core.wake_up(tags))
 
     # -- weight update -------------------------------------------------------------------
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The served parameters by canonical name (read-only use: the weight audit)."""
+        return {n: p.data for n, p in self._weights.params.items()}
+
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Canonical parameter name -> (shape, dtype): lets a bucket receiver refuse a layout
         that does not fit this model before an update starts."""

@@ -9,6 +9,7 @@ is a method call, not an HTTP round trip) and drives the shards through `ShardFl
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -49,7 +50,8 @@ class RayLauncher:
         self.actors: dict[int, Any] = {}
         self._pids: dict[int, int] = {}
 
-    async def start(self, rank: int) -> str:
+    async def start(self, rank: int, gpus: Sequence[int] = ()) -> str:
+        """`gpus` is not used: `actor_options` place the actor (issue 17 places each by GPU)."""
         actor = ShardActor.options(**self.actor_options).remote(self.cfg.model_dump(), self.api_key)
         self.actors[rank] = actor
         url = await actor.start.remote()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -23,7 +24,9 @@ class EngineBackend(Protocol):
 class ShardLauncher(Protocol):
     """Starts and ends the engine server process of one DP rank."""
 
-    async def start(self, rank: int) -> str: ...  # the shard's URL, once healthy
+    async def start(self, rank: int, gpus: Sequence[int] = ()) -> str:
+        """The shard's URL, once healthy; `gpus`: where it is placed (it sees only those)."""
+        ...
 
     async def stop(self, rank: int) -> None: ...
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlix.errors import InvalidRequestError
+from rlix import env
+from rlix.devices import RELEASE_SLACK_BYTES
+from rlix.errors import GpuMemoryError, InvalidRequestError
 from rlix.inference.fleet.api import EngineBackend, RouterControl, ShardLauncher
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.shard_process import ShardProcess
@@ -31,17 +33,23 @@ from rlix.weights.http_endpoint import HttpShardEndpoint
 
 
 class LocalLauncher:
-    """Shard processes started from this process (tests, single-machine runs)."""
+    """Shard processes started from this process (tests, single-machine runs). `placement`
+    gives the environment of a process placed on some GPUs (rlix.placement's visible devices)."""
 
     def __init__(self, backend: EngineBackend, api_key: str, host: str = "127.0.0.1",
-                 log_dir: str | None = None, extra_env: dict[str, str] | None = None) -> None:
+                 log_dir: str | None = None, extra_env: dict[str, str] | None = None,
+                 placement: Callable[[Sequence[int]], dict[str, str]] | None = None) -> None:
         self.backend, self.api_key, self.host = backend, api_key, host
         self.log_dir, self.extra_env = log_dir, extra_env
+        self.placement = placement
         self.procs: dict[int, ShardProcess] = {}
 
-    async def start(self, rank: int) -> str:
+    async def start(self, rank: int, gpus: Sequence[int] = ()) -> str:
+        env = dict(self.extra_env or {})
+        if gpus and self.placement is not None:
+            env.update(self.placement(gpus))
         proc = ShardProcess(self.backend, self.api_key, self.host, log_dir=self.log_dir,
-                            extra_env=self.extra_env)
+                            extra_env=env)
         self.procs[rank] = proc
         proc.start()
         await asyncio.to_thread(proc.wait_ready)
@@ -62,6 +70,7 @@ class ShardInfo:
     url: str
     asleep: bool | None = False  # None: not known (a wake inside a failed call); ask the shard
     active: bool = False
+    gpus: tuple[int, ...] = ()  # where its process runs (placed fleets), () if not placed
 
 
 class ShardFleet:
@@ -69,8 +78,15 @@ class ShardFleet:
 
     def __init__(self, launcher: ShardLauncher, router: RouterControl, client: RemoteInferenceClient,
                  *, supports_sleep: bool = True, sleep_level: int = 1, drain_timeout_s: float = 5.0,
-                 poll_s: float = 0.005, drain_before_sleep: bool = True) -> None:
+                 poll_s: float = 0.005, drain_before_sleep: bool = True,
+                 release_timeout_s: float | None = None, holder: str = "shard") -> None:
         self.launcher, self.router, self.client = launcher, router, client
+        # A preemption must confirm its release (sleep answered, memory measured) within this;
+        # else the shard's process is killed: a GPU is never handed on while it may be in use.
+        self.release_timeout_s = release_timeout_s
+        self.holder = holder  # e.g. "pipeline-a": errors name "shard 0 of pipeline-a"
+        self.memory_log: list[dict] = []  # release confirmations: what each shard still held
+        self.placements: list[dict] = []  # every process start: rank, GPUs, pid, what it sees
         self.supports_sleep = supports_sleep
         self.sleep_level = sleep_level
         self.drain_timeout_s = drain_timeout_s
@@ -136,6 +152,45 @@ class ShardFleet:
             self.shards.pop(rank, None)
             self.client.shard_urls.pop(rank, None)
 
+    async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> list[int]:
+        """Make each rank's process run on its GPUs, seeing only them: started if it has no
+        process, restarted if its process sits on other GPUs (it is asleep: nothing in flight is
+        lost). A new process is INACTIVE and serves the weights on disk. Returns the ranks whose
+        process is new."""
+        async def one(rank: int) -> bool:
+            want = tuple(int(g) for g in gpus_of[rank])
+            info = self.shards.get(rank)
+            if info is not None and info.gpus == want:
+                return False
+            if info is not None:
+                await self.kill(rank)
+            url = await self.launcher.start(rank, want)
+            self.shards[rank] = ShardInfo(rank, url, gpus=want)
+            pid = self.launcher.pids().get(rank)
+            self.placements.append({"rank": rank, "gpus": list(want), "pid": pid, "at": time.time(),
+                                    "visible_devices": env.process_visible_devices(pid) if pid else None})
+            self.client.shard_urls[rank] = url
+            await self.router.set_shard(rank, url, ShardState.INACTIVE.value)
+            return True
+        started = await self._each(sorted(int(r) for r in gpus_of), one)
+        return [r for r, new in started.items() if new]
+
+    async def kill(self, rank: int) -> None:
+        """End one shard's process by its PID and forget it."""
+        try:
+            await self.router.remove_shard(rank)
+        except Exception:  # noqa: BLE001 - the router may be gone already
+            pass
+        await self.launcher.stop(rank)
+        self.shards.pop(rank, None)
+        self.client.shard_urls.pop(rank, None)
+
+    def describe(self, rank: int) -> str:
+        """How errors name a shard: its rank, pipeline and GPUs."""
+        info = self.shards.get(rank)
+        where = f" on GPU {','.join(map(str, info.gpus))}" if info is not None and info.gpus else ""
+        return f"shard {rank} of {self.holder}{where}"
+
     # ------------------------------------------------------------ routing state
     async def activate(self, ranks: Iterable[int]) -> None:
         async def one(rank: int) -> None:
@@ -155,9 +210,39 @@ class ShardFleet:
 
     # ------------------------------------------------------------ preemption and sleep
     async def sleep_partial(self, ranks: Iterable[int], level: int | None = None) -> dict[int, dict]:
-        """Preempt and sleep these shards; per rank, the time of each phase in ms."""
+        """Preempt and sleep these shards; per rank, the time of each phase in ms. A shard that
+        does not confirm its release (no answer within `release_timeout_s`, or memory still
+        held) is killed, and GpuMemoryError names it: its GPU is free either way afterwards."""
         level = level or self.sleep_level
-        return await self._each(self._known(ranks), lambda r: self._preempt(r, level))
+        return await self._each(self._known(ranks), lambda r: self._release(r, level))
+
+    async def _release(self, rank: int, level: int) -> dict:
+        name = self.describe(rank)
+        try:
+            if self.release_timeout_s is None:
+                phases = await self._preempt(rank, level)
+            else:
+                phases = await asyncio.wait_for(self._preempt(rank, level), self.release_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - whatever stopped the release, the GPU is freed
+            if not self.shards[rank].gpus and not isinstance(exc, asyncio.TimeoutError):
+                raise  # not placed on a GPU: nothing to free, the caller sees the error itself
+            pid = self.launcher.pids().get(rank)
+            await self.kill(rank)
+            why = (f"did not confirm its release within {self.release_timeout_s:g} s"
+                   if isinstance(exc, asyncio.TimeoutError) else f"failed to release it ({exc})")
+            raise GpuMemoryError(f"{name} {why}; its process (pid {pid}) was killed to free the GPU") from None
+        memory = phases.get("memory")
+        if memory:
+            self.memory_log.append({"event": "release", "holder": name, "gpus": list(self.shards[rank].gpus),
+                                    **memory})
+            if self.shards[rank].gpus and memory.get("reserved", 0) > RELEASE_SLACK_BYTES:
+                pid = self.launcher.pids().get(rank)
+                await self.kill(rank)
+                raise GpuMemoryError(
+                    f"{name} still held {memory['reserved'] / 2**20:.0f} MiB after sleeping at level "
+                    f"{level} (allowed {RELEASE_SLACK_BYTES >> 20} MiB); its process (pid {pid}) was "
+                    f"killed to free the GPU")
+        return phases
 
     async def _preempt(self, rank: int, level: int) -> dict:
         info = self.shards[rank]
@@ -175,8 +260,9 @@ class ShardFleet:
         else:
             t_abort = t_mark
         t_drain = time.perf_counter()
+        answer: Any = {}
         if self.supports_sleep:
-            await self.client.sleep(level, [rank], mode="abort")
+            answer = (await self.client.sleep(level, [rank], mode="abort"))[rank]
         else:  # e.g. vLLM on CPU refuses sleep mode: hold the shard paused instead
             await self.client.pause("abort", [rank])
         info.asleep = True
@@ -184,7 +270,8 @@ class ShardFleet:
         ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
         return {"mark_ms": ms(t0, t_mark), "abort_ms": ms(t_mark, t_abort), "drain_ms": ms(t_abort, t_drain),
                 "sleep_ms": ms(t_drain, t_end), "to_asleep_ms": ms(t0, t_end),
-                "before_sleep_ms": ms(t0, t_drain), "forced": forced, "level": level}
+                "before_sleep_ms": ms(t0, t_drain), "forced": forced, "level": level,
+                "memory": answer.get("memory") if isinstance(answer, dict) else None}
 
     async def _drain(self, rank: int) -> bool:
         """Wait for the shard to hold no request; True if it drained within the timeout."""

@@ -9,6 +9,7 @@ unauthorised call gets 401 `{"error": "Unauthorized"}`, as from vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -329,6 +330,10 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     @app.get("/weight_info")
     async def weight_info() -> JSONResponse:
         return JSONResponse(control.weight_info())
+
+    @app.get("/weight_checksums")
+    async def weight_checksums() -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(control.weight_checksums))
 
     return app
 

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 from safetensors.torch import load
 
+from rlix.devices import measure
 from rlix.errors import InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.server.control_schema import (AbortRequestsBody, AbortWeightUpdateBody,
                                                   FinishWeightUpdateBody, InitTransferInfo,
                                                   StartWeightUpdateBody, SyncWeightsBody,
                                                   UpdateWeightsBody)
+from rlix.weights.buckets import tensor_checksums
 from rlix.weights.shard_updater import ShardUpdater
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -91,7 +93,11 @@ class ControlPlane:
             # abort: the engine's sleep aborts what is in flight itself, in the same step (one
             # trip to the engine thread, which matters on a preemption path)
             await self.engine.sleep(level)
-        return {"status": "sleeping", "level": level}
+        # the release confirmation: what this process still holds on its device, measured
+        return {"status": "sleeping", "level": level, "memory": self.memory()}
+
+    def memory(self) -> dict:
+        return measure(self.engine.device).as_dict()
 
     async def wake_up(self, tags: list[str] | None) -> dict:
         tags = tags or None
@@ -258,6 +264,16 @@ class ControlPlane:
 
     def weight_info(self) -> dict:
         return {"weight_version": str(self.engine.weight_version)}
+
+    def weight_checksums(self) -> dict:
+        """Checksums of every served tensor, computed on the engine's device (rlix extension)."""
+        served = getattr(self.engine, "served_weights", None)
+        if not callable(served):
+            raise InvalidRequestError("this engine cannot report its weights")
+        tensors = served()
+        if any(t.numel() == 0 for t in tensors.values()):
+            raise InvalidRequestError("weights are not loaded (asleep at level 2)")
+        return {"weight_version": self.engine.weight_version, "checksums": tensor_checksums(tensors)}
 
     @staticmethod
     def tensors_from_json(body: UpdateWeightsBody) -> dict[str, torch.Tensor]:

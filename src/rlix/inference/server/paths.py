@@ -11,5 +11,5 @@ CONTROL_PATHS = frozenset({
     "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/abort_requests",
     "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
     "/finish_weight_update", "/abort_weight_update", "/weight_transfer_status", "/weight_info",
-    "/sync_weights",
+    "/sync_weights", "/weight_checksums",
 })

@@ -1,0 +1,89 @@
+"""Device memory as measured, for the hand-off of a GPU from one holder to the next.
+
+A holder that gives a GPU up reports `DeviceMemory` after freeing (what its allocator still
+reserves, and what the driver says is free on the device); the next holder waits until enough
+is free before it allocates (`wait_for_free`). Numbers come from `torch.cuda.mem_get_info` (the
+driver's view, every process included) and the caching allocator's counters, never from
+bookkeeping. On CPU there is no device memory: the reports carry zeros and `device_free` None.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from rlix.errors import ConfigError, GpuMemoryError
+
+#: what a holder may still reserve after it said it freed the GPU (allocator slack, not weights)
+RELEASE_SLACK_BYTES = 64 << 20
+
+
+def resolve_dtype(dtype: str, device: str) -> str | None:
+    """The dtype name to load models in: `auto` is bfloat16 on cuda and the checkpoint's own
+    (None) on cpu."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else None
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One holder's view of its GPU at one moment."""
+
+    device: str
+    reserved: int  # bytes this process's allocator holds on the device
+    allocated: int  # of which live tensors
+    device_free: int | None  # bytes free on the whole device (driver), None on CPU
+    device_total: int | None
+    at: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(device: torch.device | str) -> DeviceMemory:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceMemory(str(device), 0, 0, None, None, time.time())
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(str(device), torch.cuda.memory_reserved(device),
+                        torch.cuda.memory_allocated(device), free, total, time.time())
+
+
+def release_and_measure(device: torch.device | str) -> DeviceMemory:
+    """Give the allocator's cached blocks back to the driver, then measure."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    return measure(device)
+
+
+def check_released(report: DeviceMemory, holder: str, gpu: str) -> None:
+    """Raise if a holder that gave up `gpu` still reserves more than the slack."""
+    if report.reserved > RELEASE_SLACK_BYTES:
+        raise GpuMemoryError(f"GPU {gpu}: {holder} still holds {report.reserved / 2**20:.0f} MiB after "
+                             f"releasing it (allowed {RELEASE_SLACK_BYTES >> 20} MiB)")
+
+
+def wait_for_free(device: torch.device | str, need_bytes: int, *, holder: str, gpu: str,
+                  timeout_s: float = 60.0, poll_s: float = 0.05) -> DeviceMemory:
+    """Block until the device has `need_bytes` free (measured), or raise GpuMemoryError naming
+    the GPU and the holder that waited. Returns the last measurement."""
+    device = torch.device(device)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = measure(device)
+        if report.device_free is None or report.device_free >= need_bytes:
+            return report
+        if time.monotonic() >= deadline:
+            raise GpuMemoryError(
+                f"GPU {gpu}: {holder} needs {need_bytes / 2**30:.2f} GiB but only "
+                f"{report.device_free / 2**30:.2f} GiB of {report.device_total / 2**30:.2f} GiB was free "
+                f"after waiting {timeout_s:g} s for the previous holder to release it")
+        time.sleep(poll_s)

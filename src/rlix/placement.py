@@ -1,0 +1,141 @@
+"""Which physical GPU each of rlix's GPU ids is, and how rlix keeps Ray from giving it away.
+
+The scheduler's ledger numbers GPUs 0..N-1, node by node (nodes in `topology_from_ray`'s
+order). `GpuReservation.reserve` turns those numbers into real devices: one placement group per
+node, one `{"GPU": 1}` bundle per GPU, pinned to the node by its `node:<ip>` resource. Ray
+reserves a bundle's GPU for the group for as long as the group exists, so no other Ray task or
+actor can be scheduled onto it while rlix runs: the whole fraction is ours to time-share. A
+probe task in every bundle reads which device Ray gave it (`ray.get_gpu_ids()`), so GPU g is
+known as (node, physical id).
+
+Every process rlix places sees exactly its GPUs: a trainer actor is scheduled into its GPU's
+bundle with a small GPU fraction (Ray then sets its CUDA_VISIBLE_DEVICES), and a shard server,
+a child of its pipeline's actor, is started with CUDA_VISIBLE_DEVICES set to the physical ids
+(`visible_devices`). On CPU the same happens with Ray's fake GPUs (`ray.init(num_gpus=N)`), so
+placement is tested without CUDA.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlix.errors import ConfigError
+from rlix.scheduler.types import Topology
+
+#: the GPU fraction one placed actor asks of its bundle: many processes time-share one GPU
+ACTOR_GPU_FRACTION = 0.01
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    gpu: int  # rlix's id: the scheduler's ledger index
+    node: int  # index of its node in the topology
+    node_ip: str
+    physical: str  # the id CUDA_VISIBLE_DEVICES names on that node
+    bundle: int  # index of its bundle in the node's placement group
+    has_cuda: bool  # the node has NVIDIA devices (else Ray's GPUs are fake)
+
+
+@ray.remote(num_cpus=0, num_gpus=ACTOR_GPU_FRACTION)
+def _probe() -> tuple[str, list[str], int]:
+    """What a process placed in a bundle sees: its node, its GPU ids, how many NVIDIA devices
+    the node has (0: Ray's GPUs there are fake)."""
+    node_ip = ray.util.get_node_ip_address()
+    return node_ip, [str(g) for g in ray.get_gpu_ids()], len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+class GpuReservation:
+    """rlix's GPUs, held by placement groups for the run; see module doc. Picklable (it travels
+    to the pipeline actors)."""
+
+    def __init__(self, slots: Sequence[GpuSlot], groups: Sequence[PlacementGroup]) -> None:
+        self.slots = list(slots)
+        self.groups = list(groups)
+
+    @classmethod
+    def reserve(cls, topology: Topology, timeout_s: float = 60.0) -> GpuReservation:
+        """Reserve every GPU of `topology` on the alive Ray nodes that have GPUs (in the
+        scheduler's order); a clear error if Ray cannot give them within `timeout_s`."""
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+        nodes.sort(key=lambda n: (n.get("NodeManagerAddress", ""), n.get("NodeID", "")))
+        if len(nodes) < topology.num_nodes:
+            raise ConfigError(f"the cluster has {topology.num_nodes} node(s) with GPUs in its config but "
+                              f"Ray has {len(nodes)} alive node(s) with GPUs")
+        groups: list[PlacementGroup] = []
+        for node, count in enumerate(topology.gpus_per_node):
+            info = nodes[node]
+            have = int(info["Resources"]["GPU"])
+            if have < count:
+                raise ConfigError(f"node {node} ({info['NodeManagerAddress']}) has {have} GPU(s); the "
+                                  f"cluster config asks for {count}")
+            pin = f"node:{info['NodeManagerAddress']}"
+            groups.append(placement_group([{"GPU": 1, pin: 0.001} for _ in range(count)],
+                                          strategy="STRICT_PACK", name=f"rlix-gpus-node{node}"))
+        try:
+            ready = ray.get([g.ready() for g in groups], timeout=timeout_s)
+            del ready
+        except Exception as exc:  # noqa: BLE001 - any failure to reserve is one clear error
+            for g in groups:
+                remove_placement_group(g)
+            raise ConfigError(f"could not reserve the cluster's {topology.num_gpus} GPU(s) from Ray "
+                              f"within {timeout_s:g} s (are other jobs holding them?): "
+                              f"{type(exc).__name__}") from None
+        probes = []
+        for node, count in enumerate(topology.gpus_per_node):
+            for bundle in range(count):
+                strategy = PlacementGroupSchedulingStrategy(groups[node], placement_group_bundle_index=bundle)
+                probes.append((node, bundle, _probe.options(scheduling_strategy=strategy).remote()))
+        slots = []
+        for gpu, (node, bundle, ref) in enumerate(probes):
+            node_ip, ids, devices = ray.get(ref)
+            physical = ids[0] if ids else str(bundle)
+            if devices and physical.isdigit() and int(physical) >= devices:
+                for g in groups:
+                    remove_placement_group(g)
+                raise ConfigError(f"GPU {gpu}: Ray placed it on device {physical} of node {node_ip}, "
+                                  f"which has {devices} NVIDIA device(s); the cluster config asks "
+                                  f"for more GPUs than the node has")
+            slots.append(GpuSlot(gpu, node, node_ip, physical, bundle, devices > 0))
+        return cls(slots, groups)
+
+    @property
+    def has_cuda(self) -> bool:
+        return bool(self.slots) and all(s.has_cuda for s in self.slots)
+
+    def slot(self, gpu: int) -> GpuSlot:
+        if not 0 <= gpu < len(self.slots):
+            raise ConfigError(f"GPU {gpu} is not among the reserved 0..{len(self.slots) - 1}")
+        return self.slots[gpu]
+
+    def visible_devices(self, gpus: Iterable[int]) -> str:
+        """CUDA_VISIBLE_DEVICES for a process placed on these rlix GPUs (one node)."""
+        slots = [self.slot(g) for g in gpus]
+        if len({s.node for s in slots}) > 1:
+            raise ConfigError(f"GPUs {[s.gpu for s in slots]} span several nodes; one process needs one node")
+        return ",".join(s.physical for s in slots)
+
+    def actor_options(self, gpus: Sequence[int]) -> dict[str, Any]:
+        """Ray options that put an actor on these rlix GPUs (Ray sets its CUDA_VISIBLE_DEVICES to
+        the first one's bundle; more than one GPU per process is not supported yet)."""
+        if len(gpus) != 1:
+            raise ConfigError(f"a placed process takes one GPU, got {list(gpus)} (data-parallel "
+                              f"trainer ranks across GPUs are one process each)")
+        slot = self.slot(gpus[0])
+        strategy = PlacementGroupSchedulingStrategy(self.groups[slot.node],
+                                                    placement_group_bundle_index=slot.bundle)
+        return {"num_gpus": ACTOR_GPU_FRACTION, "scheduling_strategy": strategy}
+
+    def release(self) -> None:
+        for g in self.groups:
+            try:
+                remove_placement_group(g)
+            except Exception:  # noqa: BLE001 - Ray may be shutting down already
+                pass
+        self.groups = []

@@ -1,0 +1,190 @@
+"""GPU placement and the memory-safe hand-off, on CPU with Ray's fake GPUs.
+
+A placed process must see exactly the GPU the scheduler gave it (read from its own /proc
+environment, not from what we meant to set); Ray must not hand rlix's GPUs to anyone else while
+they are reserved; a shard moved to another GPU is a new process there; a shard that cannot
+confirm its release is killed, by PID, and named with its GPU; a grant is delivered only after
+the previous holder's release confirmation came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from rlix import env
+from rlix.errors import GpuMemoryError
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.router.router import Router
+from rlix.placement import GpuReservation
+from rlix.scheduler.service import AsyncScheduler
+from rlix.scheduler.types import PipelineSpec, Progress, Topology
+
+KEY = "placement-test"
+
+
+@pytest.fixture(scope="module")
+def ray_two_gpus():
+    ray.shutdown()
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def visible(self) -> str | None:
+        return env.visible_devices()
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+def wants_a_whole_gpu() -> str | None:
+    return env.visible_devices()
+
+
+def test_reservation_places_actors_on_their_gpu_and_keeps_ray_from_giving_it_away(ray_two_gpus):
+    reservation = GpuReservation.reserve(Topology.uniform(1, 2))
+    try:
+        assert [s.gpu for s in reservation.slots] == [0, 1]
+        assert sorted(s.physical for s in reservation.slots) == ["0", "1"]
+        assert not reservation.has_cuda  # fake GPUs: no /dev/nvidia* here
+        for g in (0, 1):
+            probe = Probe.options(**reservation.actor_options([g])).remote()
+            assert ray.get(probe.visible.remote()) == reservation.slot(g).physical
+            assert reservation.visible_devices([g]) == reservation.slot(g).physical
+            ray.kill(probe)
+        # both GPUs are held by rlix's placement groups: a task outside them cannot get one
+        outsider = wants_a_whole_gpu.remote()
+        ready, _ = ray.wait([outsider], timeout=3)
+        assert ready == []
+    finally:
+        reservation.release()
+    assert ray.get(outsider, timeout=60) in ("0", "1")  # released: Ray may hand it out again
+
+
+def _fleet(model_dir, placement, release_timeout_s=None) -> ShardFleet:
+    backend = make_backend(EngineBackendConfig(backend="embedded", model=str(model_dir),
+                                               served_model_name="tiny", max_model_len=64))
+    launcher = LocalLauncher(backend, KEY, placement=placement)
+    client = RemoteInferenceClient(None, {}, KEY, "tiny")
+    return ShardFleet(launcher, Router(KEY), client, drain_before_sleep=False,
+                      release_timeout_s=release_timeout_s, holder="pipeline tiny")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead too: it only waits for its parent's wait()
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(") ", 1)[1][0] != "Z"
+
+
+def test_a_placed_shard_sees_only_its_gpu_and_moves_by_restarting(tiny_model_dir):
+    physical = {0: "0", 1: "1"}  # what a reservation maps rlix GPUs to on this node
+
+    def placement(gpus):
+        return {env.VISIBLE_DEVICES_VAR: ",".join(physical[g] for g in gpus)}
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            assert await fleet.place({0: [1]}) == [0]
+            first = fleet.launcher.pids()[0]
+            assert env.process_visible_devices(first) == "1"
+            assert await fleet.place({0: [1]}) == []  # already there: the same process
+            assert fleet.launcher.pids()[0] == first
+            await fleet.sleep_partial([0])
+            assert await fleet.place({0: [0]}) == [0]  # moved: a new process on GPU 0
+            second = fleet.launcher.pids()[0]
+            assert second != first and not _alive(first)
+            assert env.process_visible_devices(second) == "0"
+            assert [(p["rank"], p["gpus"], p["visible_devices"]) for p in fleet.placements] == \
+                [(0, [1], "1"), (0, [0], "0")]
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_shard_that_cannot_confirm_its_release_is_killed_and_named(tiny_model_dir):
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, lambda gpus: {env.VISIBLE_DEVICES_VAR: "0"}, release_timeout_s=2.0)
+        try:
+            await fleet.place({0: [0]})
+            await fleet.activate([0])
+            pid = fleet.launcher.pids()[0]
+            os.kill(pid, signal.SIGSTOP)  # hung: it will never answer the sleep
+            t0 = time.monotonic()
+            with pytest.raises(GpuMemoryError) as err:
+                await fleet.sleep_partial([0])
+            took = time.monotonic() - t0
+            assert 2.0 <= took < 20, took
+            message = str(err.value)
+            assert "shard 0 of pipeline tiny on GPU 0" in message and f"pid {pid}" in message
+            assert "within 2 s" in message
+            assert not _alive(pid)  # killed by its PID: the GPU is free for the next holder
+            assert 0 not in fleet.shards and 0 not in fleet.launcher.pids()
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_sleeping_shard_reports_what_it_still_holds(tiny_model_dir):
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, lambda gpus: {env.VISIBLE_DEVICES_VAR: "1"})
+        try:
+            await fleet.place({0: [1]})
+            phases = (await fleet.sleep_partial([0], level=2))[0]
+            assert phases["memory"]["reserved"] == 0 and phases["memory"]["device_free"] is None
+            row = fleet.memory_log[-1]
+            assert row["event"] == "release" and row["gpus"] == [1]
+            assert row["holder"] == "shard 0 of pipeline tiny on GPU 1"
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_grant_waits_for_the_previous_holders_release_confirmation():
+    """B's shard holds the only GPU; A asks to train there. The grant must not come before B's
+    coordinator answered the shrink (its release confirmation), however long that takes."""
+    timeline: list[tuple[str, float]] = []
+
+    async def main() -> None:
+        sched = AsyncScheduler(Topology.uniform(1, 1))
+
+        async def b_resize(remove, add):
+            if remove:
+                await asyncio.sleep(0.6)  # sleeping and measuring take a while
+                timeline.append(("b released", time.monotonic()))
+            return {}
+
+        async def a_resize(remove, add):
+            return {}
+
+        sched.register(PipelineSpec("b", max_shards=1), b_resize)
+        sched.report_progress(Progress("b", remaining=8, target=8, step=0))
+        await sched.settle()
+        assert sched.core.shard_gpus("b") == {0: (0,)}
+        sched.register(PipelineSpec("a", max_shards=1), a_resize)
+        granted = await sched.request("a", "train", 1)
+        timeline.append(("a granted", time.monotonic()))
+        assert granted == [0]
+        await sched.close()
+
+    asyncio.run(main())
+    assert [name for name, _ in timeline] == ["b released", "a granted"]
+    assert timeline[1][1] >= timeline[0][1]
