@@ -74,7 +74,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-          served_model_name=args.served_model_name)
+          served_model_name=args.served_model_name, dtype=args.dtype)
     return 0
 
 
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="bearer token for /v1, /inference and control endpoints (default: RLIX_API_KEY)")
     serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    serve.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")

@@ -17,8 +17,20 @@ import torch
 
 from rlix.errors import ConfigError, GpuMemoryError
 
-#: what a holder may still reserve after it said it freed the GPU (allocator slack, not weights)
-RELEASE_SLACK_BYTES = 64 << 20
+#: what a holder may still reserve after it said it freed the GPU: allocator remnants and
+#: library workspaces (a level-2-asleep 0.5B engine measured 240 MiB on an H100 before cuBLAS
+#: workspaces were cleared), never weights or a KV cache (GiBs)
+RELEASE_SLACK_BYTES = 512 << 20
+
+
+def free_cuda_caches(device: torch.device) -> None:
+    """Hand the allocator's cached blocks back to the driver, cuBLAS workspaces included (they
+    are allocator memory too and outlive the work that made them)."""
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
 
 
 def resolve_dtype(dtype: str, device: str) -> str | None:
@@ -59,8 +71,7 @@ def release_and_measure(device: torch.device | str) -> DeviceMemory:
     """Give the allocator's cached blocks back to the driver, then measure."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        free_cuda_caches(device)
     return measure(device)
 
 

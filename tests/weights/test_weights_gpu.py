@@ -1,13 +1,21 @@
-"""GPU transports: CUDA IPC on one GPU, NCCL to another, and the two-bucket memory bound."""
+"""GPU transports: CUDA IPC on one GPU, NCCL to another, the two-bucket memory bound, and the
+shm path on CUDA: a page-locked cache, page-locked mappings in the shard, and a level-2 sleep
+woken and reloaded in one call into a real engine server process."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 
 import pytest
 import torch
 
-from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync
+from rlix.inference.engine.api import SamplingParams
+from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.weights import ALIGN
+from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync, pack
+from rlix.weights.transport.shm import ShmReceiver, ShmSender
 
 from model_engine import ModelEngine
 from pipe_shard import PipeShard
@@ -45,7 +53,7 @@ def test_cuda_ipc_same_gpu_is_bit_identical_and_stages_at_most_two_buckets(init_
     try:
         want = state(1)
         with BucketCache.for_model(want, bucket_bytes=BUCKET) as cache:
-            assert cache.host == "pinned"
+            assert cache.host == "pinned_shm"
             cache.build_latest(1, want)
             sync = WeightSync(cache, {0: proc.endpoint}, "cuda_ipc", transport_options={"device": "cuda:0"})
             torch.cuda.synchronize()
@@ -101,3 +109,131 @@ def test_peak_extra_gpu_memory_of_a_sync_is_at_most_two_buckets(adopt):
     assert engine.weight_version == 2
     bit_identical(engine.served(), state(2))
     assert peak <= 2 * BUCKET, f"peak extra {peak} bytes = {peak / BUCKET:.2f} buckets"
+
+
+def test_cache_on_cuda_is_page_locked_shm_and_a_cuda_receiver_locks_each_segment_once():
+    want = state(1)
+    with BucketCache.for_model(want, bucket_bytes=BUCKET) as cache:
+        assert cache.host == "pinned_shm"
+        cache.build_latest(1, want)
+        assert all(b.is_pinned() for b in cache.buckets(1))
+        refs = ShmSender(cache.shm_segments).references(1, cache.buckets(1), None)
+        assert refs is not None, "a cache in shared memory needs no staging: one-call sync"
+        receiver = ShmReceiver("cuda:0")
+        got = [receiver.receive(m) for m in refs]
+        assert len(receiver._pinned) == 1 and all(b.is_pinned() for b in got)
+        on_gpu = [b.to("cuda:0", non_blocking=True) for b in got]
+        torch.cuda.synchronize()
+        assert all(torch.equal(g.cpu(), b) for g, b in zip(on_gpu, cache.buckets(1)))
+        receiver.close()
+        assert not receiver._pinned
+
+
+def test_a_receiver_dropped_without_close_leaves_no_stale_registration():
+    """A registration must end before its mapping goes: otherwise a later mapping at the same
+    address inherits it and copies land in the old pages (seen: a cache that stayed zero)."""
+    want = state(2)
+    on_gpu = {k: v.cuda() for k, v in want.items()}
+    for _ in range(3):
+        with BucketCache.for_model(want, bucket_bytes=BUCKET) as cache:
+            cache.build_latest(1, on_gpu)  # GPU -> page-locked segment
+            expected = pack(cache.layout, want)
+            assert all(torch.equal(a, b) for a, b in zip(cache.buckets(1), expected))
+            receiver = ShmReceiver("cuda:0")
+            refs = ShmSender(cache.shm_segments).references(1, cache.buckets(1), None)
+            got = [receiver.receive(m).to("cuda:0", non_blocking=True) for m in refs]
+            torch.cuda.synchronize()
+            assert all(torch.equal(g.cpu(), b) for g, b in zip(got, expected))
+            del receiver, got  # never closed: collection must unregister before unmapping
+            gc.collect()
+
+
+async def greedy_tokens(engine: TorchEngine) -> list[int]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    last = None
+    async for last in engine.generate(f"g{time.perf_counter_ns()}", [5, 17, 42, 99], params):
+        pass
+    assert last is not None
+    return list(last.token_ids)
+
+
+def test_level2_reload_stages_into_one_allocation_that_becomes_the_parameters(tiny_model_dir):
+    """After a level-2 sleep the reload allocates once per bucket (not per tensor; no extra
+    bucket on the GPU either) and those bytes are then the parameters."""
+    from safetensors.torch import load_file
+
+    async def main() -> None:
+        engine = TorchEngine.from_pretrained(tiny_model_dir, device="cuda", max_num_seqs=4,
+                                             max_model_len=128)
+        try:
+            before = await greedy_tokens(engine)
+            sd = load_file(str(tiny_model_dir / "model.safetensors"))
+            with BucketCache.for_model(sd, bucket_bytes=256 << 10) as cache:
+                cache.build_latest(1, sd)
+                sync = WeightSync(cache, {0: InProcessEndpoint(ShardUpdater(engine, device="cuda"))}, "shm")
+                await engine.sleep(2)
+                await engine.wake_up()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                await sync.sync(1, [0])
+                peak = torch.cuda.max_memory_allocated() - base
+            params = list(engine.model.parameters())
+            weights = sum(p.numel() * p.element_size() for p in params)
+            # one allocation per bucket, no more; nothing else on the GPU meanwhile
+            assert len({p.untyped_storage().data_ptr() for p in params}) <= cache.layout.num_buckets
+            slack = ALIGN * len(params) + 512 * cache.layout.num_buckets
+            assert peak <= weights + slack, f"peak extra {peak}, weights {weights}"
+            assert engine.weight_version == 1
+            assert await greedy_tokens(engine) == before
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
+def test_level2_sleep_then_one_call_wake_and_sync_into_an_engine_server(tiny_model_dir):
+    """The real path: engine server on CUDA, /sleep?level=2, then ShardWeightPusher.sync with
+    wake in one /sync_weights call from the page-locked shm cache; output as before."""
+    import httpx
+    from safetensors.torch import load_file
+
+    from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig
+    from rlix.inference.fleet.shard_process import ShardProcess
+    from rlix.weights.push import ShardWeightPusher
+
+    key = "gpu-test-token"
+    cfg = EngineBackendConfig(backend="embedded", model=str(tiny_model_dir), device="cuda",
+                              max_num_seqs=8, max_model_len=256)
+    shard = ShardProcess(EmbeddedBackend(cfg), key)
+    sd = load_file(str(tiny_model_dir / "model.safetensors"), device="cuda")
+    cache = BucketCache.for_model(sd, bucket_bytes=1 << 20)
+    pusher = ShardWeightPusher(lambda: cache, key)
+    http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+    def greedy() -> list[int]:
+        r = http.post(f"{shard.url}/inference/v1/generate", json={
+            "token_ids": [5, 17, 42, 99], "sampling_params": {"temperature": 0.0, "max_tokens": 12,
+                                                              "ignore_eos": True}})
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+
+    try:
+        assert cache.host == "pinned_shm"
+        shard.start()
+        shard.wait_ready()
+        before = greedy()
+        for version in (1, 2, 3):  # both cache slots, the first one twice
+            cache.build_latest(version, sd)
+            cache.promote_active(version)
+            http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
+            assert http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
+            report = pusher.sync(version, {0: shard.url}, wake=[0])
+            assert report.bundled and report.reported == {0: version}
+            assert not http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
+            assert greedy() == before
+    finally:
+        pusher.close()
+        http.close()
+        shard.stop()
+        cache.close()

@@ -40,6 +40,7 @@ class StepRecord:
     reload_s: float  # the trainer's state back on its GPU (after measuring it free)
     train_s: float
     cache_s: float  # building the CPU bucket cache
+    audit_s: float  # checksumming the new version (audit_weights only; not in cache_s)
     offload_s: float
     release_s: float  # the release call; it runs alongside the refit: both start at offload's end
     sync_s: float  # refitting active shards (woken ones are synced inside the scheduler's call)
@@ -122,7 +123,7 @@ class GrpoLoop:
             metrics = await self.trainer.train_step.remote(samples)
             t_train = time.perf_counter()
             new = version + 1
-            await self.trainer.publish.remote(new, self.audit)
+            published = await self.trainer.publish.remote(new, self.audit)
             t_cache = time.perf_counter()
             released = await self.trainer.offload.remote()
             self._memory("release", gpus, released)
@@ -158,7 +159,8 @@ class GrpoLoop:
             step=new, reward=mean, reward_std=std, samples=len(samples),
             tokens=sum(len(s.response_ids) for s in samples), oldest_version=versions[0],
             loss=float(metrics.get("loss", 0.0)), generate_s=t_gen - t0, wait_gpus_s=t_gpus - t_gen,
-            reload_s=t_reload - t_gpus, train_s=t_train - t_reload, cache_s=t_cache - t_train, offload_s=t_off - t_cache,
+            reload_s=t_reload - t_gpus, train_s=t_train - t_reload, audit_s=published.audit_s,
+            cache_s=t_cache - t_train - published.audit_s, offload_s=t_off - t_cache,
             release_s=t_rel - t_off, sync_s=t_sync - t_off, step_s=max(t_rel, t_sync) - t0,
             finished_at=time.time())
         self.records.append(record)

@@ -52,6 +52,7 @@ class CoordinatorStats:
     wake_seconds: float = 0.0
     version_mismatches: list[str] = field(default_factory=list)
     checksum_checks: int = 0  # shard syncs audited (audit: checksums compared with the trainer's)
+    audit_seconds: float = 0.0  # what the shard audits took (before activation: on the path)
     checksum_mismatches: list[str] = field(default_factory=list)
     sleep_phases_ms: dict[str, float] = field(default_factory=dict)  # preemption phases, summed
 
@@ -219,6 +220,14 @@ class ShardCoordinator:
             await self._check_checksums(ranks, version)
 
     async def _check_checksums(self, ranks: list[int], version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self._compare_checksums(ranks, version)
+        finally:
+            self.stats.audit_seconds += time.perf_counter() - t0
+            self._event("audit", ranks, version, time.perf_counter() - t0)
+
+    async def _compare_checksums(self, ranks: list[int], version: int) -> None:
         want = dict(await self._audit(version))  # type: ignore[misc]
         answers = await self.fleet.client.fan_out("GET", "/weight_checksums", ranks)
         for r in ranks:

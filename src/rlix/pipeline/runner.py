@@ -144,11 +144,9 @@ class PipelineRunner:
         self.data_plane.start()
         self.router = Router(self.api_key, hold_timeout_s=GENERATE_TIMEOUT_S)
         dev = self.devices
-        extra = {"dtype": dev.dtype} if dev.dtype else {}
         backend = make_backend(EngineBackendConfig(
-            backend="embedded", model=path, served_model_name=cfg.name, device=dev.device,
-            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads,
-            **extra))
+            backend="embedded", model=path, served_model_name=cfg.name, device=dev.device, dtype=dev.dtype,
+            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
         control = RemoteInferenceClient(None, {}, self.api_key, cfg.name)  # straight to the shards
         placed = dev.reservation is not None
         launcher = LocalLauncher(backend, self.api_key,
@@ -188,6 +186,9 @@ class PipelineRunner:
             await self.loop.run()
         finally:
             await self.collector.stop()
+        # done: its GPUs go back now, not when the whole run ends (others may be waiting)
+        self.joined = False
+        await self.hooks.leave()
         await self._checkpoint(self.loop.step)
         return self.summary()
 

@@ -111,7 +111,8 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
                        demand: dict[str, int], now: float, params: PlannerParams) -> float | None:
     specs = ledger.pipelines
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
-                      pool.shard_count[name]) for name, s in specs.items()]
+                      pool.shard_count[name], ledger.shardless_since.get(name, ledger.version))
+               for name, s in specs.items()]
     target = rollout_targets(demands, pool.unlocked())
 
     def protected(h: Holding) -> bool:

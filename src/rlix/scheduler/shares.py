@@ -1,7 +1,8 @@
 """How many rollout shards each pipeline should have: a pure function of demand and capacity.
 
 Order of claims on the rollout GPUs:
-  1. one shard for every pipeline with demand (highest tier first) while the GPUs last;
+  1. one shard for every pipeline with demand (highest tier first; within a tier those holding
+     one keep it, then the one that has waited longest without a shard) while the GPUs last;
   2. then each pipeline's `min_shards`, again by tier;
   3. then, tier by tier from the highest, the rest is water-filled in proportion to
      demand x weight, never above a pipeline's demand.
@@ -24,13 +25,14 @@ class Demand:
     weight: float
     min_shards: int
     current: int  # shards it holds now (tie-break: keep what you have)
+    waiting_since: int = 0  # when it last lost (or never had) a shard; earlier goes first
 
 
 def rollout_targets(demands: list[Demand], capacity_gpus: int) -> dict[str, int]:
     target = {d.name: 0 for d in demands}
     left = capacity_gpus
     wanting = [d for d in demands if d.shards > 0]
-    by_tier = sorted(wanting, key=lambda d: (-d.priority, -d.current, d.name))
+    by_tier = sorted(wanting, key=lambda d: (-d.priority, -d.current, d.waiting_since, d.name))
 
     for floor_of in (lambda d: 1, lambda d: min(d.shards, max(1, d.min_shards))):
         for d in by_tier:

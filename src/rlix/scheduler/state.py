@@ -36,6 +36,9 @@ class Ledger:
         self.pipelines: dict[str, PipelineSpec] = {}
         self.train_home: dict[str, frozenset[int]] = {}
         self.last_shard_gpus: dict[tuple[str, int], tuple[int, ...]] = {}
+        # pipeline -> ledger version since which it has held no shard (absent: it holds one);
+        # the rollout floor serves the longest-waiting first, so names never decide who starves
+        self.shardless_since: dict[str, int] = {}
         self.version = 0  # bumped on every change; lets callers cache derived views
 
     # ------------------------------------------------------------------ pipelines
@@ -62,6 +65,7 @@ class Ledger:
                 )
             self.train_home[spec.name] = home
         self.pipelines[spec.name] = spec
+        self.shardless_since[spec.name] = self.version
         self.version += 1
 
     def unregister(self, name: str) -> list[int]:
@@ -72,6 +76,7 @@ class Ledger:
             freed.extend(self._drop(key))
         del self.pipelines[name]
         self.train_home.pop(name, None)
+        self.shardless_since.pop(name, None)
         for key in [k for k in self.last_shard_gpus if k[0] == name]:
             del self.last_shard_gpus[key]
         self.version += 1
@@ -150,6 +155,12 @@ class Ledger:
             self._drop(key)
         for holding in new:
             self._add(holding)
+        with_shards = {h.pipeline for h in self.holdings.values() if h.role is Role.GENERATE}
+        for name in self.pipelines:
+            if name in with_shards:
+                self.shardless_since.pop(name, None)
+            else:
+                self.shardless_since.setdefault(name, self.version)
         self.version += 1
         self.check_invariants()
 

@@ -77,14 +77,17 @@ class TrainerActor:
         """Snapshot the weights into the cache as `version` and make it the version shards are
         synced to (the cache keeps at most two). `audit`: also keep per-tensor checksums of it,
         computed where the weights are (the GPU), for `weight_checksums`."""
-        started = time.perf_counter()
+        audit_s = 0.0
         if audit:
+            t0 = time.perf_counter()
             self._checksums = {int(version): tensor_checksums(self.trainer.state_for_sync())}
+            audit_s = time.perf_counter() - t0
+        started = time.perf_counter()
         cache = self.trainer.build_cache(version)
         cache.promote_active(version)
         return PublishedVersion(int(version), cache.layout.num_buckets, cache.layout.total_bytes,
                                 time.perf_counter() - started, list(cache.versions()),
-                                [s.name for s in cache.shm_segments()])
+                                [s.name for s in cache.shm_segments()], audit_s)
 
     def weight_checksums(self, version: int) -> dict[str, int]:
         """Per-tensor checksums of a version published with `audit`."""

@@ -93,9 +93,9 @@ class PolicyTrainer:
         start = torch.device("cpu") if offloaded else self.device
         self.model = self._load(_as_dtype(dtype)).to(start)
         self.model.train()
-        # The engines serve the checkpoint's dtype; sync in it even if we train in another.
+        # The engines serve the run's dtype when one is given, else the checkpoint's; sync in it.
         saved = json.loads((self.model_path / "config.json").read_text())
-        self.sync_dtype = _as_dtype(saved.get("dtype") or saved.get("torch_dtype"))
+        self.sync_dtype = _as_dtype(dtype) or _as_dtype(saved.get("dtype") or saved.get("torch_dtype"))
         self.ref_model = None
         if self.kl_coef > 0:
             self.ref_model = self._load(_as_dtype(dtype)).to(start).eval().requires_grad_(False)

@@ -47,3 +47,4 @@ class PublishedVersion:
     seconds: float
     versions: list[int]  # every version the cache holds now
     shm_segments: list[str]  # the cache's shared-memory segments (empty when pinned instead)
+    audit_s: float = 0.0  # checksumming it for the weight audit (not part of `seconds`)

@@ -9,6 +9,7 @@ operations (abort, pause, sleep, weight swaps) always land between two steps.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -84,6 +85,7 @@ class EngineCore:
         self.kv_asleep = False
         self.weight_version = 0
         self.last_sleep_freed_bytes = 0
+        self.last_sleep_phases_ms: dict[str, float] = {}
         self._touched: dict[Sequence, None] = {}
         runner.cache.allocate()
 
@@ -254,8 +256,10 @@ class EngineCore:
         """Abort everything in flight, free the KV cache and offload (1) or drop (2) weights."""
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        t0 = time.perf_counter()
         self.abort(None)
         before = used_bytes(self.runner.device)
+        t1 = time.perf_counter()
         self.runner.release_graphs()
         self.runner.cache.free()
         self.kv_asleep = True
@@ -263,8 +267,12 @@ class EngineCore:
             self.weights.discard()
         elif self.weights.on_device:
             self.weights.offload()
+        t2 = time.perf_counter()
         release_memory(self.runner.device)
+        t3 = time.perf_counter()
         self.last_sleep_freed_bytes = max(0, before - used_bytes(self.runner.device))
+        ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731
+        self.last_sleep_phases_ms = {"abort": ms(t0, t1), "free": ms(t1, t2), "release": ms(t2, t3)}
         return self.last_sleep_freed_bytes
 
     def wake_up(self, tags: list[str] | None) -> None:

@@ -12,6 +12,7 @@ storage moves (sleep, wake, reload after a level-2 sleep); in-place weight updat
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,8 @@ class DecodeGraphs:
         self._key: tuple[int, int, int] | None = None
         self._pool = None
         self._ids = self._pos = self._rows = self._span = None
+        self.capture_s = 0.0  # every capture so far (each wake recaptures the sizes it uses)
+        self.captures = 0
 
     def release(self) -> None:
         """Drop every graph and its memory pool (before sleeping)."""
@@ -68,6 +71,7 @@ class DecodeGraphs:
         return runner.lm_head(hidden[:, 0])
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        t0 = time.perf_counter()
         side = torch.cuda.Stream(self.runner.device)
         side.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(side):  # warm-up outside the graph, as capture requires
@@ -78,6 +82,9 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(size)
         self._graphs[size] = (graph, logits)
+        torch.cuda.current_stream(self.runner.device).synchronize()
+        self.capture_s += time.perf_counter() - t0
+        self.captures += 1
         return graph, logits
 
     @torch.inference_mode()

@@ -120,6 +120,14 @@ class TorchEngine:
     def weight_version(self) -> int:
         return self._core.weight_version
 
+    def sleep_report(self) -> dict:
+        """What the last sleep took (ms per phase) and the CUDA graph captures so far: the
+        part of a wake's cost paid later, in the first decode steps."""
+        graphs = self._core.runner.graphs
+        return {"sleep_phases_ms": dict(self._core.last_sleep_phases_ms),
+                "graph_captures": graphs.captures if graphs is not None else 0,
+                "graph_capture_ms": round(graphs.capture_s * 1000, 1) if graphs is not None else 0.0}
+
     @property
     def last_sleep_freed_bytes(self) -> int:
         """Memory the last sleep really gave back: RSS drop on CPU, mem_get_info on CUDA."""

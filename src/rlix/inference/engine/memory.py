@@ -16,6 +16,8 @@ from functools import lru_cache
 
 import torch
 
+from rlix.devices import free_cuda_caches
+
 
 def host_rss_bytes() -> int:
     """This process's resident memory in bytes (0 where /proc is unavailable)."""
@@ -47,9 +49,9 @@ def release_memory(device: torch.device) -> None:
     # (100+ ms with a model loaded, paid on every preemption) would only find rare cycles, so
     # only the youngest generation is collected. malloc_trim hands freed host memory back.
     gc.collect(0)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    if device.type == "cuda":  # what the next holder needs is device memory: host stays as it is
+        free_cuda_caches(device)
+        return
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

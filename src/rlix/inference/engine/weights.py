@@ -9,6 +9,14 @@ sleep where there is nothing to fall back on. The staged tensors are then copied
 served ones between two engine steps (already validated, so the copy cannot fail half-way);
 after a level-2 sleep they simply become the parameters. Any refusal discards the staging and
 leaves the old weights serving.
+
+On CUDA the host->device copies are issued without waiting (page-locked sources, such as the
+weight cache's shared memory as a shard maps it, then copy at full bandwidth while the next
+bucket is being taken apart) and waited for once, when the update is judged at finish: the
+bytes handed in must therefore stay unchanged until finish or abort (rlix's senders lease the
+cache slot for the whole sync). A reload after a level-2 sleep stages each batch (a bucket)
+into one allocation carved per parameter, not one allocation per tensor: after a level-2 sleep
+every allocation is a fresh cudaMalloc, and the staged tensors become the parameters.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import torch
 
 from rlix.errors import WeightUpdateError
 
+ALIGN = 256  # bytes: each parameter carved out of a shared staging buffer starts on this boundary
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -31,6 +41,18 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def carve(specs: list[ParamSpec], device: torch.device) -> list[torch.Tensor]:
+    """One uninitialised allocation for all `specs`, as one tensor view per spec, each starting
+    on an ALIGN boundary (any kernel's alignment needs hold)."""
+    offsets, total = [], 0
+    for spec in specs:
+        offsets.append(total)
+        total += -(-spec.numel * spec.dtype.itemsize // ALIGN) * ALIGN
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    return [flat[o: o + s.numel * s.dtype.itemsize].view(s.dtype).view(s.shape)
+            for o, s in zip(offsets, specs)]
 
 
 class ServedWeights:
@@ -113,6 +135,8 @@ class WeightStaging:
         # After a level-2 sleep there are no old weights to keep for the parameters not sent.
         self.allow_partial = allow_partial and weights.loaded
         self.staged: dict[str, torch.Tensor] = {}
+        self._cuda = weights.device.type == "cuda"
+        self._copies: list[torch.cuda.Event] = []  # one per add(): its copies issued so far
 
     def add(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Validate the whole batch first, then stage it; raise WeightUpdateError on any mismatch."""
@@ -131,16 +155,37 @@ class WeightStaging:
                 raise WeightUpdateError(
                     f"{name}: dtype {tensor.dtype} does not match the served {spec.dtype}")
             checked.append((spec, tensor))
-        for spec, tensor in checked:
-            staged = torch.empty(spec.shape, dtype=spec.dtype, device=self.weights.device)
-            staged.copy_(tensor.detach())
+        if not self._cuda:
+            for spec, tensor in checked:
+                staged = torch.empty(spec.shape, dtype=spec.dtype, device=self.weights.device)
+                staged.copy_(tensor.detach())
+                self.staged[spec.name] = staged
+            return
+        # A reload (level-2 sleep: these become the parameters) takes one allocation per batch;
+        # an in-place update stages tensor by tensor, freed once copied over the served ones.
+        specs = [spec for spec, _ in checked]
+        dests = (carve(specs, self.weights.device) if not self.weights.loaded else
+                 [torch.empty(s.shape, dtype=s.dtype, device=self.weights.device) for s in specs])
+        for (spec, tensor), staged in zip(checked, dests):
+            staged.copy_(tensor.detach(), non_blocking=True)
             self.staged[spec.name] = staged
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.weights.device))
+        self._copies.append(event)
+
+    def wait_copies(self) -> None:
+        """Block until every copy issued by add() has landed (one wait per update)."""
+        for event in self._copies:
+            event.synchronize()
+        self._copies.clear()
 
     def missing(self) -> list[str]:
         return [n for n in self.weights.specs if n not in self.staged]
 
     def check_complete(self) -> bool:
-        """True if the update covers every parameter; raises if it must and does not."""
+        """True if the update covers every parameter; raises if it must and does not. Waits for
+        the staging copies first: the staged tensors are served right after this."""
+        self.wait_copies()
         missing = self.missing()
         if missing and not self.allow_partial:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

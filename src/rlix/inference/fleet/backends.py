@@ -28,6 +28,7 @@ class EngineBackendConfig(BaseModel):
     model: str = Field("tiny", min_length=1, description="preset name or local checkpoint dir")
     served_model_name: str | None = Field(None, description="name in the API; default: `model`")
     device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str | None = Field(None, description="weights dtype (e.g. bfloat16); default: the checkpoint's")
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's")
     startup_timeout_s: float = Field(180.0, gt=0)
@@ -65,6 +66,8 @@ class EmbeddedBackend:
                "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
                f"--api-key={api_key}",  # "=": a token may start with "-"
                "--device", cfg.device, "--max-num-seqs", str(cfg.max_num_seqs)]
+        if cfg.dtype:
+            cmd += ["--dtype", cfg.dtype]
         if cfg.max_model_len:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.cpu_threads:
@@ -104,6 +107,8 @@ class VllmBackend:
                "--enable-scale-out"]  # without it /inference/v1/generate answers 403
         if cfg.max_model_len:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
+        if cfg.dtype:
+            cmd += ["--dtype", cfg.dtype]
         if self.supports_sleep:
             cmd.append("--enable-sleep-mode")
         if cfg.worker_extension_cls:

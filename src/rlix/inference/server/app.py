@@ -340,11 +340,11 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
-          served_model_name: str | None = None) -> None:
+          served_model_name: str | None = None, dtype: str | None = None) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     path = resolve_model(model)
-    engine = TorchEngine.from_pretrained(path, device=device, max_num_seqs=max_num_seqs,
+    engine = TorchEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len)
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
                      model_root=str(path), close_engine=True)

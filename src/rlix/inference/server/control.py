@@ -94,7 +94,8 @@ class ControlPlane:
             # trip to the engine thread, which matters on a preemption path)
             await self.engine.sleep(level)
         # the release confirmation: what this process still holds on its device, measured
-        return {"status": "sleeping", "level": level, "memory": self.memory()}
+        report = self.engine.sleep_report() if hasattr(self.engine, "sleep_report") else {}
+        return {"status": "sleeping", "level": level, "memory": {**self.memory(), **report}}
 
     def memory(self) -> dict:
         return measure(self.engine.device).as_dict()

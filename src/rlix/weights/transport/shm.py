@@ -1,8 +1,11 @@
 """POSIX shared memory between processes of one host: the receiver maps the sender's buffer
 and reads the bucket in place; no byte goes through a socket.
 
-When the cache itself lives in shared memory (the default without CUDA) a message is just
-(segment name, offset); any other buffer is first copied into one of two staging segments.
+When the cache itself lives in shared memory (its default) a message is just (segment name,
+offset); any other buffer is first copied into one of two staging segments. A receiver on a
+CUDA device page-locks each cache segment it maps, once (the cache reuses its segments across
+versions; messages mark them `lasting`), so the engine's host->GPU copies from it run at pinned
+speed. Staging segments are made per sync: locking one would cost more than it saves.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from rlix.weights.wire import ShmMapper, ShmSegment
 from rlix.weights.transport.base import Message, ReceiverBase, SenderBase, header
+from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
 
 
 class ShmSender(SenderBase):
@@ -49,8 +53,10 @@ class ShmSender(SenderBase):
                     self._staging.append(ShmSegment.create(buffer.numel(), prefix="rlix-s"))
             seg = self._staging[slot]
             seg.tensor[: buffer.numel()].copy_(buffer)
-            where = (seg.name, 0)
-        return {**header(version, index, buffer.numel(), checksum), "shm": where[0], "offset": where[1]}
+            return {**header(version, index, buffer.numel(), checksum), "shm": seg.name, "offset": 0}
+        # the cache's own segment: it outlives this sync (worth page-locking on the other side)
+        return {**header(version, index, buffer.numel(), checksum), "shm": where[0], "offset": where[1],
+                "lasting": True}
 
     def references(self, version: int, buckets: list[torch.Tensor],
                    checksums: list[int] | None) -> list[Message] | None:
@@ -63,7 +69,7 @@ class ShmSender(SenderBase):
             if where is None:
                 return None
             out.append({**header(version, i, buf.numel(), None if checksums is None else checksums[i]),
-                        "shm": where[0], "offset": where[1]})
+                        "shm": where[0], "offset": where[1], "lasting": True})
         return out
 
     def close(self) -> None:
@@ -76,13 +82,23 @@ class ShmReceiver(ReceiverBase):
     kind = "shm"
     persistent = True  # segments stay mapped; the cache reuses its slots across versions
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | torch.device = "cpu") -> None:
         self._mapper = ShmMapper()
+        self.pin = torch.device(device).type == "cuda"
+        self._pinned: dict[str, PinnedRange | None] = {}  # segment name -> its page-locking
 
     def receive(self, message: Message) -> torch.Tensor:
-        return self._mapper.bucket(str(message["shm"]), int(message["offset"]), int(message["nbytes"]))
+        name = str(message["shm"])
+        bucket = self._mapper.bucket(name, int(message["offset"]), int(message["nbytes"]))
+        if self.pin and message.get("lasting") and name not in self._pinned:
+            self._pinned[name] = page_lock_tensor(bucket)  # the whole mapping, once
+        return bucket
 
     def close(self) -> None:
+        for pinned in self._pinned.values():
+            if pinned is not None:
+                pinned.release()  # before the mapping goes
+        self._pinned.clear()
         self._mapper.close()
 
 
@@ -96,4 +112,4 @@ class ShmTransport:
         return ShmSender(self.segments)
 
     def receiver(self, device: str | torch.device = "cpu", **_: Any) -> ShmReceiver:
-        return ShmReceiver()
+        return ShmReceiver(device)
