@@ -193,6 +193,7 @@ def main() -> None:
     ap.add_argument("--gates", default="1,2,4")
     ap.add_argument("--solo-tokens", default="",
                     help="also run gate 1 with these max_new_tokens (comma-separated), e.g. 256")
+    ap.add_argument("--only-solo-tokens", action="store_true", help="skip gate 1 at the example's tokens")
     ap.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_bench")
     args = ap.parse_args()
     out = Path(args.out)
@@ -204,9 +205,10 @@ def main() -> None:
         if gates & {"2", "4"}:
             figures.update(gate2(base, args.gate2_steps, args.warmup, out, sampler))
             print(json.dumps({"gate2": figures}, default=str), file=sys.stderr, flush=True)
-        if "1" in gates:
+        if "1" in gates and not args.only_solo_tokens:
             figures.update(gate1(base, args.steps, args.warmup, out, sampler))
             print(json.dumps({"gate1": figures}, default=str), file=sys.stderr, flush=True)
+        if "1" in gates:
             for tokens in filter(None, args.solo_tokens.split(",")):
                 more = gate1(base, args.steps, args.warmup, out, sampler, int(tokens))
                 figures[f"tokens{tokens}"] = more

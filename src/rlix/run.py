@@ -75,7 +75,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         address = env.ray_address()
         if address:
             ray.init(address=address, namespace="rlix", log_to_driver=False)
-        else:  # a local cluster; on CPU its GPUs are fake (num_gpus) and only the scheduler counts them
+        else:  # a local cluster; on CPU its GPUs are fake (num_gpus): reserved and placed all the same
             ray.init(num_cpus=max(4, 2 * len(cfg.pipelines) + 2), num_gpus=total, namespace="rlix",
                      include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     api_key = env.api_key() or secrets.token_urlsafe(24)

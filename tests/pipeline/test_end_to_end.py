@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import httpx
 import pytest
 import ray
 import yaml
@@ -99,38 +100,49 @@ def check_placement(p: dict) -> None:
         {tuple(trainer["gpus"])}
 
 
-def test_a_pipeline_whose_shard_hangs_ends_alone_with_its_gpu_named(tmp_path, fresh_ray):
-    """pa's shard is frozen (SIGSTOP, by PID) mid-run: when the scheduler takes that GPU for pb's
-    training, the shard cannot confirm its release, is killed, and pa ends with one line naming
-    the GPU and the holder; pb trains to the end on the GPUs the scheduler took back."""
+def test_a_pipeline_whose_shard_hangs_ends_alone_with_its_gpu_named(tmp_path, fresh_ray, monkeypatch):
+    """Two pipelines share one GPU. pa's shard is frozen (SIGSTOP, by PID) while it sleeps: when
+    the scheduler gives the GPU back to it, the shard cannot wake within the release timeout, is
+    killed, and pa ends with one line naming the GPU and the holder; pb trains to the end on the
+    GPU the scheduler took back."""
+    monkeypatch.setenv("RLIX_API_KEY", "fault-test-key")  # so the test can ask the shard itself
     path = config(tmp_path, "rlix", steps=3, run_dir="fault", pb_steps=8)
     cfg = yaml.safe_load(open(path))
+    cfg["cluster"] = {"nodes": 1, "gpus_per_node": 1}
     cfg["release_timeout_s"] = 3
+    for p in cfg["pipelines"]:
+        p.update(max_shards=1, gpus=[0])
     cfg["pipelines"][0]["steps"] = 30  # pa would outlive pb if it were not stopped
-    cfg["pipelines"][0]["max_shards"] = cfg["pipelines"][1]["max_shards"] = 1
     with open(path, "w") as fh:
         yaml.safe_dump(cfg, fh)
     frozen: list[int] = []
 
-    def freeze_pa_shard() -> None:
+    def freeze_pa_shard_while_asleep() -> None:
         metrics = tmp_path / "fault" / "pa" / "metrics.jsonl"
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 1:
-                pids = shard_pids("pa")
-                if pids:
-                    os.kill(pids[0], signal.SIGSTOP)
-                    frozen.append(pids[0])
+        while time.monotonic() < deadline and not frozen:
+            time.sleep(0.02)
+            if not metrics.exists() or not metrics.read_text().strip():
+                continue
+            for pid, port in shard_pids("pa"):
+                try:
+                    asleep = httpx.get(f"http://127.0.0.1:{port}/is_sleeping", timeout=1,
+                                       headers={"Authorization": "Bearer fault-test-key"}).json()
+                except httpx.HTTPError:
+                    continue
+                if asleep.get("is_sleeping"):
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.append(pid)
                     return
-            time.sleep(0.2)
 
-    watcher = threading.Thread(target=freeze_pa_shard, daemon=True)
+    watcher = threading.Thread(target=freeze_pa_shard_while_asleep, daemon=True)
     watcher.start()
     summary = run(path, mode=None)
     watcher.join(5)
-    assert frozen, "pa's shard was never found"
+    assert frozen, "pa's shard was never found asleep"
     pa, pb = summary["pipelines"]["pa"], summary["pipelines"]["pb"]
-    assert "GpuMemoryError" in pa["error"] and "shard 0 of pipeline pa on GPU" in pa["error"], pa["error"]
+    assert "error" in pa, f"pa was not stopped: {pa['steps']} steps"
+    assert "GpuMemoryError" in pa["error"] and "shard 0 of pipeline pa on GPU 0" in pa["error"], pa["error"]
     assert "\n" not in pa["error"]
     assert pa["steps"] < 30
     assert pb["steps"] == 8 and "error" not in pb
@@ -140,8 +152,8 @@ def test_a_pipeline_whose_shard_hangs_ends_alone_with_its_gpu_named(tmp_path, fr
     assert "pa: failed: GpuMemoryError" in log
 
 
-def shard_pids(pipeline: str) -> list[int]:
-    """PIDs of the engine servers serving `pipeline` (their command line names it)."""
+def shard_pids(pipeline: str) -> list[tuple[int, int]]:
+    """(PID, port) of the engine servers serving `pipeline` (their command line names it)."""
     out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -151,22 +163,5 @@ def shard_pids(pipeline: str) -> list[int]:
         except OSError:
             continue
         if b"serve" in cmd and b"--served-model-name" in cmd and pipeline.encode() in cmd:
-            out.append(int(entry))
+            out.append((int(entry), int(cmd[cmd.index(b"--port") + 1])))
     return out
-
-
-def test_standalone_runs_the_same_config_and_resume_continues(tmp_path, fresh_ray):
-    first = run(config(tmp_path, "standalone", steps=2, run_dir="sa"), mode=None)
-    assert first["mode"] == "standalone"
-    check_guarantees(first)
-    ray.shutdown()
-    again = run(config(tmp_path, "standalone", steps=4, run_dir="sa"), resume=True, mode=None)
-    check_guarantees(again)
-    for name in ("pa", "pb"):
-        a, b = first["pipelines"][name], again["pipelines"][name]
-        assert b["start_step"] == 2 and [r["step"] for r in b["records"]] == [3, 4]
-        assert b["rewards"][:2] == a["rewards"]  # the curve continues from the saved history
-        rows = [json.loads(x) for x in (tmp_path / "sa" / name / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        # resumed shards were synced to the checkpoint's version before serving
-        assert all(h[:2] == [0, 2] for h in b["shard_history"].values()), b["shard_history"]

@@ -188,3 +188,30 @@ def test_a_grant_waits_for_the_previous_holders_release_confirmation():
     asyncio.run(main())
     assert [name for name, _ in timeline] == ["b released", "a granted"]
     assert timeline[1][1] >= timeline[0][1]
+
+
+def test_a_wake_that_runs_out_of_gpu_memory_ends_the_pipeline_naming_gpu_and_shard(tiny_model_dir):
+    """The sync that wakes a placed shard fails with the engine's out-of-memory error: the
+    coordinator ends its process by PID, keeps a GpuMemoryError naming the shard and its GPU as
+    the pipeline's failure, and raises it to the scheduler's call."""
+    from rlix.pipeline.coordinator import ShardCoordinator
+
+    async def out_of_memory(version, urls, wake):
+        raise RuntimeError("shard 0: update failed: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, lambda gpus: {env.VISIBLE_DEVICES_VAR: "1"})
+        coord = ShardCoordinator(fleet, out_of_memory, wake_in_sync=True, placed=True)
+        try:
+            coord.announce(1)  # a newer version than the shard's disk weights: it must sync
+            with pytest.raises(GpuMemoryError) as err:
+                await coord.resize_inference([], {0: [1]})
+            pid = fleet.placements[-1]["pid"]
+            assert "shard 0 of pipeline tiny on GPU 1 ran out of GPU memory" in str(err.value)
+            assert coord.failure is err.value and coord.failed.is_set()
+            assert not _alive(pid) and 0 not in fleet.shards
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())

@@ -139,19 +139,31 @@ class ShardCoordinator:
                 missing = [r for r in ranks if r not in self.fleet.shards]
                 if missing:
                     raise WeightUpdateError(f"resize asked for shard(s) {missing} that were never started")
-                stale = [r for r in ranks if self.versions.get(r) != self.latest]
-                if self.wake_in_sync and stale:
-                    # stale shards wake inside their sync call; the others wake meanwhile
-                    fresh = [r for r in ranks if r not in stale]
-                    await asyncio.gather(self._wake(fresh), self._sync(stale, "sync", wake=True))
-                else:
-                    await self._wake(ranks)
-                    if stale:
-                        await self._sync(stale, "sync")
+                limit = self.fleet.release_timeout_s if self.placed else None
+                try:
+                    await asyncio.wait_for(self._bring_up(ranks), limit)
+                except asyncio.TimeoutError:
+                    names = ", ".join(self.fleet.describe(r) for r in ranks)
+                    for r in ranks:  # a shard that hangs on its GPU is ended by its PID
+                        await self.fleet.kill(r)
+                    raise GpuMemoryError(f"{names} did not wake and sync within {limit:g} s; its process "
+                                         f"was killed to free the GPU") from None
                 await self.fleet.activate(ranks)
                 self._event("activate", ranks, self.latest)
                 out["woke"] = ranks
             return out
+
+    async def _bring_up(self, ranks: list[int]) -> None:
+        """Wake `ranks` and sync the stale ones to the latest version."""
+        stale = [r for r in ranks if self.versions.get(r) != self.latest]
+        if self.wake_in_sync and stale:
+            # stale shards wake inside their sync call; the others wake meanwhile
+            fresh = [r for r in ranks if r not in stale]
+            await asyncio.gather(self._wake(fresh), self._sync(stale, "sync", wake=True))
+        else:
+            await self._wake(ranks)
+            if stale:
+                await self._sync(stale, "sync")
 
     async def _wake(self, ranks: list[int]) -> None:
         if not ranks:

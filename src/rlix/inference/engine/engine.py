@@ -372,7 +372,9 @@ class TorchEngine:
             self._staging_failure = None
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
-        """Validate and stage a batch of tensors (copied; the caller may reuse its buffers)."""
+        """Validate and stage a batch of tensors. On CUDA the copies are asynchronous and waited
+        for at finish: the caller keeps the source bytes unchanged until finish or abort (rlix's
+        senders hold the cache slot that long); on CPU they are copied at once."""
         await asyncio.to_thread(self._stage, dict(named_tensors))
 
     def _stage(self, named_tensors: dict[str, torch.Tensor]) -> None:
