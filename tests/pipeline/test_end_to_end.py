@@ -165,3 +165,22 @@ def shard_pids(pipeline: str) -> list[tuple[int, int]]:
         if b"serve" in cmd and b"--served-model-name" in cmd and pipeline.encode() in cmd:
             out.append((int(entry), int(cmd[cmd.index(b"--port") + 1])))
     return out
+
+
+def test_standalone_runs_the_same_config_and_resume_continues(tmp_path, fresh_ray):
+    first = run(config(tmp_path, "standalone", steps=2, run_dir="sa"), mode=None)
+    assert first["mode"] == "standalone"
+    check_guarantees(first)
+    for p in first["pipelines"].values():  # fixed GPUs are placed the same way
+        check_placement(p)
+    ray.shutdown()
+    again = run(config(tmp_path, "standalone", steps=4, run_dir="sa"), resume=True, mode=None)
+    check_guarantees(again)
+    for name in ("pa", "pb"):
+        a, b = first["pipelines"][name], again["pipelines"][name]
+        assert b["start_step"] == 2 and [r["step"] for r in b["records"]] == [3, 4]
+        assert b["rewards"][:2] == a["rewards"]  # the curve continues from the saved history
+        rows = [json.loads(x) for x in (tmp_path / "sa" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        # resumed shards were synced to the checkpoint's version before serving
+        assert all(h[:2] == [0, 2] for h in b["shard_history"].values()), b["shard_history"]
