@@ -91,6 +91,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
             scheduler = start_scheduler(topology, params)
+            ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
         all_gpus = list(range(total))
         for p in cfg.pipelines:
             gpus = p.gpus if p.gpus is not None else all_gpus
@@ -100,6 +101,8 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         for info in ray.get([a.setup.remote() for a in actors.values()]):
             say(f"{info['pipeline']}: ready in {info['setup_s']}s, shards {info['shards']}, "
                 f"starting at step {info['start_step']}")
+        if scheduler is not None:
+            ray.get(scheduler.resume.remote())
         summaries, role_changes = _drive(actors, scheduler, say)
     finally:
         t_stop = time.perf_counter()

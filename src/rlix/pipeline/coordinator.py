@@ -113,6 +113,10 @@ class ShardCoordinator:
             raise self._fail(exc) from None
 
     async def _resize(self, remove: list[int], add: Mapping[int, Any]) -> dict:
+        if self.placed and add and not remove:
+            # a process start takes seconds: outside the lock, so a refit of the active shards
+            # (the loop's step waits for it) does not wait behind it; the ranks are inactive
+            await self._place(add)
         async with self._lock:
             out: dict[str, Any] = {}
             if remove:
@@ -130,12 +134,7 @@ class ShardCoordinator:
             if add:
                 ranks = sorted(int(r) for r in add)
                 if self.placed:
-                    for r in await self.fleet.place({r: add[r] for r in ranks}):
-                        # a new process serves the weights on disk: the initial version
-                        self.versions[r] = self.initial_version
-                        if not self.history.get(r):
-                            self.history[r] = [self.initial_version]
-                        self._event("start", [r], self.initial_version)
+                    await self._place(add)
                 missing = [r for r in ranks if r not in self.fleet.shards]
                 if missing:
                     raise WeightUpdateError(f"resize asked for shard(s) {missing} that were never started")
@@ -152,6 +151,14 @@ class ShardCoordinator:
                 self._event("activate", ranks, self.latest)
                 out["woke"] = ranks
             return out
+
+    async def _place(self, add: Mapping[int, Any]) -> None:
+        for r in await self.fleet.place({int(r): gpus for r, gpus in add.items()}):
+            # a new process serves the weights on disk: the initial version
+            self.versions[r] = self.initial_version
+            if not self.history.get(r):
+                self.history[r] = [self.initial_version]
+            self._event("start", [r], self.initial_version)
 
     async def _bring_up(self, ranks: list[int]) -> None:
         """Wake `ranks` and sync the stale ones to the latest version."""

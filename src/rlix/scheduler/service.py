@@ -48,6 +48,7 @@ class AsyncScheduler:
         self._waiters: dict[int, tuple[str, asyncio.Future]] = {}  # request id -> waiter
         self._changed = asyncio.Event()
         self._timer: asyncio.Task | None = None
+        self.holding = False
         self.failures: deque[dict] = deque(maxlen=20)
         self.errors: deque[dict] = deque(maxlen=20)
 
@@ -142,7 +143,19 @@ class AsyncScheduler:
         await self.executor.close()
 
     # ------------------------------------------------------------------ internals
+    def hold(self) -> None:
+        """Plan nothing until `resume`: lets several pipelines register before the first plan
+        (placed shards start where that plan puts them; a plan per registration would start one
+        pipeline's shards only to move them for the next)."""
+        self.holding = True
+
+    def resume(self) -> None:
+        self.holding = False
+        self._replan("resume")
+
     def _replan(self, reason: str) -> None:
+        if self.holding:
+            return
         try:
             plan = self.core.replan(reason)
         except SchedulerError as exc:  # rejected by the ledger; core logged it
@@ -281,6 +294,12 @@ class SchedulerService:
 
     async def report_progress(self, progress: Progress) -> None:
         self._sched.report_progress(progress)
+
+    async def hold(self) -> None:
+        self._sched.hold()
+
+    async def resume(self) -> None:
+        self._sched.resume()
 
     async def role_changes(self, since: int = 0) -> list[dict]:
         """Every GPU role/owner change numbered after `since` (what `rlix run` logs)."""
