@@ -113,7 +113,8 @@ class ShardCoordinator:
             raise self._fail(exc) from None
 
     async def _resize(self, remove: list[int], add: Mapping[int, Any]) -> dict:
-        if self.placed and add and not remove:
+        place_first = self.placed and bool(add) and not remove
+        if place_first:
             # a process start takes seconds: outside the lock, so a refit of the active shards
             # (the loop's step waits for it) does not wait behind it; the ranks are inactive
             await self._place(add)
@@ -133,7 +134,7 @@ class ShardCoordinator:
                         self.versions[r] = None
             if add:
                 ranks = sorted(int(r) for r in add)
-                if self.placed:
+                if self.placed and not place_first:  # after the sleeps of the same call
                     await self._place(add)
                 missing = [r for r in ranks if r not in self.fleet.shards]
                 if missing:
@@ -142,15 +143,16 @@ class ShardCoordinator:
                 try:
                     await asyncio.wait_for(self._bring_up(ranks), limit)
                 except asyncio.TimeoutError:
-                    names = ", ".join(self.fleet.describe(r) for r in ranks)
-                    for r in ranks:  # a shard that hangs on its GPU is ended by its PID
-                        await self.fleet.kill(r)
-                    raise GpuMemoryError(f"{names} did not wake and sync within {limit:g} s; its process "
-                                         f"was killed to free the GPU") from None
+                    raise await self._end(ranks, f"did not wake and sync within {limit:g} s") from None
                 await self.fleet.activate(ranks)
                 self._event("activate", ranks, self.latest)
                 out["woke"] = ranks
             return out
+
+    async def _end(self, ranks: list[int], why: str) -> GpuMemoryError:
+        """These shards failed a GPU hand-off: each is ended by its PID; one error names all."""
+        errors = [await self.fleet.kill_for(r, why) for r in ranks]
+        return errors[0] if len(errors) == 1 else GpuMemoryError("; ".join(map(str, errors)))
 
     async def _place(self, add: Mapping[int, Any]) -> None:
         for r in await self.fleet.place({int(r): gpus for r, gpus in add.items()}):
@@ -212,12 +214,9 @@ class ShardCoordinator:
             rep = await self._sync_fn(version, urls, asleep)
         except BaseException as exc:
             self.fleet.note_woken(asleep, woken=False)  # maybe woken before it failed
-            if self.placed and "out of memory" in str(exc).lower():
-                names = ", ".join(self.fleet.describe(r) for r in ranks)
-                for r in ranks:  # their processes may hold half an update: end them
-                    await self.fleet.kill(r)
-                raise GpuMemoryError(f"{names} ran out of GPU memory during a {kind} to version "
-                                     f"{version}: {exc}") from None
+            if self.placed and "out of memory" in str(exc).lower():  # half an update may be held
+                raise await self._end(ranks, f"ran out of GPU memory during a {kind} to version "
+                                             f"{version}: {exc}") from None
             raise
         self.fleet.note_woken(asleep)
         dt = time.perf_counter() - t0

@@ -142,15 +142,7 @@ class ShardFleet:
     async def shutdown(self, ranks: Iterable[int] | None = None) -> None:
         """End these shards' processes (default: all) by PID and forget them."""
         ranks = sorted(set(self.shards) | set(self.launcher.pids())) if ranks is None else sorted(ranks)
-        for rank in ranks:
-            try:
-                await self.router.remove_shard(rank)
-            except Exception:  # the router may be gone already
-                pass
-        await asyncio.gather(*(self.launcher.stop(r) for r in ranks))
-        for rank in ranks:
-            self.shards.pop(rank, None)
-            self.client.shard_urls.pop(rank, None)
+        await asyncio.gather(*(self.kill(r) for r in ranks))
 
     async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> list[int]:
         """Make each rank's process run on its GPUs, seeing only them: started if it has no
@@ -226,23 +218,25 @@ class ShardFleet:
         except Exception as exc:  # noqa: BLE001 - whatever stopped the release, the GPU is freed
             if not self.shards[rank].gpus and not isinstance(exc, asyncio.TimeoutError):
                 raise  # not placed on a GPU: nothing to free, the caller sees the error itself
-            pid = self.launcher.pids().get(rank)
-            await self.kill(rank)
             why = (f"did not confirm its release within {self.release_timeout_s:g} s"
                    if isinstance(exc, asyncio.TimeoutError) else f"failed to release it ({exc})")
-            raise GpuMemoryError(f"{name} {why}; its process (pid {pid}) was killed to free the GPU") from None
+            raise await self.kill_for(rank, why) from None
         memory = phases.get("memory")
         if memory:
             self.memory_log.append({"event": "release", "holder": name, "gpus": list(self.shards[rank].gpus),
                                     **memory})
             if self.shards[rank].gpus and memory.get("reserved", 0) > RELEASE_SLACK_BYTES:
-                pid = self.launcher.pids().get(rank)
-                await self.kill(rank)
-                raise GpuMemoryError(
-                    f"{name} still held {memory['reserved'] / 2**20:.0f} MiB after sleeping at level "
-                    f"{level} (allowed {RELEASE_SLACK_BYTES >> 20} MiB); its process (pid {pid}) was "
-                    f"killed to free the GPU")
+                raise await self.kill_for(
+                    rank, f"still held {memory['reserved'] / 2**20:.0f} MiB after sleeping at level {level} "
+                          f"(allowed {RELEASE_SLACK_BYTES >> 20} MiB)")
         return phases
+
+    async def kill_for(self, rank: int, why: str) -> GpuMemoryError:
+        """A shard failed its GPU hand-off: end its process by PID (its GPU is then free) and
+        return the error that names it, its GPU and what went wrong."""
+        name, pid = self.describe(rank), self.launcher.pids().get(rank)
+        await self.kill(rank)
+        return GpuMemoryError(f"{name} {why}; its process (pid {pid}) was killed to free the GPU")
 
     async def _preempt(self, rank: int, level: int) -> dict:
         info = self.shards[rank]
