@@ -120,5 +120,13 @@ class GpuMemoryError(RlixError):
     little free (or ran out). The message names the GPU and the holder."""
 
 
+class ShardDiedError(InferenceError):
+    """A shard's server process kept dying (each death is replaced until a limit)."""
+
+
+class PipelineHungError(RlixError):
+    """A pipeline's actor stopped answering within its heartbeat timeout."""
+
+
 class PipelineFailedError(RlixError):
     """Every pipeline of a run failed (each one's error is in the message)."""

@@ -92,3 +92,121 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
     finally:
         ray.get(trainer.close.remote())
         ray.kill(trainer)
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """The process has exited (a zombie not yet reaped by its parent counts as exited)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, tiny_model_dir):
+    """SIGKILL a shard server by its PID: an assigned (active) shard gets a new process, synced
+    to the latest version and routed to again; a sleeping one is forgotten and started when it
+    is given GPUs again. A rank that keeps dying fails the coordinator."""
+    import os
+    import signal
+
+    from rlix.errors import ShardDiedError
+
+    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), TrainConfig(lr=0.05),
+                                                             seed=0, api_key=KEY)
+
+    async def main() -> None:
+        router = Router(KEY)
+        client = RemoteInferenceClient(None, {}, KEY, "tiny")
+        backend = make_backend(EngineBackendConfig(backend="embedded", model=str(tiny_model_dir),
+                                                   served_model_name="tiny", max_model_len=128))
+        launcher = LocalLauncher(backend, KEY)
+        fleet = ShardFleet(launcher, router, client)
+        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, max_restarts=1)
+        try:
+            await coord.start([0, 1], version=0)
+            await fleet.sleep_partial([1])
+            await coord.resize_inference([], {0: [0]})  # the scheduler gives rank 0 a GPU
+            ray.get(trainer.train_step.remote(batch(1)))
+            ray.get(trainer.publish.remote(1))
+            await coord.publish(1)
+            trained = await greedy(fleet.shards[0].url)
+            assert await coord.replace_dead() == []  # all alive: nothing happens
+
+            server, guard = launcher.server_pids()[0], launcher.pids()[0]
+            log_dir = launcher.procs[0].log_path.parent
+            os.kill(server, signal.SIGKILL)
+            assert _wait_gone(guard)  # the guard exits with its server
+            assert await coord.replace_dead() == [0]
+            assert fleet.active_ranks() == [0] and launcher.server_pids()[0] != server
+            assert coord.versions[0] == 1 and coord.history[0][-1] == 1
+            assert await greedy(fleet.shards[0].url) == trained  # serves version 1, not the disk's 0
+            assert not log_dir.exists()  # the dead process's private log dir is gone
+            assert (await router.shards())[0]["state"] == "active"
+            assert coord.stats.deaths[0]["exit_code"] is not None and coord.stats.replacements[0]["version"] == 1
+
+            os.kill(launcher.server_pids()[1], signal.SIGKILL)  # asleep, holds no GPU
+            assert _wait_gone(launcher.pids()[1])
+            assert await coord.replace_dead() == [1]
+            assert 1 not in fleet.shards and coord.stats.deaths[-1]["then"].startswith("forgotten")
+            await coord.resize_inference([0], {1: [1]})  # given GPUs again: a new process, synced
+            assert fleet.active_ranks() == [1] and coord.versions[1] == 1
+
+            os.kill(launcher.server_pids()[1], signal.SIGKILL)  # rank 1's second death: over the limit
+            assert _wait_gone(launcher.pids()[1])
+            with pytest.raises(ShardDiedError, match="shard 1 of shard .* died"):
+                await coord.replace_dead()
+            assert coord.failed.is_set()
+        finally:
+            await fleet.shutdown()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.get(trainer.close.remote())
+        ray.kill(trainer)
+
+
+def test_shard_server_ends_when_its_parent_is_sigkilled(tmp_path, tiny_model_dir):
+    """A shard's owner killed with SIGKILL: the guard ends the server and removes its private
+    log dir; the port is free again."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "owner.py"
+    script.write_text(f'''
+import json, sys, time
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.shard_process import ShardProcess
+p = ShardProcess(make_backend(EngineBackendConfig(backend="embedded", model={str(tiny_model_dir)!r},
+                 served_model_name="tiny", max_model_len=128)), "k")
+p.start(); p.wait_ready()
+print(json.dumps({{"guard": p.pid, "server": p.server_pid(), "port": p.port,
+                  "log_dir": str(p.log_path.parent)}}), flush=True)
+time.sleep(600)
+''')
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(owner.stdout.readline())
+        assert os.path.isdir(info["log_dir"])
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        assert _wait_gone(info["server"]) and _wait_gone(info["guard"])
+        assert not os.path.exists(info["log_dir"])
+        with socket.socket() as s:  # the port is free
+            s.bind(("127.0.0.1", info["port"]))
+    finally:
+        owner.kill()
+        owner.wait(10)

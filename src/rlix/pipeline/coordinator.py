@@ -13,6 +13,10 @@ version history, so tests can prove that a shard only ever served versions it wa
 
 With `wake_in_sync` (engines that offer /sync_weights), a stale shard that wakes is woken by
 its sync call: one round trip from the trainer instead of a wake, then start, buckets, finish.
+
+A shard whose process dies (`replace_dead`, polled by the pipeline) is forgotten; if the
+scheduler had it on GPUs, a new process is started there, synced to the latest version and
+routed to again, so the pipeline goes on. One that keeps dying fails the pipeline.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlix.errors import GpuMemoryError, WeightUpdateError
+from rlix.errors import GpuMemoryError, RlixError, ShardDiedError
 from rlix.inference.fleet.fleet import ShardFleet
 from rlix.weights.api import SyncReport
 
@@ -38,7 +42,7 @@ SyncFn = Callable[[int, dict[int, str], list[int]], Awaitable[SyncReport]]
 @dataclass
 class ShardEvent:
     at: float
-    kind: str  # start | sleep | wake | sync | refit | activate
+    kind: str  # start | sleep | wake | sync | refit | activate | audit | died | replace
     ranks: tuple[int, ...]
     version: int | None = None
     seconds: float = 0.0
@@ -55,6 +59,8 @@ class CoordinatorStats:
     audit_seconds: float = 0.0  # what the shard audits took (before activation: on the path)
     checksum_mismatches: list[str] = field(default_factory=list)
     sleep_phases_ms: dict[str, float] = field(default_factory=dict)  # preemption phases, summed
+    deaths: list[dict] = field(default_factory=list)  # shard processes found dead
+    replacements: list[dict] = field(default_factory=list)  # new processes for dead assigned shards
 
 
 class ShardCoordinator:
@@ -63,7 +69,8 @@ class ShardCoordinator:
 
     def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
                  wake_in_sync: bool = False, placed: bool = False,
-                 audit: Callable[[int], Awaitable[Mapping[str, int]]] | None = None) -> None:
+                 audit: Callable[[int], Awaitable[Mapping[str, int]]] | None = None,
+                 max_restarts: int = 3) -> None:
         self.fleet = fleet
         # placed: each shard's process runs on the GPUs the scheduler names in `add` and is
         # started (or moved) there on demand; level-2 sleeps drop its weights
@@ -71,7 +78,11 @@ class ShardCoordinator:
         # audit(version) -> the trainer's per-tensor checksums of it: every synced shard's
         # served weights are compared with them (costs a pass over the weights on both sides)
         self._audit = audit
-        self.failure: GpuMemoryError | None = None  # a GPU hand-off failed: the pipeline must end
+        self.failure: RlixError | None = None  # a GPU hand-off failed, a shard kept dying: the pipeline must end
+        self.max_restarts = max_restarts  # replacements of one rank's process before the pipeline fails
+        # rank -> GPUs: the shards the scheduler (or the fixed mode) last gave GPUs and has not
+        # taken back; a dead one of these is replaced, any other dead one just forgotten
+        self.assigned: dict[int, tuple[int, ...]] = {}
         self.failed = asyncio.Event()
         self._sync_fn = sync
         self.wake_in_sync = wake_in_sync and fleet.supports_sleep
@@ -97,7 +108,7 @@ class ShardCoordinator:
     def active_ranks(self) -> list[int]:
         return self.fleet.active_ranks()
 
-    def _fail(self, exc: GpuMemoryError) -> GpuMemoryError:
+    def _fail(self, exc: RlixError) -> RlixError:
         if self.failure is None:
             self.failure = exc
             self.failed.set()
@@ -120,6 +131,11 @@ class ShardCoordinator:
             await self._place(add)
         async with self._lock:
             out: dict[str, Any] = {}
+            for r in remove:
+                self.assigned.pop(int(r), None)
+            for r, gpus in add.items():
+                self.assigned[int(r)] = tuple(int(g) for g in gpus or ())
+            remove = [r for r in remove if r in self.fleet.shards]  # a dead one has no process to sleep
             if remove:
                 t0 = time.perf_counter()
                 out["slept"] = await self.fleet.sleep_partial(remove)
@@ -137,8 +153,8 @@ class ShardCoordinator:
                 if self.placed and not place_first:  # after the sleeps of the same call
                     await self._place(add)
                 missing = [r for r in ranks if r not in self.fleet.shards]
-                if missing:
-                    raise WeightUpdateError(f"resize asked for shard(s) {missing} that were never started")
+                if missing:  # unplaced, and its process died while it slept: start a new one
+                    await self._start_new(missing)
                 limit = self.fleet.release_timeout_s if self.placed else None
                 try:
                     await asyncio.wait_for(self._bring_up(ranks), limit)
@@ -161,6 +177,61 @@ class ShardCoordinator:
             if not self.history.get(r):
                 self.history[r] = [self.initial_version]
             self._event("start", [r], self.initial_version)
+
+    async def _start_new(self, ranks: list[int]) -> None:
+        """New processes for unplaced ranks; inactive, serving the weights on disk."""
+        await self.fleet.start(ranks, active=False)
+        for r in ranks:
+            self.versions[r] = self.initial_version
+            self.history.setdefault(r, []).append(self.initial_version)
+        self._event("start", ranks, self.initial_version)
+
+    async def replace_dead(self) -> list[int]:
+        """Find shards whose process died and deal with each: forgotten if the scheduler had
+        not given it GPUs (it starts again when it is given some), else started again on the
+        same GPUs, synced to the latest version and activated. Returns the ranks found dead.
+        A rank that dies more than `max_restarts` times fails the pipeline (ShardDiedError)."""
+        dead = await self.fleet.dead_ranks()
+        if not dead and all(r in self.fleet.shards for r in self.assigned):
+            return []
+        async with self._lock:
+            dead = [r for r in await self.fleet.dead_ranks() if r in self.fleet.shards]
+            for r in dead:
+                why = self._death(r)
+                await self.fleet.kill(r)  # router entry, process group, log dir
+                self.versions.pop(r, None)
+                if len([d for d in self.stats.deaths if d["rank"] == r]) > self.max_restarts:
+                    raise self._fail(ShardDiedError(f"{why}, more than {self.max_restarts} times; "
+                                                    f"the pipeline stops"))
+                if r not in self.assigned:
+                    self.stats.deaths[-1]["then"] = "forgotten (it held no GPU)"
+            # assigned ranks without a process: just died, or a replacement that failed to start
+            for r in sorted(r for r in self.assigned if r not in self.fleet.shards):
+                gpus = self.assigned[r]
+                t0 = time.perf_counter()
+                if self.placed:
+                    await self._place({r: gpus})
+                else:
+                    await self._start_new([r])
+                await self._bring_up([r])
+                await self.fleet.activate([r])
+                took = time.perf_counter() - t0
+                self._event("replace", [r], self.latest, took)
+                self.stats.replacements.append({"rank": r, "gpus": list(gpus), "at": time.time(),
+                                                "seconds": round(took, 2), "version": self.latest})
+                log.warning("shard %d of %s replaced in %.1f s at version %d",
+                            r, self.fleet.holder, took, self.latest)
+        return dead
+
+    def _death(self, rank: int) -> str:
+        """Record a dead shard; returns how errors and logs name it."""
+        code = getattr(self.fleet.launcher, "exit_code", lambda r: None)(rank)
+        pid = self.fleet.launcher.pids().get(rank)
+        why = f"{self.fleet.describe(rank)} (pid {pid}) died (exit code {code})"
+        self.stats.deaths.append({"rank": rank, "pid": pid, "exit_code": code, "at": time.time(),
+                                  "assigned": rank in self.assigned, "what": why})
+        self._event("died", [rank])
+        return why
 
     async def _bring_up(self, ranks: list[int]) -> None:
         """Wake `ranks` and sync the stale ones to the latest version."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ log = logging.getLogger("rlix.pipeline")
 
 #: the longest one rollout request may take, holds for an active shard included
 GENERATE_TIMEOUT_S = 600.0
+#: how often shard processes are checked for death
+SHARD_WATCH_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -182,15 +185,40 @@ class PipelineRunner:
     async def run(self) -> dict:
         assert self.loop is not None and self.collector is not None, "setup() first"
         self.collector.start()
+        watch = asyncio.ensure_future(self._watch_shards())
         try:
             await self.loop.run()
         finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             await self.collector.stop()
         # done: its GPUs go back now, not when the whole run ends (others may be waiting)
         self.joined = False
         await self.hooks.leave()
         await self._checkpoint(self.loop.step)
         return self.summary()
+
+    async def _watch_shards(self) -> None:
+        """Every SHARD_WATCH_S: shards whose process died are replaced (or forgotten, if they
+        held no GPU). A replacement that fails is tried again next time; the coordinator fails
+        the pipeline when one rank keeps dying."""
+        assert self.coordinator is not None
+        while not self.closing:
+            await asyncio.sleep(SHARD_WATCH_S)
+            try:
+                await self.coordinator.replace_dead()
+            except Exception as exc:  # noqa: BLE001 - counted by the coordinator; tried again
+                log.warning("%s: replacing a dead shard failed: %r", self.cfg.name, exc)
+                if self.coordinator.failure is not None:
+                    return
+
+    def processes(self) -> dict:
+        """This pipeline's processes by PID (the fault tests kill them; operators look here)."""
+        launcher = self.fleet.launcher if self.fleet is not None else None
+        return {"pipeline": os.getpid(), "trainer": self.trainer_placement.get("pid"),
+                "shard_guards": dict(launcher.pids()) if launcher is not None else {},
+                "shards": dict(launcher.server_pids()) if hasattr(launcher, "server_pids") else {},
+                "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {}}
 
     async def _on_step(self, record: StepRecord) -> None:
         row = record.as_dict()
@@ -221,7 +249,10 @@ class PipelineRunner:
                 "steps": self.cfg.steps, "reward": last["reward"] if last else None,
                 "active_shards": self.fleet.active_ranks() if self.fleet is not None else [],
                 "buffered": self.buffer.valid_count(self.loop.step, self.cfg.max_staleness)
-                if self.loop else 0}
+                if self.loop else 0,
+                "shard_deaths": len(self.coordinator.stats.deaths) if self.coordinator else 0,
+                "shard_replacements": list(self.coordinator.stats.replacements) if self.coordinator else [],
+                "processes": self.processes()}
 
     def summary(self) -> dict:
         rewards = [h["reward"] for h in self.history]
@@ -242,6 +273,7 @@ class PipelineRunner:
             "version_mismatches": list(coord.stats.version_mismatches),
             "checksum_checks": coord.stats.checksum_checks,
             "checksum_mismatches": list(coord.stats.checksum_mismatches),
+            "shard_deaths": list(coord.stats.deaths), "shard_replacements": list(coord.stats.replacements),
             "sync_s": coord.stats.sync_seconds, "sleep_s": coord.stats.sleep_seconds,
             "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s,
             "sleep_phases_ms": {k: round(v, 1) for k, v in coord.stats.sleep_phases_ms.items()},

@@ -37,6 +37,9 @@ class ShardActor:
     def pid(self) -> int | None:
         return self.proc.pid
 
+    def alive(self) -> bool:
+        return self.proc.alive()
+
     def stop(self) -> int | None:
         return self.proc.stop()
 
@@ -69,6 +72,17 @@ class RayLauncher:
 
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
+
+    async def dead_ranks(self) -> list[int]:
+        """A shard is dead when its process exited or its actor is gone."""
+        async def dead(actor: Any) -> bool:
+            try:
+                return not await actor.alive.remote()
+            except ray.exceptions.RayActorError:
+                return True
+        ranks = sorted(self.actors)
+        answers = await asyncio.gather(*(dead(self.actors[r]) for r in ranks))
+        return [r for r, d in zip(ranks, answers) if d]
 
 
 @ray.remote(num_cpus=0)

@@ -32,6 +32,10 @@ class ShardLauncher(Protocol):
 
     def pids(self) -> dict[int, int]: ...
 
+    async def dead_ranks(self) -> list[int]:
+        """Ranks started and not stopped whose server process has exited."""
+        ...
+
 
 class RouterControl(Protocol):
     async def set_shard(self, rank: int, url: str | None = None, state: str | None = None) -> dict: ...

@@ -63,6 +63,21 @@ class LocalLauncher:
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items() if p.pid is not None}
 
+    def server_pids(self) -> dict[int, int]:
+        """The servers' own PIDs (each runs under a guard whose PID `pids` gives)."""
+        return {r: pid for r, p in self.procs.items() if (pid := p.server_pid()) is not None}
+
+    async def dead_ranks(self) -> list[int]:
+        return sorted(r for r, p in self.procs.items() if not p.alive())
+
+    def exit_code(self, rank: int) -> int | None:
+        proc = self.procs.get(rank)
+        return proc.proc.poll() if proc is not None and proc.proc is not None else None
+
+    def log_tail(self, rank: int, n: int = 5) -> str:
+        proc = self.procs.get(rank)
+        return proc.log_tail(n) if proc is not None else ""
+
 
 @dataclass
 class ShardInfo:
@@ -176,6 +191,11 @@ class ShardFleet:
         await self.launcher.stop(rank)
         self.shards.pop(rank, None)
         self.client.shard_urls.pop(rank, None)
+
+    async def dead_ranks(self) -> list[int]:
+        """Shards of this fleet whose process has exited (killed, crashed): the coordinator
+        replaces them."""
+        return [r for r in await self.launcher.dead_ranks() if r in self.shards]
 
     def describe(self, rank: int) -> str:
         """How errors name a shard: its rank, pipeline and GPUs."""

@@ -3,7 +3,9 @@
 Plain class used both directly (tests, single-machine fleets) and inside the shard Ray actor.
 The child runs in its own session, so ending it also ends whatever it spawned (vLLM starts an
 engine-core process): SIGTERM to its process group (whose id is the child's PID), SIGKILL if it
-has not exited after a grace period.
+has not exited after a grace period. The child is `rlix.procguard` running the server: if this
+process dies without stopping it (SIGKILL), the guard ends the group and removes the log dir of
+our own, so no server outlives its owner.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,12 +49,25 @@ class ShardProcess:
 
     @property
     def pid(self) -> int | None:
+        """The guard's PID: its process group holds the server and whatever the server started."""
         return self.proc.pid if self.proc else None
+
+    def server_pid(self) -> int | None:
+        """The server's own PID (the guard's child), None if it is not running."""
+        if self.proc is None:
+            return None
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
 
     def start(self) -> None:
         if self.proc is not None:
             raise EngineStateError(f"shard process on port {self.port} already started")
-        cmd = self.backend.command(host=self.host, port=self.port, api_key=self.api_key)
+        cmd = [sys.executable, "-m", "rlix.procguard", "--parent", str(os.getpid()),
+               *(["--cleanup", self._own_log_dir] if self._own_log_dir else []), "--",
+               *self.backend.command(host=self.host, port=self.port, api_key=self.api_key)]
         child_env = {**os.environ, **self.backend.env(), **self.extra_env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

@@ -1,0 +1,79 @@
+"""`python -m rlix.procguard --parent PID [--cleanup DIR] -- CMD...`: run CMD, and end it (and
+everything in its process group) when the process PID is gone.
+
+Why: shard servers run in a session of their own (so ending one ends whatever it spawned), which
+also means nothing ends them when the process that started them is SIGKILLed: a killed pipeline
+actor left its shard servers running, holding ports, memory and GPUs. The guard is that
+session's leader; it polls its parent (getppid changes when the parent dies, whatever the
+signal) and then signals the whole group: SIGTERM, SIGKILL after a grace period. A SIGTERM to
+the group from its owner (the normal stop) reaches CMD directly; the guard then exits with
+CMD's code. `--cleanup DIR` is removed when CMD ends, however it ends (the shard's private log
+directory). Standard library only: it starts in ~30 ms and holds ~10 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+POLL_S = 0.2
+GRACE_S = 5.0
+
+
+def parent_gone(parent: int) -> bool:
+    """The parent we were started by has exited (we were re-parented, to init or a subreaper)."""
+    return os.getppid() != parent
+
+
+def _signal_group(sig: int) -> None:
+    try:
+        os.killpg(os.getpgid(0), sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlix.procguard")
+    parser.add_argument("--parent", type=int, required=True, help="end CMD when this PID is gone")
+    parser.add_argument("--cleanup", default=None, help="directory removed when CMD ends")
+    parser.add_argument("--grace-s", type=float, default=GRACE_S)
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command after --")
+    # the owner's SIGTERM goes to the whole group: CMD gets it directly; we wait for CMD
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(cmd)
+    code: int | None = None
+    try:
+        while code is None:
+            if parent_gone(args.parent):
+                print(f"rlix.procguard: parent {args.parent} is gone; ending {child.pid}",
+                      file=sys.stderr, flush=True)
+                _signal_group(signal.SIGTERM)  # CMD and what it spawned; we ignore it
+                try:
+                    code = child.wait(args.grace_s)
+                except subprocess.TimeoutExpired:
+                    if args.cleanup:
+                        shutil.rmtree(args.cleanup, ignore_errors=True)
+                    _signal_group(signal.SIGKILL)  # ends us too
+                break
+            try:
+                code = child.wait(POLL_S)
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if args.cleanup:
+            shutil.rmtree(args.cleanup, ignore_errors=True)
+    if code is None:
+        code = child.wait()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
