@@ -26,7 +26,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlix.run import run
 
     result = run(args.config, resume=args.resume, mode=args.mode)
-    failed = [n for n, s in result["pipelines"].items() if s.get("version_mismatches")]
+    # a run where some pipeline failed (the others finished) or served unsynced weights
+    failed = [n for n, s in result["pipelines"].items()
+              if s.get("version_mismatches") or s.get("state") == "failed"]
     return 1 if failed else 0
 
 

@@ -130,3 +130,12 @@ class PipelineHungError(RlixError):
 
 class PipelineFailedError(RlixError):
     """Every pipeline of a run failed (each one's error is in the message)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An error as one line: Ray's wrapping and tracebacks dropped, the cause's type and last
+    meaningful line kept (what `rlix run` prints for a failed pipeline)."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    last = next((line for line in reversed(text) if line.strip()), "") if text else ""
+    return f"{type(cause).__name__}: {last.strip()}"[:500]

@@ -29,6 +29,10 @@ def parent_gone(parent: int) -> bool:
     return os.getppid() != parent
 
 
+def _ignore(signum: int, frame: object) -> None:
+    return None
+
+
 def _signal_group(sig: int) -> None:
     try:
         os.killpg(os.getpgid(0), sig)
@@ -46,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command after --")
-    # the owner's SIGTERM goes to the whole group: CMD gets it directly; we wait for CMD
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # the owner's SIGTERM goes to the whole group: CMD gets it directly; we wait for CMD. A
+    # handler, not SIG_IGN: an ignored signal stays ignored across exec, a handler does not
+    signal.signal(signal.SIGTERM, _ignore)
     child = subprocess.Popen(cmd)
     code: int | None = None
     try:
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             if parent_gone(args.parent):
                 print(f"rlix.procguard: parent {args.parent} is gone; ending {child.pid}",
                       file=sys.stderr, flush=True)
-                _signal_group(signal.SIGTERM)  # CMD and what it spawned; we ignore it
+                _signal_group(signal.SIGTERM)  # CMD and what it spawned; we are immune
                 try:
                     code = child.wait(args.grace_s)
                 except subprocess.TimeoutExpired:

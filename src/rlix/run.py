@@ -15,7 +15,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import ray
 
@@ -23,13 +23,12 @@ from rlix import env
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.devices import resolve_dtype
-from rlix.errors import ConfigError, PipelineFailedError
-from rlix.pipeline.actor import PipelineActor
+from rlix.errors import ConfigError, PipelineFailedError, one_line
 from rlix.pipeline.runner import DevicePlan
 from rlix.placement import GpuReservation
-from rlix.scheduler.core import gpu_roles
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
+from rlix.supervise import Supervisor
 
 
 class RunLog:
@@ -51,16 +50,10 @@ class RunLog:
 
 
 
-def gpu_share(snapshot: dict, shares: dict[str, float], dt: float) -> None:
-    """Accumulate GPU-seconds held per pipeline (both roles)."""
-    for what in gpu_roles(snapshot).values():
-        name = what.split("/", 1)[0]
-        shares[name] = shares.get(name, 0.0) + dt
-
-
 def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         out: TextIO = sys.stdout) -> dict:
-    """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json)."""
+    """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json,
+    whatever the ending: finished, failed, interrupted)."""
     cfg: RlixConfig = load_config(config_path)
     mode = mode or env.control_plane(cfg.control_plane)
     run_dir = Path(cfg.run_dir)
@@ -83,7 +76,8 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
     total = topology.num_gpus
     reservation = GpuReservation.reserve(topology)
     scheduler = None
-    actors: dict[str, Any] = {}
+    supervisor: Supervisor | None = None
+    ending = "finished"
     try:
         devices = device_plan(cfg, reservation)
         say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, {total} GPU(s) "
@@ -92,111 +86,52 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
             scheduler = start_scheduler(topology, params)
             ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
-        all_gpus = list(range(total))
-        for p in cfg.pipelines:
-            gpus = p.gpus if p.gpus is not None else all_gpus
-            actors[p.name] = PipelineActor.remote(p.model_dump(), mode=mode, run_dir=str(run_dir),
-                                                  api_key=api_key, gpus=gpus, resume=resume,
-                                                  devices=devices)
-        for info in ray.get([a.setup.remote() for a in actors.values()]):
-            say(f"{info['pipeline']}: ready in {info['setup_s']}s, shards {info['shards']}, "
-                f"starting at step {info['start_step']}")
+        supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=api_key,
+                                devices=devices, scheduler=scheduler, say=say,
+                                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                                all_gpus=list(range(total)), resume=resume)
+        supervisor.start_all()
+        supervisor.wait_setup()
         if scheduler is not None:
             ray.get(scheduler.resume.remote())
-        summaries, role_changes = _drive(actors, scheduler, say)
+        supervisor.drive()
+    except KeyboardInterrupt:
+        ending = "interrupted"
+        say("interrupted: stopping every pipeline (each saves a checkpoint)")
+        raise
+    except BaseException as exc:
+        ending = f"failed: {one_line(exc)}"
+        raise
     finally:
         t_stop = time.perf_counter()
-        stopping = {name: a.shutdown.remote() for name, a in actors.items()}
-        for name, ref in stopping.items():
-            try:
-                took = ray.get(ref, timeout=120)
-                slow = {k: v for k, v in took.items() if v > 2}
-                if slow:
-                    say(f"{name}: slow shutdown {slow}")
-            except Exception as exc:  # noqa: BLE001 - keep shutting the others down
-                say(f"{name}: shutdown failed: {type(exc).__name__}: {exc}")
-            ray.kill(actors[name])
+        if supervisor is not None:
+            supervisor.stop_all()
         say(f"stopped in {time.perf_counter() - t_stop:.1f}s")
         if scheduler is not None:
             ray.kill(scheduler)
         reservation.release()
-    result = {"config": config_path, "mode": mode, "wall_s": round(time.perf_counter() - t_start, 1),
-              "pipelines": summaries, "role_changes": role_changes}
+        result = _write_summary(config_path, mode, run_dir, supervisor, ending,
+                                round(time.perf_counter() - t_start, 1), say)
+        say.close()
+    failed = {n: s["error"] for n, s in result["pipelines"].items() if s.get("state") == "failed"}
+    if failed and len(failed) == len(result["pipelines"]):
+        raise PipelineFailedError("; ".join(f"{n}: {e}" for n, e in failed.items()))
+    return result
+
+
+def _write_summary(config_path: str, mode: str, run_dir: Path, supervisor: Supervisor | None,
+                   ending: str, wall_s: float, say: RunLog) -> dict:
+    """summary.json and gpu_memory.json, whatever the ending; the summary table to the log."""
+    summaries = supervisor.summaries() if supervisor is not None else {}
+    result = {"config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
+              "pipelines": summaries,
+              "role_changes": supervisor.role_changes if supervisor is not None else [],
+              "ledger_audits": supervisor.ledger_audits if supervisor is not None else []}
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (run_dir / "gpu_memory.json").write_text(json.dumps(memory_ledger(summaries), indent=1))
     for line in summary_table(result):
         say(line)
-    say.close()
     return result
-
-
-def _drive(actors: dict[str, Any], scheduler: Any, say: RunLog) -> tuple[dict[str, dict], list[dict]]:
-    """Wait for every pipeline, logging steps and GPU moves; returns the summaries and the GPU
-    role changes (with `at` in wall-clock seconds, like the pipelines' step records)."""
-    runs = {name: a.run.remote() for name, a in actors.items()}
-    pending = dict(runs)
-    seen_steps: dict[str, int] = {}
-    seen_change = 0
-    role_changes: list[dict] = []
-    shares: dict[str, float] = {}
-    last = time.perf_counter()
-    failed: dict[str, str] = {}
-    while pending:
-        done, _ = ray.wait(list(pending.values()), timeout=0.25, num_returns=len(pending))
-        for ref in done:
-            name = next(n for n, r in pending.items() if r == ref)
-            del pending[name]
-            try:
-                ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - one pipeline's failure ends it alone
-                failed[name] = one_line(exc)
-                say(f"{name}: failed: {failed[name]}")
-                _stop_pipeline(name, actors[name], say)  # its GPUs go back to the scheduler now
-        now = time.perf_counter()
-        if scheduler is not None:
-            snap = ray.get(scheduler.snapshot.remote())
-            gpu_share(snap, shares, now - last)
-            # from the scheduler's numbered log: changes between two polls are not lost
-            # the scheduler's clock is monotonic; the step records are wall-clock
-            to_wall = time.time() - snap["now"]
-            for change in ray.get(scheduler.role_changes.remote(seen_change)):
-                say(f"gpu {change['gpu']}: {change['before']} -> {change['after']}")
-                seen_change = change["seq"]
-                role_changes.append(dict(change, at=change["at"] + to_wall))
-        last = now
-        for name, prog in zip(actors, ray.get([a.progress.remote() for a in actors.values()])):
-            if prog["step"] != seen_steps.get(name) and prog["reward"] is not None:
-                seen_steps[name] = prog["step"]
-                share = shares.get(name, 0.0)
-                say(f"{name}: step {prog['step']}/{prog['steps']} reward {prog['reward']:.3f} "
-                    f"active shards {prog['active_shards']} gpu-s {share:.0f}")
-    summaries: dict[str, dict] = {}
-    for name, actor in actors.items():
-        try:
-            summaries[name] = ray.get(actor.summary.remote())
-        except Exception as exc:  # noqa: BLE001 - a pipeline that never got going has no summary
-            summaries[name] = {"pipeline": name, "steps": 0, "rewards": [], "error": one_line(exc)}
-        summaries[name]["gpu_seconds"] = round(shares.get(name, 0.0), 1)
-        if name in failed:
-            summaries[name]["error"] = failed[name]
-    if failed and len(failed) == len(actors):
-        raise PipelineFailedError("; ".join(f"{n}: {e}" for n, e in failed.items()))
-    return summaries, role_changes
-
-
-def _stop_pipeline(name: str, actor: Any, say: RunLog) -> None:
-    try:
-        ray.get(actor.shutdown.remote(), timeout=120)
-    except Exception as exc:  # noqa: BLE001 - the run goes on with the others
-        say(f"{name}: shutdown after its failure failed: {one_line(exc)}")
-
-
-def one_line(exc: BaseException) -> str:
-    """A pipeline's error as one line: Ray's wrapping and tracebacks dropped, the cause kept."""
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    last = next((line for line in reversed(text) if line.strip()), "") if text else ""
-    return f"{type(cause).__name__}: {last.strip()}"[:500]
 
 
 def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:
@@ -241,5 +176,12 @@ def summary_table(result: dict) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"summary ({result['mode']}, {result['wall_s']}s):"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines += [f"  {name} FAILED: {s['error']}" for name, s in result["pipelines"].items() if s.get("error")]
+    for name, s in result["pipelines"].items():
+        for f in s.get("failures", []):
+            lines.append(f"  {name} failed at step {f.get('step')}: {f['reason']}"
+                         + (f" -> {f['then']}" if f.get("then") else ""))
+        if s.get("state") == "failed":
+            lines.append(f"  {name} FAILED: {s['error']}")
+    if result.get("ending", "finished") != "finished":
+        lines.append(f"  run {result['ending']}")
     return lines

@@ -95,7 +95,13 @@ class PipelineConfig(_Strict):
     train: TrainConfig = TrainConfig()
     gpus: list[int] | None = Field(None, description="standalone mode: the fixed GPUs this pipeline uses "
                                                      "(default: all); ignored when time-sharing")
-    checkpoint_every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
+    checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0: only at "
+                                                        "the end); one is also saved on Ctrl-C and "
+                                                        "when the pipeline fails, if its trainer lives")
+    restart: Literal["never", "on_failure"] = Field(
+        "never", description="on_failure: a failed pipeline (error, dead process, hang) is started "
+                             "again from its last checkpoint, up to max_restarts times")
+    max_restarts: int = Field(2, ge=0, description="restarts of this pipeline at most (restart: on_failure)")
     audit_weights: bool = Field(False, description="after every sync, compare each shard's weight "
                                                    "checksums with the trainer's (a pass over the "
                                                    "weights on both sides: for tests and benchmarks)")
@@ -138,6 +144,9 @@ class RlixConfig(_Strict):
     release_timeout_s: float = Field(60.0, gt=0, description="how long a GPU's holder may take to "
                                                              "confirm its memory is free before the "
                                                              "pipeline is failed and the GPU taken back")
+    heartbeat_timeout_s: float = Field(60.0, gt=0, description="a pipeline whose actor does not answer "
+                                                               "a progress call for this long is "
+                                                               "failed as hung (and its processes ended)")
     scheduler: SchedulerConfig = SchedulerConfig()
     control_plane: Literal["rlix", "standalone"] = Field(
         "rlix", description="rlix: pipelines time-share GPUs through the scheduler; standalone: each "

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer
 from rlix import env
 from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
+from rlix.errors import one_line
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
@@ -46,6 +48,25 @@ log = logging.getLogger("rlix.pipeline")
 GENERATE_TIMEOUT_S = 600.0
 #: how often shard processes are checked for death
 SHARD_WATCH_S = 0.5
+#: the longest a checkpoint on Ctrl-C or failure may take
+CHECKPOINT_ON_EXIT_S = 120.0
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line cut short by a kill is dropped."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def write_metrics(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,8 @@ class PipelineRunner:
         self.dir = Path(run_dir) / cfg.name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.start_step = 0
+        self.checkpointed_step = 0  # the step of the newest checkpoint (0: none, or the start)
+        self.resumed_from: str | None = None  # what --resume found, said once at setup
         self.history: list[dict] = []  # every step's record, across resumes
         self.started_at = time.time()
         self.closing = False
@@ -93,6 +116,7 @@ class PipelineRunner:
         self.loop: GrpoLoop | None = None
         self.joined = False
         self.trainer_placement: dict = {}
+        self._steps: asyncio.Future | None = None  # the loop's run, cancelled by shutdown
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> dict:
@@ -111,6 +135,7 @@ class PipelineRunner:
                              release_timeout_s=self.devices.release_timeout_s)
         self.setup_s = time.perf_counter() - t0
         return {"pipeline": self.cfg.name, "shards": ranks, "start_step": self.start_step,
+                "resumed_from": self.resumed_from,
                 "setup_s": round(self.setup_s, 2)}
 
     async def _start_trainer(self, path: str, gpus: list[int]) -> None:
@@ -124,17 +149,23 @@ class PipelineRunner:
         self.trainer = TrainerActor.options(**options).remote(
             path, cfg.train, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
             cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda", **extra)
-        ckpt = self.dir / "checkpoint"
+        ckpt = self.checkpoint_dir
         metrics = self.dir / "metrics.jsonl"
-        if self.resume and (ckpt / "trainer").exists():
-            self.start_step = int(await self.trainer.load_checkpoint.remote(str(ckpt / "trainer")))
-            if metrics.exists():
-                rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-                self.history = [h for h in rows if h["step"] <= self.start_step]
-        elif not self.resume:
-            metrics.write_text("")
+        if self.resume and ckpt.exists():
+            self.start_step = int(await self.trainer.load_checkpoint.remote(str(ckpt)))
+            self.checkpointed_step = self.start_step
+            self.resumed_from = f"{ckpt} at step {self.start_step}"
+            rows = read_metrics(metrics)
+            self.history = [h for h in rows if h["step"] <= self.start_step]
+            if len(self.history) != len(rows):  # steps after the checkpoint are trained again
+                write_metrics(metrics, self.history)
+        else:
+            if self.resume:
+                self.resumed_from = f"nothing: no checkpoint in {ckpt}, starting at step 0"
+            write_metrics(metrics, [])
         await self.trainer.publish.remote(self.start_step, cfg.audit_weights)
         self.trainer_placement = {"gpus": list(gpus), "pid": await self.trainer.pid.remote(),
+                                  "node_id": await self.trainer.node_id.remote(),
                                   "visible_devices": await self.trainer.visible_devices.remote()}
         await self.trainer.offload.remote()
 
@@ -186,8 +217,9 @@ class PipelineRunner:
         assert self.loop is not None and self.collector is not None, "setup() first"
         self.collector.start()
         watch = asyncio.ensure_future(self._watch_shards())
+        self._steps = asyncio.ensure_future(self.loop.run())
         try:
-            await self.loop.run()
+            await self._steps
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
@@ -216,6 +248,7 @@ class PipelineRunner:
         """This pipeline's processes by PID (the fault tests kill them; operators look here)."""
         launcher = self.fleet.launcher if self.fleet is not None else None
         return {"pipeline": os.getpid(), "trainer": self.trainer_placement.get("pid"),
+                "trainer_node": self.trainer_placement.get("node_id"),
                 "shard_guards": dict(launcher.pids()) if launcher is not None else {},
                 "shards": dict(launcher.server_pids()) if hasattr(launcher, "server_pids") else {},
                 "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {}}
@@ -227,8 +260,35 @@ class PipelineRunner:
             fh.write(json.dumps(row) + "\n")
         log.info("%s step %d reward %.3f (%.2fs)", self.cfg.name, record.step, record.reward, record.step_s)
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.dir / "checkpoint" / "trainer"
+
     async def _checkpoint(self, step: int) -> None:
-        await self.trainer.save_checkpoint.remote(str(self.dir / "checkpoint" / "trainer"))
+        """Saved beside the last one, then swapped in: a save cut short (a kill, a full disk)
+        leaves the previous checkpoint whole."""
+        final, new, old = self.checkpoint_dir, self.dir / "checkpoint" / "trainer.new", self.dir / "checkpoint" / "trainer.old"
+        shutil.rmtree(new, ignore_errors=True)
+        saved = int(await self.trainer.save_checkpoint.remote(str(new)))
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        new.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        self.checkpointed_step = saved
+        log.info("%s: checkpoint at step %d", self.cfg.name, saved)
+
+    async def save_on_exit(self) -> int | None:
+        """A checkpoint of the trainer's state now, if it is newer than the last one and the
+        trainer is alive (called on Ctrl-C and on failure); the step saved, else None."""
+        if self.trainer is None or self.loop is None or self.loop.step <= self.checkpointed_step:
+            return None
+        try:
+            await asyncio.wait_for(self._checkpoint(self.loop.step), CHECKPOINT_ON_EXIT_S)
+        except Exception as exc:  # noqa: BLE001 - the trainer may be what failed
+            log.warning("%s: no checkpoint on exit: %s", self.cfg.name, one_line(exc))
+            return None
+        return self.checkpointed_step
 
     async def resize_inference(self, remove: list[int], add: dict[int, list[int]]) -> dict:
         """The scheduler's call; one that comes during setup waits until the shards can move."""
@@ -298,6 +358,12 @@ class PipelineRunner:
 
         self.closing = True  # the control plane's late resize calls are ignored from here on
         self.ready.set()
+        if self._steps is not None and not self._steps.done():  # Ctrl-C, or another part failed
+            self._steps.cancel()
+            await asyncio.gather(self._steps, return_exceptions=True)
+        t0 = time.perf_counter()
+        if await self.save_on_exit() is not None:
+            took["checkpoint"] = round(time.perf_counter() - t0, 3)
         if self.joined:  # the scheduler (if any) frees its GPUs
             await timed("leave", self.hooks.leave())
         if self.collector is not None:

@@ -284,6 +284,12 @@ class SchedulerService:
         self._handles.pop(name, None)
         return self._sched.unregister(name)
 
+    async def pipeline_failed(self, name: str, reason: str) -> None:
+        """The run found this pipeline dead or hung: drop it without calling it; its GPUs go
+        back to the pool now (not at the next liveness round)."""
+        self._handles.pop(name, None)
+        self._sched.pipeline_failed(name, reason)
+
     async def request(self, pipeline: str, stage: Stage | str | int, gpus: int = 0,
                       progress: Progress | None = None) -> list[int]:
         return await self._sched.request(pipeline, stage, gpus, progress)
@@ -307,6 +313,19 @@ class SchedulerService:
 
     async def snapshot(self) -> dict:
         return self._sched.snapshot()
+
+    async def audit(self) -> dict:
+        """The ledger's invariants checked now, and who holds what (after a failure, the run
+        records that the dead pipeline holds nothing)."""
+        ledger = self._sched.core.ledger
+        try:
+            ledger.check_invariants()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: this is a check
+            error = f"{type(exc).__name__}: {exc}"
+        holders = sorted({h.pipeline for h in ledger.holdings.values()})
+        return {"ok": error is None, "error": error, "pipelines": sorted(self._sched.core.pipelines),
+                "holders": holders}
 
     async def settle(self) -> None:
         await self._sched.settle()

@@ -11,6 +11,7 @@ version. Remote callers get typed summaries, never the tensors.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,9 @@ class TrainerActor:
                                                  temperature=temperature, **kwargs)
         self.api_key = api_key
         self._checksums: dict[int, dict[str, int]] = {}
+        # a checkpoint asked for while a step trains (Ctrl-C, a failure elsewhere) waits for it:
+        # weights, optimizer state and step counter are saved as one consistent state
+        self._state = threading.Lock()
         self._pusher: ShardWeightPusher | None = None
         # On a CPU device forward/backward run on a thread of their own that yields the cores to
         # control threads (rlix.threads), so cache builds, syncs and the shards' control calls
@@ -68,7 +72,8 @@ class TrainerActor:
 
     def train_step(self, samples: Sequence[TrainSample | Mapping[str, Any]],
                    group: GroupSpec | None = None) -> dict[str, float]:
-        return self._run(self.trainer.train_step, _samples(samples), group=group)
+        with self._state:
+            return self._run(self.trainer.train_step, _samples(samples), group=group)
 
     def compute_logprobs(self, samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[list[float]]:
         return self._run(self.trainer.compute_logprobs, _samples(samples))
@@ -119,12 +124,20 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def save_checkpoint(self, path: str) -> str:
-        return str(self.trainer.save_checkpoint(path))
+    def node_id(self) -> str:
+        """The Ray node this trainer runs on (where its shared-memory cache lives)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def save_checkpoint(self, path: str) -> int:
+        """Saves to `path`; returns the step saved (after any step in progress)."""
+        with self._state:
+            self.trainer.save_checkpoint(path)
+            return self.trainer.step
 
     def load_checkpoint(self, path: str) -> int:
-        self.trainer.load_checkpoint(path)
-        return self.trainer.step
+        with self._state:
+            self.trainer.load_checkpoint(path)
+            return self.trainer.step
 
     def step(self) -> int:
         return self.trainer.step

@@ -1,0 +1,355 @@
+"""The pipelines of one `rlix run`, watched: each is started, followed, and when it fails
+(an error, its actor's process dead, no answer within the heartbeat) ended alone.
+
+Ending a failed pipeline: its checkpoint is saved if its trainer lives, its actor is stopped
+(or killed), the scheduler drops it at once (its GPUs go back to the pool), shared memory left
+by its dead processes is reaped on every node, and with `restart: on_failure` it starts again
+from its last checkpoint. Its shard servers end with their owner whatever happens to it (they
+run under rlix.procguard); its trainer actor is owned by its pipeline actor, so Ray ends it too.
+The other pipelines never notice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlix.config.models import PipelineConfig
+from rlix.errors import PipelineHungError, SchedulerError, one_line
+from rlix.pipeline.actor import PipelineActor
+from rlix.pipeline.runner import DevicePlan, read_metrics
+from rlix.scheduler.core import gpu_roles
+
+#: how long a live pipeline may take to stop (checkpoint, leave, processes ended)
+STOP_TIMEOUT_S = 120.0
+#: how long a finished or failed pipeline may take to hand over its summary
+SUMMARY_TIMEOUT_S = 15.0
+
+
+@dataclass
+class PipelineSlot:
+    """One pipeline across its restarts, as the supervisor sees it."""
+
+    cfg: PipelineConfig
+    actor: Any = None
+    state: str = "new"  # new | setup | running | done | failed
+    setup_ref: Any = None
+    run_ref: Any = None
+    progress_ref: Any = None
+    progress_sent: float = 0.0
+    last_progress: dict = field(default_factory=dict)
+    restarts: int = 0
+    failures: list[dict] = field(default_factory=list)  # every failure: reason, step, what followed
+    summary: dict | None = None
+    seen_step: int | None = None
+    seen_deaths: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("setup", "running")
+
+
+class Supervisor:
+    """See module doc. `say` prints a line to the run's log."""
+
+    def __init__(self, pipelines: list[PipelineConfig], *, mode: str, run_dir: Path, api_key: str,
+                 devices: DevicePlan, scheduler: Any, say: Callable[[str], None],
+                 heartbeat_timeout_s: float, all_gpus: list[int], resume: bool = False) -> None:
+        self.slots = {p.name: PipelineSlot(p) for p in pipelines}
+        self.mode, self.run_dir, self.api_key, self.devices = mode, run_dir, api_key, devices
+        self.scheduler, self.say = scheduler, say
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.all_gpus, self.resume = all_gpus, resume
+        self.role_changes: list[dict] = []
+        self.gpu_seconds: dict[str, float] = {}
+        self.ledger_audits: list[dict] = []
+        self._seen_change = 0
+        self._last_poll = time.perf_counter()
+        self._processes: dict[str, dict] = {}
+
+    # ------------------------------------------------------------------ starting
+    def start_all(self) -> None:
+        for slot in self.slots.values():
+            self._start(slot, self.resume)
+
+    def _start(self, slot: PipelineSlot, resume: bool) -> None:
+        gpus = slot.cfg.gpus if slot.cfg.gpus is not None else self.all_gpus
+        slot.actor = PipelineActor.remote(slot.cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir),
+                                          api_key=self.api_key, gpus=gpus, resume=resume,
+                                          devices=self.devices)
+        slot.setup_ref, slot.run_ref, slot.progress_ref = slot.actor.setup.remote(), None, None
+        slot.state, slot.summary = "setup", None
+        slot.progress_sent = time.monotonic()  # setup counts as the first heartbeat's wait
+        slot.seen_deaths = 0
+
+    def wait_setup(self) -> None:
+        """Until every pipeline has set up or failed (the scheduler's first plan waits for this)."""
+        while any(s.state == "setup" for s in self.slots.values()):
+            self._poll_setup(timeout_s=0.25)
+            self._poll_progress()
+            self._check_heartbeats()
+
+    # ------------------------------------------------------------------ following
+    def drive(self) -> None:
+        """Until every pipeline is done or failed for good."""
+        while any(s.live for s in self.slots.values()):
+            self._poll_setup(timeout_s=0.0)
+            self._poll_runs(timeout_s=0.25)
+            self._poll_scheduler()
+            self._poll_progress()
+            self._check_heartbeats()
+
+    def _poll_setup(self, timeout_s: float) -> None:
+        setting_up = {s.setup_ref: s for s in self.slots.values() if s.state == "setup"}
+        if not setting_up:
+            return
+        done, _ = ray.wait(list(setting_up), timeout=timeout_s, num_returns=len(setting_up))
+        for ref in done:
+            slot = setting_up[ref]
+            try:
+                info = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - its failure is its own
+                self.fail(slot, one_line(exc))
+                continue
+            if info.get("resumed_from"):
+                self.say(f"{slot.name}: --resume: resuming from {info['resumed_from']}"
+                         if info["start_step"] else f"{slot.name}: --resume: {info['resumed_from']}")
+            self.say(f"{slot.name}: ready in {info['setup_s']}s, shards {info['shards']}, "
+                     f"starting at step {info['start_step']}")
+            slot.state, slot.run_ref = "running", slot.actor.run.remote()
+            slot.progress_sent, slot.progress_ref = time.monotonic(), None
+
+    def _poll_runs(self, timeout_s: float) -> None:
+        running = {s.run_ref: s for s in self.slots.values() if s.state == "running"}
+        if not running:
+            time.sleep(timeout_s)
+            return
+        done, _ = ray.wait(list(running), timeout=timeout_s, num_returns=len(running))
+        for ref in done:
+            slot = running[ref]
+            try:
+                slot.summary = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - its failure is its own
+                self.fail(slot, one_line(exc))
+                continue
+            slot.state = "done"
+            self.say(f"{slot.name}: finished {slot.summary.get('steps')} step(s)")
+            self._end(slot)
+
+    def _poll_scheduler(self) -> None:
+        now = time.perf_counter()
+        if self.scheduler is None:
+            self._last_poll = now
+            return
+        try:
+            snap = ray.get(self.scheduler.snapshot.remote(), timeout=30)
+            changes = ray.get(self.scheduler.role_changes.remote(self._seen_change), timeout=30)
+        except (RayActorError, GetTimeoutError) as exc:
+            raise SchedulerError(f"the scheduler stopped answering: {one_line(exc)}") from None
+        for what in gpu_roles(snap).values():
+            name = what.split("/", 1)[0]
+            self.gpu_seconds[name] = self.gpu_seconds.get(name, 0.0) + now - self._last_poll
+        self._last_poll = now
+        # the scheduler's clock is monotonic; the step records are wall-clock
+        to_wall = time.time() - snap["now"]
+        for change in changes:
+            self.say(f"gpu {change['gpu']}: {change['before']} -> {change['after']}")
+            self._seen_change = change["seq"]
+            self.role_changes.append(dict(change, at=change["at"] + to_wall))
+
+    def _poll_progress(self) -> None:
+        """One progress call in flight per pipeline: its answer is the heartbeat."""
+        for slot in self.slots.values():
+            if not slot.live:
+                continue
+            if slot.progress_ref is None:
+                slot.progress_ref, slot.progress_sent = slot.actor.progress.remote(), time.monotonic()
+                continue
+            done, _ = ray.wait([slot.progress_ref], timeout=0)
+            if not done:
+                continue
+            try:
+                prog = ray.get(slot.progress_ref)
+            except Exception:  # noqa: BLE001 - a dead actor: its run call says why
+                slot.progress_ref = None
+                continue
+            slot.progress_ref = None
+            slot.progress_sent = time.monotonic()
+            slot.last_progress = prog
+            self._show(slot, prog)
+
+    def _show(self, slot: PipelineSlot, prog: dict) -> None:
+        if prog["step"] != slot.seen_step and prog["reward"] is not None:
+            slot.seen_step = prog["step"]
+            share = self.gpu_seconds.get(slot.name, 0.0)
+            self.say(f"{slot.name}: step {prog['step']}/{prog['steps']} reward {prog['reward']:.3f} "
+                     f"active shards {prog['active_shards']} gpu-s {share:.0f}")
+        if prog.get("shard_deaths", 0) > slot.seen_deaths:
+            slot.seen_deaths = prog["shard_deaths"]
+            replaced = prog.get("shard_replacements") or []
+            tail = (f"; replaced shard {replaced[-1]['rank']} in {replaced[-1]['seconds']} s"
+                    if replaced else "")
+            self.say(f"{slot.name}: {slot.seen_deaths} shard process(es) died so far{tail}")
+        if prog.get("processes") and prog["processes"] != self._processes.get(slot.name):
+            self._processes[slot.name] = prog["processes"]
+            self._write_processes()
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for slot in self.slots.values():
+            if slot.live and slot.progress_ref is not None \
+                    and now - slot.progress_sent > self.heartbeat_timeout_s:
+                self.fail(slot, one_line(PipelineHungError(
+                    f"its actor did not answer within the heartbeat timeout "
+                    f"({self.heartbeat_timeout_s:g} s)")), hung=True)
+
+    def _write_processes(self) -> None:
+        """RUN_DIR/processes.json: every live process of the run by PID (what an operator, or
+        a fault test, looks for)."""
+        path = self.run_dir / "processes.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._processes, indent=1))
+        tmp.replace(path)
+
+    # ------------------------------------------------------------------ ending
+    def fail(self, slot: PipelineSlot, reason: str, hung: bool = False) -> None:
+        """End one pipeline alone; restart it if its config says so."""
+        step = slot.last_progress.get("step")
+        self.say(f"{slot.name}: failed: {reason}")
+        slot.state = "failed"
+        slot.failures.append({"reason": reason, "at": time.time(), "step": step})
+        self._end(slot, hung=hung, reason=reason)
+        audit = self.audit_ledger(f"{slot.name} failed")
+        if audit is not None and not audit["ok"]:
+            self.say(f"scheduler ledger after {slot.name} failed: {audit['error']}")
+        if slot.cfg.restart == "on_failure" and slot.restarts < slot.cfg.max_restarts:
+            slot.restarts += 1
+            slot.failures[-1]["then"] = f"restart {slot.restarts} of {slot.cfg.max_restarts}"
+            self.say(f"{slot.name}: restarting from its last checkpoint "
+                     f"(restart {slot.restarts} of {slot.cfg.max_restarts})")
+            self._start(slot, resume=True)
+        elif slot.cfg.restart == "on_failure":
+            slot.failures[-1]["then"] = f"no restart left ({slot.cfg.max_restarts} used)"
+
+    def _end(self, slot: PipelineSlot, hung: bool = False, reason: str = "") -> None:
+        """Stop a pipeline's actor and everything it started; its GPUs back to the pool."""
+        actor = slot.actor
+        if actor is None:
+            return
+        if slot.summary is None:
+            slot.summary = self._fetch_summary(slot, alive=not hung)
+        if not hung:
+            try:
+                took = ray.get(actor.shutdown.remote(), timeout=STOP_TIMEOUT_S)
+                if took.get("checkpoint") is not None:
+                    self.say(f"{slot.name}: checkpoint saved on the way out ({took['checkpoint']} s)")
+                slow = {k: v for k, v in took.items() if v > 2 and k != "checkpoint"}
+                if slow:
+                    self.say(f"{slot.name}: slow shutdown {slow}")
+            except RayActorError:
+                pass  # dead already: its shards end with it (procguard), Ray ends its trainer
+            except Exception as exc:  # noqa: BLE001 - killed below whatever happened
+                self.say(f"{slot.name}: shutdown failed: {one_line(exc)}")
+        ray.kill(actor)
+        slot.actor = None
+        if self.scheduler is not None and slot.state == "failed":
+            try:  # at once: the liveness check would take seconds, an unanswered one forever
+                ray.get(self.scheduler.pipeline_failed.remote(slot.name, reason), timeout=30)
+            except Exception as exc:  # noqa: BLE001
+                self.say(f"{slot.name}: the scheduler did not take its failure: {one_line(exc)}")
+        if slot.state == "failed":
+            procs = self._processes.get(slot.name) or slot.last_progress.get("processes") or {}
+            trainer = {procs["trainer_node"]: [procs["trainer"]]} if procs.get("trainer") else {}
+            reaped = reap_shared_memory(trainer)
+            if reaped:
+                self.say(f"{slot.name}: removed {len(reaped)} shared-memory segment(s) of dead processes")
+        self._processes.pop(slot.name, None)
+        self._write_processes()
+
+    def _fetch_summary(self, slot: PipelineSlot, alive: bool) -> dict:
+        if alive and slot.actor is not None:
+            try:
+                return ray.get(slot.actor.summary.remote(), timeout=SUMMARY_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - dead, or never set up: from its metrics file
+                pass
+        rows = read_metrics(self.run_dir / slot.name / "metrics.jsonl")
+        return {"pipeline": slot.name, "steps": len(rows), "rewards": [r["reward"] for r in rows]}
+
+    def stop_all(self) -> None:
+        """Ctrl-C or the run's own failure: every live pipeline is stopped (each saves a
+        checkpoint on the way out)."""
+        for slot in self.slots.values():
+            if slot.live:
+                slot.state = "stopped"
+                self._end(slot)
+
+    def audit_ledger(self, after: str) -> dict | None:
+        if self.scheduler is None:
+            return None
+        try:
+            audit = ray.get(self.scheduler.audit.remote(), timeout=30)
+        except Exception as exc:  # noqa: BLE001
+            audit = {"ok": False, "error": one_line(exc)}
+        audit["after"] = after
+        self.ledger_audits.append(audit)
+        return audit
+
+    def summaries(self) -> dict[str, dict]:
+        out = {}
+        for name, slot in self.slots.items():
+            s = dict(slot.summary or {"pipeline": name, "steps": 0, "rewards": []})
+            s["gpu_seconds"] = round(self.gpu_seconds.get(name, 0.0), 1)
+            s["state"] = slot.state
+            s["restarts"] = slot.restarts
+            s["failures"] = list(slot.failures)
+            if slot.state == "failed":
+                s["error"] = slot.failures[-1]["reason"]
+            out[name] = s
+        return out
+
+
+@ray.remote(num_cpus=0)
+def _reap_node(wait_pids: list[int], wait_s: float) -> list[str]:
+    """This node's orphaned weight-cache segments, once `wait_pids` have exited (a trainer that
+    Ray is still killing keeps its segments until it is gone)."""
+    from rlix.weights.wire import reap_orphaned_segments  # deferred: torch, on that node
+
+    deadline = time.monotonic() + wait_s
+    for pid in wait_pids:
+        while time.monotonic() < deadline and _running(pid):
+            time.sleep(0.05)
+    return reap_orphaned_segments("rlix-w")
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def reap_shared_memory(wait: dict[str, list[int]] | None = None, wait_s: float = 10.0) -> list[str]:
+    """On every node: /dev/shm segments whose creating process is gone (a killed trainer's
+    weight cache), after the processes in `wait` ({node id: PIDs}) have exited. Segments of
+    live processes are never touched."""
+    wait = wait or {}
+    refs = [_reap_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(wait.get(n["NodeID"], []), wait_s)
+            for n in ray.nodes() if n.get("Alive")]
+    removed: list[str] = []
+    for names in ray.get(refs, timeout=60):
+        removed.extend(names)
+    return removed
