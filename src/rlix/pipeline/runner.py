@@ -251,7 +251,8 @@ class PipelineRunner:
                 "trainer_node": self.trainer_placement.get("node_id"),
                 "shard_guards": dict(launcher.pids()) if launcher is not None else {},
                 "shards": dict(launcher.server_pids()) if hasattr(launcher, "server_pids") else {},
-                "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {}}
+                "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {},
+                "active_shards": self.fleet.active_ranks() if self.fleet else []}
 
     async def _on_step(self, record: StepRecord) -> None:
         row = record.as_dict()

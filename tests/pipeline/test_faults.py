@@ -1,0 +1,178 @@
+"""Faults caused on purpose during a two-pipeline `rlix run` (CPU, 2 fake GPUs): a shard server,
+a trainer actor's worker and a pipeline actor's worker of pipeline pb are SIGKILLed by PID.
+
+Each time pa trains every step; nothing of the dead part is left (process, port, /dev/shm
+segment); the scheduler's ledger holds its invariants afterwards; and pb either goes on (a
+killed shard is replaced), resumes from its checkpoint (restart: on_failure), or is reported
+failed with its reason and its summary written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from rlix.run import run
+
+PA_STEPS, PB_STEPS, KILL_AT_STEP = 8, 8, 3
+
+
+@pytest.fixture()
+def fresh_ray():
+    ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+def fault_config(tmp_path: Path, **pb: object) -> str:
+    pipe = {"model": "tiny", "train_gpus": 1, "min_shards": 1, "max_shards": 2, "max_staleness": 1,
+            "checkpoint_every": 2, "task": {"name": "pattern", "patterns": ["a"]},
+            "rollout": {"groups_per_step": 4, "group_size": 4, "max_new_tokens": 8, "concurrency": 4}}
+    cfg = {"cluster": {"nodes": 1, "gpus_per_node": 2}, "scheduler": {"dwell_s": 0.2, "aging_s": 5},
+           "control_plane": "rlix", "run_dir": str(tmp_path / "run"),
+           "pipelines": [{**pipe, "name": "pa", "seed": 1, "steps": PA_STEPS},
+                         {**pipe, "name": "pb", "seed": 2, "steps": PB_STEPS, **pb}]}
+    path = tmp_path / "faults.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+class Killer(threading.Thread):
+    """Once pb has trained KILL_AT_STEP steps, SIGKILL the PID `pick(pb's processes)` names."""
+
+    def __init__(self, run_dir: Path, pick) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.pick = run_dir, pick
+        self.killed: int | None = None
+        self.at = 0.0
+        self.processes: dict = {}
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 300
+        metrics, procs = self.run_dir / "pb" / "metrics.jsonl", self.run_dir / "processes.json"
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                steps = len(metrics.read_text().splitlines())
+                pb = json.loads(procs.read_text()).get("pb")
+            except (OSError, ValueError):
+                continue
+            if steps < KILL_AT_STEP or not pb:
+                continue
+            pid = self.pick(pb)
+            if pid is None:
+                continue
+            self.processes, self.at = pb, time.time()
+            os.kill(pid, signal.SIGKILL)
+            self.killed = pid
+            return
+
+
+def gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def port_free(url: str) -> bool:
+    """Nothing listens there any more (SO_REUSEADDR: a killed server's closed connections may
+    linger in TIME_WAIT; that is not a process holding the port)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        except OSError:
+            return False
+    return True
+
+
+def shm_of(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"rlix-w-{pid}-")]
+
+
+def run_with_fault(tmp_path: Path, pick, **pb: object) -> tuple[dict, Killer]:
+    path = fault_config(tmp_path, **pb)
+    killer = Killer(tmp_path / "run", pick)
+    killer.start()
+    summary = run(path)
+    killer.join(5)
+    assert killer.killed is not None, "the fault was never injected"
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert written["pipelines"].keys() == {"pa", "pb"}
+    pa = summary["pipelines"]["pa"]
+    assert pa["steps"] == PA_STEPS and pa["state"] == "done" and not pa["failures"]  # untouched
+    assert summary["ledger_audits"] == [] or all(a["ok"] for a in summary["ledger_audits"]), \
+        summary["ledger_audits"]
+    return summary, killer
+
+
+def test_killed_shard_server_is_replaced_and_its_pipeline_goes_on(tmp_path, fresh_ray):
+    def active_shard(procs: dict) -> int | None:
+        active = [str(r) for r in procs.get("active_shards", [])]
+        return next((procs["shards"][r] for r in active if r in procs["shards"]), None)
+
+    summary, killer = run_with_fault(tmp_path, active_shard)
+    pb = summary["pipelines"]["pb"]
+    assert pb["state"] == "done" and pb["steps"] == PB_STEPS and pb["restarts"] == 0
+    deaths = pb["shard_deaths"]
+    assert [d["pid"] for d in deaths][:1] == [killer.processes["shard_guards"][r]
+                                              for r, p in killer.processes["shards"].items()
+                                              if p == killer.killed][:1]
+    assert pb["shard_replacements"], "the killed active shard was not replaced"
+    assert pb["version_mismatches"] == []
+    assert gone(killer.killed)
+    killed_rank = next(r for r, p in killer.processes["shards"].items() if p == killer.killed)
+    assert port_free(killer.processes["shard_urls"][killed_rank])
+
+
+def test_killed_trainer_fails_its_pipeline_which_resumes_from_its_checkpoint(tmp_path, fresh_ray):
+    summary, killer = run_with_fault(tmp_path, lambda procs: procs.get("trainer"),
+                                     restart="on_failure", max_restarts=1)
+    pb = summary["pipelines"]["pb"]
+    assert pb["restarts"] == 1 and pb["state"] == "done", pb.get("failures")
+    assert "died" in pb["failures"][0]["reason"].lower() or "actor" in pb["failures"][0]["reason"]
+    assert pb["steps"] == PB_STEPS and [r["step"] for r in _metrics(tmp_path)] == list(range(1, PB_STEPS + 1))
+    assert pb["start_step"] >= 2  # resumed from a checkpoint, not from scratch
+    assert gone(killer.killed) and shm_of(killer.killed) == []
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert "pb: --resume: resuming from" in log and "restarting from its last checkpoint" in log
+
+
+def test_killed_pipeline_actor_is_reported_failed_and_leaves_nothing(tmp_path, fresh_ray):
+    summary, killer = run_with_fault(tmp_path, lambda procs: procs.get("pipeline"))
+    pb = summary["pipelines"]["pb"]
+    assert pb["state"] == "failed" and "\n" not in pb["error"] and pb["error"], pb
+    assert KILL_AT_STEP <= pb["steps"] < PB_STEPS  # its summary, from its metrics
+    procs = killer.processes
+    for pid in [procs["pipeline"], procs["trainer"], *procs["shards"].values(), *procs["shard_guards"].values()]:
+        assert gone(pid), f"pid {pid} of the dead pipeline is still alive"
+    assert all(port_free(url) for url in procs["shard_urls"].values())
+    assert shm_of(procs["trainer"]) == []
+    after = summary["ledger_audits"][-1]
+    assert after["ok"] and "pb" not in after["pipelines"] and "pb" not in after["holders"]
+    # its GPUs went back to the pool within 10 s of the kill
+    roles = {}
+    for change in summary["role_changes"]:
+        if change["at"] <= killer.at + 10:
+            roles[change["gpu"]] = change["after"]
+    assert not [g for g, what in roles.items() if what.startswith("pb/")], roles
+
+
+def _metrics(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "pb" / "metrics.jsonl").read_text().splitlines()]
