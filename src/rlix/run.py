@@ -89,6 +89,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=api_key,
                                 devices=devices, scheduler=scheduler, say=say,
                                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                                setup_timeout_s=cfg.setup_timeout_s,
                                 all_gpus=list(range(total)), resume=resume)
         supervisor.start_all()
         supervisor.wait_setup()

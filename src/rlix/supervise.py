@@ -51,6 +51,8 @@ class PipelineSlot:
     summary: dict | None = None
     seen_step: int | None = None
     seen_deaths: int = 0
+    started: float = 0.0  # monotonic time of the current incarnation's start
+    answered: bool = False  # its actor answered a heartbeat: it is up (the heartbeat applies)
 
     @property
     def name(self) -> str:
@@ -66,11 +68,12 @@ class Supervisor:
 
     def __init__(self, pipelines: list[PipelineConfig], *, mode: str, run_dir: Path, api_key: str,
                  devices: DevicePlan, scheduler: Any, say: Callable[[str], None],
-                 heartbeat_timeout_s: float, all_gpus: list[int], resume: bool = False) -> None:
+                 heartbeat_timeout_s: float, setup_timeout_s: float, all_gpus: list[int],
+                 resume: bool = False) -> None:
         self.slots = {p.name: PipelineSlot(p) for p in pipelines}
         self.mode, self.run_dir, self.api_key, self.devices = mode, run_dir, api_key, devices
         self.scheduler, self.say = scheduler, say
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_timeout_s, self.setup_timeout_s = heartbeat_timeout_s, setup_timeout_s
         self.all_gpus, self.resume = all_gpus, resume
         self.role_changes: list[dict] = []
         self.gpu_seconds: dict[str, float] = {}
@@ -91,8 +94,8 @@ class Supervisor:
                                           devices=self.devices)
         slot.setup_ref, slot.run_ref, slot.progress_ref = slot.actor.setup.remote(), None, None
         slot.state, slot.summary = "setup", None
-        slot.progress_sent = time.monotonic()  # setup counts as the first heartbeat's wait
-        slot.seen_deaths = 0
+        slot.started = slot.progress_sent = time.monotonic()
+        slot.seen_deaths, slot.answered = 0, False
 
     def wait_setup(self) -> None:
         """Until every pipeline has set up or failed (the scheduler's first plan waits for this)."""
@@ -185,7 +188,7 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - a dead actor: its run call says why
                 slot.progress_ref = None
                 continue
-            slot.progress_ref = None
+            slot.progress_ref, slot.answered = None, True
             slot.progress_sent = time.monotonic()
             slot.last_progress = prog
             self._show(slot, prog)
@@ -209,7 +212,12 @@ class Supervisor:
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
         for slot in self.slots.values():
-            if slot.live and slot.progress_ref is not None \
+            if not slot.live:
+                continue
+            if slot.state == "setup" and now - slot.started > self.setup_timeout_s:
+                self.fail(slot, one_line(PipelineHungError(
+                    f"not set up within setup_timeout_s ({self.setup_timeout_s:g} s)")), hung=True)
+            elif slot.answered and slot.progress_ref is not None \
                     and now - slot.progress_sent > self.heartbeat_timeout_s:
                 self.fail(slot, one_line(PipelineHungError(
                     f"its actor did not answer within the heartbeat timeout "

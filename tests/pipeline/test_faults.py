@@ -49,9 +49,9 @@ def fault_config(tmp_path: Path, **pb: object) -> str:
 class Killer(threading.Thread):
     """Once pb has trained KILL_AT_STEP steps, SIGKILL the PID `pick(pb's processes)` names."""
 
-    def __init__(self, run_dir: Path, pick) -> None:
+    def __init__(self, run_dir: Path, pick, sig: int = signal.SIGKILL) -> None:
         super().__init__(daemon=True)
-        self.run_dir, self.pick = run_dir, pick
+        self.run_dir, self.pick, self.sig = run_dir, pick, sig
         self.killed: int | None = None
         self.at = 0.0
         self.processes: dict = {}
@@ -72,7 +72,7 @@ class Killer(threading.Thread):
             if pid is None:
                 continue
             self.processes, self.at = pb, time.time()
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, self.sig)
             self.killed = pid
             return
 
@@ -106,9 +106,13 @@ def shm_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"rlix-w-{pid}-")]
 
 
-def run_with_fault(tmp_path: Path, pick, **pb: object) -> tuple[dict, Killer]:
+def run_with_fault(tmp_path: Path, pick, sig: int = signal.SIGKILL, heartbeat_timeout_s: float = 60,
+                   **pb: object) -> tuple[dict, Killer]:
     path = fault_config(tmp_path, **pb)
-    killer = Killer(tmp_path / "run", pick)
+    cfg = yaml.safe_load(open(path))
+    cfg["heartbeat_timeout_s"] = heartbeat_timeout_s
+    Path(path).write_text(yaml.safe_dump(cfg))
+    killer = Killer(tmp_path / "run", pick, sig)
     killer.start()
     summary = run(path)
     killer.join(5)
@@ -172,6 +176,20 @@ def test_killed_pipeline_actor_is_reported_failed_and_leaves_nothing(tmp_path, f
         if change["at"] <= killer.at + 10:
             roles[change["gpu"]] = change["after"]
     assert not [g for g, what in roles.items() if what.startswith("pb/")], roles
+
+
+def test_hung_pipeline_actor_is_failed_at_its_heartbeat_and_ended(tmp_path, fresh_ray):
+    """SIGSTOP freezes pb's actor: no answer within the heartbeat, so it is failed as hung,
+    killed, and its shards end with it."""
+    summary, killer = run_with_fault(tmp_path, lambda procs: procs.get("pipeline"), sig=signal.SIGSTOP,
+                                     heartbeat_timeout_s=4)
+    pb = summary["pipelines"]["pb"]
+    assert pb["state"] == "failed" and "PipelineHungError" in pb["error"] and "4 s" in pb["error"], pb
+    procs = killer.processes
+    for pid in [procs["pipeline"], *procs["shards"].values()]:
+        assert gone(pid), f"pid {pid} of the hung pipeline is still alive"
+    failed_at = pb["failures"][0]["at"]
+    assert 4 <= failed_at - killer.at < 15
 
 
 def _metrics(tmp_path: Path) -> list[dict]:

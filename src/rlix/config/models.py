@@ -147,6 +147,8 @@ class RlixConfig(_Strict):
     heartbeat_timeout_s: float = Field(60.0, gt=0, description="a pipeline whose actor does not answer "
                                                                "a progress call for this long is "
                                                                "failed as hung (and its processes ended)")
+    setup_timeout_s: float = Field(900.0, gt=0, description="a pipeline not set up (trainer and model "
+                                                            "loaded, answering) within this is failed")
     scheduler: SchedulerConfig = SchedulerConfig()
     control_plane: Literal["rlix", "standalone"] = Field(
         "rlix", description="rlix: pipelines time-share GPUs through the scheduler; standalone: each "
