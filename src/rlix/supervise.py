@@ -256,8 +256,6 @@ class Supervisor:
         actor = slot.actor
         if actor is None:
             return
-        if slot.summary is None:
-            slot.summary = self._fetch_summary(slot, alive=not hung)
         if not hung:
             try:
                 took = ray.get(actor.shutdown.remote(), timeout=STOP_TIMEOUT_S)
@@ -270,6 +268,8 @@ class Supervisor:
                 pass  # dead already: its shards end with it (procguard), Ray ends its trainer
             except Exception as exc:  # noqa: BLE001 - killed below whatever happened
                 self.say(f"{slot.name}: shutdown failed: {one_line(exc)}")
+        if slot.summary is None:  # after the shutdown: the steps finished on the way out count
+            slot.summary = self._fetch_summary(slot, alive=not hung)
         ray.kill(actor)
         slot.actor = None
         if self.scheduler is not None and slot.state == "failed":

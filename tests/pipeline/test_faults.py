@@ -194,3 +194,60 @@ def test_hung_pipeline_actor_is_failed_at_its_heartbeat_and_ended(tmp_path, fres
 
 def _metrics(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "run" / "pb" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ctrl_c_saves_checkpoints_and_summary_and_resume_says_where_it_starts(tmp_path):
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) during `rlix run`:
+    exit 130, every pipeline saved a checkpoint on the way out, summary.json says interrupted,
+    no shard server is left. `--resume` then says what it resumes from (and, for a pipeline
+    without a checkpoint, that there is none) and metrics.jsonl has each step once."""
+    import subprocess
+    import sys
+
+    path = Path(fault_config(tmp_path, checkpoint_every=0))
+    cfg = yaml.safe_load(path.read_text())
+    for p in cfg["pipelines"]:
+        p.update(steps=400, checkpoint_every=0)
+    path.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    cli = [sys.executable, "-m", "rlix.cli", "run"]
+    proc = subprocess.Popen([*cli, str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = run_dir / "pa" / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            time.sleep(0.1)
+        procs = json.loads((run_dir / "processes.json").read_text())
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and out.rstrip().endswith("rlix: interrupted"), out[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ending"] == "interrupted"
+    saved = {}
+    for name in ("pa", "pb"):
+        saved[name] = json.loads((run_dir / name / "checkpoint" / "trainer" / "trainer.json").read_text())["step"]
+        assert saved[name] >= 1 and summary["pipelines"][name]["state"] == "stopped"
+    for name, p in procs.items():
+        assert all(gone(pid) for pid in p["shards"].values()), name
+
+    # pb's checkpoint is removed: it must say it starts over; pa resumes where it stopped
+    import shutil
+
+    shutil.rmtree(run_dir / "pb" / "checkpoint")
+    for p in cfg["pipelines"]:
+        p["steps"] = saved["pa"] + 2 if p["name"] == "pa" else 2
+    path.write_text(yaml.safe_dump(cfg))
+    resumed = subprocess.run([*cli, str(path), "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"pa: --resume: resuming from {run_dir / 'pa' / 'checkpoint' / 'trainer'} at step {saved['pa']}" \
+        in resumed.stdout
+    assert f"pb: --resume: no checkpoint in {run_dir / 'pb' / 'checkpoint' / 'trainer'}: starting at step 0" \
+        in resumed.stdout
+    steps = [json.loads(line)["step"] for line in (run_dir / "pa" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, saved["pa"] + 3))  # each step once: trimmed to the checkpoint

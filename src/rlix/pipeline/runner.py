@@ -161,7 +161,7 @@ class PipelineRunner:
                 write_metrics(metrics, self.history)
         else:
             if self.resume:
-                self.resumed_from = f"nothing: no checkpoint in {ckpt}, starting at step 0"
+                self.resumed_from = f"no checkpoint in {ckpt}: starting at step 0"
             write_metrics(metrics, [])
         await self.trainer.publish.remote(self.start_step, cfg.audit_weights)
         self.trainer_placement = {"gpus": list(gpus), "pid": await self.trainer.pid.remote(),
