@@ -129,7 +129,7 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
                                                    served_model_name="tiny", max_model_len=128))
         launcher = LocalLauncher(backend, KEY)
         fleet = ShardFleet(launcher, router, client)
-        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, max_restarts=1)
+        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, max_restarts=2)
         try:
             await coord.start([0, 1], version=0)
             await fleet.sleep_partial([1])
@@ -159,9 +159,26 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
             await coord.resize_inference([0], {1: [1]})  # given GPUs again: a new process, synced
             assert fleet.active_ranks() == [1] and coord.versions[1] == 1
 
-            os.kill(launcher.server_pids()[1], signal.SIGKILL)  # rank 1's second death: over the limit
+            # dead while the scheduler takes it back: released by its death, no error
+            os.kill(launcher.server_pids()[1], signal.SIGKILL)
             assert _wait_gone(launcher.pids()[1])
-            with pytest.raises(ShardDiedError, match="shard 1 of shard .* died"):
+            out = await coord.resize_inference([1], {0: [0]})
+            assert out["slept"][1]["died"] is True and 1 not in fleet.shards  # dropped, not assigned
+            assert fleet.active_ranks() == [0] and coord.versions[0] == 1  # rank 0 started again
+
+            # dead when a new version is published: the refit goes on without it; it is
+            # replaced at the new version
+            os.kill(launcher.server_pids()[0], signal.SIGKILL)
+            assert _wait_gone(launcher.pids()[0])
+            ray.get(trainer.train_step.remote(batch(2)))
+            ray.get(trainer.publish.remote(2))
+            assert await coord.publish(2) == []
+            assert await coord.replace_dead() == [] and coord.versions[0] == 2
+            assert fleet.active_ranks() == [0] and coord.history[0][-1] == 2
+
+            os.kill(launcher.server_pids()[0], signal.SIGKILL)  # rank 0's third death: over the limit
+            assert _wait_gone(launcher.pids()[0])
+            with pytest.raises(ShardDiedError, match="shard 0 of shard .* died"):
                 await coord.replace_dead()
             assert coord.failed.is_set()
         finally:

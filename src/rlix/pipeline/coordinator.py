@@ -150,8 +150,11 @@ class ShardCoordinator:
                         self.versions[r] = None
             if add:
                 ranks = sorted(int(r) for r in add)
-                if self.placed and not place_first:  # after the sleeps of the same call
-                    await self._place(add)
+                await self._drop_dead()  # a process that died asleep cannot be woken
+                if self.placed:  # after the sleeps of the same call (again: dropped ones)
+                    gpus_of = {int(r): g for r, g in add.items()}
+                    await self._place({r: gpus_of[r] for r in ranks
+                                       if not place_first or r not in self.fleet.shards})
                 missing = [r for r in ranks if r not in self.fleet.shards]
                 if missing:  # unplaced, and its process died while it slept: start a new one
                     await self._start_new(missing)
@@ -195,16 +198,7 @@ class ShardCoordinator:
         if not dead and all(r in self.fleet.shards for r in self.assigned):
             return []
         async with self._lock:
-            dead = [r for r in await self.fleet.dead_ranks() if r in self.fleet.shards]
-            for r in dead:
-                why = self._death(r)
-                await self.fleet.kill(r)  # router entry, process group, log dir
-                self.versions.pop(r, None)
-                if len([d for d in self.stats.deaths if d["rank"] == r]) > self.max_restarts:
-                    raise self._fail(ShardDiedError(f"{why}, more than {self.max_restarts} times; "
-                                                    f"the pipeline stops"))
-                if r not in self.assigned:
-                    self.stats.deaths[-1]["then"] = "forgotten (it held no GPU)"
+            dead = await self._drop_dead()
             # assigned ranks without a process: just died, or a replacement that failed to start
             for r in sorted(r for r in self.assigned if r not in self.fleet.shards):
                 gpus = self.assigned[r]
@@ -221,6 +215,22 @@ class ShardCoordinator:
                                                 "seconds": round(took, 2), "version": self.latest})
                 log.warning("shard %d of %s replaced in %.1f s at version %d",
                             r, self.fleet.holder, took, self.latest)
+        return dead
+
+    async def _drop_dead(self) -> list[int]:
+        """Under the lock: every shard whose process died is recorded, removed from the router
+        and ended (process group, log dir); returns their ranks. Too many deaths of one rank
+        fail the pipeline."""
+        dead = [r for r in await self.fleet.dead_ranks() if r in self.fleet.shards]
+        for r in dead:
+            why = self._death(r)
+            await self.fleet.kill(r)
+            self.versions.pop(r, None)
+            if len([d for d in self.stats.deaths if d["rank"] == r]) > self.max_restarts:
+                raise self._fail(ShardDiedError(f"{why}, more than {self.max_restarts} times; "
+                                                f"the pipeline stops"))
+            if r not in self.assigned:
+                self.stats.deaths[-1]["then"] = "forgotten (it held no GPU)"
         return dead
 
     def _death(self, rank: int) -> str:
@@ -264,14 +274,27 @@ class ShardCoordinator:
         Sleeping shards get it when they wake. Returns the ranks refitted."""
         async with self._lock:
             self.announce(version)
+            await self._drop_dead()  # replaced (at the new version) by replace_dead
             stale = [r for r in self.fleet.active_ranks() if self.versions.get(r) != version]
             if not stale:
                 return []
-            await self.fleet.client.pause("keep", stale)
             try:
-                await self._sync(stale, "refit")
-            finally:
-                await self.fleet.client.resume(stale)
+                await self.fleet.client.pause("keep", stale)
+                try:
+                    await self._sync(stale, "refit")
+                finally:
+                    await self.fleet.client.resume(stale)
+            except Exception:
+                # a shard that died during the refit: the others are refitted once more
+                if not await self._drop_dead():
+                    raise
+                stale = [r for r in self.fleet.active_ranks() if self.versions.get(r) != version]
+                if stale:
+                    await self.fleet.client.pause("keep", stale)
+                    try:
+                        await self._sync(stale, "refit")
+                    finally:
+                        await self.fleet.client.resume(stale)
             return stale
 
     async def _sync(self, ranks: list[int], kind: str, wake: bool = False) -> None:

@@ -236,6 +236,13 @@ class ShardFleet:
             else:
                 phases = await asyncio.wait_for(self._preempt(rank, level), self.release_timeout_s)
         except Exception as exc:  # noqa: BLE001 - whatever stopped the release, the GPU is freed
+            if rank in await self.launcher.dead_ranks():
+                # its process is gone, and with it everything it held: released. The
+                # coordinator finds it dead and replaces or forgets it
+                self.shards[rank].asleep, self.shards[rank].active = None, False
+                self.memory_log.append({"event": "release", "holder": name, "at": time.time(),
+                                        "gpus": list(self.shards[rank].gpus), "died": True})
+                return {"died": True, "level": level}
             if not self.shards[rank].gpus and not isinstance(exc, asyncio.TimeoutError):
                 raise  # not placed on a GPU: nothing to free, the caller sees the error itself
             why = (f"did not confirm its release within {self.release_timeout_s:g} s"
