@@ -124,6 +124,10 @@ class ShardDiedError(InferenceError):
     """A shard's server process kept dying (each death is replaced until a limit)."""
 
 
+class TrainerDiedError(RlixError):
+    """A pipeline's trainer actor (its process) died."""
+
+
 class PipelineHungError(RlixError):
     """A pipeline's actor stopped answering within its heartbeat timeout."""
 

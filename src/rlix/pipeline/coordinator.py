@@ -108,6 +108,11 @@ class ShardCoordinator:
     def active_ranks(self) -> list[int]:
         return self.fleet.active_ranks()
 
+    def fail(self, exc: RlixError) -> RlixError:
+        """Something the pipeline cannot go on without broke (its trainer died): the loop,
+        which races every step against `failed`, ends with `exc`."""
+        return self._fail(exc)
+
     def _fail(self, exc: RlixError) -> RlixError:
         if self.failure is None:
             self.failure = exc

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from rlix import env
 from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
-from rlix.errors import one_line
+from rlix.errors import TrainerDiedError, one_line
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
@@ -48,6 +48,9 @@ log = logging.getLogger("rlix.pipeline")
 GENERATE_TIMEOUT_S = 600.0
 #: how often shard processes are checked for death
 SHARD_WATCH_S = 0.5
+#: the trainer is pinged every this many shard checks (a death fails the pipeline)
+TRAINER_WATCH_ROUNDS = 4
+TRAINER_PING_TIMEOUT_S = 10.0
 #: the longest a checkpoint on Ctrl-C or failure may take
 CHECKPOINT_ON_EXIT_S = 120.0
 
@@ -235,14 +238,36 @@ class PipelineRunner:
         held no GPU). A replacement that fails is tried again next time; the coordinator fails
         the pipeline when one rank keeps dying."""
         assert self.coordinator is not None
+        rounds = 0
         while not self.closing:
             await asyncio.sleep(SHARD_WATCH_S)
+            rounds += 1
+            if rounds % TRAINER_WATCH_ROUNDS == 0 and await self._trainer_dead():
+                return
             try:
                 await self.coordinator.replace_dead()
             except Exception as exc:  # noqa: BLE001 - counted by the coordinator; tried again
                 log.warning("%s: replacing a dead shard failed: %r", self.cfg.name, exc)
                 if self.coordinator.failure is not None:
                     return
+
+    async def _trainer_dead(self) -> bool:
+        """A dead trainer fails the pipeline: the loop may be waiting for a batch that no shard
+        will generate (shards wake through the trainer's sync), and would wait forever. A ping
+        that only times out (a busy trainer) is not death."""
+        assert self.coordinator is not None
+        try:
+            await asyncio.wait_for(self.trainer.pid.remote(), TRAINER_PING_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return False
+        except ray.exceptions.RayActorError as exc:
+            if isinstance(exc, ray.exceptions.ActorUnavailableError):
+                return False
+            pid = self.trainer_placement.get("pid")
+            self.coordinator.fail(TrainerDiedError(f"the trainer of {self.cfg.name} (pid {pid}) died: "
+                                                   f"{one_line(exc)}"))
+            return True
+        return False
 
     def processes(self) -> dict:
         """This pipeline's processes by PID (the fault tests kill them; operators look here)."""
