@@ -88,6 +88,7 @@ class GrpoLoop:
         """Every step; a failed GPU hand-off of the shards (the coordinator's `failure`, found
         while the scheduler moved them) ends the run with that error, wherever the step was."""
         failed = asyncio.ensure_future(self.coordinator.failed.wait())
+        step: asyncio.Future | None = None
         try:
             while self.step < self.steps:
                 step = asyncio.ensure_future(self.one_step())
@@ -100,6 +101,9 @@ class GrpoLoop:
                 step.result()
         finally:
             failed.cancel()
+            if step is not None and not step.done():  # the run itself was cancelled (shutdown)
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
         return self.records
 
     def _memory(self, event: str, gpus: list[int], report: Any) -> None:

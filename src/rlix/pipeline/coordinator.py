@@ -243,8 +243,10 @@ class ShardCoordinator:
         code = getattr(self.fleet.launcher, "exit_code", lambda r: None)(rank)
         pid = self.fleet.launcher.pids().get(rank)
         why = f"{self.fleet.describe(rank)} (pid {pid}) died (exit code {code})"
+        tail = getattr(self.fleet.launcher, "log_tail", lambda r: "")(rank)
         self.stats.deaths.append({"rank": rank, "pid": pid, "exit_code": code, "at": time.time(),
-                                  "assigned": rank in self.assigned, "what": why})
+                                  "assigned": rank in self.assigned, "what": why,
+                                  "log_tail": tail[-2000:]})
         self._event("died", [rank])
         return why
 

@@ -186,7 +186,9 @@ class PipelineRunner:
             max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
         control = RemoteInferenceClient(None, {}, self.api_key, cfg.name)  # straight to the shards
         placed = dev.reservation is not None
-        launcher = LocalLauncher(backend, self.api_key,
+        # shard logs in the run dir: a dead shard's log stays for its post-mortem, and nothing
+        # is left in /tmp when the process that would clean it up is killed
+        launcher = LocalLauncher(backend, self.api_key, log_dir=str(self.dir / "shard-logs"),
                                  placement=dev.visible_devices_env if placed else None)
         self.fleet = ShardFleet(launcher, self.data_plane.router_control(self.router), control,
                                 sleep_level=dev.sleep_level, release_timeout_s=dev.release_timeout_s,
