@@ -124,6 +124,10 @@ class ShardDiedError(InferenceError):
     """A shard's server process kept dying (each death is replaced until a limit)."""
 
 
+class PipelineStalledError(CollectorError):
+    """Every group failed (reward or generation) max_failed_groups times in a row."""
+
+
 class TrainerDiedError(RlixError):
     """A pipeline's trainer actor (its process) died."""
 

@@ -320,3 +320,59 @@ def test_demand_for_release_is_the_next_steps_demand_and_is_not_reported_again()
         await col.stop()
         buf.check_conservation()
     asyncio.run(main())
+
+
+def test_a_verifier_that_raises_stops_the_pipeline_after_max_failed_groups_with_its_reason():
+    """Every reward raises: each group is dropped (counted under its reason), and after
+    max_failed_groups in a row the waiting loop gets PipelineStalledError naming the pipeline
+    and the reason, instead of waiting forever."""
+    from rlix.errors import PipelineStalledError
+
+    class Broken(PatternTask):
+        def reward(self, prompt, text):  # type: ignore[no-untyped-def]
+            return 1 / 0
+
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = TrajectoryCollector(engine, Tok(), Broken(["a"], 4), buf, Hooks(),
+                                  RolloutConfig(group_size=4, groups_per_step=3, max_new_tokens=5,
+                                                concurrency=2), max_age=1, seed=1, max_failed_groups=5)
+        col.pipeline = "math"
+        col.start()
+        with pytest.raises(PipelineStalledError) as err:
+            await asyncio.wait_for(col.wait_for(3), 10)
+        await col.stop()
+        msg = str(err.value)
+        assert msg.startswith("pipeline math: 5 groups in a row failed") and "ZeroDivisionError" in msg
+        dropped = buf.accounting()["dropped"]
+        assert dropped.get("reward failed: ZeroDivisionError: division by zero", 0) >= 5 * 4
+        buf.check_conservation()
+    asyncio.run(main())
+
+
+def test_one_good_group_resets_the_failure_streak():
+    from rlix.errors import PipelineStalledError
+
+    class Flaky(PatternTask):
+        groups, last = 0, None
+
+        def reward(self, prompt, text):  # type: ignore[no-untyped-def]
+            if prompt is not Flaky.last:  # groups run one at a time (concurrency 1)
+                Flaky.groups, Flaky.last = Flaky.groups + 1, prompt
+            if Flaky.groups % 3 == 0:  # every third group succeeds: two fail in a row at most
+                return 0.5
+            raise ValueError("flaky verifier")
+
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = TrajectoryCollector(engine, Tok(), Flaky(["a"], 4), buf, Hooks(),
+                                  RolloutConfig(group_size=4, groups_per_step=2, max_new_tokens=5,
+                                                concurrency=1), max_age=1, seed=1, max_failed_groups=3)
+        col.start()
+        try:
+            await asyncio.wait_for(col.wait_for(2), 10)  # two good groups arrive: no stall
+        except PipelineStalledError:
+            pytest.fail("a streak interrupted by good groups must not stop the pipeline")
+        finally:
+            await col.stop()
+    asyncio.run(main())

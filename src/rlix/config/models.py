@@ -98,6 +98,9 @@ class PipelineConfig(_Strict):
     checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0: only at "
                                                         "the end); one is also saved on Ctrl-C and "
                                                         "when the pipeline fails, if its trainer lives")
+    max_failed_groups: int = Field(32, ge=0, description="stop the pipeline when this many groups in a row "
+                                                        "fail (a verifier that raises, no shard "
+                                                        "answering); 0: never")
     restart: Literal["never", "on_failure"] = Field(
         "never", description="on_failure: a failed pipeline (error, dead process, hang) is started "
                              "again from its last checkpoint, up to max_restarts times")

@@ -24,7 +24,7 @@ from typing import Any
 
 from rlix.config.models import RolloutConfig
 from rlix.envs.tasks import Task
-from rlix.errors import CollectorError, InvalidRequestError
+from rlix.errors import CollectorError, InvalidRequestError, PipelineStalledError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
@@ -80,7 +80,8 @@ class TrajectoryCollector:
 
     def __init__(self, generate: Generate, tokenizer: Any, task: Task, buffer: ReplayBuffer,
                  hooks: RLixHooks, rollout: RolloutConfig, *, max_age: int, seed: int = 0,
-                 max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02) -> None:
+                 max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02,
+                 max_failed_groups: int = 32) -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
@@ -109,6 +110,12 @@ class TrajectoryCollector:
         self.peak_admitted = 0  # max of (valid groups buffered + groups in flight) at admission
         self.reports = 0
         self.errors: deque[str] = deque(maxlen=50)  # the latest drop reasons and report failures
+        # groups that failed in a row (reward or generation); at max_failed_groups the pipeline
+        # stops with the last reason instead of generating forever for nothing
+        self.max_failed_groups = max_failed_groups
+        self.failed_in_a_row = 0
+        self.fatal: PipelineStalledError | None = None
+        self.pipeline = ""  # how the stall error names the pipeline
 
     # ------------------------------------------------------------------ control
     @property
@@ -173,6 +180,8 @@ class TrajectoryCollector:
         await asyncio.wait_for(wait(), timeout)
 
     def _raise_if_dead(self) -> None:
+        if self.fatal is not None:
+            raise self.fatal
         if self._stopped:
             raise CollectorError("the collector was stopped")
         if self._runner is not None and self._runner.done():
@@ -183,7 +192,8 @@ class TrajectoryCollector:
         return {"tokens": self.tokens, "groups": self.groups_done, "requests": self.requests,
                 "retries": self.retries, "generate_s": round(self.generate_s, 3),
                 "in_flight_groups": len(self._pending), "peak_admitted": self.peak_admitted,
-                "reports": self.reports, "errors": list(self.errors)[-5:]}
+                "reports": self.reports, "errors": list(self.errors)[-5:],
+                "failed_in_a_row": self.failed_in_a_row}
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> bool:
@@ -230,9 +240,22 @@ class TrajectoryCollector:
             reason = None
         if reason is not None and reason != "shutdown":
             self.errors.append(f"{gid}: {reason}")
+        self._count_failure(reason)
         self._settle(gid, p, reason)
         self._changed.set()
         self._report_due.set()
+
+    def _count_failure(self, reason: str | None) -> None:
+        if reason is None:
+            self.failed_in_a_row = 0
+            return
+        if reason == "shutdown" or self.fatal is not None:
+            return
+        self.failed_in_a_row += 1
+        if self.max_failed_groups and self.failed_in_a_row >= self.max_failed_groups:
+            who = f"pipeline {self.pipeline}: " if self.pipeline else ""
+            self.fatal = PipelineStalledError(f"{who}{self.failed_in_a_row} groups in a row failed "
+                                              f"(max_failed_groups); the last: {reason}")
 
     # ------------------------------------------------------------------ one group
     async def _group(self, gid: str, index: int, prompt: Any) -> None:
@@ -254,7 +277,7 @@ class TrajectoryCollector:
             try:
                 reward = float(self.task.reward(prompt, text))
             except Exception as exc:  # noqa: BLE001 - the task's (user's) code
-                raise GroupDropped(f"reward failed: {exc}") from exc
+                raise GroupDropped(f"reward failed: {type(exc).__name__}: {exc}") from exc
             versions = versions or [self.version]  # no tokens: nothing of it can be stale
             trajectories.append(Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, reward, min(versions),
                                            versions, finish, started, time.time()))

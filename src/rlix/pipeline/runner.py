@@ -209,7 +209,9 @@ class PipelineRunner:
         self.collector = TrajectoryCollector(
             self._generate, AutoTokenizer.from_pretrained(path), make_task(cfg.task), self.buffer,
             self.hooks, cfg.rollout, max_age=cfg.max_staleness,
-            seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step)
+            seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step,
+            max_failed_groups=cfg.max_failed_groups)
+        self.collector.pipeline = cfg.name
         self.collector.set_version(self.start_step)
 
     async def _generate(self, token_ids: list[int], sampling_params: dict, session_id: str | None) -> Generation:
