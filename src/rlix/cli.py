@@ -1,7 +1,7 @@
 """`rlix` command line: run, sim, check, status, serve.
 
-Every error rlix raises on purpose (RlixError) is printed as one line and exits 2; only real
-bugs show a traceback.
+Every error is printed as one line and exits 2 (Ctrl-C: 130); `--debug` shows the traceback
+instead.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import argparse
 import json
 import secrets
 import sys
+from typing import NoReturn
 
 from rlix import __version__, env
-from rlix.errors import RlixError
+from rlix.errors import RlixError, SchedulerError
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
@@ -34,8 +35,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from rlix.config import load_config  # deferred: see _cmd_run
+    from rlix.config.preflight import preflight  # deferred: see _cmd_run
 
     cfg = load_config(args.config)
+    preflight(cfg, args.config)
     cluster = "auto (from Ray)" if cfg.cluster.is_auto else (
         f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPUs")
     print(f"{args.config}: ok; cluster {cluster}; {len(cfg.pipelines)} pipeline(s)")
@@ -52,13 +55,34 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
 
     address = args.address or env.ray_address() or "auto"
-    ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
+    _reachable(address)
+    try:
+        ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
+    except ConnectionError:
+        raise SchedulerError("no Ray cluster is running here (start one, or give --address "
+                             "host:port / RAY_ADDRESS)") from None
     try:
         snap = ray.get(get_scheduler().snapshot.remote())
     finally:
         ray.shutdown()
     print(json.dumps(snap, indent=2, default=str))
     return 0
+
+
+def _reachable(address: str, timeout_s: float = 3.0) -> None:
+    """A `host:port` address must accept a connection within `timeout_s` (Ray itself would
+    retry for minutes); "auto" and ray:// addresses are left to Ray."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise SchedulerError(f"--address {address!r}: give host:port (e.g. 10.0.0.1:6379) or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise SchedulerError(f"no Ray cluster answers at {address} ({exc.strerror or exc})") from None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -80,9 +104,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line (the usage itself is one `--help` away), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
+    parser = OneLineParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
     parser.add_argument("--version", action="version", version=f"rlix {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the RL pipelines of a config (time-sharing GPUs by default)")
@@ -125,12 +157,34 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except RlixError as exc:
-        print(f"rlix: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("rlix: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `rlix sim --json | head`: the reader left; nothing more to say
+        _silence_stdout()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - every error is one line; --debug shows the traceback
+        if args.debug:
+            raise
+        print(f"rlix: error: {error_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for any error: ours as they are; anything else with its type and a hint."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, RlixError):
+        return text
+    return f"{type(exc).__name__}: {text} (an rlix bug or an environment problem; rerun with --debug " \
+           f"for the traceback)"
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush raises nothing."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import ray
 from rlix import env
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
+from rlix.config.preflight import preflight
 from rlix.devices import resolve_dtype
 from rlix.errors import ConfigError, PipelineFailedError, one_line
 from rlix.pipeline.runner import DevicePlan
@@ -55,9 +56,13 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
     """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json,
     whatever the ending: finished, failed, interrupted)."""
     cfg: RlixConfig = load_config(config_path)
+    preflight(cfg, config_path)  # before Ray: a bad file, task or verifier fails in a second
     mode = mode or env.control_plane(cfg.control_plane)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{config_path}: run_dir: cannot create {run_dir}: {exc.strerror}") from None
     say = RunLog(run_dir / "run.log", out)
     if cfg.cluster.is_auto and env.ray_address() is None:
         raise ConfigError(f"{config_path}: cluster is auto but no Ray cluster to read GPUs from "

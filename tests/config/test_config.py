@@ -78,3 +78,34 @@ def test_cli_check_accepts_the_example():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "2 pipeline(s)" in out.stdout
+
+
+def test_relative_task_files_verifiers_and_models_are_read_from_the_configs_folder(tmp_path, monkeypatch, tiny_model_dir):
+    """A config means the same from any working directory (and in every Ray worker): its
+    relative task file, verifier module and model directory are anchored to its folder."""
+    import shutil
+
+    from rlix.config import load_config
+    from rlix.config.preflight import preflight
+    from rlix.envs import make_task
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "tasks.jsonl").write_text('{"prompt": "2+2=", "answer": 4}\n')
+    (proj / "grader.py").write_text("def score(prompt, answer, response):\n    return 0.25\n")
+    shutil.copytree(tiny_model_dir, proj / "ckpt")
+    (proj / "run.yaml").write_text(
+        "cluster: {nodes: 1, gpus_per_node: 1}\n"
+        f"run_dir: {tmp_path / 'out'}\n"
+        "pipelines:\n"
+        "  - {name: p, model: ckpt, task: {name: jsonl, path: tasks.jsonl, verifier: 'grader:score'}}\n")
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    cfg = load_config("proj/run.yaml")
+    p = cfg.pipelines[0]
+    assert p.task.path == str(proj / "tasks.jsonl") and p.model == str(proj / "ckpt")
+    assert p.task.verifier == f"{proj / 'grader.py'}:score"
+    preflight(cfg, "proj/run.yaml")  # a real checkpoint, a good task file and verifier: no error
+    task = make_task(p.task)
+    prompt = task.items[0]
+    assert task.reward(prompt, "anything") == 0.25
+    assert not (tmp_path / "out").exists()  # check creates nothing

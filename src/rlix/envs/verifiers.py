@@ -7,8 +7,12 @@ reward differences within a group.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from rlix.errors import ConfigError
@@ -45,17 +49,62 @@ VERIFIERS: dict[str, Verifier] = {
 }
 
 
+def anchor_verifier(spec: str, base: Path) -> str:
+    """The spec with a module of the user's resolved against `base` (the config's folder):
+    `score:fn` with base/score.py (or `pkg.score:fn` with base/pkg/score.py) becomes
+    `/abs/base/score.py:fn`, which imports the same from any process and working directory.
+    Built-in names and modules found nowhere under `base` are left as they are."""
+    if spec in VERIFIERS:
+        return spec
+    module, _, attr = spec.partition(":")
+    if module.endswith(".py"):
+        path = Path(module).expanduser()
+        return f"{path if path.is_absolute() else (base / path).resolve()}:{attr}"
+    rel = Path(*module.split("."))
+    for candidate in (base / rel.with_suffix(".py"), base / rel / "__init__.py"):
+        if candidate.is_file():
+            return f"{candidate.resolve()}:{attr}"
+    return spec
+
+
 def load_verifier(spec: str) -> Verifier:
-    """A built-in verifier by name, or the user's `module:function`."""
+    """A built-in verifier by name, or the user's `module:function` / `path/to/file.py:function`."""
     if spec in VERIFIERS:
         return VERIFIERS[spec]
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ConfigError(f"verifier {spec!r}: use one of {', '.join(VERIFIERS)} or 'module:function'")
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
+        mod = _import(module)
+    except ImportError as exc:
         raise ConfigError(f"verifier {spec!r} cannot be imported: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
+        raise ConfigError(f"verifier {spec!r}: importing it raised {type(exc).__name__}: {exc}") from None
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise ConfigError(f"verifier {spec!r}: {module} has no {attr!r}")
     if not callable(fn):
         raise ConfigError(f"verifier {spec!r} is not callable")
     return fn
+
+
+def _import(module: str) -> ModuleType:
+    if not module.endswith(".py"):
+        return importlib.import_module(module)
+    path = Path(module)
+    if not path.is_file():
+        raise ImportError(f"no such file {path}")
+    name = f"rlix_verifier_{abs(hash(str(path)))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod

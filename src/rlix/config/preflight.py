@@ -1,0 +1,114 @@
+"""What `rlix check` (and `rlix run`, before Ray starts) checks beyond the schema: everything that
+can be known without starting anything. Each problem names the file and the field path, and the
+pipeline; all of them are reported together, on one line.
+
+Relative paths in a config are read from the config's folder (task files, verifier modules,
+model directories), so a config means the same from any working directory and in every Ray
+worker; `run_dir` stays relative to where `rlix run` is started (outputs go where you run).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rlix.config.models import PipelineConfig, RlixConfig
+from rlix.envs import make_task
+from rlix.envs.verifiers import anchor_verifier
+from rlix.errors import ConfigError
+from rlix.models.presets import PRESETS
+
+#: files a model directory must hold to be a checkpoint the trainer and shards can load
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def anchor(cfg: RlixConfig, base: Path) -> RlixConfig:
+    """The config with its task files, verifier modules and model directories read from `base`
+    (the config file's folder) as absolute paths."""
+    pipelines = []
+    for p in cfg.pipelines:
+        task = p.task
+        update: dict = {}
+        if task.path and not Path(task.path).expanduser().is_absolute():
+            update["path"] = str((base / task.path).resolve())
+        verifier = anchor_verifier(task.verifier, base)
+        if verifier != task.verifier:
+            update["verifier"] = verifier
+        model = p.model
+        if model not in PRESETS and not Path(model).expanduser().is_absolute() and (base / model).is_dir():
+            model = str((base / model).resolve())
+        pipelines.append(p.model_copy(update={"task": task.model_copy(update=update), "model": model}))
+    return cfg.model_copy(update={"pipelines": pipelines})
+
+
+def problems(cfg: RlixConfig) -> list[str]:
+    """Every problem found, each as `field.path: what is wrong`."""
+    found: list[str] = []
+    for i, p in enumerate(cfg.pipelines):
+        where = f"pipelines[{i}] ({p.name})"
+        found += [f"{where}.model: {m}" for m in _model(p.model)]
+        try:
+            make_task(p.task)  # reads a task file line by line, imports the verifier
+        except ConfigError as exc:
+            field = "task.verifier" if "verifier" in str(exc) else "task.path" if p.task.path else "task"
+            found.append(f"{where}.{field}: {exc}")
+        found += [f"{where}: {m}" for m in _fits(cfg, p)]
+    problem = _writable(Path(cfg.run_dir))
+    if problem:
+        found.append(f"run_dir: {problem}")
+    return found
+
+
+def preflight(cfg: RlixConfig, source: str) -> None:
+    """Raise one ConfigError naming `source` and every problem; nothing is created."""
+    found = problems(cfg)
+    if found:
+        raise ConfigError(f"{source}: " + "; ".join(found))
+
+
+def _model(model: str) -> list[str]:
+    if model in PRESETS:
+        return []
+    path = Path(model).expanduser()
+    if not path.exists():
+        return [f"{model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory"]
+    if not path.is_dir():
+        return [f"{model!r} is a file; give a checkpoint directory or a preset"]
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in path.iterdir()):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
+    return [f"{model!r} is not a checkpoint: no {', no '.join(missing)}"] if missing else []
+
+
+def _fits(cfg: RlixConfig, p: PipelineConfig) -> list[str]:
+    """Its floor of shards (and its trainer, without partial overlap) must fit the cluster."""
+    if cfg.cluster.is_auto:
+        return []
+    total = int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+    need = p.min_shards * p.tp + (0 if p.partial_overlap else p.train_gpus)
+    if need <= total:
+        return []
+    how = f"min_shards={p.min_shards} x tp={p.tp}" + ("" if p.partial_overlap else
+                                                       f" + train_gpus={p.train_gpus} (partial_overlap off)")
+    return [f"{how} needs {need} GPUs but the cluster has {total}"]
+
+
+def _writable(run_dir: Path) -> str | None:
+    path = run_dir.expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"{run_dir} exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{run_dir} is not writable"
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot create {run_dir}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {run_dir}: {parent} is not writable"
+    return None
