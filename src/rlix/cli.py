@@ -1,4 +1,4 @@
-"""`rlix` command line: run, sim, check, status, serve.
+"""`rlix` command line: run, sim, check, status, serve, router.
 
 Every error is printed as one line and exits 2 (Ctrl-C: 130); `--debug` shows the traceback
 instead.
@@ -13,7 +13,7 @@ import sys
 from typing import NoReturn
 
 from rlix import __version__, env
-from rlix.errors import RlixError, SchedulerError
+from rlix.errors import ConfigError, RlixError, SchedulerError
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
@@ -100,7 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-          served_model_name=args.served_model_name, dtype=args.dtype)
+          served_model_name=args.served_model_name, dtype=args.dtype,
+          max_body=int(args.max_body_mib * 2**20))
     return 0
 
 
@@ -109,6 +110,24 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from rlix.inference.router.app import parse_shards, serve_router  # deferred: see _cmd_run
+
+    if not args.shard:
+        raise ConfigError("rlix router: give at least one --shard URL")
+    shards = parse_shards(args.shard)  # a bad URL fails here, before anything listens
+    api_key = args.api_key or env.api_key()
+    if not api_key:
+        api_key = secrets.token_urlsafe(24)
+        print(f"rlix router: no --api-key or RLIX_API_KEY; admin token for this run: {api_key}",
+              file=sys.stderr)
+    print(f"rlix router: http://{args.host}:{args.port} -> " +
+          ", ".join(f"shard {r} {u}" for r, u in sorted(shards.items())), file=sys.stderr)
+    serve_router(args.shard, api_key=api_key, shard_api_key=args.shard_api_key, host=args.host,
+                 port=args.port, hold_timeout_s=args.hold_timeout, max_body=int(args.max_body_mib * 2**20))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--max-body-mib", type=float, default=4.0,
+                       help="larger request bodies get 413 unread (default: 4)")
     serve.set_defaults(func=_cmd_serve)
+
+    router = sub.add_parser("router", help="route requests over engine servers you started (rlix serve, vLLM)")
+    router.add_argument("--shard", action="append", default=[], metavar="[RANK=]URL",
+                        help="an engine server's base URL; repeat for each (ranks in order unless given)")
+    router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    router.add_argument("--port", type=int, default=8100)
+    router.add_argument("--api-key", default=None, help="token for the admin API (default: RLIX_API_KEY)")
+    router.add_argument("--shard-api-key", default=None, help="token the shards expect (default: --api-key)")
+    router.add_argument("--hold-timeout", type=float, default=60.0,
+                        help="seconds a request waits while no shard is active (default: 60)")
+    router.add_argument("--max-body-mib", type=float, default=4.0,
+                        help="larger request bodies get 413 unread (default: 4)")
+    router.set_defaults(func=_cmd_router)
     return parser
 
 

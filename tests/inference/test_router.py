@@ -148,7 +148,7 @@ def test_dead_shard_is_redispatched(tiny_model_dir, shards):
                     while await _running(client, 9) < 2:
                         await asyncio.sleep(0.005)
                     await router.set_shard(0, shards[0], "active")
-                    os.kill(doomed.pid, signal.SIGKILL)  # the process dies mid-request
+                    os.kill(doomed.server_pid(), signal.SIGKILL)  # the process dies mid-request
                     results = await asyncio.gather(*tasks)
                 return results, router.relay.redispatched
             finally:
@@ -199,7 +199,7 @@ def test_in_process_generate_survives_a_shard_killed_by_pid(tiny_model_dir, shar
                 while await _running(client, 9) < 1:
                     await asyncio.sleep(0.005)
                 await router.set_shard(0, shards[0], "active")
-                os.kill(doomed.pid, signal.SIGKILL)
+                os.kill(doomed.server_pid(), signal.SIGKILL)
                 out = await task
                 dead = not pid_alive(doomed.pid)
                 after = await router.generate([1, 2], {"max_tokens": 4, "temperature": 0}, "t")

@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlix import env
 from rlix.errors import InvalidRequestError, NoActiveShardError
-from rlix.httpkit import bearer, free_port
+from rlix.httpkit import MAX_BODY_BYTES, RequestGuard, bearer, free_port
 from rlix.inference.router.router import Router
 from rlix.inference.router.shard_table import ShardState
 from rlix.inference.server import openai_schema as S
@@ -31,9 +32,12 @@ from rlix.inference.server.control_schema import RouterShardBody, parse_body
 from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
 
 
-def create_router_app(router: Router) -> FastAPI:
+def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    """Larger request bodies than `max_body` get 413 unread; a caller that goes away cancels
+    its request (and the shard's, whose connection closes)."""
     app = FastAPI(title="rlix router", docs_url=None, redoc_url=None)
     app.state.router = router
+    app.add_middleware(RequestGuard, max_body=max_body)
     expected = f"Bearer {router.api_key}".encode()
 
     def authorised(request: Request) -> bool:
@@ -101,14 +105,18 @@ def create_router_app(router: Router) -> FastAPI:
     async def metrics() -> Response:
         lines = [f"rlix:router_requests_total {router.relay.requests}",
                  f"rlix:router_redispatched_total {router.relay.redispatched}"]
+        lines.append(f"rlix:router_shards_marked_down_total {router.relay.down_marks}")
         for s in router.table.shards.values():
             lines.append(f'rlix:router_outstanding{{rank="{s.rank}",state="{s.state.value}"}} {s.outstanding}')
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.get("/router/shards")
-    async def list_shards() -> JSONResponse:
+    async def list_shards(request: Request) -> JSONResponse:
+        if not authorised(request):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return JSONResponse({"shards": await router.shards(),
-                             "active": router.table.active_ranks()})
+                             "active": router.table.active_ranks(),
+                             "down": [s["rank"] for s in router.down_shards()]})
 
     @app.post("/router/shards")
     async def set_shard(request: Request) -> JSONResponse:
@@ -159,7 +167,7 @@ class RouterAdminClient:
         r.raise_for_status()
 
     async def shards(self) -> list[dict]:
-        r = await self._client().get(f"{self.url}/router/shards")
+        r = await self._client().get(f"{self.url}/router/shards", headers=self.headers)
         r.raise_for_status()
         return r.json()["shards"]
 
@@ -199,22 +207,54 @@ class RouterServer:
         await self.router.close()
 
 
+def parse_shards(specs: list[str]) -> dict[int, str]:
+    """`--shard` values, `URL` or `RANK=URL`, as {rank: url}; URLs without a rank take the next
+    free ranks in order. A malformed one is an InvalidRequestError naming it."""
+    out: dict[int, str] = {}
+    plain: list[str] = []
+    for spec in specs:
+        rank, sep, url = spec.partition("=")
+        if sep and rank.strip().isdigit():
+            out[int(rank)] = url
+        else:
+            plain.append(spec)
+    for url in plain:
+        out[next(r for r in range(len(out) + len(plain) + 1) if r not in out)] = url
+    for rank, url in out.items():
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidRequestError(f"--shard {url!r}: give the shard's base URL, e.g. http://127.0.0.1:8000")
+        try:
+            parts.port
+        except ValueError:
+            raise InvalidRequestError(f"--shard {url!r}: bad port") from None
+    return out
+
+
+def serve_router(shards: list[str], *, api_key: str, shard_api_key: str | None = None,
+                 host: str = "127.0.0.1", port: int = 8100, hold_timeout_s: float = 60.0,
+                 max_body: int = MAX_BODY_BYTES) -> None:
+    """Run a router for shards someone started (`rlix router`), every one ACTIVE, until
+    interrupted."""
+    router = Router(api_key, shard_api_key, hold_timeout_s)
+    for rank, url in parse_shards(shards).items():
+        router.table.set(rank, url, ShardState.ACTIVE)
+    uvicorn.run(create_router_app(router, max_body), host=host, port=port, log_level="warning",
+                access_log=False)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run a router as its own process."""
+    """Run a router as its own process (`rlix router` is the same, with one-line errors)."""
     p = argparse.ArgumentParser(prog="python -m rlix.inference.router")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--api-key", default=None, help="admin token (default RLIX_API_KEY)")
     p.add_argument("--shard-api-key", default=None, help="token the shards expect (default: --api-key)")
     p.add_argument("--hold-timeout", type=float, default=60.0, help="s to hold requests with no active shard")
-    p.add_argument("--shard", action="append", default=[], metavar="RANK=URL", help="an active shard")
+    p.add_argument("--shard", action="append", default=[], metavar="[RANK=]URL", help="an active shard")
     args = p.parse_args(argv)
     api_key = args.api_key or env.api_key()
     if not api_key:
         p.error("give --api-key or set RLIX_API_KEY")
-    router = Router(api_key, args.shard_api_key, args.hold_timeout)
-    for spec in args.shard:
-        rank, _, url = spec.partition("=")
-        router.table.set(int(rank), url, ShardState.ACTIVE)
-    uvicorn.run(create_router_app(router), host=args.host, port=args.port, log_level="warning",
-                access_log=False)
+    serve_router(args.shard, api_key=api_key, shard_api_key=args.shard_api_key, host=args.host,
+                 port=args.port, hold_timeout_s=args.hold_timeout)

@@ -2,7 +2,8 @@
 
 A request cut by preemption (finish_reason "abort" from a shard marked PREEMPTED, a 503 from a
 shard that is no longer active, or a connection error) raises `ShardPreemptedError` inside the
-relay; the relay then sends the *rest* of the request to another active shard, token-level: the
+relay (a connection error to a shard that is not being preempted also marks it DOWN: see
+`_unreachable`); the relay then sends the *rest* of the request to another active shard, token-level: the
 prompt ids plus every token generated so far, and max_tokens minus those. The caller sees one
 answer: texts, token ids, logprobs and weight-version spans of all attempts joined, usage counted
 against the original prompt. Upstream calls always ask for `return_token_ids`; the ids are
@@ -15,6 +16,7 @@ of tokens streamed by a shard that then died without an abort event are labelled
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,6 +29,8 @@ from rlix.inference.router.shard_table import Shard, ShardState, ShardTable
 from rlix.httpkit import HttpPool, UpstreamError, UpstreamResponse, bearer
 
 MAX_ATTEMPTS = 64
+#: how often a DOWN shard's /health is tried (it goes back to its state when it answers)
+REVIVE_S = 1.0
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Progress:
     spans: list[dict] = field(default_factory=list)
     base: int = 0  # len(ids) when the current attempt began: its spans start there
     attempts: int = 0
+    down_cuts: int = 0  # attempts cut because their shard could not be reached
+    last_down: str = ""
 
     @property
     def max_tokens(self) -> int | None:
@@ -146,6 +152,8 @@ class Relay:
         self.hold_timeout_s = hold_timeout_s
         self.redispatched = 0
         self.requests = 0
+        self.down_marks = 0  # shards found unreachable
+        self._revivers: set[asyncio.Task] = set()
 
     def _cut(self, shard: Shard, status: int | None = None, finish: str | None = None) -> bool:
         """Did this attempt end because its shard is being taken away?"""
@@ -158,8 +166,42 @@ class Relay:
     async def _acquire(self, session: str | None, exclude: set[int], prog: Progress) -> Shard:
         prog.attempts += 1
         if prog.attempts > MAX_ATTEMPTS:
-            raise NoActiveShardError(f"request cut {MAX_ATTEMPTS} times by preemption; giving up")
+            cuts = MAX_ATTEMPTS - prog.down_cuts
+            down = f", {prog.down_cuts} by shards down (last: {prog.last_down})" if prog.down_cuts else ""
+            raise NoActiveShardError(f"request cut {MAX_ATTEMPTS} times ({cuts} by preemption{down}); "
+                                     f"giving up")
         return await self.table.acquire(session, self.hold_timeout_s, frozenset(exclude))
+
+    def _unreachable(self, shard: Shard, exc: Exception, prog: Progress) -> None:
+        """A connection to `shard` failed: unless it is being preempted (then it is a preemption
+        cut), it is DOWN until its /health answers again or the fleet replaces it."""
+        if shard.state is ShardState.PREEMPTED:
+            return
+        prog.down_cuts += 1
+        prog.last_down = f"shard {shard.rank}: {exc}"[:200]
+        if self.table.mark_down(shard.rank, str(exc)):
+            self.down_marks += 1
+            task = asyncio.get_running_loop().create_task(self._revive(shard.rank, shard.url))
+            self._revivers.add(task)
+            task.add_done_callback(self._revivers.discard)
+
+    async def _revive(self, rank: int, url: str) -> None:
+        while True:
+            await asyncio.sleep(REVIVE_S)
+            shard = self.table.shards.get(rank)
+            if shard is None or shard.state is not ShardState.DOWN or shard.url != url:
+                return  # removed, replaced or set anew by the fleet
+            try:
+                resp = await self.pool.request("GET", url, "/health", b"", self.headers)
+                await resp.read()
+            except UpstreamError:
+                continue
+            if resp.status_code == 200:
+                self.table.revive(rank, url)
+                return
+
+    def down_shards(self) -> list[dict]:
+        return [s.view() for s in self.table.down()]
 
     def _redispatch(self, shard: Shard, exclude: set[int]) -> None:
         exclude.add(shard.rank)
@@ -180,6 +222,7 @@ class Relay:
                 try:
                     status, raw = await self.pool.post_json(shard.url, up_path, up_body, self.headers)
                 except UpstreamError as exc:
+                    self._unreachable(shard, exc, prog)
                     raise ShardPreemptedError(f"shard {shard.rank}: {exc}") from None
                 if status != 200:
                     if self._cut(shard, status):
@@ -240,8 +283,9 @@ class Relay:
                 if resp.status_code == 200:
                     return shard, path, resp
                 raw = await resp.read()
-            except UpstreamError:
+            except UpstreamError as exc:
                 self.table.release(shard, False)
+                self._unreachable(shard, exc, prog)
                 self._redispatch(shard, exclude)
                 continue
             self.table.release(shard, False)
@@ -293,9 +337,11 @@ class Relay:
                         break
                     yield self._rechunk(prog, chunk, choice, up_path, ident, wants_usage)
                     done = done or finish is not None
-            except UpstreamError:
+            except UpstreamError as exc:
                 cut = not done
                 prog.close_attempt_without_spans()
+                if cut:
+                    self._unreachable(shard, exc, prog)
             finally:
                 await resp.aclose()
                 self.table.release(shard, done)

@@ -94,6 +94,10 @@ class Router:
     async def shards(self) -> list[dict]:
         return self.table.view()
 
+    def down_shards(self) -> list[dict]:
+        """Shards the router found unreachable (DOWN), with why."""
+        return self.relay.down_shards()
+
     async def generate(self, token_ids: list[int], sampling_params: dict[str, Any],
                        session_id: str | None = None, timeout_s: float | None = None) -> Generation:
         """Token-level generate for callers in this process: the same relay (stickiness,

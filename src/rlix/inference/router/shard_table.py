@@ -19,11 +19,14 @@ from rlix.errors import InvalidRequestError, NoActiveShardError
 
 class ShardState(str, Enum):
     """ACTIVE takes new requests; INACTIVE finishes what it has (no new ones); PREEMPTED is being
-    taken away: its aborts and connection errors are re-dispatched elsewhere."""
+    taken away: its aborts and connection errors are re-dispatched elsewhere. DOWN: the router
+    could not reach it (connection refused or lost): no requests until it answers /health again
+    (it goes back to the state it had) or the fleet sets it anew (a replacement)."""
 
     ACTIVE = "active"
     INACTIVE = "inactive"
     PREEMPTED = "preempted"
+    DOWN = "down"
 
 
 @dataclass
@@ -33,10 +36,15 @@ class Shard:
     state: ShardState = ShardState.INACTIVE
     outstanding: int = 0
     served: int = 0
+    down_from: ShardState | None = None  # the state a DOWN shard returns to when it answers
+    down_reason: str = ""
 
     def view(self) -> dict:
-        return {"rank": self.rank, "url": self.url, "state": self.state.value,
-                "outstanding": self.outstanding, "served": self.served}
+        out = {"rank": self.rank, "url": self.url, "state": self.state.value,
+               "outstanding": self.outstanding, "served": self.served}
+        if self.state is ShardState.DOWN:
+            out["down_reason"] = self.down_reason
+        return out
 
 
 def _parse_state(state: ShardState | str) -> ShardState:
@@ -44,7 +52,7 @@ def _parse_state(state: ShardState | str) -> ShardState:
         return ShardState(state)
     except ValueError:
         raise InvalidRequestError(
-            f"unknown shard state {state!r}; one of: active, inactive, preempted") from None
+            f"unknown shard state {state!r}; one of: active, inactive, preempted, down") from None
 
 
 def _hash(key: str) -> int:
@@ -95,8 +103,32 @@ class ShardTable:
             shard.url = url.rstrip("/")
         if state is not None:
             shard.state = _parse_state(state)
+            shard.down_from = None
         self._rebuild()
         return shard
+
+    def mark_down(self, rank: int, reason: str) -> bool:
+        """The router could not reach this shard: no requests go there until it is back. False
+        if it was not routable anyway (preempted: its connection errors are preemption cuts)."""
+        shard = self.shards.get(rank)
+        if shard is None or shard.state in (ShardState.PREEMPTED, ShardState.DOWN):
+            return False
+        shard.down_from, shard.down_reason = shard.state, reason[:200]
+        shard.state = ShardState.DOWN
+        self._rebuild()
+        return True
+
+    def revive(self, rank: int, url: str) -> bool:
+        """A DOWN shard at `url` answered again: back to the state it had."""
+        shard = self.shards.get(rank)
+        if shard is None or shard.state is not ShardState.DOWN or shard.url != url:
+            return False
+        shard.state, shard.down_from = shard.down_from or ShardState.INACTIVE, None
+        self._rebuild()
+        return True
+
+    def down(self) -> list[Shard]:
+        return [s for s in self.shards.values() if s.state is ShardState.DOWN]
 
     def flip(self, rank: int, state: ShardState | str) -> Shard:
         """Change a known shard's state without waking waiters; `notify()` on the table's loop
@@ -162,7 +194,9 @@ class ShardTable:
                 return shard
             left = deadline - loop.time()
             if left <= 0:
-                raise NoActiveShardError(f"no active shard within {timeout_s:g} s")
+                down = "; ".join(f"shard {s.rank} down ({s.down_reason})" for s in self.down())
+                raise NoActiveShardError(f"no active shard within {timeout_s:g} s"
+                                         + (f"; {down}" if down else ""))
             try:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:

@@ -25,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
                          WeightUpdateError)
+from rlix.httpkit import MAX_BODY_BYTES, RequestGuard
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.server import control_schema as C
@@ -173,8 +174,10 @@ class BearerAuth:
 
 
 def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
-               model_root: str = "", close_engine: bool = False) -> FastAPI:
-    """The app for one engine. `close_engine` closes it when the app shuts down."""
+               model_root: str = "", close_engine: bool = False,
+               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app for one engine. `close_engine` closes it when the app shuts down; a request body
+    over `max_body` bytes gets 413."""
     serving = OpenAIServing(engine, tokenizer, model_name, model_root)
     control = ControlPlane(engine)
     registry = CollectorRegistry(auto_describe=False)
@@ -192,6 +195,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     app.state.serving, app.state.control = serving, control
 
     app.add_middleware(FastGenerate, serving=serving)
+    app.add_middleware(RequestGuard, max_body=max_body)  # body limit; a client gone aborts
     app.add_middleware(BearerAuth, expected=expected)  # added last: runs first
 
     @app.exception_handler(RequestValidationError)
@@ -340,12 +344,13 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
-          served_model_name: str | None = None, dtype: str | None = None) -> None:
+          served_model_name: str | None = None, dtype: str | None = None,
+          max_body: int = MAX_BODY_BYTES) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     path = resolve_model(model)
     engine = TorchEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len)
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
-                     model_root=str(path), close_engine=True)
+                     model_root=str(path), close_engine=True, max_body=max_body)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
