@@ -3,7 +3,7 @@ traceback, and the line names what is wrong (file, field path, pipeline, argumen
 
 The table of every case and the line it gets is docs/RELIABILITY.md's "Bad inputs" section,
 written by this test between its markers: the test fails when the committed table is out of
-date (and rewrites it; commit the new one). HTTP bodies: tests/inference/ (4xx, never 500).
+date (and rewrites it; commit the new one). HTTP bodies go to a real engine server and router and must get a 4xx that says why.
 """
 
 from __future__ import annotations
@@ -206,11 +206,90 @@ def test_as_a_real_process_too(argv: list[str], tmp_path) -> None:
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
 
 
-def test_the_table_in_reliability_md_is_up_to_date(table) -> None:
+# ---------------------------------------------------------------- HTTP bodies
+# (path, body bytes, what) sent to a real engine server and a real router; each must get a 4xx
+# with a JSON error that says what is wrong, never a 500 or a traceback
+HTTP_CASES = [
+    ("engine", "/v1/completions", b"{not json", "malformed JSON"),
+    ("engine", "/v1/completions", b"[1, 2]", "a JSON list instead of an object"),
+    ("engine", "/v1/completions", b'{"model": "tiny"}', "completion without a prompt"),
+    ("engine", "/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', "negative max_tokens"),
+    ("engine", "/v1/completions", b'{"model": "nope", "prompt": "x"}', "unknown model"),
+    ("engine", "/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', "chat messages as a string"),
+    ("engine", "/inference/v1/generate", b'{"token_ids": [1, 99999999], "sampling_params": {}}', "token id outside the vocabulary"),
+    ("engine", "/inference/v1/generate", b'{"token_ids": [1], "sampling_params": {"temperature": -1}}', "negative temperature"),
+    ("engine", "/inference/v1/generate", b'{"token_ids": [], "sampling_params": {}}', "empty prompt"),
+    ("engine", "/inference/v1/generate", b'{"token_ids": [1], "sampling_params": {"n": 0}}', "n = 0 samples"),
+    ("engine", "/abort_requests", b"{oops", "control call with malformed JSON"),
+    ("engine", "/v1/completions", b"x" * (5 * 2**20), "a 5 MiB body"),
+    ("router", "/v1/completions", b"{not json", "malformed JSON"),
+    ("router", "/inference/v1/generate", b'"just a string"', "a JSON string instead of an object"),
+    ("router", "/router/shards", b'{"rank": "zero"}', "admin: rank not a number"),
+    ("router", "/router/shards", b'{"rank": 3, "state": "sideways", "url": "http://x"}', "admin: unknown shard state"),
+    ("router", "/router/shards", b'{"rank": 9}', "admin: a new shard without its url"),
+    ("router", "/inference/v1/generate", b"x" * (5 * 2**20), "a 5 MiB body"),
+]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):
+    """A real engine server process and a router in front of it (own thread and loop)."""
+    import asyncio
+    import threading
+
+    from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+    from rlix.inference.fleet.shard_process import ShardProcess
+    from rlix.inference.router.app import RouterServer
+    from rlix.inference.router.router import Router
+
+    shard = ShardProcess(make_backend(EngineBackendConfig(backend="embedded", model=str(tiny_model_dir),
+                                                          served_model_name="tiny", max_model_len=128)), "k")
+    shard.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    router = Router("k")
+    server = RouterServer(router)
+    try:
+        shard.wait_ready()
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+        asyncio.run_coroutine_threadsafe(router.set_shard(0, shard.url, "active"), loop).result(10)
+        yield {"engine": shard.url, "router": server.url}
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        shard.stop()
+
+
+@pytest.mark.parametrize("case", HTTP_CASES, ids=[f"{c[0]} {c[1]}: {c[3]}" for c in HTTP_CASES])
+def test_bad_http_body_gets_a_4xx_that_says_why(case, servers, http_table) -> None:
+    import httpx
+
+    where, path, body, what = case
+    r = httpx.post(servers[where] + path, content=body, timeout=30,
+                   headers={"Authorization": "Bearer k", "content-type": "application/json"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:500])
+    assert "Traceback" not in r.text
+    err = r.json().get("error")
+    message = err.get("message") if isinstance(err, dict) else (err or r.json().get("detail"))
+    assert message, r.text
+    line = " ".join(str(message).split())
+    http_table.append(("HTTP", f"{where} {path}: {what}", f"{r.status_code}: {line[:160]}"))
+
+
+@pytest.fixture(scope="module")
+def http_table() -> list[tuple[str, str, str]]:
+    return []
+
+
+def test_the_table_in_reliability_md_is_up_to_date(table, http_table) -> None:
     """Runs after the cases (file order): writes the table; fails if the committed one differed."""
-    if len(table) != len(CASES):
+    if len(table) != len(CASES) or len(http_table) != len(HTTP_CASES):
         pytest.skip("run the whole file to rebuild the table")
-    rows = ["| # | kind | bad input | what rlix says (stderr, exit code 2) |", "| --- | --- | --- | --- |"]
+    table = table + http_table
+    rows = ["| # | kind | bad input | what rlix says (CLI: stderr, exit code 2; HTTP: status and error) |",
+            "| --- | --- | --- | --- |"]
     for i, (kind, what, line) in enumerate(table, 1):
         rows.append(f"| {i} | {kind} | {what} | `{line.replace('|', '/')}` |")
     block = "\n".join([START, *rows, END])
