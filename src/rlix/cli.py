@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import socket
 import sys
 from typing import NoReturn
 
@@ -72,8 +74,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _reachable(address: str, timeout_s: float = 3.0) -> None:
     """A `host:port` address must accept a connection within `timeout_s` (Ray itself would
     retry for minutes); "auto" and ray:// addresses are left to Ray."""
-    import socket
-
     if address == "auto" or "://" in address:
         return
     host, _, port = address.rpartition(":")
@@ -215,8 +215,6 @@ def error_line(exc: BaseException) -> str:
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush raises nothing."""
-    import os
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
 

@@ -208,11 +208,13 @@ class RequestGuard:
     Plain ASGI, one task per POST, for the reason BearerAuth is (the shard's HTTP loop also
     answers the control calls a preemption waits for)."""
 
-    def __init__(self, app: Any, max_body: int = MAX_BODY_BYTES) -> None:
-        self.app, self.max_body = app, max_body
+    def __init__(self, app: Any, max_body: int = MAX_BODY_BYTES, paths: tuple[str, ...] | None = None) -> None:
+        """`paths`: only POSTs to paths with these prefixes are guarded (None: all)."""
+        self.app, self.max_body, self.paths = app, max_body, paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST" or \
+                (self.paths is not None and not scope["path"].startswith(self.paths)):
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)

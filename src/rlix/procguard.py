@@ -7,8 +7,8 @@ actor left its shard servers running, holding ports, memory and GPUs. The guard 
 session's leader; it polls its parent (getppid changes when the parent dies, whatever the
 signal) and then signals the whole group: SIGTERM, SIGKILL after a grace period. A SIGTERM to
 the group from its owner (the normal stop) reaches CMD directly; the guard then exits with
-CMD's code. `--cleanup DIR` is removed when CMD ends, however it ends (the shard's private log
-directory). Standard library only: it starts in ~30 ms and holds ~10 MB.
+CMD's code. `--cleanup DIR` (the shard's private log directory) is removed when the guard ends
+CMD because its owner is gone; otherwise the owner reads it and removes it. Standard library only: it starts in ~30 ms and holds ~10 MB.
 """
 
 from __future__ import annotations
@@ -55,28 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _ignore)
     child = subprocess.Popen(cmd)
     code: int | None = None
-    try:
-        while code is None:
-            if parent_gone(args.parent):
-                print(f"rlix.procguard: parent {args.parent} is gone; ending {child.pid}",
-                      file=sys.stderr, flush=True)
-                _signal_group(signal.SIGTERM)  # CMD and what it spawned; we are immune
-                try:
-                    code = child.wait(args.grace_s)
-                except subprocess.TimeoutExpired:
-                    if args.cleanup:
-                        shutil.rmtree(args.cleanup, ignore_errors=True)
-                    _signal_group(signal.SIGKILL)  # ends us too
-                break
+    while code is None:
+        if parent_gone(args.parent):
+            # no owner left to read the log or clean up: the guard does both ends
+            print(f"rlix.procguard: parent {args.parent} is gone; ending {child.pid}",
+                  file=sys.stderr, flush=True)
+            _signal_group(signal.SIGTERM)  # CMD and what it spawned; we are immune
             try:
-                code = child.wait(POLL_S)
-            except subprocess.TimeoutExpired:
-                continue
-    finally:
-        if args.cleanup:
-            shutil.rmtree(args.cleanup, ignore_errors=True)
-    if code is None:
-        code = child.wait()
+                code = child.wait(args.grace_s)
+            finally:
+                if args.cleanup:
+                    shutil.rmtree(args.cleanup, ignore_errors=True)
+            _signal_group(signal.SIGKILL)  # stragglers; ends us too
+        try:
+            code = child.wait(POLL_S)
+        except subprocess.TimeoutExpired:
+            continue
+    # CMD ended with its owner alive: the owner reads its log (a start-up failure's tail) and
+    # removes the directory itself
     return code if code >= 0 else 128 - code
 
 

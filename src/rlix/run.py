@@ -112,6 +112,9 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         t_stop = time.perf_counter()
         if supervisor is not None:
             supervisor.stop_all()
+            audit = supervisor.audit_ledger("end of run")
+            if audit is not None and not audit["ok"]:
+                say(f"scheduler ledger at the end of the run: {audit['error']}")
         say(f"stopped in {time.perf_counter() - t_stop:.1f}s")
         if scheduler is not None:
             ray.kill(scheduler)

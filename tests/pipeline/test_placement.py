@@ -122,7 +122,7 @@ def test_a_shard_that_cannot_confirm_its_release_is_killed_and_named(tiny_model_
         try:
             await fleet.place({0: [0]})
             await fleet.activate([0])
-            pid = fleet.launcher.pids()[0]
+            pid = fleet.launcher.server_pids()[0]
             os.kill(pid, signal.SIGSTOP)  # hung: it will never answer the sleep
             t0 = time.monotonic()
             with pytest.raises(GpuMemoryError) as err:

@@ -261,7 +261,9 @@ class ShardFleet:
     async def kill_for(self, rank: int, why: str) -> GpuMemoryError:
         """A shard failed its GPU hand-off: end its process by PID (its GPU is then free) and
         return the error that names it, its GPU and what went wrong."""
-        name, pid = self.describe(rank), self.launcher.pids().get(rank)
+        server_pids = getattr(self.launcher, "server_pids", None)  # the server under its guard
+        pid = (server_pids() if server_pids else {}).get(rank) or self.launcher.pids().get(rank)
+        name = self.describe(rank)
         await self.kill(rank)
         return GpuMemoryError(f"{name} {why}; its process (pid {pid}) was killed to free the GPU")
 

@@ -32,7 +32,7 @@ from rlix.inference.server import control_schema as C
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.control import ControlPlane, bucket_message, decode_safetensors
 from rlix.inference.server.control_schema import parse_body
-from rlix.inference.server.paths import CONTROL_PATHS, GENERATE, PROTECTED_PREFIXES
+from rlix.inference.server.paths import CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES
 from rlix.inference.server.serving import OpenAIServing
 from rlix.models.presets import resolve_model
 from rlix.threads import favour_control_latency
@@ -195,7 +195,8 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     app.state.serving, app.state.control = serving, control
 
     app.add_middleware(FastGenerate, serving=serving)
-    app.add_middleware(RequestGuard, max_body=max_body)  # body limit; a client gone aborts
+    # data plane: body limit, and a caller that leaves aborts its request
+    app.add_middleware(RequestGuard, max_body=max_body, paths=DATA_PLANE_PREFIXES)
     app.add_middleware(BearerAuth, expected=expected)  # added last: runs first
 
     @app.exception_handler(RequestValidationError)

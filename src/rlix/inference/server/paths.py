@@ -13,3 +13,6 @@ CONTROL_PATHS = frozenset({
     "/finish_weight_update", "/abort_weight_update", "/weight_transfer_status", "/weight_info",
     "/sync_weights", "/weight_checksums",
 })
+#: the data plane's POST routes: bodies are size-limited there and a caller that leaves aborts
+#: its request (the control plane carries weights and must not be cut by a caller's timeout)
+DATA_PLANE_PREFIXES = ("/v1/", "/inference/", "/tokenize", "/detokenize")
