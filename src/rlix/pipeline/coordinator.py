@@ -293,8 +293,9 @@ class ShardCoordinator:
                     await self.fleet.client.resume(stale)
             except Exception:
                 # a shard that died during the refit: the others are refitted once more
-                if not await self._drop_dead():
+                if not await self.fleet.confirm_dead(stale):
                     raise
+                await self._drop_dead()
                 stale = [r for r in self.fleet.active_ranks() if self.versions.get(r) != version]
                 if stale:
                     await self.fleet.client.pause("keep", stale)

@@ -197,6 +197,17 @@ class ShardFleet:
         replaces them."""
         return [r for r in await self.launcher.dead_ranks() if r in self.shards]
 
+    async def confirm_dead(self, ranks: Iterable[int], within_s: float = 1.0) -> list[int]:
+        """Those of `ranks` whose process is gone, waiting up to `within_s` for the exit to show
+        (a call can fail on a server's closed socket a moment before its process is reaped)."""
+        ranks = set(ranks)
+        deadline = time.monotonic() + within_s
+        while True:
+            dead = [r for r in await self.launcher.dead_ranks() if r in ranks]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            await asyncio.sleep(0.05)
+
     def describe(self, rank: int) -> str:
         """How errors name a shard: its rank, pipeline and GPUs."""
         info = self.shards.get(rank)
@@ -236,7 +247,7 @@ class ShardFleet:
             else:
                 phases = await asyncio.wait_for(self._preempt(rank, level), self.release_timeout_s)
         except Exception as exc:  # noqa: BLE001 - whatever stopped the release, the GPU is freed
-            if rank in await self.launcher.dead_ranks():
+            if await self.confirm_dead([rank]):
                 # its process is gone, and with it everything it held: released. The
                 # coordinator finds it dead and replaces or forgets it
                 self.shards[rank].asleep, self.shards[rank].active = None, False
