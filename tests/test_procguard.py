@@ -67,3 +67,23 @@ def test_sigterm_to_the_group_ends_the_command_at_once():
     finally:
         guard.kill()
         guard.wait(5)
+
+
+def test_the_command_dies_with_its_guard_even_when_the_guard_is_sigkilled():
+    """Ray SIGKILLs a dead worker's children, the guard among them; the kernel then ends the
+    command (parent-death signal), so no server outlives both."""
+    guard = subprocess.Popen([sys.executable, "-m", "rlix.procguard", "--parent", str(os.getpid()),
+                              "--", "sleep", "300"], start_new_session=True)
+    try:
+        children = Path(f"/proc/{guard.pid}/task/{guard.pid}/children")
+        deadline = time.monotonic() + 5
+        while not (children.exists() and children.read_text().split()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        child = int(children.read_text().split()[0])
+        os.kill(guard.pid, signal.SIGKILL)
+        guard.wait(5)
+        assert _gone(child, 5)
+    finally:
+        guard.kill()
+        guard.wait(5)

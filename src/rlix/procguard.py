@@ -22,6 +22,7 @@ import sys
 
 POLL_S = 0.2
 GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def parent_gone(parent: int) -> bool:
@@ -31,6 +32,22 @@ def parent_gone(parent: int) -> bool:
 
 def _ignore(signum: int, frame: object) -> None:
     return None
+
+
+def _die_with(guard: int):  # noqa: ANN202 - a preexec_fn
+    """In CMD before exec: SIGKILL when the guard dies. A guard killed outright (Ray SIGKILLs a
+    dead worker's children) cannot end CMD itself; the kernel then does. Safe as a preexec_fn:
+    the guard has one thread."""
+    def arm() -> None:
+        try:
+            import ctypes  # noqa: PLC0415 - deferred: only in the child, between fork and exec
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # not Linux: the guard's own watch still holds
+            return
+        if os.getppid() != guard:  # the guard died before the line above took effect
+            os._exit(1)
+    return arm
 
 
 def _signal_group(sig: int) -> None:
@@ -53,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     # the owner's SIGTERM goes to the whole group: CMD gets it directly; we wait for CMD. A
     # handler, not SIG_IGN: an ignored signal stays ignored across exec, a handler does not
     signal.signal(signal.SIGTERM, _ignore)
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, preexec_fn=_die_with(os.getpid()))
     code: int | None = None
     while code is None:
         if parent_gone(args.parent):
