@@ -286,11 +286,7 @@ class ShardCoordinator:
             if not stale:
                 return []
             try:
-                await self.fleet.client.pause("keep", stale)
-                try:
-                    await self._sync(stale, "refit")
-                finally:
-                    await self.fleet.client.resume(stale)
+                await self._refit(stale)
             except Exception:
                 # a shard that died during the refit: the others are refitted once more
                 if not await self.fleet.confirm_dead(stale):
@@ -298,12 +294,16 @@ class ShardCoordinator:
                 await self._drop_dead()
                 stale = [r for r in self.fleet.active_ranks() if self.versions.get(r) != version]
                 if stale:
-                    await self.fleet.client.pause("keep", stale)
-                    try:
-                        await self._sync(stale, "refit")
-                    finally:
-                        await self.fleet.client.resume(stale)
+                    await self._refit(stale)
             return stale
+
+    async def _refit(self, ranks: list[int]) -> None:
+        """Running requests stay (pause keep) while these shards move to the latest version."""
+        await self.fleet.client.pause("keep", ranks)
+        try:
+            await self._sync(ranks, "refit")
+        finally:
+            await self.fleet.client.resume(ranks)
 
     async def _sync(self, ranks: list[int], kind: str, wake: bool = False) -> None:
         """Sync `ranks` to the latest version (waking the sleeping ones in the same call if
