@@ -135,16 +135,14 @@ def test_killed_shard_server_is_replaced_and_its_pipeline_goes_on(tmp_path, fres
     summary, killer = run_with_fault(tmp_path, active_shard)
     pb = summary["pipelines"]["pb"]
     assert pb["state"] == "done" and pb["steps"] == PB_STEPS and pb["restarts"] == 0
-    deaths = pb["shard_deaths"]
-    assert [d["pid"] for d in deaths][:1] == [killer.processes["shard_guards"][r]
-                                              for r, p in killer.processes["shards"].items()
-                                              if p == killer.killed][:1]
     killed_rank = next(r for r, p in killer.processes["shards"].items() if p == killer.killed)
-    # a new process for that rank: replaced at once, or (if the scheduler took its GPU back
-    # before the death was seen) started when it was next given GPUs
+    # a new process for that rank: replaced where it was, or (if the scheduler took its GPU back
+    # or moved it before the death was seen) started where it was next given GPUs
     again = [e for e in pb["events"] if e[1] in ("replace", "start") and int(killed_rank) in e[2]
              and e[0] > killer.at]
     assert again, "the killed shard's rank never got a new process"
+    guard = killer.processes["shard_guards"][killed_rank]
+    assert all(d["pid"] == guard for d in pb["shard_deaths"]), pb["shard_deaths"]  # no other death
     assert pb["version_mismatches"] == []
     assert gone(killer.killed)
     assert port_free(killer.processes["shard_urls"][killed_rank])

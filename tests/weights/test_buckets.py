@@ -70,9 +70,10 @@ def test_wire_module_needs_only_torch_and_the_standard_library(tmp_path):
     """A real vLLM server loads it as a worker extension, where rlix is not installed."""
     src = Path(__file__).resolve().parents[2] / "src" / "rlix" / "weights" / "wire.py"
     (tmp_path / "wire_alone.py").write_text(src.read_text())
-    code = ("import sys; sys.path = [p for p in sys.path if 'rlix' not in p and 'src' not in p]; "
-            "import wire_alone, torch; print('ok', 'rlix' in sys.modules)")
+    # rlix made unimportable (an entry of None in sys.modules), whatever the paths are named
+    code = ("import sys; sys.modules['rlix'] = None; "
+            "import wire_alone, torch; print('ok', sys.modules['rlix'] is None)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["ok", "False"]
+    assert out.stdout.split() == ["ok", "True"]
