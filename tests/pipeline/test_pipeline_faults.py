@@ -131,9 +131,10 @@ def test_killed_shard_server_is_replaced_and_its_pipeline_goes_on(tmp_path, fres
     def active_shard(procs: dict) -> int | None:
         """An active shard's server if there is one now, else any shard's (a sleeping shard's
         death is a fault too: it is started again when next given GPUs)."""
-        active = [str(r) for r in procs.get("active_shards", [])]
-        pick = next((procs["shards"][r] for r in active if r in procs["shards"]), None)
-        return pick or next(iter(procs["shards"].values()), None)
+        known = [r for r in procs["shards"] if r in procs["shard_urls"]]  # not mid-start
+        active = [str(r) for r in procs.get("active_shards", []) if str(r) in known]
+        pick = active or known
+        return procs["shards"][pick[0]] if pick else None
 
     summary, killer = run_with_fault(tmp_path, active_shard)
     pb = summary["pipelines"]["pb"]
