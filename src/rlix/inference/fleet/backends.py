@@ -8,7 +8,11 @@ is the only place that maps the name to a class.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -78,6 +82,36 @@ class EmbeddedBackend:
         return {}
 
 
+#: the package vLLM imports rlix's worker extension from (`--worker-extension-cls`)
+EXTENSION_PACKAGE = "rlix_vllm_ext"
+EXTENSION_CLS = f"{EXTENSION_PACKAGE}.vllm_worker.RlixWorkerExtension"
+
+
+def staged_extension() -> Path:
+    """A folder holding rlix's worker extension as a package of its own (vllm_worker.py and the
+    wire.py it reads buckets with), for the vLLM server's PYTHONPATH: vLLM's environment has no
+    rlix, and putting rlix's site-packages there would mix two environments. Named by a hash of
+    its files, so every process of every run shares one copy and a changed file gets a new one."""
+    from rlix.weights import vllm_worker, wire  # deferred: torch, and only for vLLM shards
+
+    sources = [Path(wire.__file__), Path(vllm_worker.__file__)]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+    root = env.cache_dir() / "vllm-extension" / digest
+    package = root / EXTENSION_PACKAGE
+    if not (package / "__init__.py").exists():
+        tmp = root.with_name(f"{digest}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / EXTENSION_PACKAGE).mkdir(parents=True)
+        for src in sources:
+            shutil.copy(src, tmp / EXTENSION_PACKAGE / src.name)
+        (tmp / EXTENSION_PACKAGE / "__init__.py").write_text('"""rlix\'s vLLM worker extension."""\n')
+        try:
+            tmp.rename(root)
+        except OSError:  # another process staged it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
 class VllmBackend:
     """A real vLLM OpenAI server with the dev-mode control plane (VLLM_SERVER_DEV_MODE=1).
 
@@ -111,12 +145,11 @@ class VllmBackend:
             cmd += ["--dtype", cfg.dtype]
         if self.supports_sleep:
             cmd.append("--enable-sleep-mode")
-        if cfg.worker_extension_cls:
-            cmd += ["--worker-extension-cls", cfg.worker_extension_cls]
+        cmd += ["--worker-extension-cls", cfg.worker_extension_cls or EXTENSION_CLS]
         return cmd + list(cfg.extra_args)
 
     def env(self) -> dict[str, str]:
-        out = {"VLLM_SERVER_DEV_MODE": "1"}
+        out = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(staged_extension())}
         if self.cfg.device == "cpu":
             out["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
         return out

@@ -1,0 +1,101 @@
+"""rlix's worker extension for a real vLLM server: loads a version from rlix's bucket cache.
+
+vLLM loads this class into each of its workers (`--worker-extension-cls`); rlix calls its methods
+through vLLM's dev-mode `POST /collective_rpc`, whose arguments must be strings, so every call
+takes and answers one JSON string. The buckets are read where they lie (the trainer's
+shared-memory cache), rebuilt into named tensors by wire.py, and handed to vLLM's
+`reload_weights`, which handles vLLM's own fused and repacked layouts.
+
+An update is all or nothing: every bucket is read and checked before vLLM's weights are
+touched, so a missing segment, a bad checksum or an incomplete update leaves the old weights
+serving. Like wire.py, this module is imported inside vLLM's environment, where rlix is not
+installed: torch, the standard library and its sibling `wire` only (rlix.inference.fleet.backends
+stages both into a package of their own for the server's PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from . import wire
+
+
+class RlixWorkerExtension:
+    """Mixed into vLLM's worker class; state lives in attributes prefixed `rlix_`."""
+
+    rlix_layout: wire.Layout | None = None
+    rlix_mapper: wire.ShmMapper | None = None
+    rlix_verify: bool = False
+    rlix_version: int = 0
+
+    def rlix_init_transfer(self, payload: str) -> str:
+        """Take the layout (sent once per layout) and the transport kind."""
+        info = json.loads(payload)
+        if info.get("transport", "shm") != "shm":
+            raise ValueError(f"rlix's vLLM extension reads shared memory only, not {info.get('transport')!r}")
+        layout = wire.Layout.from_json(info["layout"])
+        names = set(self._rlix_param_names())
+        if names and not any(_loadable(e.name, names) for e in layout.entries):
+            raise ValueError("layout does not fit the served model: none of its tensors is one of the "
+                             f"model's parameters (first: {layout.entries[0].name!r})")
+        self.rlix_layout = layout
+        self.rlix_verify = bool(info.get("verify", False))
+        if self.rlix_mapper is None:
+            self.rlix_mapper = wire.ShmMapper()
+        return json.dumps({"layout_id": layout.layout_id})
+
+    def rlix_sync(self, payload: str) -> str:
+        """Apply one version: every bucket read and checked first, then one reload."""
+        job = json.loads(payload)
+        layout, mapper = self.rlix_layout, self.rlix_mapper
+        if layout is None or mapper is None:
+            raise ValueError("no transfer layout yet: rlix_init_transfer first")
+        if job.get("layout_id") != layout.layout_id:
+            raise ValueError(f"update for layout {job.get('layout_id')!r}; this worker holds {layout.layout_id!r}")
+        version = int(job["weight_version"])
+        session = wire.ReceiveSession(wire.BucketAssembler(layout), version, verify=self.rlix_verify)
+        named: list[tuple[str, torch.Tensor]] = []
+        for message in job["updates"]:
+            bucket = mapper.bucket(str(message["shm"]), int(message["offset"]), int(message["nbytes"]))
+            named.extend(session.accept(message, bucket))
+        session.close()  # raises if any bucket or tensor never arrived
+        self.model_runner.reload_weights(weights_iterator=iter(named))
+        self.rlix_version = version
+        return json.dumps({"weight_version": version, "tensors": len(named)})
+
+    def rlix_weight_version(self, payload: str = "{}") -> str:
+        return json.dumps({"weight_version": self.rlix_version})
+
+    def rlix_checksums(self, payload: str = "{}") -> str:
+        """sha256 of each served parameter's bytes, by vLLM's own names (fused q/k/v, gate/up):
+        the trainer can fuse its tensors the same way and compare."""
+        out = {}
+        for name, param in self._rlix_named_parameters():
+            data = param.detach().contiguous().cpu()
+            out[name] = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return json.dumps(out)
+
+    def _rlix_named_parameters(self) -> list[tuple[str, Any]]:
+        model = getattr(self.model_runner, "model", None)
+        if model is None:
+            get = getattr(self.model_runner, "get_model", None)
+            model = get() if callable(get) else None
+        return list(model.named_parameters()) if model is not None else []
+
+    def _rlix_param_names(self) -> list[str]:
+        return [n for n, _ in self._rlix_named_parameters()]
+
+
+def _loadable(name: str, params: set[str]) -> bool:
+    """A checkpoint name vLLM can load: itself, or a part of one of its fused parameters."""
+    if name in params:
+        return True
+    for part, fused in (("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"), ("v_proj", "qkv_proj"),
+                        ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj")):
+        if f".{part}." in name and name.replace(f".{part}.", f".{fused}.") in params:
+            return True
+    return name == "lm_head.weight"  # tied to the embedding in small Qwen2 models
