@@ -6,6 +6,7 @@ Everything else asks this module, so the full set of knobs is visible in one fil
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Literal
 
@@ -45,8 +46,18 @@ def api_key() -> str | None:
 
 
 def vllm_python() -> str | None:
-    """Python executable of an environment with vLLM installed (`RLIX_VLLM_PYTHON`), if set."""
-    return os.environ.get("RLIX_VLLM_PYTHON", "").strip() or None
+    """Python executable of an environment with vLLM installed: `RLIX_VLLM_PYTHON`, else the
+    wrapper scripts/setup-vllm.sh puts in this environment's bin/, else None."""
+    value = os.environ.get("RLIX_VLLM_PYTHON", "").strip()
+    if value:
+        return value
+    linked = Path(sys.prefix) / "bin" / "rlix-vllm-python"
+    return str(linked) if linked.exists() else None
+
+
+def require_vllm() -> bool:
+    """`RLIX_REQUIRE_VLLM=1` (CI's vLLM step): tests that need vLLM fail instead of skipping."""
+    return os.environ.get("RLIX_REQUIRE_VLLM", "").strip() in ("1", "true", "yes")
 
 
 NCCL_DEFAULTS = {

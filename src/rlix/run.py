@@ -89,13 +89,13 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
             f"({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
-            scheduler = start_scheduler(topology, params)
+            scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda")
             ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
         supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=api_key,
                                 devices=devices, scheduler=scheduler, say=say,
                                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                 setup_timeout_s=cfg.setup_timeout_s,
-                                all_gpus=list(range(total)), resume=resume)
+                                all_gpus=list(range(total)), resume=resume, vllm_python=cfg.vllm_python)
         supervisor.start_all()
         supervisor.wait_setup()
         if scheduler is not None:

@@ -69,8 +69,9 @@ class Supervisor:
     def __init__(self, pipelines: list[PipelineConfig], *, mode: str, run_dir: Path, api_key: str,
                  devices: DevicePlan, scheduler: Any, say: Callable[[str], None],
                  heartbeat_timeout_s: float, setup_timeout_s: float, all_gpus: list[int],
-                 resume: bool = False) -> None:
+                 resume: bool = False, vllm_python: str | None = None) -> None:
         self.slots = {p.name: PipelineSlot(p) for p in pipelines}
+        self.vllm_python = vllm_python
         self.mode, self.run_dir, self.api_key, self.devices = mode, run_dir, api_key, devices
         self.scheduler, self.say = scheduler, say
         self.heartbeat_timeout_s, self.setup_timeout_s = heartbeat_timeout_s, setup_timeout_s
@@ -91,7 +92,7 @@ class Supervisor:
         gpus = slot.cfg.gpus if slot.cfg.gpus is not None else self.all_gpus
         slot.actor = PipelineActor.remote(slot.cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir),
                                           api_key=self.api_key, gpus=gpus, resume=resume,
-                                          devices=self.devices)
+                                          devices=self.devices, vllm_python=self.vllm_python)
         slot.setup_ref, slot.run_ref, slot.progress_ref = slot.actor.setup.remote(), None, None
         slot.state, slot.summary = "setup", None
         slot.started = slot.progress_sent = time.monotonic()

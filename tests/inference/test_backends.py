@@ -132,6 +132,7 @@ class _ExitingBackend:
     """A 'server' that prints a line and exits: start-up must fail with that line."""
 
     name, health_path, startup_timeout_s, supports_sleep = "exiting", "/health", 10.0, False
+    ready_requests = ()
 
     def command(self, *, host: str, port: int, api_key: str) -> list[str]:
         import sys

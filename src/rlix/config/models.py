@@ -61,6 +61,20 @@ class RolloutConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="sequences one shard decodes at once")
 
 
+class VllmOptions(_Strict):
+    """vLLM's own settings for a pipeline whose shards are vLLM servers (`engine: vllm`)."""
+
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM --max-num-seqs (default: rollout.max_num_seqs)")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM --gpu-memory-utilization "
+                                                                              "(default: vLLM's)")
+    enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no CUDA graphs (faster start)")
+    cpu_kvcache_gib: int = Field(1, ge=1, description="on CPU: KV cache of each server in GiB "
+                                                      "(VLLM_CPU_KVCACHE_SPACE)")
+    startup_timeout_s: float = Field(600.0, gt=0, description="a server not healthy within this fails "
+                                                             "(cold start is ~85 s on a 2-core CPU)")
+    extra_args: list[str] = Field(default_factory=list, description="more arguments for vLLM's server, as is")
+
+
 class TrainConfig(_Strict):
     """The trainer's optimiser and loss settings (see rlix.training)."""
 
@@ -110,6 +124,9 @@ class PipelineConfig(_Strict):
                                                    "weights on both sides: for tests and benchmarks)")
     cpu_threads: int | None = Field(1, ge=1, description="torch threads of its trainer and of each shard "
                                                          "process on CPU (None: torch's default)")
+    engine: Literal["embedded", "vllm"] = Field("embedded", description="what its shards run: rlix's "
+                                                                      "embedded engine, or real vLLM servers")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM's settings (engine: vllm)")
 
     @model_validator(mode="after")
     def _shard_bounds(self) -> "PipelineConfig":
@@ -122,12 +139,15 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"gpus {self.gpus} are fewer than train_gpus={self.train_gpus} / tp={self.tp}")
         return self
 
-    def spec(self) -> PipelineSpec:
+    def spec(self, frees_memory: bool = True) -> PipelineSpec:
+        """For the scheduler. `frees_memory`: its shards give GPU memory back when preempted
+        (false for vLLM where sleep mode is refused: its shards only pause)."""
         return PipelineSpec(
             name=self.name, priority=self.priority, weight=self.weight, train_gpus=self.train_gpus,
             tp=self.tp, min_shards=self.min_shards, max_shards=self.max_shards,
             partial_overlap=self.partial_overlap, seqs_per_shard=self.seqs_per_shard,
             fixed_trainer=True,  # its trainer is a process bound to GPUs (rlix.placement)
+            frees_memory=frees_memory,
         )
 
 
@@ -157,6 +177,9 @@ class RlixConfig(_Strict):
         "rlix", description="rlix: pipelines time-share GPUs through the scheduler; standalone: each "
                             "runs on fixed GPUs (env RLIX_CONTROL_PLANE overrides)")
     run_dir: str = Field("runs/latest", description="where logs, metrics and checkpoints go")
+    vllm_python: str | None = Field(None, description="Python of an environment with vLLM, for pipelines "
+                                                      "with engine: vllm (default: RLIX_VLLM_PYTHON, else "
+                                                      "the one scripts/setup-vllm.sh linked into the venv)")
     pipelines: list[PipelineConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

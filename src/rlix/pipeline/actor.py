@@ -31,13 +31,14 @@ def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any) -> 
 @ray.remote(num_cpus=0)
 class PipelineActor:
     def __init__(self, cfg: dict, *, mode: str, run_dir: str, api_key: str, gpus: list[int],
-                 resume: bool = False, devices: DevicePlan | None = None) -> None:
+                 resume: bool = False, devices: DevicePlan | None = None,
+                 vllm_python: str | None = None) -> None:
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         config = PipelineConfig.model_validate(cfg)
         hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor)
         self.runner = PipelineRunner(config, hooks, run_dir=run_dir, api_key=api_key, resume=resume,
-                                     devices=devices)
+                                     devices=devices, vllm_python=vllm_python)
 
     async def setup(self) -> dict:
         return await self.runner.setup()

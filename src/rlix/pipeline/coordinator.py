@@ -63,13 +63,26 @@ class CoordinatorStats:
     replacements: list[dict] = field(default_factory=list)  # new processes for dead assigned shards
 
 
+async def engine_checksums(fleet: ShardFleet, ranks: list[int]) -> dict[int, dict]:
+    """rlix's engine server: per-tensor checksums of what it serves, by the trainer's names."""
+    answers = await fleet.client.fan_out("GET", "/weight_checksums", ranks)
+    return {r: answers[r]["checksums"] for r in ranks}
+
+
+async def vllm_checksums(fleet: ShardFleet, ranks: list[int]) -> dict[int, dict]:
+    """A vLLM server: its own /weight_checker digests, by its names, without the worker prefix."""
+    answers = await fleet.client.fan_out("POST", "/weight_checker", ranks, json={"action": "checksum"})
+    return {r: {n.rsplit(":", 1)[-1]: d for n, d in answers[r]["checksums"].items()} for r in ranks}
+
+
 class ShardCoordinator:
     """See module doc. `sync(version, {rank: url}, wake)` moves those shards to a cached version
     (it runs where the cache lives: the trainer's process)."""
 
     def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
                  wake_in_sync: bool = False, placed: bool = False,
-                 audit: Callable[[int], Awaitable[Mapping[str, int]]] | None = None,
+                 audit: Callable[[int], Awaitable[Mapping[str, int | str]]] | None = None,
+                 served_checksums: Callable[[ShardFleet, list[int]], Awaitable[dict[int, dict]]] | None = None,
                  max_restarts: int = 3) -> None:
         self.fleet = fleet
         # placed: each shard's process runs on the GPUs the scheduler names in `add` and is
@@ -78,6 +91,8 @@ class ShardCoordinator:
         # audit(version) -> the trainer's per-tensor checksums of it: every synced shard's
         # served weights are compared with them (costs a pass over the weights on both sides)
         self._audit = audit
+        # what the shards say they serve, in the audit's terms (default: rlix's engine server)
+        self._served_checksums = served_checksums or engine_checksums
         self.failure: RlixError | None = None  # a GPU hand-off failed, a shard kept dying: the pipeline must end
         self.max_restarts = max_restarts  # replacements of one rank's process before the pipeline fails
         # rank -> GPUs: the shards the scheduler (or the fixed mode) last gave GPUs and has not
@@ -349,9 +364,9 @@ class ShardCoordinator:
 
     async def _compare_checksums(self, ranks: list[int], version: int) -> None:
         want = dict(await self._audit(version))  # type: ignore[misc]
-        answers = await self.fleet.client.fan_out("GET", "/weight_checksums", ranks)
+        answers = await self._served_checksums(self.fleet, ranks)
         for r in ranks:
-            got = answers[r]["checksums"]
+            got = answers[r]
             bad = sorted(n for n in want if got.get(n) != want[n])
             extra = sorted(set(got) - set(want))
             self.stats.checksum_checks += 1

@@ -25,9 +25,11 @@ class RLixHooks(Protocol):
         """The dp ranks this pipeline starts, each with its GPUs if fixed (else [])."""
         ...
 
-    async def reserve(self, cfg: PipelineConfig) -> list[int]:
+    async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
         """Make the pipeline known to whoever grants its GPUs; returns the GPUs its trainer is
-        placed on (its training home). Shards may be placed from here on (once ready)."""
+        placed on (its training home). Shards may be placed from here on (once ready).
+        `frees_memory`: whether its preempted shards give their GPU memory back (sleep) or
+        only pause (vLLM where sleep mode is refused)."""
         ...
 
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
@@ -74,7 +76,7 @@ class NoOpHooks:
         n = max(len(self.gpus) // cfg.tp, 1)
         return {r: self.gpus[r * cfg.tp:(r + 1) * cfg.tp] for r in range(n)}
 
-    async def reserve(self, cfg: PipelineConfig) -> list[int]:
+    async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
         return list(self.gpus[:cfg.train_gpus])
 
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:

@@ -28,6 +28,7 @@ from rlix import env
 from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
 from rlix.errors import TrainerDiedError, one_line
+from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
@@ -37,7 +38,7 @@ from rlix.models.presets import resolve_model
 from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
-from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
 from rlix.pipeline.hooks import RLixHooks
 from rlix.placement import GpuReservation
 from rlix.training.actor import TrainerActor
@@ -95,8 +96,10 @@ class DevicePlan:
 
 class PipelineRunner:
     def __init__(self, cfg: PipelineConfig, hooks: RLixHooks, *, run_dir: str | Path, api_key: str,
-                 resume: bool = False, devices: DevicePlan | None = None) -> None:
+                 resume: bool = False, devices: DevicePlan | None = None,
+                 vllm_python: str | None = None) -> None:
         self.cfg, self.hooks, self.api_key, self.resume = cfg, hooks, api_key, resume
+        self.vllm_python = vllm_python  # engine: vllm; None: rlix.env's default
         self.devices = devices or DevicePlan()
         self.ready = asyncio.Event()  # set once the coordinator can take the scheduler's calls
         self.dir = Path(run_dir) / cfg.name
@@ -110,6 +113,7 @@ class PipelineRunner:
         self.setup_s = 0.0
         # built by setup(), in this order; shutdown() stops whatever exists
         self.trainer: Any = None
+        self.backend: EngineBackend | None = None
         self.data_plane: DataPlaneThread | None = None
         self.router: Router | None = None
         self.fleet: ShardFleet | None = None
@@ -125,8 +129,10 @@ class PipelineRunner:
     async def setup(self) -> dict:
         t0 = time.perf_counter()
         path = resolve_model(self.cfg.model)
+        self.backend = make_backend(self._engine_config(str(path)))
         self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
-        train_gpus = await self.hooks.reserve(self.cfg)  # the scheduler may place shards from now on
+        # the scheduler may place shards from now on
+        train_gpus = await self.hooks.reserve(self.cfg, frees_memory=self.backend.supports_sleep)
         await self._start_trainer(str(path), train_gpus)
         ranks = await self._start_shards(str(path))
         self._start_collector(str(path))
@@ -151,7 +157,8 @@ class PipelineRunner:
         extra = {"dtype": dev.dtype} if dev.dtype else {}
         self.trainer = TrainerActor.options(**options).remote(
             path, cfg.train, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
-            cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda", **extra)
+            cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda",
+            engine=cfg.engine, served_dtype=self.served_dtype, **extra)
         ckpt = self.checkpoint_dir
         metrics = self.dir / "metrics.jsonl"
         if self.resume and ckpt.exists():
@@ -181,9 +188,8 @@ class PipelineRunner:
         self.data_plane.start()
         self.router = Router(self.api_key, hold_timeout_s=GENERATE_TIMEOUT_S)
         dev = self.devices
-        backend = make_backend(EngineBackendConfig(
-            backend="embedded", model=path, served_model_name=cfg.name, device=dev.device, dtype=dev.dtype,
-            max_model_len=ro.max_model_len, max_num_seqs=ro.max_num_seqs, cpu_threads=cfg.cpu_threads))
+        backend = self.backend
+        vllm = backend.name == "vllm"
         control = RemoteInferenceClient(None, {}, self.api_key, cfg.name)  # straight to the shards
         placed = dev.reservation is not None
         # shard logs in the run dir: a dead shard's log stays for its post-mortem, and nothing
@@ -192,17 +198,42 @@ class PipelineRunner:
                                  placement=dev.visible_devices_env if placed else None)
         self.fleet = ShardFleet(launcher, self.data_plane.router_control(self.router), control,
                                 sleep_level=dev.sleep_level, release_timeout_s=dev.release_timeout_s,
-                                holder=f"pipeline {cfg.name}",
-                                drain_before_sleep=False)  # our engine aborts in-flight at sleep
+                                holder=f"pipeline {cfg.name}", supports_sleep=backend.supports_sleep,
+                                # our engine aborts what is in flight at sleep; vLLM is drained first
+                                drain_before_sleep=vllm,
+                                # fake GPUs: a vLLM server is not restarted (a minute) to move
+                                restart_on_move=dev.device == "cuda" or not vllm)
         self.coordinator = ShardCoordinator(self.fleet, self.trainer.sync_weights.remote, initial_version=0,
                                             wake_in_sync=True,  # our engine serves /sync_weights
                                             placed=placed,
-                                            audit=self.trainer.weight_checksums.remote if cfg.audit_weights else None)
+                                            audit=self.trainer.weight_checksums.remote if cfg.audit_weights else None,
+                                            served_checksums=vllm_checksums if vllm else None)
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)
         self.coordinator.announce(self.start_step)
         return ranks
+
+    def _engine_config(self, path: str) -> EngineBackendConfig:
+        """The shards' engine, from the pipeline's `engine:` and `vllm:` and the run's devices."""
+        cfg, ro, dev = self.cfg, self.cfg.rollout, self.devices
+        common = dict(model=path, served_model_name=cfg.name, device=dev.device,
+                      max_model_len=ro.max_model_len)
+        if cfg.engine == "embedded":
+            return EngineBackendConfig(backend="embedded", dtype=dev.dtype, max_num_seqs=ro.max_num_seqs,
+                                       cpu_threads=cfg.cpu_threads, **common)
+        v = cfg.vllm
+        return EngineBackendConfig(
+            backend="vllm", python=self.vllm_python, dtype=self.served_dtype,
+            max_num_seqs=v.max_num_seqs or ro.max_num_seqs, gpu_memory_utilization=v.gpu_memory_utilization,
+            enforce_eager=v.enforce_eager, cpu_kvcache_gib=v.cpu_kvcache_gib,
+            startup_timeout_s=v.startup_timeout_s, extra_args=tuple(v.extra_args), **common)
+
+    @property
+    def served_dtype(self) -> str:
+        """The dtype the shards serve in. vLLM is told it (its audit hashes the trainer's weights
+        cast to it); bfloat16 unless the run names one."""
+        return self.devices.dtype or "bfloat16"
 
     def _start_collector(self, path: str) -> None:
         cfg = self.cfg

@@ -36,10 +36,10 @@ class SchedulerHooks:
         """Every shard it may use; the scheduler decides where and when each runs."""
         return {r: [] for r in range(cfg.max_shards)}
 
-    async def reserve(self, cfg: PipelineConfig) -> list[int]:
+    async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
         """Register; the scheduler answers with the training home, where the trainer is placed.
         Its calls to place shards wait until the pipeline is ready (PipelineRunner.ready)."""
-        self.home = list(await self.scheduler.register.remote(cfg.spec(), self.coordinator_handle))
+        self.home = list(await self.scheduler.register.remote(cfg.spec(frees_memory), self.coordinator_handle))
         return self.home
 
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:

@@ -39,8 +39,12 @@ class AsyncScheduler:
     def __init__(self, topology: Topology, params: PlannerParams | None = None, *,
                  clock: Callable[[], float] = time.monotonic, plan_fn: PlanFn | None = None,
                  is_fatal: Callable[[BaseException], bool] = lambda exc: False,
-                 call_timeout_s: float | None = None, min_timer_s: float = 0.05) -> None:
+                 call_timeout_s: float | None = None, min_timer_s: float = 0.05,
+                 real_gpus: bool = False) -> None:
         self.core = SchedulerCore(topology, params, clock=clock, plan_fn=plan_fn)
+        # real GPUs: a GPU is handed on only once its holder's memory is free, so a pipeline
+        # whose shards can only pause (spec.frees_memory False) cannot share them
+        self.real_gpus = real_gpus
         self.executor = PlanExecutor(self._on_grant, self._on_call_error, call_timeout_s)
         self.is_fatal = is_fatal
         self.min_timer_s = min_timer_s
@@ -55,6 +59,13 @@ class AsyncScheduler:
     # ------------------------------------------------------------------ calls
     def register(self, spec: PipelineSpec, resize: ResizeFn) -> list[int]:
         """Returns the pipeline's training home (its trainer's GPUs), [] if it has none."""
+        if not spec.frees_memory and self.real_gpus:
+            raise SchedulerError(f"pipeline {spec.name!r}: its shards cannot give GPU memory back when "
+                                 "preempted (their engine refuses sleep mode here), so they cannot "
+                                 "time-share real GPUs; use an engine that sleeps, or standalone mode")
+        if not spec.frees_memory:
+            log.info("pipeline %s: its preempted shards pause and keep their memory (fake GPUs: "
+                     "nothing to hand over)", spec.name)
         self.core.register(spec)
         self._coordinators[spec.name] = resize
         self._replan(f"register {spec.name}")
@@ -129,6 +140,8 @@ class AsyncScheduler:
         snap["failures"] = list(self.failures)
         snap["errors"] = list(self.errors)
         snap["timer_armed"] = self._timer is not None and not self._timer.done()
+        # pipelines whose preempted shards keep their memory (pause, no sleep)
+        snap["pause_only"] = sorted(n for n, spec in self.core.pipelines.items() if not spec.frees_memory)
         return snap
 
     async def settle(self) -> None:
@@ -248,7 +261,7 @@ class SchedulerService:
 
     def __init__(self, topology: Topology, params: PlannerParams | None = None,
                  liveness_interval_s: float = 2.0, ping_timeout_s: float = 3.0,
-                 call_timeout_s: float | None = None) -> None:
+                 call_timeout_s: float | None = None, real_gpus: bool = False) -> None:
         if not log.handlers and log.level == logging.NOTSET:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -256,7 +269,7 @@ class SchedulerService:
             log.setLevel(logging.INFO)
             log.propagate = False  # one line per event even if Ray configured the root logger
         self._sched = AsyncScheduler(topology, params, is_fatal=_is_dead,
-                                     call_timeout_s=call_timeout_s)
+                                     call_timeout_s=call_timeout_s, real_gpus=real_gpus)
         self._handles: dict[str, object] = {}
         self._liveness_interval_s = liveness_interval_s
         self._ping_timeout_s = ping_timeout_s
@@ -378,8 +391,9 @@ def topology_from_ray() -> Topology:
 
 def start_scheduler(topology: Topology | str | None = None, params: PlannerParams | None = None,
                     *, detached: bool = False, liveness_interval_s: float = 2.0,
-                    call_timeout_s: float | None = None):
+                    call_timeout_s: float | None = None, real_gpus: bool = False):
     """Start the scheduler actor, or get the running one; returns its handle once ready.
+    `real_gpus`: the GPUs are real (not fake ones on CPU), see AsyncScheduler.
 
     `topology` None or "auto" reads it from Ray. An existing scheduler with another topology
     is an error, not silently reused.
@@ -393,7 +407,8 @@ def start_scheduler(topology: Topology | str | None = None, params: PlannerParam
     if detached:
         options["lifetime"] = "detached"
     handle = SchedulerService.options(**options).remote(
-        topology, params, liveness_interval_s=liveness_interval_s, call_timeout_s=call_timeout_s)
+        topology, params, liveness_interval_s=liveness_interval_s, call_timeout_s=call_timeout_s,
+        real_gpus=real_gpus)
     info = ray.get(handle.ping.remote())
     if tuple(info["gpus_per_node"]) != topology.gpus_per_node:
         raise SchedulerError(f"a scheduler is already running with topology "

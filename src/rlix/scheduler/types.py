@@ -63,6 +63,10 @@ class PipelineSpec:
     #: its trainer is a process bound to its GPUs (a real run): it trains on a home chosen at
     #: registration, always the same GPUs; its own shards may still sit there (partial overlap)
     fixed_trainer: bool = False
+    #: a preempted shard of it gives its GPU memory back (sleeps). False: it can only pause
+    #: (vLLM on a platform without sleep mode), so the memory stays held; a GPU is then only
+    #: time-shared where it is not a real one (fake GPUs on CPU), and the ledger says so
+    frees_memory: bool = True
 
     def __post_init__(self) -> None:
         problems = []

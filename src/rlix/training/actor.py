@@ -29,7 +29,10 @@ from rlix.training.trainer import PolicyTrainer
 from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
 from rlix.weights.api import SyncReport
 from rlix.weights.buckets import tensor_checksums
+from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.push import ShardWeightPusher
+from rlix.weights.vllm_endpoint import VllmShardEndpoint
+from rlix.weights.vllm_names import vllm_digests
 
 
 def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSample]:
@@ -46,13 +49,16 @@ class TrainerActor:
 
     def __init__(self, model: str, train: TrainConfig | None = None, *, seed: int = 0,
                  temperature: float = 1.0, api_key: str = "", cpu_threads: int | None = None,
-                 **kwargs: Any) -> None:
+                 engine: str = "embedded", served_dtype: str = "bfloat16", **kwargs: Any) -> None:
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
         self.trainer = PolicyTrainer.from_config(model, train or TrainConfig(), seed=seed,
                                                  temperature=temperature, **kwargs)
         self.api_key = api_key
-        self._checksums: dict[int, dict[str, int]] = {}
+        # the shards' engine: how syncs reach them and how their served weights are audited
+        self.engine = engine
+        self.served_dtype = getattr(torch, served_dtype)
+        self._checksums: dict[int, dict[str, int | str]] = {}
         # a checkpoint asked for while a step trains (Ctrl-C, a failure elsewhere) waits for it:
         # weights, optimizer state and step counter are saved as one consistent state
         self._state = threading.Lock()
@@ -85,7 +91,7 @@ class TrainerActor:
         audit_s = 0.0
         if audit:
             t0 = time.perf_counter()
-            self._checksums = {int(version): tensor_checksums(self.trainer.state_for_sync())}
+            self._checksums = {int(version): self._audit_checksums(self.trainer.state_for_sync())}
             audit_s = time.perf_counter() - t0
         started = time.perf_counter()
         cache = self.trainer.build_cache(version)
@@ -94,7 +100,17 @@ class TrainerActor:
                                 time.perf_counter() - started, list(cache.versions()),
                                 [s.name for s in cache.shm_segments()], audit_s)
 
-    def weight_checksums(self, version: int) -> dict[str, int]:
+    def _audit_checksums(self, state: Mapping[str, torch.Tensor]) -> dict[str, int | str]:
+        """What a shard's served weights are compared with: per-tensor checksums (rlix's engine
+        serves the tensors as sent), or vLLM's own digests of them fused and cast as vLLM serves."""
+        if self.engine != "vllm":
+            return dict(tensor_checksums(state))
+        embed, head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
+        if head is not None and embed is not None and head.data_ptr() == embed.data_ptr():
+            state = {n: t for n, t in state.items() if n != "lm_head.weight"}  # tied: vLLM holds one
+        return dict(vllm_digests(state, self.served_dtype))
+
+    def weight_checksums(self, version: int) -> dict[str, int | str]:
         """Per-tensor checksums of a version published with `audit`."""
         if int(version) not in self._checksums:
             raise WeightCacheError(f"no checksums of version {version} (publish it with audit=True)")
@@ -106,7 +122,8 @@ class TrainerActor:
         if self.trainer.cache is None:
             raise WeightCacheError("no weight cache yet: publish a version first")
         if self._pusher is None:
-            self._pusher = ShardWeightPusher(lambda: self.trainer.cache, self.api_key)
+            endpoint = VllmShardEndpoint if self.engine == "vllm" else HttpShardEndpoint
+            self._pusher = ShardWeightPusher(lambda: self.trainer.cache, self.api_key, endpoint=endpoint)
         return self._pusher.sync(version, {int(r): u for r, u in shards.items()}, wake)
 
     def offload(self) -> DeviceMemory:

@@ -20,8 +20,9 @@ from rlix.weights.sync import WeightSync
 
 class ShardWeightPusher:
     def __init__(self, cache: Callable[[], BucketCache], api_key: str, transport: str = "shm",
-                 idle_timeout_s: float = 60.0) -> None:
+                 idle_timeout_s: float = 60.0, endpoint: type[HttpShardEndpoint] = HttpShardEndpoint) -> None:
         self._cache, self.api_key, self.transport = cache, api_key, transport
+        self.endpoint = endpoint  # the shards' weight protocol: rlix's engine server, or vLLM's
         self.idle_timeout_s = idle_timeout_s
         self._sync: WeightSync | None = None
         self._loop = asyncio.new_event_loop()
@@ -41,8 +42,8 @@ class ShardWeightPusher:
             self._sync = WeightSync(cache, {}, self.transport, idle_timeout_s=self.idle_timeout_s)
         for rank, url in urls.items():
             known = self._sync.endpoints.get(rank)
-            if not isinstance(known, HttpShardEndpoint) or known.url != url.rstrip("/"):
-                self._sync.add_shard(rank, HttpShardEndpoint(url, self.api_key, f"shard {rank}"))
+            if not isinstance(known, self.endpoint) or known.url != url.rstrip("/"):
+                self._sync.add_shard(rank, self.endpoint(url, self.api_key, f"shard {rank}"))
         return await self._sync.sync(version, sorted(urls), wake)
 
     def close(self) -> None:

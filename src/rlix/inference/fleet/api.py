@@ -15,6 +15,8 @@ class EngineBackend(Protocol):
     startup_timeout_s: float
     #: sleep/wake really frees memory (vLLM refuses sleep mode on CPU)
     supports_sleep: bool
+    #: (path, JSON body) posted once the server is healthy, before it is used
+    ready_requests: tuple[tuple[str, dict], ...]
 
     def command(self, *, host: str, port: int, api_key: str) -> list[str]: ...
 

@@ -39,6 +39,8 @@ class EngineBackendConfig(BaseModel):
     python: str | None = Field(None, description="vllm: interpreter with vLLM; default RLIX_VLLM_PYTHON")
     cpu_kvcache_gib: int = Field(1, ge=1, description="vllm on cpu: VLLM_CPU_KVCACHE_SPACE")
     worker_extension_cls: str | None = Field(None, description="vllm: --worker-extension-cls")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm: its own default if unset")
+    enforce_eager: bool = Field(False, description="vllm: no CUDA graphs")
     extra_args: tuple[str, ...] = ()
     cpu_threads: int | None = Field(None, ge=1, description="embedded: torch threads of each shard "
                                                             "(default torch's; 1 when many share few cores)")
@@ -58,6 +60,7 @@ class EmbeddedBackend:
     name = "embedded"
     health_path = "/health"
     supports_sleep = True
+    ready_requests: tuple[tuple[str, dict], ...] = ()
 
     def __init__(self, cfg: EngineBackendConfig, python: str | None = None) -> None:
         self.cfg = cfg
@@ -130,8 +133,10 @@ class VllmBackend:
             raise ConfigError("backend 'vllm' needs a Python with vLLM: set engine.python or RLIX_VLLM_PYTHON")
         self.cfg = cfg
         self.python = python
-        self.startup_timeout_s = max(cfg.startup_timeout_s, 300.0)  # cold start is ~85 s on CPU
+        self.startup_timeout_s = cfg.startup_timeout_s
         self.supports_sleep = cfg.device == "cuda"
+        # vLLM stamps what it generates "default" until told a version; weights on disk are 0
+        self.ready_requests = (("/update_weight_version", {"new_version": "0"}),)
 
     def command(self, *, host: str, port: int, api_key: str) -> list[str]:
         cfg = self.cfg
@@ -143,6 +148,10 @@ class VllmBackend:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.dtype:
             cmd += ["--dtype", cfg.dtype]
+        if cfg.gpu_memory_utilization:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
         if self.supports_sleep:
             cmd.append("--enable-sleep-mode")
         cmd += ["--worker-extension-cls", cfg.worker_extension_cls or EXTENSION_CLS]

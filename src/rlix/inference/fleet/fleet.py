@@ -94,8 +94,12 @@ class ShardFleet:
     def __init__(self, launcher: ShardLauncher, router: RouterControl, client: RemoteInferenceClient,
                  *, supports_sleep: bool = True, sleep_level: int = 1, drain_timeout_s: float = 5.0,
                  poll_s: float = 0.005, drain_before_sleep: bool = True,
-                 release_timeout_s: float | None = None, holder: str = "shard") -> None:
+                 release_timeout_s: float | None = None, holder: str = "shard",
+                 restart_on_move: bool = True) -> None:
         self.launcher, self.router, self.client = launcher, router, client
+        # False: a shard given other GPUs keeps its process (fake GPUs on CPU, where a process
+        # sees no GPU and a vLLM server takes a minute to start); it records the new GPUs only
+        self.restart_on_move = restart_on_move
         # A preemption must confirm its release (sleep answered, memory measured) within this;
         # else the shard's process is killed: a GPU is never handed on while it may be in use.
         self.release_timeout_s = release_timeout_s
@@ -168,6 +172,9 @@ class ShardFleet:
             want = tuple(int(g) for g in gpus_of[rank])
             info = self.shards.get(rank)
             if info is not None and info.gpus == want:
+                return False
+            if info is not None and not self.restart_on_move:
+                info.gpus = want
                 return False
             if info is not None:
                 await self.kill(rank)

@@ -89,6 +89,7 @@ class ShardProcess:
                                            f"(code {self.proc and self.proc.poll()}):\n{self.log_tail()}")
                 try:
                     if http.get(self.url + self.backend.health_path).status_code == 200:
+                        self._after_ready(http)
                         return
                 except httpx.HTTPError:
                     pass
@@ -96,6 +97,14 @@ class ShardProcess:
         tail = self.log_tail()  # before stop() removes a log dir of our own
         self.stop()
         raise EngineStateError(f"shard server not healthy after {timeout_s:g} s:\n{tail}")
+
+    def _after_ready(self, http: httpx.Client) -> None:
+        """The backend's first calls once healthy (e.g. vLLM told the version it serves)."""
+        for path, body in self.backend.ready_requests:
+            r = http.post(self.url + path, json=body, headers={"Authorization": f"Bearer {self.api_key}"})
+            if r.status_code != 200:
+                raise EngineStateError(f"shard server on port {self.port}: {path} answered {r.status_code}: "
+                                       f"{r.text[:300]}")
 
     def log_tail(self, n: int = 30) -> str:
         try:
