@@ -120,3 +120,37 @@ def router_process(shard_urls: dict[int, str]) -> Iterator[str]:
             proc.kill()
             proc.wait()
         assert not pid_alive(proc.pid)
+
+
+def vllm_skip_reason() -> str | None:
+    """Why vLLM cannot be used here, or None (asked once per session)."""
+    global _VLLM_REASON
+    if _VLLM_REASON is None:
+        import subprocess
+
+        from rlix import env
+        python = env.vllm_python()
+        if not python:
+            _VLLM_REASON = "no Python with vLLM: run scripts/setup-vllm.sh or set RLIX_VLLM_PYTHON"
+        else:
+            try:
+                subprocess.run([python, "-c", "import vllm"], check=True, capture_output=True, timeout=180)
+                _VLLM_REASON = ""
+            except (OSError, subprocess.SubprocessError) as exc:
+                _VLLM_REASON = f"{python} cannot import vllm: {exc}"
+    return _VLLM_REASON or None
+
+
+_VLLM_REASON: str | None = None
+
+
+def need_vllm() -> None:
+    """Skip without vLLM, or fail where it is required (CI's vLLM step, RLIX_REQUIRE_VLLM=1)."""
+    import pytest
+
+    from rlix import env
+    reason = vllm_skip_reason()
+    if reason and env.require_vllm():
+        pytest.fail(f"vLLM is required here (RLIX_REQUIRE_VLLM): {reason}")
+    if reason:
+        pytest.skip(reason)

@@ -1,32 +1,19 @@
-"""One engine server per backend for the HTTP contract tests: embedded always; vLLM when
-RLIX_VLLM_PYTHON names a Python that can import vLLM (skipped otherwise, with the reason)."""
+"""One engine server per backend for the HTTP contract tests: embedded always; vLLM (marked
+`vllm`) when a Python with vLLM is found (rlix.env.vllm_python: RLIX_VLLM_PYTHON or the one
+scripts/setup-vllm.sh linked), skipped with the reason otherwise, failed under RLIX_REQUIRE_VLLM."""
 
 from __future__ import annotations
 
-import functools
-import subprocess
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from rlix import env
+from kit import need_vllm
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.shard_process import ShardProcess
 
 KEY = "contract-token"
-
-
-@functools.lru_cache(maxsize=1)
-def vllm_skip_reason() -> str | None:
-    python = env.vllm_python()
-    if not python:
-        return "RLIX_VLLM_PYTHON is not set (a Python with vLLM installed)"
-    try:
-        subprocess.run([python, "-c", "import vllm"], check=True, capture_output=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"RLIX_VLLM_PYTHON={python} cannot import vllm: {exc}"
-    return None
 
 
 @dataclass
@@ -36,10 +23,10 @@ class Served:
     supports_sleep: bool
 
 
-@pytest.fixture(scope="module", params=["embedded", "vllm"])
+@pytest.fixture(scope="module", params=["embedded", pytest.param("vllm", marks=pytest.mark.vllm)])
 def served(request, tiny_model_dir):
-    if request.param == "vllm" and vllm_skip_reason():
-        pytest.skip(vllm_skip_reason())
+    if request.param == "vllm":
+        need_vllm()
     cfg = EngineBackendConfig(backend=request.param, model=str(tiny_model_dir), served_model_name="tiny",
                               max_model_len=512, max_num_seqs=16)
     backend = make_backend(cfg)
