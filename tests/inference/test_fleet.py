@@ -31,7 +31,7 @@ class FakeLauncher:
         return dict(self.running)
 
 
-def _fleet(launcher, supports_sleep=True, busy_polls=2):
+def _fleet(launcher, supports_sleep=True, busy_polls=2, drain_timeout_s=5.0):
     calls: list[tuple[str, str]] = []
     polls = {"n": 0}
 
@@ -49,7 +49,8 @@ def _fleet(launcher, supports_sleep=True, busy_polls=2):
 
     router = Router("k")
     client = RemoteInferenceClient(None, {}, "k")
-    fleet = ShardFleet(launcher, router, client, supports_sleep=supports_sleep, drain_timeout_s=5, poll_s=0)
+    fleet = ShardFleet(launcher, router, client, supports_sleep=supports_sleep, drain_timeout_s=drain_timeout_s,
+                       poll_s=0)
     return fleet, router, client, calls, handler
 
 
@@ -127,3 +128,24 @@ def test_preempt_without_drain_marks_then_sleeps_with_abort_in_one_call():
     assert states == {0: "active", 1: "preempted"}  # marked first: nothing new reaches it
     assert [p for h, p in calls if h == "shard1"] == ["/sleep?level=1&mode=abort"]
     assert report["abort_ms"] == 0 and report["drain_ms"] >= 0 and report["forced"] is False
+
+
+def test_a_shard_that_does_not_drain_is_paused_by_force():
+    """vLLM on CPU (no sleep): requests keep running past the drain timeout, so the pause
+    (mode=abort) ends them: the forced path."""
+    async def main():
+        fleet, router, client, calls, handler = _fleet(FakeLauncher(), supports_sleep=False,
+                                                       busy_polls=10**9, drain_timeout_s=0.05)
+        _install(client, handler)
+        await fleet.start([0])
+        report = (await fleet.sleep_partial([0]))[0]
+        await fleet.expand([0])
+        return report, calls
+
+    report, calls = asyncio.run(main())
+    paths = [p for _, p in calls]
+    assert report["forced"] is True and report["drain_ms"] >= 50
+    assert paths.count("/abort_requests") >= 2  # stragglers re-aborted while draining
+    assert "/pause?mode=abort" in paths and "/sleep" not in " ".join(paths)
+    assert paths.index("/pause?mode=abort") > max(i for i, p in enumerate(paths) if p == "/metrics")
+    assert paths[-1] == "/resume"

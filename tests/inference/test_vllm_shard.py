@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 
 import httpx
 import pytest
@@ -216,18 +215,9 @@ class _Running:
         return [] if self.proc.alive() else [0]
 
 
-def straggle(url: str, stop: threading.Event) -> None:
-    body = {"token_ids": [9, 9, 9], "sampling_params": {"max_tokens": 64, "ignore_eos": True}}
-    with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        while not stop.is_set():
-            try:
-                http.post(url + "/inference/v1/generate", json=body)
-            except httpx.HTTPError:
-                pass
-
-
-@pytest.mark.parametrize("drain_timeout_s", [30.0, 0.3], ids=["drained", "forced"])
-def test_preemption_drains_pauses_and_redispatches(vllm_shard, drain_timeout_s):
+def test_preemption_drains_pauses_and_redispatches(vllm_shard):
+    """(vLLM aborts promptly, so its drain finishes; the forced path, a shard that does not drain
+    in time, is test_fleet.py's test_a_shard_that_does_not_drain_is_paused_by_force.)"""
     backend_sleeps = make_backend(EngineBackendConfig(backend="vllm", model="tiny", python="x")).supports_sleep
     assert backend_sleeps is False  # CPU: the capability the scheduler is told
 
@@ -235,27 +225,14 @@ def test_preemption_drains_pauses_and_redispatches(vllm_shard, drain_timeout_s):
         router = Router(KEY, hold_timeout_s=120)
         client = RemoteInferenceClient(None, {}, KEY, "tiny")
         fleet = ShardFleet(_Running(vllm_shard), router, client, supports_sleep=False,
-                           drain_timeout_s=drain_timeout_s, drain_before_sleep=True)
+                           drain_timeout_s=30, drain_before_sleep=True)
         await fleet.start([0])
         params = {"max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
         jobs = [asyncio.ensure_future(router.generate([5, 6, 7 + i], params)) for i in range(6)]
-        while (await client.load([0]))[0]["running"] == 0:
+        while (await client.load([0]))[0]["running"] < 6:
             await asyncio.sleep(0.01)
-        stop = threading.Event()
-        # forced: stragglers keep reaching the shard past the router (another client on its
-        # port), so it never drains within the timeout and the pause has to abort them
-        stragglers = [threading.Thread(target=straggle, args=(vllm_shard.url, stop))
-                      for _ in range(4 if drain_timeout_s < 1 else 0)]
-        for t in stragglers:
-            t.start()
-        await asyncio.sleep(0.2 if stragglers else 0)
         pending = [j for j in jobs if not j.done()]
-        try:
-            phases = (await fleet.sleep_partial([0]))[0]
-        finally:
-            stop.set()
-            for t in stragglers:
-                await asyncio.to_thread(t.join, 30)
+        phases = (await fleet.sleep_partial([0]))[0]
         paused = (await client.is_paused([0]))[0]
         load = (await client.load([0]))[0]
         await asyncio.sleep(0.3)
@@ -268,7 +245,7 @@ def test_preemption_drains_pauses_and_redispatches(vllm_shard, drain_timeout_s):
 
     phases, results, state = asyncio.run(main())
     assert state["paused"] is True and state["running"] == 0
-    assert phases["forced"] is (drain_timeout_s < 1)
+    assert phases["forced"] is False and phases["abort_ms"] > 0
     for g in results:  # every trajectory completed; none lost to the preemption
         assert len(g.token_ids) == 400 and g.finish_reason == "length" and len(g.logprobs) == 400
     assert not httpx.get(vllm_shard.url + "/is_paused", timeout=10).json()["is_paused"]
