@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlix.config import load_config
+from rlix.config.preflight import preflight
 from rlix.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,3 +110,18 @@ def test_relative_task_files_verifiers_and_models_are_read_from_the_configs_fold
     prompt = task.items[0]
     assert task.reward(prompt, "anything") == 0.25
     assert not (tmp_path / "out").exists()  # check creates nothing
+
+
+def test_engine_vllm_needs_a_python_with_vllm(tmp_path):
+    """rlix check names vllm_python when the Python it would start vLLM with has no vLLM (the
+    test's own Python: rlix's environment never holds vLLM)."""
+    text = (f"run_dir: {tmp_path / 'run'}\nvllm_python: {sys.executable}\n"
+            "pipelines: [{name: a, engine: vllm, vllm: {enforce_eager: true}}, {name: b}]\n")
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"vllm_python: .* has no vllm package \(needed by pipelines\[0\] \(a\)"):
+        preflight(load_config(path), str(path))
+    ok = load_config(write(tmp_path, text.replace("engine: vllm", "engine: embedded")))
+    preflight(ok, "ok.yaml")
+    assert ok.pipelines[0].vllm.enforce_eager and ok.pipelines[1].engine == "embedded"
+    with pytest.raises(ConfigError, match="engine"):
+        load_config(write(tmp_path, text.replace("engine: vllm", "engine: sglang")))

@@ -10,8 +10,10 @@ worker; `run_dir` stays relative to where `rlix run` is started (outputs go wher
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
+from rlix import env
 from rlix.config.models import PipelineConfig, RlixConfig
 from rlix.envs import make_task
 from rlix.envs.verifiers import anchor_verifier
@@ -57,6 +59,10 @@ def problems(cfg: RlixConfig) -> list[str]:
     problem = _writable(Path(cfg.run_dir))
     if problem:
         found.append(f"run_dir: {problem}")
+    users = [f"pipelines[{i}] ({p.name})" for i, p in enumerate(cfg.pipelines) if p.engine == "vllm"]
+    problem = _vllm_python(cfg.vllm_python) if users else None
+    if problem:
+        found.append(f"vllm_python: {problem} (needed by {', '.join(users)}: engine: vllm)")
     return found
 
 
@@ -65,6 +71,22 @@ def preflight(cfg: RlixConfig, source: str) -> None:
     found = problems(cfg)
     if found:
         raise ConfigError(f"{source}: " + "; ".join(found))
+
+
+def _vllm_python(python: str | None) -> str | None:
+    """What is wrong with the Python that would run vLLM servers, or None. Finds the package
+    without importing it (a vLLM import takes seconds)."""
+    python = python or env.vllm_python()
+    if not python:
+        return "no Python with vLLM: run scripts/setup-vllm.sh, or set vllm_python or RLIX_VLLM_PYTHON"
+    if not os.access(python, os.X_OK):
+        return f"{python} is not an executable"
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        ok = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{python} did not run: {exc}"
+    return None if ok else f"{python} has no vllm package"
 
 
 def _model(model: str) -> list[str]:

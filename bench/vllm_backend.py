@@ -1,0 +1,145 @@
+"""A real vLLM CPU server as an rlix shard: start time, weight-sync speed, rollout throughput.
+
+  vllm_start_s            launch to healthy (and told its version) of one vLLM shard, tiny model
+  vllm_sync_<m>_s         one sync of model m (tiny, qwen2-0.5b-shape) from rlix's shared-memory
+                          cache into the running server (worker extension + reload_weights), median
+  memcpy_<m>_s            a memcpy of the same bytes (the cache's buckets into a fresh buffer), median
+  vllm_sync_vs_memcpy_<m> memcpy / sync (goal >= 0.3: sync within ~3x of copying the bytes once)
+  rollout_tok_s_<engine>  generated tokens/s of one pipeline's rollout load (64 requests in flight:
+                          8 groups x 8 samples, 16 new tokens, temperature 1) on one shard of each
+                          engine, same model, same run; `vllm_vs_embedded_rollout` is their ratio
+
+    .venv/bin/python bench/vllm_backend.py [--rounds N]    (needs scripts/setup-vllm.sh)
+Ends by printing one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlix import env
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.shard_process import ShardProcess
+from rlix.models.presets import build_preset
+from rlix.weights.cache import BucketCache
+from rlix.weights.sync import WeightSync
+from rlix.weights.vllm_endpoint import VllmShardEndpoint
+
+KEY = "bench-token"
+
+
+def say(msg: str) -> None:
+    print(f"[vllm_backend] {msg}", file=sys.stderr, flush=True)
+
+
+def start(backend: str, model: Path, **kw: object) -> tuple[ShardProcess, float]:
+    cfg = EngineBackendConfig(backend=backend, model=str(model), served_model_name="m", max_model_len=256,
+                              max_num_seqs=64, startup_timeout_s=900, **kw)
+    proc = ShardProcess(make_backend(cfg), KEY)
+    t0 = time.perf_counter()
+    proc.start()
+    proc.wait_ready()
+    return proc, time.perf_counter() - t0
+
+
+def sync_figures(url: str, model: Path, rounds: int) -> tuple[float, float, int]:
+    """Median sync and memcpy seconds of this model's weights, and the bytes moved."""
+    sd = {n: t.detach() for n, t in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
+
+    async def go() -> tuple[list[float], list[float], int]:
+        ep = VllmShardEndpoint(url, KEY, "bench", timeout_s=600)
+        syncs, copies = [], []
+        with BucketCache.for_model(sd, host="shm") as cache:
+            driver = WeightSync(cache, {0: ep}, "shm")
+            for v in range(1, rounds + 2):
+                cache.build_latest(v, sd)
+                t0 = time.perf_counter()
+                await driver.sync(v, [0])
+                if v > 1:  # the first also sends the layout
+                    syncs.append(time.perf_counter() - t0)
+                buckets = cache.buckets(v)
+                dst = [torch.empty_like(b) for b in buckets]
+                t0 = time.perf_counter()
+                for d, b in zip(dst, buckets):
+                    d.copy_(b)
+                copies.append(time.perf_counter() - t0)
+            nbytes = cache.layout.total_bytes
+        await ep.aclose()
+        return syncs, copies, nbytes
+
+    syncs, copies, nbytes = asyncio.run(go())
+    return statistics.median(syncs), statistics.median(copies), nbytes
+
+
+def rollout_tok_s(url: str, seconds: float = 20.0) -> float:
+    """Tokens/s under a pipeline's rollout load: 64 token-level requests always in flight."""
+    body = {"token_ids": [5, 6, 7, 8, 9, 10, 11, 12],
+            "sampling_params": {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}}
+
+    async def go() -> float:
+        tokens = 0
+        deadline = time.perf_counter() + seconds
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            async def worker() -> None:
+                nonlocal tokens
+                while time.perf_counter() < deadline:
+                    r = await http.post("/inference/v1/generate", json=body)
+                    tokens += len(r.json()["choices"][0]["token_ids"])
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(64)))
+            return tokens / (time.perf_counter() - t0)
+
+    return asyncio.run(go())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if not env.vllm_python():
+        sys.exit("bench/vllm_backend.py: no Python with vLLM (run scripts/setup-vllm.sh)")
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"tiny": build_preset("tiny", Path(tmp) / "tiny"),
+                  "0.5b": build_preset("qwen2-0.5b-shape", Path(tmp) / "half")}
+        for name, path in models.items():
+            say(f"starting a vLLM shard on {name}")
+            proc, start_s = start("vllm", path, dtype="bfloat16", cpu_kvcache_gib=1)
+            try:
+                if name == "tiny":
+                    out["vllm_start_s"] = round(start_s, 2)
+                    out["rollout_tok_s_vllm"] = round(rollout_tok_s(proc.url), 1)
+                else:
+                    out["vllm_start_0.5b_s"] = round(start_s, 2)
+                say(f"syncing {name} x{args.rounds}")
+                sync_s, copy_s, nbytes = sync_figures(proc.url, path, args.rounds)
+            finally:
+                proc.stop()
+            out[f"vllm_sync_{name}_s"] = round(sync_s, 4)
+            out[f"memcpy_{name}_s"] = round(copy_s, 5)
+            out[f"sync_{name}_mib"] = round(nbytes / 2**20, 1)
+            out[f"vllm_sync_vs_memcpy_{name}"] = round(copy_s / sync_s, 3)
+        say("embedded engine on tiny")
+        proc, _ = start("embedded", models["tiny"])
+        try:
+            out["rollout_tok_s_embedded"] = round(rollout_tok_s(proc.url), 1)
+        finally:
+            proc.stop()
+    out["vllm_vs_embedded_rollout"] = round(out["rollout_tok_s_vllm"] / out["rollout_tok_s_embedded"], 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
