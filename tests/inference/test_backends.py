@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError
 from rlix.inference.fleet.api import EngineBackend
-from rlix.inference.fleet.backends import (EmbeddedBackend, EngineBackendConfig, VllmBackend,
+from rlix import env
+from rlix.inference.fleet.backends import (EXTENSION_CLS, EXTENSION_PACKAGE, EmbeddedBackend,
+                                          EngineBackendConfig, VllmBackend,
                                      make_backend)
 from rlix.inference.fleet.client import RemoteInferenceClient, parse_load
 
@@ -27,8 +30,8 @@ def test_factory_picks_by_the_typed_field(tiny_model_dir, monkeypatch):
 
     args = build_parser().parse_args(emb.command(host="127.0.0.1", port=9000, api_key="-Xy_1")[3:])
     assert args.api_key == "-Xy_1" and args.port == 9000
-    monkeypatch.delenv("RLIX_VLLM_PYTHON", raising=False)
-    with pytest.raises(ConfigError, match="RLIX_VLLM_PYTHON"):
+    monkeypatch.setattr(env, "vllm_python", lambda: None)  # none set, none linked by setup-vllm.sh
+    with pytest.raises(ConfigError, match="setup-vllm.sh.*RLIX_VLLM_PYTHON"):
         make_backend(EngineBackendConfig(backend="vllm", model=str(tiny_model_dir)))
     with pytest.raises(ValidationError):
         EngineBackendConfig(backend="sglang")
@@ -44,8 +47,19 @@ def test_vllm_command_line(tiny_model_dir):
     assert cmd[:3] == ["/opt/py/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     for flag in ("--enable-scale-out", "--served-model-name", "--max-model-len", "--worker-extension-cls"):
         assert flag in cmd
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "rlix.inference.vllm.ext.Ext"
     assert "--enable-sleep-mode" not in cmd and not b.supports_sleep  # refused on CPU
-    assert b.env() == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    child_env = b.env()
+    staged = Path(child_env.pop("PYTHONPATH"))
+    assert child_env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert sorted(p.name for p in (staged / EXTENSION_PACKAGE).glob("*.py")) == ["__init__.py", "vllm_worker.py",
+                                                                                "wire.py"]
+    assert b.ready_requests == (("/update_weight_version", {"new_version": "0"}),)
+    default = make_backend(cfg.model_copy(update={"worker_extension_cls": None, "enforce_eager": True,
+                                                   "gpu_memory_utilization": 0.5}))
+    cmd = default.command(host="h", port=1, api_key="k")
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION_CLS
+    assert "--enforce-eager" in cmd and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.5"
     gpu = make_backend(cfg.model_copy(update={"device": "cuda"}))
     assert "--enable-sleep-mode" in gpu.command(host="h", port=1, api_key="k") and gpu.supports_sleep
 

@@ -183,7 +183,7 @@ class PipelineRunner:
         """The router on its own thread (control calls never queue behind rollout traffic on this
         actor's loop), the shard processes, and the coordinator over them; shards start
         inactive, serving the weights on disk as version 0."""
-        cfg, ro = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         self.data_plane = DataPlaneThread(f"{cfg.name}-data-plane")
         self.data_plane.start()
         self.router = Router(self.api_key, hold_timeout_s=GENERATE_TIMEOUT_S)

@@ -36,7 +36,7 @@ class EngineBackendConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's")
     startup_timeout_s: float = Field(180.0, gt=0)
-    python: str | None = Field(None, description="vllm: interpreter with vLLM; default RLIX_VLLM_PYTHON")
+    python: str | None = Field(None, description="vllm: interpreter with vLLM; default rlix.env.vllm_python()")
     cpu_kvcache_gib: int = Field(1, ge=1, description="vllm on cpu: VLLM_CPU_KVCACHE_SPACE")
     worker_extension_cls: str | None = Field(None, description="vllm: --worker-extension-cls")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm: its own default if unset")
@@ -130,7 +130,8 @@ class VllmBackend:
     def __init__(self, cfg: EngineBackendConfig) -> None:
         python = cfg.python or env.vllm_python()
         if not python:
-            raise ConfigError("backend 'vllm' needs a Python with vLLM: set engine.python or RLIX_VLLM_PYTHON")
+            raise ConfigError("backend 'vllm' needs a Python with vLLM: run scripts/setup-vllm.sh, or set "
+                              "vllm_python or RLIX_VLLM_PYTHON")
         self.cfg = cfg
         self.python = python
         self.startup_timeout_s = cfg.startup_timeout_s

@@ -1,0 +1,117 @@
+"""rlix's vLLM worker extension without vLLM: a stand-in worker records what reload_weights gets.
+An update is all or nothing; the staged package imports where rlix is not installed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rlix.inference.fleet.backends import EXTENSION_PACKAGE, staged_extension
+from rlix.weights.cache import BucketCache
+from rlix.weights.transport import make_transport
+from rlix.weights.vllm_names import vllm_named
+from rlix.weights.vllm_worker import RlixWorkerExtension
+from rlix.weights.wire import ReceiveError
+
+
+class FakeRunner:
+    """vLLM's model runner as the extension uses it: a model, and reload_weights."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.model = torch.nn.Module()
+        for i, (name, t) in enumerate(params.items()):
+            self.model.register_parameter(f"p{i}", torch.nn.Parameter(t.clone()))
+        self._names = {f"p{i}": n for i, n in enumerate(params)}
+        self.reloads: list[dict[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator) -> None:  # noqa: ANN001
+        self.reloads.append({n: t.clone() for n, t in weights_iterator})
+
+
+class Worker(RlixWorkerExtension):
+    def __init__(self, runner: FakeRunner) -> None:
+        self.model_runner = runner
+
+    def _rlix_named_parameters(self):  # the stand-in's names are vLLM's
+        return [(self.model_runner._names[n], p) for n, p in self.model_runner.model.named_parameters()]
+
+
+@pytest.fixture
+def setup():
+    gen = torch.Generator().manual_seed(0)
+    sd = {"model.embed_tokens.weight": torch.randn(300, 16, generator=gen),
+          "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=gen),
+          "model.layers.0.self_attn.k_proj.weight": torch.randn(8, 16, generator=gen),
+          "model.layers.0.self_attn.v_proj.weight": torch.randn(8, 16, generator=gen)}
+    with BucketCache.for_model(sd, bucket_bytes=4096, host="shm") as cache:
+        cache.build_latest(3, sd)
+        sender = make_transport("shm", segments=cache.shm_segments).sender()
+        messages = sender.references(3, cache.buckets(3), cache.checksums(3))
+        worker = Worker(FakeRunner(vllm_named(sd)))
+        yield sd, cache, messages, worker
+
+
+def call(worker: Worker, cache: BucketCache, messages: list[dict], verify: bool = True) -> dict:
+    worker.rlix_init_transfer(json.dumps({"layout": cache.layout.to_json(), "transport": "shm", "verify": verify}))
+    return json.loads(worker.rlix_sync(json.dumps({"weight_version": 3, "layout_id": cache.layout.layout_id,
+                                                   "updates": messages})))
+
+
+def test_an_update_reaches_reload_weights_whole(setup):
+    sd, cache, messages, worker = setup
+    assert len(messages) > 3
+    assert call(worker, cache, messages) == {"weight_version": 3, "tensors": len(sd)}
+    (got,) = worker.model_runner.reloads
+    assert got.keys() == sd.keys() and all(torch.equal(got[n], sd[n]) for n in sd)
+    assert json.loads(worker.rlix_weight_version()) == {"weight_version": 3}
+
+
+@pytest.mark.parametrize("spoil,error", [
+    (lambda m: [*m[:1], {**m[1], "checksum": m[1]["checksum"] ^ 1}, *m[2:]], "checksum"),
+    (lambda m: m[:-1], "incomplete"),
+    (lambda m: [*m[:1], {**m[1], "shm": "rlix-w-1-deadbeef"}, *m[2:]], "cannot open shared memory"),
+    (lambda m: [*m[:1], {**m[1], "offset": 1 << 40}, *m[2:]], "outside"),
+])
+def test_a_failed_update_touches_nothing(setup, spoil, error):
+    sd, cache, messages, worker = setup
+    with pytest.raises(ReceiveError, match=error):
+        call(worker, cache, spoil(messages))
+    assert worker.model_runner.reloads == [] and worker.rlix_version == 0
+    call(worker, cache, messages)  # and the next one succeeds
+    assert len(worker.model_runner.reloads) == 1
+
+
+def test_refuses_a_layout_that_does_not_fit_and_other_transports(setup):
+    sd, cache, messages, worker = setup
+    other = {"not.a.param": torch.zeros(4)}
+    with BucketCache.for_model(other, host="shm") as wrong:
+        with pytest.raises(ValueError, match="does not fit the served model"):
+            worker.rlix_init_transfer(json.dumps({"layout": wrong.layout.to_json()}))
+    with pytest.raises(ValueError, match="shared memory only"):
+        worker.rlix_init_transfer(json.dumps({"layout": cache.layout.to_json(), "transport": "nccl"}))
+    with pytest.raises(ValueError, match="layout"):
+        worker.rlix_sync(json.dumps({"weight_version": 1, "layout_id": "x", "updates": []}))
+
+
+def test_the_staged_package_imports_without_rlix():
+    child = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("rlix", "numpy", "pydantic"):
+                    raise ModuleNotFoundError(f"blocked: {{name}}")
+        sys.meta_path.insert(0, Block())
+        sys.path.insert(0, sys.argv[1])
+        from {EXTENSION_PACKAGE}.vllm_worker import RlixWorkerExtension
+        assert "rlix" not in sys.modules
+        print("ok", RlixWorkerExtension.__module__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", child, str(staged_extension())], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"ok {EXTENSION_PACKAGE}.vllm_worker"
