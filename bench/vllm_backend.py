@@ -6,6 +6,7 @@
   memcpy_<m>_s            a memcpy of the same bytes (the cache's buckets into buffers already
                           touched, so no page faults are timed), median
   vllm_sync_vs_memcpy_<m> memcpy / sync (goal >= 0.3: sync within ~3x of copying the bytes once)
+  vllm_reload_weights_<m>_s  of the sync, vLLM's own reload_weights in the worker, median
   rollout_tok_s_<engine>  generated tokens/s of one pipeline's rollout load (64 requests in flight:
                           8 groups x 8 samples, 16 new tokens, temperature 1) on one shard of each
                           engine, same model, same run; `vllm_vs_embedded_rollout` is their ratio
@@ -54,13 +55,14 @@ def start(backend: str, model: Path, **kw: object) -> tuple[ShardProcess, float]
     return proc, time.perf_counter() - t0
 
 
-def sync_figures(url: str, model: Path, rounds: int) -> tuple[float, float, int]:
-    """Median sync and memcpy seconds of this model's weights, and the bytes moved."""
+def sync_figures(url: str, model: Path, rounds: int) -> tuple[float, float, int, float]:
+    """Median sync and memcpy seconds of this model's weights, the bytes moved, and the median
+    time of vLLM's own reload_weights inside the sync."""
     sd = {n: t.detach() for n, t in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
 
     async def go() -> tuple[list[float], list[float], int]:
         ep = VllmShardEndpoint(url, KEY, "bench", timeout_s=600)
-        syncs, copies = [], []
+        syncs, copies, reloads, reads = [], [], [], []
         dst: list[torch.Tensor] = []
         with BucketCache.for_model(sd, host="shm") as cache:
             driver = WeightSync(cache, {0: ep}, "shm")
@@ -70,6 +72,8 @@ def sync_figures(url: str, model: Path, rounds: int) -> tuple[float, float, int]
                 await driver.sync(v, [0])
                 if v > 1:  # the first also sends the layout
                     syncs.append(time.perf_counter() - t0)
+                    reloads.append(float(ep.last_update["reload_s"]))
+                    reads.append(float(ep.last_update["read_s"]))
                 buckets = cache.buckets(v)
                 if not dst:  # touched once, reused: the copy is timed without page faults
                     dst = [torch.zeros_like(b) for b in buckets]
@@ -79,10 +83,12 @@ def sync_figures(url: str, model: Path, rounds: int) -> tuple[float, float, int]
                 copies.append(time.perf_counter() - t0)
             nbytes = cache.layout.total_bytes
         await ep.aclose()
-        return syncs, copies, nbytes
+        say(f"in the worker: read {statistics.median(reads):.4f} s, vLLM reload_weights "
+            f"{statistics.median(reloads):.4f} s (medians)")
+        return syncs, copies, nbytes, statistics.median(reloads)
 
-    syncs, copies, nbytes = asyncio.run(go())
-    return statistics.median(syncs), statistics.median(copies), nbytes
+    syncs, copies, nbytes, reload_s = asyncio.run(go())
+    return statistics.median(syncs), statistics.median(copies), nbytes, reload_s
 
 
 def rollout_tok_s(url: str, seconds: float = 20.0) -> float:
@@ -142,13 +148,14 @@ def main() -> None:
                 else:
                     out["vllm_start_0.5b_s"] = round(start_s, 2)
                 say(f"syncing {name} x{args.rounds}")
-                sync_s, copy_s, nbytes = sync_figures(proc.url, path, args.rounds)
+                sync_s, copy_s, nbytes, reload_s = sync_figures(proc.url, path, args.rounds)
             finally:
                 proc.stop()
             out[f"vllm_sync_{name}_s"] = round(sync_s, 4)
             out[f"memcpy_{name}_s"] = round(copy_s, 5)
             out[f"sync_{name}_mib"] = round(nbytes / 2**20, 1)
             out[f"vllm_sync_vs_memcpy_{name}"] = round(copy_s / sync_s, 3)
+            out[f"vllm_reload_weights_{name}_s"] = round(reload_s, 4)
             say(f"so far {out}")
     out["vllm_vs_embedded_rollout"] = round(out["rollout_tok_s_vllm"] / out["rollout_tok_s_embedded"], 3)
     print(json.dumps(out))

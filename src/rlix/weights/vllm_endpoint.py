@@ -24,6 +24,8 @@ UNSET_VERSION = "default"
 class VllmShardEndpoint(HttpShardEndpoint):
     """See module doc. Only the one-call `sync` exists: the cache must be in shared memory."""
 
+    last_update: dict[str, Any] = {}
+
     async def _rpc(self, method: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         """One extension method on every worker of the server; all must answer the same."""
         out = await self._post("/collective_rpc", {"method": method, "args": [json.dumps(payload)]})
@@ -44,6 +46,7 @@ class VllmShardEndpoint(HttpShardEndpoint):
         out = await self._rpc("rlix_sync", {"weight_version": int(version), "layout_id": layout_id,
                                             "updates": [dict(m) for m in messages]})
         await self.set_version(int(out["weight_version"]))
+        self.last_update = out  # the worker's own timing: read_s (buckets in), reload_s (vLLM's load)
         return int(out["weight_version"])
 
     async def set_version(self, version: int) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any
 
 import torch
@@ -57,15 +58,18 @@ class RlixWorkerExtension:
         if job.get("layout_id") != layout.layout_id:
             raise ValueError(f"update for layout {job.get('layout_id')!r}; this worker holds {layout.layout_id!r}")
         version = int(job["weight_version"])
+        t0 = time.perf_counter()
         session = wire.ReceiveSession(wire.BucketAssembler(layout), version, verify=self.rlix_verify)
         named: list[tuple[str, torch.Tensor]] = []
         for message in job["updates"]:
             bucket = mapper.bucket(str(message["shm"]), int(message["offset"]), int(message["nbytes"]))
             named.extend(session.accept(message, bucket))
         session.close()  # raises if any bucket or tensor never arrived
+        t1 = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=iter(named))
         self.rlix_version = version
-        return json.dumps({"weight_version": version, "tensors": len(named)})
+        return json.dumps({"weight_version": version, "tensors": len(named),
+                           "read_s": round(t1 - t0, 6), "reload_s": round(time.perf_counter() - t1, 6)})
 
     def rlix_weight_version(self, payload: str = "{}") -> str:
         return json.dumps({"weight_version": self.rlix_version})
