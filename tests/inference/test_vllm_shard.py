@@ -38,7 +38,8 @@ BUCKET = 256 << 10  # several buckets for the tiny model, so "part-way" means so
 def vllm_shard(tiny_model_dir):
     need_vllm()
     backend = make_backend(EngineBackendConfig(backend="vllm", model=str(tiny_model_dir), served_model_name="tiny",
-                                               max_model_len=512, max_num_seqs=16, dtype="bfloat16"))
+                                               max_model_len=512, max_num_seqs=16, dtype="bfloat16",
+                                               startup_timeout_s=600))
     proc = ShardProcess(backend, KEY)
     try:
         proc.start()
