@@ -65,3 +65,32 @@ def test_models_and_errors_pass_through(oai):
         oai.completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         oai.completions.create(model="tiny", prompt="x", max_tokens=0)
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "add two numbers",
+                                        "parameters": {"type": "object",
+                                                       "properties": {"a": {"type": "number"},
+                                                                      "b": {"type": "number"}}}}}
+TOOL_TURNS = [{"role": "user", "content": "2+3?"},
+              {"role": "assistant", "content": None,
+               "tool_calls": [{"id": "call_1", "type": "function",
+                               "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+
+
+def test_chat_with_tools_through_the_router(oai):
+    """Tools are rendered into the prompt, a multi-turn tool conversation is accepted, and the
+    answer is an OpenAI message (the random model writes no call: plain content)."""
+    plain = oai.chat.completions.create(model="tiny", messages=TOOL_TURNS[:1], max_tokens=4,
+                                        extra_body={"ignore_eos": True})
+    r = oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD], max_tokens=4,
+                                    extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls in (None, [])
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the tool list and the turns
+    chunks = list(oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD], max_tokens=4,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD], tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tools\\[0\\]"):
+        oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[{"type": "function"}])

@@ -19,7 +19,7 @@ from rlix import env
 from rlix.errors import ConfigError
 
 # Bump when a preset's recipe changes, so stale cached builds are not reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: the chat template renders tools
 SEED = 1234
 
 

@@ -60,6 +60,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class GenerateSamplingParams(_Req):
@@ -101,6 +103,7 @@ class TokenizeRequest(_Req):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool | None = False
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(_Req):
@@ -202,11 +205,14 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: str 
     return out
 
 
-def chat_response(rid: str, model: str, content: str, finish: str, stop_reason: Any,
+def chat_response(rid: str, model: str, content: str | None, finish: str, stop_reason: Any,
                   logprobs: dict | None, token_ids: list[int] | None,
-                  prompt_ids: list[int] | None, n_prompt: int, n_out: int) -> dict:
+                  prompt_ids: list[int] | None, n_prompt: int, n_out: int,
+                  tool_calls: list[dict] | None = None) -> dict:
     message = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
                "audio": None, "function_call": None, "reasoning": None}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,

@@ -20,6 +20,7 @@ from typing import Any
 from rlix.errors import InvalidRequestError, ModelNotFoundError, RlixError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.engine.api import EngineAPI, GenerationOutput, SamplingParams
+from rlix.inference.server.tool_calls import ToolCall, check_tools, parse_tool_calls, template_messages
 
 
 class TextStream:
@@ -68,6 +69,7 @@ class Job:
     return_token_ids: bool = False
     logprobs: bool = False
     top_logprobs: bool = False
+    parse_tools: bool = False  # chat with tools: the answer's <tool_call> blocks become tool_calls
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -157,11 +159,15 @@ class OpenAIServing:
         raise InvalidRequestError("one prompt per request: a string or a list of token ids", param="prompt")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, kwargs: dict | None = None) -> list[int]:
+                    continue_final_message: bool = False, kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         try:
             text = self.tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                template_messages(messages), tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, **(kwargs or {}))
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # jinja errors: bad roles, missing content...
             raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}",
                                       param="messages") from None
@@ -177,12 +183,14 @@ class OpenAIServing:
 
     def prepare_chat(self, req: S.ChatCompletionRequest) -> Job:
         self.check_model(req.model)
+        parse_tools = check_tools(req.tools, req.tool_choice)
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+                               req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._params(req, len(ids), max_tokens, None, req.logprobs)
-        return self._job("chatcmpl", ids, params, req, logprobs=req.logprobs,
-                         top=bool(req.top_logprobs))
+        job = self._job("chatcmpl", ids, params, req, logprobs=req.logprobs, top=bool(req.top_logprobs))
+        job.parse_tools = parse_tools
+        return job
 
     def prepare_generate(self, req: S.GenerateRequest) -> Job:
         self.check_model(req.model)
@@ -291,14 +299,28 @@ class OpenAIServing:
         last, text = await self._final(job, TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]))
         out = last.out
         lp = S.chat_logprobs(self._strs(out.token_ids), out.logprobs, job.top_logprobs) if job.logprobs else None
-        return S.chat_response(job.rid, self.model_name, text, last.finish, last.stop_reason, lp,
+        content, calls, finish = self._tool_calls(job, text, last.finish)
+        return S.chat_response(job.rid, self.model_name, content, finish, last.stop_reason, lp,
                                out.token_ids if job.return_token_ids else None,
                                job.prompt_ids if job.return_token_ids else None,
-                               len(job.prompt_ids), len(out.token_ids))
+                               len(job.prompt_ids), len(out.token_ids),
+                               tool_calls=[c.as_openai() for c in calls] if job.parse_tools else None)
+
+    @staticmethod
+    def _tool_calls(job: Job, text: str, finish: str) -> tuple[str | None, list[ToolCall], str]:
+        """The answer's content, its tool calls, and the finish reason ("tool_calls" if any)."""
+        if not job.parse_tools:
+            return text, [], finish
+        content, calls = parse_tool_calls(text)
+        return content, calls, "tool_calls" if calls and finish == "stop" else finish
 
     async def chat_stream(self, job: Job) -> AsyncIterator[str]:
         yield sse(S.chat_first_chunk(job.rid, self.model_name, job.created,
                                      job.prompt_ids if job.return_token_ids else None))
+        if job.parse_tools:  # a call is known only once its block closes: one delta at the end
+            async for chunk in self._chat_stream_with_tools(job):
+                yield chunk
+            return
         text, n_out = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]), 0
         async for step in self._guard(self.run(job, text)):
             if isinstance(step, str):
@@ -313,6 +335,32 @@ class OpenAIServing:
         if job.include_usage:
             yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "chat.completion.chunk",
                                     len(job.prompt_ids), n_out))
+        yield DONE
+
+    async def _chat_stream_with_tools(self, job: Job) -> AsyncIterator[str]:
+        text = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:])
+        parts: list[str] = []
+        new_ids: list[int] = []
+        last: Step | None = None
+        async for step in self._guard(self.run(job, text)):
+            if isinstance(step, str):
+                yield step
+                return
+            parts.append(step.text)
+            new_ids += step.new_ids
+            last = step
+        assert last is not None
+        content, calls, finish = self._tool_calls(job, "".join(parts), last.finish or "stop")
+        lp = (S.chat_logprobs(self._strs(last.out.token_ids), last.out.logprobs, job.top_logprobs)
+              if job.logprobs else None)
+        chunk = S.chat_chunk(job.rid, self.model_name, job.created, content or "", finish, last.stop_reason, lp,
+                             new_ids if job.return_token_ids else None, last=not job.include_usage)
+        if calls:
+            chunk["choices"][0]["delta"]["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
+        yield sse(chunk)
+        if job.include_usage:
+            yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "chat.completion.chunk",
+                                    len(job.prompt_ids), len(last.out.token_ids)))
         yield DONE
 
     # ------------------------------------------------------------ token-level generate
@@ -355,7 +403,8 @@ class OpenAIServing:
     # ------------------------------------------------------------ tokenizer endpoints
     def tokenize(self, req: S.TokenizeRequest) -> dict:
         if req.messages is not None:
-            ids = self.render_chat(req.messages, req.add_generation_prompt)
+            check_tools(req.tools, None)
+            ids = self.render_chat(req.messages, req.add_generation_prompt, tools=req.tools)
         elif req.prompt is not None:
             ids = self.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         else:

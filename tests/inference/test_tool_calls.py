@@ -1,0 +1,74 @@
+"""Hermes-style tool calls: parsed from the model's text into OpenAI `tool_calls`, rendered back
+into the prompt by the chat template; malformed calls stay plain content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlix.errors import InvalidRequestError
+from rlix.inference.server import openai_schema as S
+from rlix.inference.server.serving import Job, OpenAIServing
+from rlix.inference.server.tool_calls import check_tools, parse_tool_calls, template_messages
+
+
+def test_parses_calls_and_keeps_the_text_around_them():
+    content, calls = parse_tool_calls('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+                                      '</tool_call><tool_call>{"name": "mul", "arguments": "{\\"a\\": 4}"}</tool_call>')
+    assert content == "Let me add."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3}), ("mul", {"a": 4})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert calls[0].as_openai(0) == {"index": 0, "id": calls[0].id, "type": "function",
+                                     "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>')[0] is None  # nothing but a call
+
+
+@pytest.mark.parametrize("text", [
+    "no call at all",
+    '<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>',  # cut short
+    '<tool_call>["add"]</tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": 3}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": "{not json"}</tool_call>',
+    '<tool_call>{"name": "add"}',  # never closed
+])
+def test_anything_malformed_is_plain_content(text):
+    assert parse_tool_calls(text) == (text, [])
+
+
+def test_tools_and_tool_choice_are_checked():
+    assert check_tools([{"type": "function", "function": {"name": "f"}}], None) is True
+    assert check_tools([{"type": "function", "function": {"name": "f"}}], "none") is False
+    assert check_tools(None, "auto") is False
+    for bad in ([{"type": "function"}], [{"type": "retrieval", "function": {"name": "f"}}], ["f"]):
+        with pytest.raises(InvalidRequestError, match=r"tools\[0\]"):
+            check_tools(bad, None)
+    with pytest.raises(InvalidRequestError, match="guided decoding"):
+        check_tools([{"type": "function", "function": {"name": "f"}}], {"type": "function", "function": {"name": "f"}})
+
+
+def test_template_messages_take_json_text_arguments():
+    msgs = [{"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    out = template_messages(msgs)
+    assert out[0]["content"] == "" and out[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # the caller's, untouched
+    with pytest.raises(InvalidRequestError, match="not JSON"):
+        template_messages([{**msgs[0], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
+
+
+def test_an_answer_with_a_call_is_a_tool_calls_message():
+    job = Job(rid="r", prompt_ids=[1], params=None, parse_tools=True)  # type: ignore[arg-type]
+    content, calls, finish = OpenAIServing._tool_calls(job, '<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+                                                 "stop")
+    assert content is None and finish == "tool_calls" and calls[0].name == "add"
+    r = S.chat_response("r", "tiny", content, finish, None, None, None, None, 3, 9,
+                        tool_calls=[c.as_openai() for c in calls])
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert r["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": "{}"}
+    # cut short by max_tokens: the reason stays "length"; without tools nothing is parsed
+    assert OpenAIServing._tool_calls(job, '<tool_call>{"name": "add"}</tool_call>', "length")[2] == "length"
+    plain = Job(rid="r", prompt_ids=[1], params=None)  # type: ignore[arg-type]
+    assert OpenAIServing._tool_calls(plain, '<tool_call>{"name": "add"}</tool_call>', "stop")[1] == []
