@@ -94,3 +94,24 @@ def test_chat_with_tools_through_the_router(oai):
         oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD], tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="tools\\[0\\]"):
         oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[{"type": "function"}])
+
+
+def test_responses_create_through_the_router(oai):
+    """The Responses API subset: a string input; then a conversation with instructions, a
+    function call and its output, and a function tool."""
+    r = oai.responses.create(model="tiny", input="Once upon", max_output_tokens=5,
+                             extra_body={"ignore_eos": True})
+    assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert isinstance(r.output_text, str) and r.usage.output_tokens == 5 and r.usage.input_tokens > 0
+    tool = {"type": "function", "name": "add", "description": "add two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}
+    turns = [{"role": "user", "content": "2+3?"},
+             {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "5"}]
+    r2 = oai.responses.create(model="tiny", instructions="be brief", input=turns, tools=[tool],
+                              max_output_tokens=4, extra_body={"ignore_eos": True})
+    assert r2.usage.input_tokens > r.usage.input_tokens + 20 and r2.usage.output_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        oai.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match="input\\[0\\]"):
+        oai.responses.create(model="tiny", input=[{"type": "reasoning", "summary": []}])

@@ -29,7 +29,8 @@ from rlix.inference.router.router import Router
 from rlix.inference.router.shard_table import ShardState
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.control_schema import RouterShardBody, parse_body
-from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
+from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE, RESPONSES
+from rlix.inference.server.responses_api import from_chat, to_chat
 
 
 def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI:
@@ -76,6 +77,22 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     @app.post(CHAT)
     async def chat(request: Request) -> Response:
         return await relay(request, CHAT)
+
+    @app.post(RESPONSES)
+    async def responses(request: Request) -> Response:
+        """Translated to a chat completion, relayed like one (sticky, re-dispatched), answered
+        as a Responses object."""
+        try:
+            body = json.loads(await request.body())
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("Request body must be a JSON object")
+        status, data = await router.relay.unary(CHAT, to_chat(body), request.headers.get("x-session-id"))
+        answer = json.loads(data) if isinstance(data, bytes) else data
+        if status != 200:
+            return JSONResponse(answer, status_code=status)
+        return JSONResponse(from_chat(answer, body))
 
     @app.post(GENERATE)
     async def generate(request: Request) -> Response:

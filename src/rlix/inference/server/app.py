@@ -18,6 +18,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
+from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -30,9 +31,11 @@ from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.server import control_schema as C
 from rlix.inference.server import openai_schema as S
+from rlix.inference.server import responses_api as R
 from rlix.inference.server.control import ControlPlane, bucket_message, decode_safetensors
 from rlix.inference.server.control_schema import parse_body
-from rlix.inference.server.paths import CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES
+from rlix.inference.server.paths import (CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES,
+                                        RESPONSES)
 from rlix.inference.server.serving import OpenAIServing
 from rlix.models.presets import resolve_model
 from rlix.threads import favour_control_latency
@@ -246,6 +249,17 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         if job.stream:
             return StreamingResponse(serving.chat_stream(job), media_type="text/event-stream")
         return JSONResponse(await serving.chat(job))
+
+    @app.post(RESPONSES)  # the Responses API subset, answered by a chat completion
+    async def responses(request: Request) -> Response:
+        body = await _json_body(request, required=True)
+        if not isinstance(body, dict):
+            raise InvalidRequestError("Request body must be a JSON object")
+        try:
+            chat_req = S.ChatCompletionRequest.model_validate(R.to_chat(body))
+        except ValidationError as exc:
+            raise InvalidRequestError(f"invalid request: {exc.errors()[0].get('msg')}") from None
+        return JSONResponse(R.from_chat(await serving.chat(serving.prepare_chat(chat_req)), body))
 
     @app.post(GENERATE)  # non-streamed valid bodies are served by FastGenerate
     async def generate(req: S.GenerateRequest) -> Response:

@@ -2,6 +2,7 @@
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"  # translated to a chat completion (server/responses_api.py)
 GENERATE = "/inference/v1/generate"
 
 #: every route under these needs the bearer token (as in vLLM)
