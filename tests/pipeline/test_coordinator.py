@@ -192,6 +192,49 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
         ray.kill(trainer)
 
 
+@pytest.mark.parametrize("restart_on_move", [True, False])
+def test_a_dead_shard_given_other_gpus_is_recorded_and_started_anew(ray_local, tiny_model_dir, restart_on_move):
+    """Placed shards: one whose process died while asleep is moved to other GPUs. The death is
+    recorded (not hidden by the move's restart, nor kept where moves keep the process) and a new
+    process serves on the new GPUs at the latest version."""
+    import os
+    import signal
+
+    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), TrainConfig(lr=0.05),
+                                                             seed=0, api_key=KEY)
+
+    async def main() -> None:
+        router = Router(KEY)
+        client = RemoteInferenceClient(None, {}, KEY, "tiny")
+        backend = make_backend(EngineBackendConfig(backend="embedded", model=str(tiny_model_dir),
+                                                   served_model_name="tiny", max_model_len=128))
+        launcher = LocalLauncher(backend, KEY, placement=lambda gpus: {"RLIX_TEST_GPUS": ",".join(map(str, gpus))})
+        fleet = ShardFleet(launcher, router, client, restart_on_move=restart_on_move)
+        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, placed=True)
+        try:
+            ray.get(trainer.publish.remote(0))
+            await coord.resize_inference([], {0: [0]})
+            assert fleet.active_ranks() == [0] and fleet.shards[0].gpus == (0,)
+            await coord.resize_inference([0], {})  # taken back: asleep
+            server, guard = launcher.server_pids()[0], launcher.pids()[0]
+            os.kill(server, signal.SIGKILL)
+            assert _wait_gone(guard)
+            await coord.resize_inference([], {0: [1]})  # given other GPUs
+            assert [d["pid"] for d in coord.stats.deaths] == [guard]
+            assert fleet.active_ranks() == [0] and fleet.shards[0].gpus == (1,)
+            assert launcher.server_pids()[0] != server and launcher.procs[0].alive()
+            assert coord.versions[0] == 0 and await greedy(fleet.shards[0].url)
+        finally:
+            await fleet.shutdown()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.get(trainer.close.remote())
+        ray.kill(trainer)
+
+
 def test_shard_server_ends_when_its_parent_is_sigkilled(tmp_path, tiny_model_dir):
     """A shard's owner killed with SIGKILL: the guard ends the server and removes its private
     log dir; the port is free again."""

@@ -194,6 +194,9 @@ class ShardCoordinator:
         return errors[0] if len(errors) == 1 else GpuMemoryError("; ".join(map(str, errors)))
 
     async def _place(self, add: Mapping[int, Any]) -> None:
+        """(Under the lock.) Dead processes are recorded and dropped first: placing would
+        otherwise restart (or, where moves keep the process, keep) a dead one unnoticed."""
+        await self._drop_dead()
         for r in await self.fleet.place({int(r): gpus for r, gpus in add.items()}):
             # a new process serves the weights on disk: the initial version
             self.versions[r] = self.initial_version
