@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 
@@ -122,26 +123,20 @@ def router_process(shard_urls: dict[int, str]) -> Iterator[str]:
         assert not pid_alive(proc.pid)
 
 
+@functools.lru_cache(maxsize=1)
 def vllm_skip_reason() -> str | None:
     """Why vLLM cannot be used here, or None (asked once per session)."""
-    global _VLLM_REASON
-    if _VLLM_REASON is None:
-        import subprocess
+    import subprocess
 
-        from rlix import env
-        python = env.vllm_python()
-        if not python:
-            _VLLM_REASON = "no Python with vLLM: run scripts/setup-vllm.sh or set RLIX_VLLM_PYTHON"
-        else:
-            try:
-                subprocess.run([python, "-c", "import vllm"], check=True, capture_output=True, timeout=180)
-                _VLLM_REASON = ""
-            except (OSError, subprocess.SubprocessError) as exc:
-                _VLLM_REASON = f"{python} cannot import vllm: {exc}"
-    return _VLLM_REASON or None
-
-
-_VLLM_REASON: str | None = None
+    from rlix import env
+    python = env.vllm_python()
+    if not python:
+        return "no Python with vLLM: run scripts/setup-vllm.sh or set RLIX_VLLM_PYTHON"
+    try:
+        subprocess.run([python, "-c", "import vllm"], check=True, capture_output=True, timeout=180)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{python} cannot import vllm: {exc}"
+    return None
 
 
 def need_vllm() -> None:

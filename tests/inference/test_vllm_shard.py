@@ -26,6 +26,7 @@ from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.inference.router.router import Router
 from rlix.weights.cache import BucketCache
 from rlix.weights.sync import WeightSync
+from rlix.weights.transport import make_transport
 from rlix.weights.vllm_endpoint import VllmShardEndpoint
 from rlix.weights.vllm_names import compare_digests, vllm_digests
 from rlix.weights.wire import reap_orphaned_segments
@@ -110,12 +111,9 @@ SENDER = textwrap.dedent("""
     sd = torch.load(sys.argv[1])
     cache = BucketCache.for_model(sd, bucket_bytes=int(sys.argv[2]), host="shm")
     cache.build_latest(7, sd)
-    msgs = []
-    for i, (b, c) in enumerate(zip(cache.buckets(7), cache.checksums(7))):
-        s = next(s for s in cache.shm_segments()
-                 if s.tensor.data_ptr() <= b.data_ptr() < s.tensor.data_ptr() + s.nbytes)
-        msgs.append({"version": 7, "bucket": i, "nbytes": b.numel(), "checksum": c, "shm": s.name,
-                     "offset": b.data_ptr() - s.tensor.data_ptr()})
+    from rlix.weights.transport import make_transport
+    sender = make_transport("shm", segments=cache.shm_segments).sender()
+    msgs = sender.references(7, cache.buckets(7), cache.checksums(7))
     print(json.dumps({"layout": cache.layout.to_json(), "layout_id": cache.layout.layout_id,
                       "messages": msgs}), flush=True)
     time.sleep(600)
@@ -123,14 +121,9 @@ SENDER = textwrap.dedent("""
 
 
 def messages_of(cache: BucketCache, version: int) -> list[dict]:
-    """The shm transport's message for each bucket of a cached version (as the driver sends)."""
-    out = []
-    for i, (b, c) in enumerate(zip(cache.buckets(version), cache.checksums(version))):
-        seg = next(s for s in cache.shm_segments()
-                   if s.tensor.data_ptr() <= b.data_ptr() < s.tensor.data_ptr() + s.nbytes)
-        out.append({"version": version, "bucket": i, "nbytes": b.numel(), "checksum": c, "shm": seg.name,
-                    "offset": b.data_ptr() - seg.tensor.data_ptr()})
-    return out
+    """The shm transport's message for each bucket of a cached version, as the driver sends them."""
+    sender = make_transport("shm", segments=cache.shm_segments).sender()
+    return sender.references(version, cache.buckets(version), cache.checksums(version))
 
 
 def test_failed_updates_leave_the_old_weights_serving(vllm_shard, weights, tmp_path):

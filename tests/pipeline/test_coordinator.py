@@ -45,10 +45,7 @@ async def greedy(url: str) -> list[int]:
 
 @pytest.mark.parametrize("wake_in_sync", [False, True], ids=["wake-then-sync", "wake-in-sync"])
 def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_local, tiny_model_dir, wake_in_sync):
-    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), TrainConfig(lr=0.05),
-                                                             seed=0, api_key=KEY)
-
-    async def main() -> None:
+    async def main(trainer) -> None:  # noqa: ANN001
         router = Router(KEY)
         server = RouterServer(router)
         await server.start()
@@ -87,11 +84,7 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
             await server.stop()
             await client.aclose()
 
-    try:
-        asyncio.run(main())
-    finally:
-        ray.get(trainer.close.remote())
-        ray.kill(trainer)
+    _with_trainer(tiny_model_dir, main)
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -110,6 +103,27 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
+def _embedded_fleet(model_dir, launcher_kw: dict | None = None, **fleet_kw):
+    """Router, control client, local launcher and fleet over embedded shard processes."""
+    router = Router(KEY)
+    client = RemoteInferenceClient(None, {}, KEY, "tiny")
+    backend = make_backend(EngineBackendConfig(backend="embedded", model=str(model_dir),
+                                               served_model_name="tiny", max_model_len=128))
+    launcher = LocalLauncher(backend, KEY, **(launcher_kw or {}))
+    return router, client, launcher, ShardFleet(launcher, router, client, **fleet_kw)
+
+
+def _with_trainer(model_dir, main) -> None:  # noqa: ANN001
+    """asyncio.run(main(trainer)) with a trainer actor, closed and killed afterwards."""
+    trainer = TrainerActor.options(max_concurrency=2).remote(str(model_dir), TrainConfig(lr=0.05),
+                                                             seed=0, api_key=KEY)
+    try:
+        asyncio.run(main(trainer))
+    finally:
+        ray.get(trainer.close.remote())
+        ray.kill(trainer)
+
+
 def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, tiny_model_dir):
     """SIGKILL a shard server by its PID: an assigned (active) shard gets a new process, synced
     to the latest version and routed to again; a sleeping one is forgotten and started when it
@@ -119,16 +133,8 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
 
     from rlix.errors import ShardDiedError
 
-    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), TrainConfig(lr=0.05),
-                                                             seed=0, api_key=KEY)
-
-    async def main() -> None:
-        router = Router(KEY)
-        client = RemoteInferenceClient(None, {}, KEY, "tiny")
-        backend = make_backend(EngineBackendConfig(backend="embedded", model=str(tiny_model_dir),
-                                                   served_model_name="tiny", max_model_len=128))
-        launcher = LocalLauncher(backend, KEY)
-        fleet = ShardFleet(launcher, router, client)
+    async def main(trainer) -> None:  # noqa: ANN001
+        router, client, launcher, fleet = _embedded_fleet(tiny_model_dir)
         coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, max_restarts=2)
         try:
             await coord.start([0, 1], version=0)
@@ -185,11 +191,7 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
             await fleet.shutdown()
             await client.aclose()
 
-    try:
-        asyncio.run(main())
-    finally:
-        ray.get(trainer.close.remote())
-        ray.kill(trainer)
+    _with_trainer(tiny_model_dir, main)
 
 
 @pytest.mark.parametrize("restart_on_move", [True, False])
@@ -200,16 +202,10 @@ def test_a_dead_shard_given_other_gpus_is_recorded_and_started_anew(ray_local, t
     import os
     import signal
 
-    trainer = TrainerActor.options(max_concurrency=2).remote(str(tiny_model_dir), TrainConfig(lr=0.05),
-                                                             seed=0, api_key=KEY)
-
-    async def main() -> None:
-        router = Router(KEY)
-        client = RemoteInferenceClient(None, {}, KEY, "tiny")
-        backend = make_backend(EngineBackendConfig(backend="embedded", model=str(tiny_model_dir),
-                                                   served_model_name="tiny", max_model_len=128))
-        launcher = LocalLauncher(backend, KEY, placement=lambda gpus: {"RLIX_TEST_GPUS": ",".join(map(str, gpus))})
-        fleet = ShardFleet(launcher, router, client, restart_on_move=restart_on_move)
+    async def main(trainer) -> None:  # noqa: ANN001
+        router, client, launcher, fleet = _embedded_fleet(
+            tiny_model_dir, {"placement": lambda gpus: {"RLIX_TEST_GPUS": ",".join(map(str, gpus))}},
+            restart_on_move=restart_on_move)
         coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, placed=True)
         try:
             ray.get(trainer.publish.remote(0))
@@ -228,11 +224,7 @@ def test_a_dead_shard_given_other_gpus_is_recorded_and_started_anew(ray_local, t
             await fleet.shutdown()
             await client.aclose()
 
-    try:
-        asyncio.run(main())
-    finally:
-        ray.get(trainer.close.remote())
-        ray.kill(trainer)
+    _with_trainer(tiny_model_dir, main)
 
 
 def test_shard_server_ends_when_its_parent_is_sigkilled(tmp_path, tiny_model_dir):

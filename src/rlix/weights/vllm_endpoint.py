@@ -56,12 +56,6 @@ class VllmShardEndpoint(HttpShardEndpoint):
         value = (await self._request("/weight_info", None, method="GET"))["weight_version"]
         return 0 if value in (None, UNSET_VERSION) else int(value)
 
-    async def checksums(self) -> dict[str, str]:
-        """vLLM's own sha256 of each served parameter, by its names (fused q/k/v, gate/up),
-        without the worker prefix (one worker: tensor parallelism is 1 here)."""
-        out = await self._post("/weight_checker", {"action": "checksum"})
-        return {name.rsplit(":", 1)[-1]: digest for name, digest in out["checksums"].items()}
-
     async def _step_by_step(self, *_: Any) -> Any:
         raise WeightUpdateError(f"{self.name}: a vLLM shard takes a whole update in one call, read from "
                                 "the trainer's shared-memory cache (host: shm)")

@@ -15,7 +15,6 @@ stages both into a package of their own for the server's PYTHONPATH).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from typing import Any
@@ -73,15 +72,6 @@ class RlixWorkerExtension:
 
     def rlix_weight_version(self, payload: str = "{}") -> str:
         return json.dumps({"weight_version": self.rlix_version})
-
-    def rlix_checksums(self, payload: str = "{}") -> str:
-        """sha256 of each served parameter's bytes, by vLLM's own names (fused q/k/v, gate/up):
-        the trainer can fuse its tensors the same way and compare."""
-        out = {}
-        for name, param in self._rlix_named_parameters():
-            data = param.detach().contiguous().cpu()
-            out[name] = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
-        return json.dumps(out)
 
     def _rlix_named_parameters(self) -> list[tuple[str, Any]]:
         model = getattr(self.model_runner, "model", None)

@@ -52,13 +52,17 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse(S.error_body(str(exc), "BadRequestError", 400, exc.param), status_code=400)
 
-    async def relay(request: Request, path: str) -> Response:
+    async def json_object(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("Request body must be a JSON object")
+        return body
+
+    async def relay(request: Request, path: str) -> Response:
+        body = await json_object(request)
         session = request.headers.get("x-session-id")
         if body.get("stream"):
             opened = await router.relay.open_stream(path, body, session)
@@ -82,12 +86,7 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     async def responses(request: Request) -> Response:
         """Translated to a chat completion, relayed like one (sticky, re-dispatched), answered
         as a Responses object."""
-        try:
-            body = json.loads(await request.body())
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError("Request body must be a JSON object")
+        body = await json_object(request)
         status, data = await router.relay.unary(CHAT, to_chat(body), request.headers.get("x-session-id"))
         answer = json.loads(data) if isinstance(data, bytes) else data
         if status != 200:
