@@ -118,6 +118,7 @@ class ShardProcess:
         if proc is None:
             self._remove_own_log_dir()
             return None
+        server = self.server_pid()  # the guard's child: gone only once the kernel says so
         if proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
             try:
@@ -126,6 +127,8 @@ class ShardProcess:
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers the child left in its group
+        if server is not None:
+            _wait_exited(server, 5.0)  # the guard is reaped; its server may exit a moment later
         self._remove_own_log_dir()
         return proc.returncode
 
@@ -142,3 +145,17 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _wait_exited(pid: int, timeout_s: float) -> bool:
+    """Until `pid` is gone or a zombie (dead, awaiting its reaper); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.01)
+    return False
