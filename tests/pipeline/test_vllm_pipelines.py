@@ -41,8 +41,11 @@ def test_two_vllm_pipelines_time_share_learn_and_serve_the_trainers_weights(tmp_
         steps = next(c["steps"] for c in cfg["pipelines"] if c["name"] == name)
         assert p["state"] == "done" and p["steps"] == steps, (name, p.get("error"))
         assert p["reward_last5"] > p["reward_first5"], (name, p["rewards"])
-        # every sync after the first publish audited: vLLM's digests equal the trainer's
-        assert p["checksum_checks"] >= steps - 1 and p["checksum_mismatches"] == [], p["checksum_mismatches"]
+        # every shard sync audited: vLLM's digests equal the trainer's (how many syncs there are
+        # depends on the scheduler: a shard asleep at publish time is synced when it wakes)
+        synced = sum(len(e[2]) for e in p["events"] if e[1] in ("sync", "refit"))
+        assert synced >= 2 and p["checksum_checks"] == synced, (synced, p["checksum_checks"])
+        assert p["checksum_mismatches"] == [], p["checksum_mismatches"]
         assert p["version_mismatches"] == [] and p["shard_deaths"] == []
         acc = p["accounting"]
         assert acc["started"] == acc["trained"] + sum(acc["dropped"].values()) + acc["buffered"]
