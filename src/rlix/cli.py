@@ -101,7 +101,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           served_model_name=args.served_model_name, dtype=args.dtype,
-          max_body=int(args.max_body_mib * 2**20))
+          max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations)
     return 0
 
 
@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--record-generations", default=None, metavar="DIR",
+                       help="append each token-level generate (prompt and sampled ids, logprobs) to "
+                            "DIR/generations-PID.jsonl: the engine's own record, for audits")
     serve.add_argument("--max-body-mib", type=float, default=4.0,
                        help="larger request bodies get 413 unread (default: 4)")
     serve.set_defaults(func=_cmd_serve)

@@ -140,6 +140,20 @@ class PipelineFailedError(RlixError):
     """Every pipeline of a run failed (each one's error is in the message)."""
 
 
+class AgentEnvError(RlixError):
+    """An agent environment (its agent or resources server) failed: it would not start, kept
+    dying past its restart limit, or gave an answer that is not what the protocol says."""
+
+
+class EpisodeError(AgentEnvError):
+    """One episode failed: `env` and `episode` name where; `reason` is what the accounting records.
+    Retried or counted; never a pipeline crash."""
+
+    def __init__(self, env: str, episode: str, reason: str) -> None:
+        super().__init__(f"environment {env}, episode {episode}: {reason}")
+        self.env, self.episode, self.reason = env, episode, reason
+
+
 def one_line(exc: BaseException) -> str:
     """An error as one line: Ray's wrapping and tracebacks dropped, the cause's type and last
     meaningful line kept (what `rlix run` prints for a failed pipeline)."""

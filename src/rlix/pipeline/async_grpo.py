@@ -59,7 +59,8 @@ def to_samples(groups: list) -> list[TrainSample]:  # type: ignore[type-arg]
     for g, adv in zip(groups, advantages):
         for t, a in zip(g.trajectories, adv):
             out.append(TrainSample(list(t.prompt_ids), list(t.response_ids), list(t.behaviour_logprobs),
-                                   float(a), int(t.version)))
+                                   float(a), int(t.version),
+                                   None if t.loss_mask is None else list(t.loss_mask)))
     return out
 
 
@@ -161,7 +162,7 @@ class GrpoLoop:
         self.trained_versions.append((version, versions))
         record = StepRecord(
             step=new, reward=mean, reward_std=std, samples=len(samples),
-            tokens=sum(len(s.response_ids) for s in samples), oldest_version=versions[0],
+            tokens=sum(s.trained_tokens() for s in samples), oldest_version=versions[0],
             loss=float(metrics.get("loss", 0.0)), generate_s=t_gen - t0, wait_gpus_s=t_gpus - t_gen,
             reload_s=t_reload - t_gpus, train_s=t_train - t_reload, audit_s=published.audit_s,
             cache_s=t_cache - t_train - published.audit_s, offload_s=t_off - t_cache,

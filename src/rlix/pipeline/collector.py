@@ -22,9 +22,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlix.agents.episodes import Unstitchable
+from rlix.agents.protocol import Example
+from rlix.agents.rollout import AgentEpisodes
 from rlix.config.models import RolloutConfig
 from rlix.envs.tasks import Task
-from rlix.errors import CollectorError, InvalidRequestError, PipelineStalledError
+from rlix.errors import CollectorError, EpisodeError, InvalidRequestError, PipelineStalledError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
@@ -81,11 +84,12 @@ class TrajectoryCollector:
     def __init__(self, generate: Generate, tokenizer: Any, task: Task, buffer: ReplayBuffer,
                  hooks: RLixHooks, rollout: RolloutConfig, *, max_age: int, seed: int = 0,
                  max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02,
-                 max_failed_groups: int = 32) -> None:
+                 max_failed_groups: int = 32, episodes: AgentEpisodes | None = None) -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
         self.buffer, self.hooks = buffer, hooks
+        self.episodes = episodes  # agent episodes instead of one generate per trajectory
         self.group_size, self.groups_per_step = rollout.group_size, rollout.groups_per_step
         self.max_new_tokens, self.temperature = rollout.max_new_tokens, rollout.temperature
         self.max_age, self.concurrency = max_age, rollout.concurrency
@@ -193,7 +197,9 @@ class TrajectoryCollector:
                 "retries": self.retries, "generate_s": round(self.generate_s, 3),
                 "in_flight_groups": len(self._pending), "peak_admitted": self.peak_admitted,
                 "reports": self.reports, "errors": list(self.errors)[-5:],
-                "failed_in_a_row": self.failed_in_a_row}
+                "failed_in_a_row": self.failed_in_a_row,
+                **({"episode_turns": self.episodes.turns, "tool_calls": self.episodes.tool_calls,
+                    "episodes_running": self.episodes.running} if self.episodes else {})}
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> bool:
@@ -259,29 +265,18 @@ class TrajectoryCollector:
 
     # ------------------------------------------------------------------ one group
     async def _group(self, gid: str, index: int, prompt: Any) -> None:
-        ids = list(self.tokenizer.encode(prompt.text, add_special_tokens=False))
+        ids = [] if self.episodes else list(self.tokenizer.encode(prompt.text, add_special_tokens=False))
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
-                samples = [tg.create_task(self._sample(gid, i, ids, sample_seed(self.seed, index, i)))
+                samples = [tg.create_task(self._trajectory(gid, i, ids, prompt, sample_seed(self.seed, index, i)))
                            for i in range(self.group_size)]
         except BaseExceptionGroup as eg:
             dropped = [e for e in eg.exceptions if isinstance(e, GroupDropped)]
             raise (dropped[0] if dropped else eg.exceptions[0]) from None
         finally:
             self.generate_s += time.perf_counter() - t0
-        trajectories = []
-        for i, s in enumerate(samples):
-            tokens, logprobs, versions, finish, started = s.result()
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            try:
-                reward = float(self.task.reward(prompt, text))
-            except Exception as exc:  # noqa: BLE001 - the task's (user's) code
-                raise GroupDropped(f"reward failed: {type(exc).__name__}: {exc}") from exc
-            versions = versions or [self.version]  # no tokens: nothing of it can be stale
-            trajectories.append(Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, reward, min(versions),
-                                           versions, finish, started, time.time()))
-        group = Group(gid, prompt.text, trajectories)
+        group = Group(gid, prompt.text, [s.result() for s in samples])
         self.groups_done += 1
         p = self._pending[gid]
         if not self.buffer.fresh(group.version, self.version, self.max_age):
@@ -290,7 +285,20 @@ class TrajectoryCollector:
             self.buffer.put(group)
         p.accounted = True  # from here on, cancellation must not count it again
 
-    async def _sample(self, gid: str, i: int, ids: list[int], seed: int
+    async def _trajectory(self, gid: str, i: int, ids: list[int], prompt: Any, seed: int) -> Trajectory:
+        if self.episodes is not None:
+            return await self._episode(gid, i, prompt, seed)
+        tokens, logprobs, versions, finish, started = await self._sample(gid, ids, seed)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        try:
+            reward = float(self.task.reward(prompt, text))
+        except Exception as exc:  # noqa: BLE001 - the task's (user's) code
+            raise GroupDropped(f"reward failed: {type(exc).__name__}: {exc}") from exc
+        versions = versions or [self.version]  # no tokens: nothing of it can be stale
+        return Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, reward, min(versions), versions, finish,
+                          started, time.time())
+
+    async def _sample(self, gid: str, ids: list[int], seed: int
                       ) -> tuple[list[int], list[float], list[int], str, float]:
         params = {"temperature": self.temperature, "max_tokens": self.max_new_tokens, "logprobs": 1,
                   "seed": seed}
@@ -313,6 +321,38 @@ class TrajectoryCollector:
         versions = parse_versions(out.weight_versions, len(tokens))
         self.tokens += len(tokens)
         return tokens, logprobs, versions, out.finish_reason, started
+
+    async def _episode(self, gid: str, i: int, prompt: Any, seed: int) -> Trajectory:
+        """One agent episode (retried when its environment failed); its sample is the engine's
+        exact tokens, context masked (agents/episodes.py), its reward the environment's."""
+        assert self.episodes is not None
+        example = Example(prompt=prompt.text, answer=prompt.answer, meta=dict(prompt.meta))
+        started = time.time()
+        retries = self.episodes.cfg.episode_retries
+        for attempt in range(retries + 1):
+            self.requests += 1
+            try:
+                ep = await self.episodes.run(f"{gid}-{i}-a{attempt}", example, seed + attempt)
+                break
+            except Unstitchable as exc:
+                raise GroupDropped(str(exc)) from exc
+            except EpisodeError as exc:
+                self.errors.append(str(exc)[:200])
+                if attempt == retries:
+                    raise GroupDropped(f"episode failed: {exc.reason}") from exc
+                self.retries += 1
+                await asyncio.sleep(self.retry_delay_s * (attempt + 1))
+        versions: list[int] = []
+        for turn in ep.trace.turns:
+            for v in parse_versions(turn.versions, len(turn.token_ids)):
+                if v not in versions:
+                    versions.append(v)
+        versions = versions or [self.version]
+        sample = ep.sample
+        self.tokens += sample.sampled_tokens
+        return Trajectory(f"{gid}-{i}", gid, sample.prompt_ids, sample.response_ids, sample.logprobs,
+                          float(ep.result.reward), min(versions), versions, ep.trace.turns[-1].finish_reason,
+                          started, time.time(), loss_mask=sample.loss_mask)
 
     # ------------------------------------------------------------------ progress
     def collected(self) -> int:

@@ -18,6 +18,9 @@ class Trajectory:
     finish_reason: str = ""
     started_at: float = 0.0
     finished_at: float = 0.0
+    # multi-turn episodes: 1 where the policy sampled the token, 0 for context between its turns
+    # (tool outputs, chat-template tokens); None: every response token was sampled
+    loss_mask: list[int] | None = None
 
 
 @dataclass

@@ -128,6 +128,9 @@ class PolicyTrainer:
             if len(s.behaviour_logprobs) != len(s.response_ids):
                 raise TrainingError(f"sample {i}: {len(s.behaviour_logprobs)} behaviour logprobs for "
                                     f"{len(s.response_ids)} response tokens")
+            if s.loss_mask is not None and len(s.loss_mask) != len(s.response_ids):
+                raise TrainingError(f"sample {i}: {len(s.loss_mask)} loss-mask entries for "
+                                    f"{len(s.response_ids)} response tokens")
             ids = list(s.prompt_ids) + list(s.response_ids)
             if min(ids) < 0 or max(ids) >= self.vocab_size:
                 raise TrainingError(f"sample {i}: token id out of the vocabulary [0, {self.vocab_size})")
@@ -138,7 +141,8 @@ class PolicyTrainer:
 
     def _logprobs(self, model: torch.nn.Module, chunk: Sequence[TrainSample]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs [B, T] of each response under `model`, and the response mask.
+        """Per-token logprobs [B, T] of each response under `model`, and the loss mask (the
+        response tokens, less those a sample's `loss_mask` leaves out).
 
         Right-padded [B, L] inputs; the logit at position p predicts token p+1, so response
         token j of a sample with prompt length P is scored by the logit at P+j-1. Only logits
@@ -158,7 +162,7 @@ class PolicyTrainer:
         for i, s in enumerate(chunk):
             n = len(s.response_ids)
             cols[i, :n] = torch.arange(n) + len(s.prompt_ids) - 1 - start
-            mask[i, :n] = 1
+            mask[i, :n] = 1 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=mask.dtype)
         ids, attn, cols, mask = ids.to(dev), attn.to(dev), cols.to(dev), mask.to(dev)
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False,
                        logits_to_keep=width - start).logits  # positions start .. width-1
@@ -237,8 +241,8 @@ class PolicyTrainer:
         started = time.perf_counter()
         dev = self.device
         with self._step_group(group) as distributed:
-            local = torch.tensor([sum(len(s.response_ids) for s in samples),
-                                  sum(1 for s in samples if s.response_ids), len(samples)],
+            local = torch.tensor([sum(s.trained_tokens() for s in samples),
+                                  sum(1 for s in samples if s.trained_tokens()), len(samples)],
                                  dtype=torch.float64, device=dev)
             if distributed:
                 dist.all_reduce(local)

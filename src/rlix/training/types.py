@@ -11,6 +11,8 @@ class TrainSample:
 
     `behaviour_logprobs` are the logprobs of `response_ids` under the policy that sampled them
     (one per response token); `version` is that policy's weight version (for staleness checks).
+    `loss_mask` (one 0/1 per response token; None: all 1) leaves out tokens the policy did not
+    sample, such as tool outputs between the turns of an episode: they are context only.
     """
 
     prompt_ids: list[int]
@@ -18,6 +20,10 @@ class TrainSample:
     behaviour_logprobs: list[float]
     advantage: float
     version: int = 0
+    loss_mask: list[int] | None = None
+
+    def trained_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ class EngineBackendConfig(BaseModel):
     extra_args: tuple[str, ...] = ()
     cpu_threads: int | None = Field(None, ge=1, description="embedded: torch threads of each shard "
                                                             "(default torch's; 1 when many share few cores)")
+    record_generations: str | None = Field(None, description="embedded: a directory where each shard records "
+                                                             "what it sampled (rlix serve --record-generations)")
 
     @property
     def name_in_api(self) -> str:
@@ -79,6 +81,8 @@ class EmbeddedBackend:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
         if cfg.cpu_threads:
             cmd += ["--threads", str(cfg.cpu_threads)]
+        if cfg.record_generations:
+            cmd += ["--record-generations", cfg.record_generations]
         return cmd + list(cfg.extra_args)
 
     def env(self) -> dict[str, str]:

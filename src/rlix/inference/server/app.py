@@ -36,6 +36,7 @@ from rlix.inference.server.control import ControlPlane, bucket_message, decode_s
 from rlix.inference.server.control_schema import parse_body
 from rlix.inference.server.paths import (CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES,
                                         RESPONSES)
+from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.serving import OpenAIServing
 from rlix.models.presets import resolve_model
 from rlix.threads import favour_control_latency
@@ -178,10 +179,10 @@ class BearerAuth:
 
 def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
                model_root: str = "", close_engine: bool = False,
-               max_body: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, generation_log: GenerationLog | None = None) -> FastAPI:
     """The app for one engine. `close_engine` closes it when the app shuts down; a request body
-    over `max_body` bytes gets 413."""
-    serving = OpenAIServing(engine, tokenizer, model_name, model_root)
+    over `max_body` bytes gets 413; `generation_log` records every token-level generate."""
+    serving = OpenAIServing(engine, tokenizer, model_name, model_root, generation_log)
     control = ControlPlane(engine)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineGauges(engine, model_name))
@@ -360,12 +361,13 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
           served_model_name: str | None = None, dtype: str | None = None,
-          max_body: int = MAX_BODY_BYTES) -> None:
+          max_body: int = MAX_BODY_BYTES, record_generations: str | None = None) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     path = resolve_model(model)
     engine = TorchEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len)
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
-                     model_root=str(path), close_engine=True, max_body=max_body)
+                     model_root=str(path), close_engine=True, max_body=max_body,
+                     generation_log=GenerationLog(record_generations) if record_generations else None)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -20,6 +20,7 @@ from typing import Any
 from rlix.errors import InvalidRequestError, ModelNotFoundError, RlixError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.engine.api import EngineAPI, GenerationOutput, SamplingParams
+from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.tool_calls import ToolCall, check_tools, parse_tool_calls, template_messages
 
 
@@ -95,8 +96,10 @@ DONE = "data: [DONE]\n\n"
 class OpenAIServing:
     """Validates requests, runs them on the engine and shapes vLLM-compatible answers."""
 
-    def __init__(self, engine: EngineAPI, tokenizer: Any, model_name: str, model_root: str = "") -> None:
+    def __init__(self, engine: EngineAPI, tokenizer: Any, model_name: str, model_root: str = "",
+                 generation_log: GenerationLog | None = None) -> None:
         self.engine = engine
+        self.generation_log = generation_log
         self.tok = tokenizer
         self.model_name = model_name
         self.model_root = model_root or model_name
@@ -370,6 +373,8 @@ class OpenAIServing:
         out = last.out
         ids = out.token_ids
         lp = S.generate_logprobs(ids, out.logprobs) if job.logprobs else None
+        if self.generation_log is not None:
+            self.generation_log.write(job.rid, job.prompt_ids, ids, list(out.logprobs), last.finish)
         return S.generate_response(job.rid, self.model_name, last.finish, last.stop_reason, ids, lp,
                                    S.weight_spans(out.weight_versions, len(ids)),
                                    job.prompt_ids if job.return_token_ids else None, len(job.prompt_ids))

@@ -1,0 +1,109 @@
+"""One trajectory = one agent episode: what the collector calls instead of a single generate.
+
+The pipeline opens a recorded session on its policy gateway, asks the environment's agent server
+to run the episode (`POST /run`), then takes the gateway's record and stitches it into the exact
+sample the policy generated (episodes.py). The reward is the environment's verifier's.
+Everything that can go wrong with an environment is an `EpisodeError` naming the environment
+and the episode; the collector retries those and counts what stays failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+from pydantic import ValidationError
+
+from rlix.agents.config import EnvConfig
+from rlix.agents.episodes import EpisodeSample, stitch
+from rlix.agents.gateway import EpisodeTrace, PolicyGateway
+from rlix.agents.protocol import Example, PolicyEndpoint, RunRequest, RunResult
+from rlix.errors import EpisodeError
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A finished, stitched episode."""
+
+    sample: EpisodeSample
+    trace: EpisodeTrace
+    result: RunResult
+
+
+class AgentClient:
+    """The pipeline's typed client of one agent server. Malformed answers (not JSON, missing or
+    mistyped fields, an episode id that is not the one asked), HTTP errors, timeouts and
+    connection failures all become EpisodeError."""
+
+    def __init__(self, env: str, url: str, timeout_s: float) -> None:
+        self.env, self.url, self.timeout_s = env, url.rstrip("/"), timeout_s
+        self._http: httpx.AsyncClient | None = None
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        return self._http
+
+    def retarget(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    async def run(self, req: RunRequest) -> RunResult:
+        def fail(reason: str) -> EpisodeError:
+            return EpisodeError(self.env, req.episode_id, reason[:300])
+
+        try:
+            resp = await self._client().post(f"{self.url}/run", content=req.model_dump_json(),
+                                             headers={"content-type": "application/json"})
+        except httpx.TimeoutException:
+            raise fail(f"agent /run timed out after {self.timeout_s:g} s") from None
+        except httpx.HTTPError as exc:
+            raise fail(f"agent /run failed: {type(exc).__name__}: {exc}") from None
+        if resp.status_code != 200:
+            raise fail(f"agent /run answered {resp.status_code}: {resp.text[:200]}")
+        try:
+            result = RunResult.model_validate_json(resp.content)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]) or "body"
+            raise fail(f"agent /run answer is malformed: {where}: {first['msg']}") from None
+        if result.episode_id != req.episode_id:
+            raise fail(f"agent /run answered for episode {result.episode_id!r}")
+        if result.reward != result.reward or result.reward in (float("inf"), float("-inf")):
+            raise fail("agent /run answered a reward that is not a finite number")
+        return result
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+class AgentEpisodes:
+    """Runs episodes of one environment for one pipeline (see module doc)."""
+
+    def __init__(self, cfg: EnvConfig, gateway: PolicyGateway, agent: AgentClient, policy: PolicyEndpoint) -> None:
+        self.cfg, self.gateway, self.agent, self.policy = cfg, gateway, agent, policy
+        self.turns = 0  # policy calls of finished episodes
+        self.tool_calls = 0
+        self.running = 0  # episodes in flight
+
+    async def run(self, episode_id: str, example: Example, seed: int) -> Episode:
+        """One attempt; EpisodeError when the environment failed, Unstitchable when the tokens
+        cannot be trained on exactly."""
+        session = episode_id
+        self.gateway.open(session, seed)
+        self.running += 1
+        try:
+            result = await self.agent.run(RunRequest(episode_id=episode_id, session_id=session,
+                                                     example=example, policy=self.policy))
+        except (EpisodeError, asyncio.CancelledError):
+            self.gateway.discard(session)
+            raise
+        finally:
+            self.running -= 1
+        trace = self.gateway.take(session)
+        self.turns += len(trace.turns)
+        self.tool_calls += result.tool_calls
+        return Episode(stitch(trace), trace, result)
