@@ -191,3 +191,33 @@ def test_offload_frees_gpu_memory_and_training_continues_identically(tiny_model_
     b.train_step(batches[1])
     wa, wb = weights(a), weights(b)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+def test_loss_mask_leaves_context_tokens_out_of_the_loss(tiny_model_dir, samples_factory):
+    """Multi-turn samples: tokens under a 0 in `loss_mask` (tool outputs between turns) are
+    context only: their behaviour logprobs change nothing, and only masked-in tokens count."""
+    base = samples_factory(4, seed=5)
+    masks = [[1 if (j // 3) % 2 == 0 else 0 for j in range(len(s.response_ids))] for s in base]
+
+    def with_context_logprobs(value: float) -> list[TrainSample]:
+        return [TrainSample(s.prompt_ids, s.response_ids,
+                            [lp if m else value for lp, m in zip(s.behaviour_logprobs, mask)],
+                            s.advantage, s.version, mask) for s, mask in zip(base, masks)]
+
+    runs = []
+    for value in (5.0, -3.0):
+        trainer = PolicyTrainer(str(tiny_model_dir), micro_batch_size=3)
+        grads = capture_grads(trainer)
+        metrics = trainer.train_step(with_context_logprobs(value))
+        runs.append((metrics, grads[0]))
+    (m1, g1), (m2, g2) = runs
+    assert m1["num_tokens"] == sum(map(sum, masks)) < sum(len(s.response_ids) for s in base)
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6) and grads_close(g1, g2)
+    unmasked = PolicyTrainer(str(tiny_model_dir), micro_batch_size=3)
+    gu = capture_grads(unmasked)
+    mu = unmasked.train_step(base)  # the same tokens, all of them trained on
+    assert mu["num_tokens"] == sum(len(s.response_ids) for s in base)
+    assert mu["loss"] != pytest.approx(m1["loss"], abs=1e-4) and not grads_close(g1, gu[0])
+    with pytest.raises(TrainingError, match="loss-mask entries"):
+        trainer.train_step([TrainSample(base[0].prompt_ids, base[0].response_ids, base[0].behaviour_logprobs,
+                                        1.0, 0, [1])])

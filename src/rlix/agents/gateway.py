@@ -109,6 +109,11 @@ class PolicyGateway:
         with self._lock:
             self._traces.pop(session_id, None)
 
+    def turns_left(self, max_turns: int) -> int:
+        """Policy calls the open episodes may still make."""
+        with self._lock:
+            return sum(max(max_turns - len(t.turns), 0) for t in self._traces.values())
+
     def open_episodes(self) -> int:
         with self._lock:
             return len(self._traces)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
-from rlix.agents.config import EnvConfig
+from rlix.envs.agent_config import EnvConfig
 from rlix.agents.episodes import EpisodeSample, stitch
 from rlix.agents.gateway import EpisodeTrace, PolicyGateway
 from rlix.agents.protocol import Example, PolicyEndpoint, RunRequest, RunResult
@@ -88,6 +88,12 @@ class AgentEpisodes:
         self.turns = 0  # policy calls of finished episodes
         self.tool_calls = 0
         self.running = 0  # episodes in flight
+
+    def turns_outstanding(self, remaining: int) -> int:
+        """Policy calls still to come, at most: what the open episodes may still make, plus
+        max_turns for each of the `remaining` trajectories not started yet."""
+        left = self.gateway.turns_left(self.cfg.max_turns)
+        return left + max(remaining - self.running, 0) * self.cfg.max_turns
 
     async def run(self, episode_id: str, example: Example, seed: int) -> Episode:
         """One attempt; EpisodeError when the environment failed, Unstitchable when the tokens

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlix.envs.agent_config import EnvConfig
 from rlix.envs.config import TaskConfig
 from rlix.scheduler.types import PipelineSpec, Topology
 
@@ -127,6 +128,13 @@ class PipelineConfig(_Strict):
     engine: Literal["embedded", "vllm"] = Field("embedded", description="what its shards run: rlix's "
                                                                       "embedded engine, or real vLLM servers")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM's settings (engine: vllm)")
+    record_rollouts: bool = Field(False, description="write what the shards sampled (their own record, "
+                                                     "generations/) and every training batch (batches.jsonl) "
+                                                     "under run_dir/<name>/: audits that training used exactly "
+                                                     "the sampled tokens (embedded engine)")
+    env: EnvConfig | None = Field(None, description="an HTTP agent environment: each trajectory is a "
+                                                    "multi-turn episode its agent server runs (null: one "
+                                                    "generate per trajectory, rewarded by `task`)")
 
     @model_validator(mode="after")
     def _shard_bounds(self) -> "PipelineConfig":

@@ -9,6 +9,7 @@ worker; `run_dir` stays relative to where `rlix run` is started (outputs go wher
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 from pathlib import Path
@@ -56,6 +57,11 @@ def problems(cfg: RlixConfig) -> list[str]:
             field = "task.verifier" if "verifier" in str(exc) else "task.path" if p.task.path else "task"
             found.append(f"{where}.{field}: {exc}")
         found += [f"{where}: {m}" for m in _fits(cfg, p)]
+        if p.env is not None:
+            for field in ("resources", "agent"):
+                problem = _importable(getattr(p.env, field))
+                if problem:
+                    found.append(f"{where}.env.{field}: {problem}")
     problem = _writable(Path(cfg.run_dir))
     if problem:
         found.append(f"run_dir: {problem}")
@@ -64,6 +70,18 @@ def problems(cfg: RlixConfig) -> list[str]:
     if problem:
         found.append(f"vllm_python: {problem} (needed by {', '.join(users)}: engine: vllm)")
     return found
+
+
+def _importable(target: str) -> str | None:
+    """`module:Class` of an environment server: the module imports and has the class."""
+    module, _, name = target.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's module: any error is the problem
+        return f"cannot import {module}: {type(exc).__name__}: {exc}"
+    if not isinstance(getattr(obj, name, None), type):
+        return f"{module} has no class {name}"
+    return None
 
 
 def preflight(cfg: RlixConfig, source: str) -> None:

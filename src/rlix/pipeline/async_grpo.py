@@ -67,12 +67,14 @@ def to_samples(groups: list) -> list[TrainSample]:  # type: ignore[type-arg]
 class GrpoLoop:
     """Drives one pipeline's steps, as its config says. `trainer` is a TrainerActor handle
     (awaitable calls); `hooks` the mode's RLixHooks; `on_step(record)` is called after every
-    step, `checkpoint(step)` every `checkpoint_every` steps."""
+    step, `checkpoint(step)` every `checkpoint_every` steps, `record_batch(step, samples)` with
+    each batch before it is trained on (record_rollouts)."""
 
     def __init__(self, cfg: PipelineConfig, *, trainer: Any, coordinator: ShardCoordinator,
                  collector: TrajectoryCollector, buffer: ReplayBuffer, hooks: RLixHooks,
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
-                 checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0) -> None:
+                 checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0,
+                 record_batch: Callable[[int, list[TrainSample]], None] | None = None) -> None:
         self.name, self.trainer, self.coordinator = cfg.name, trainer, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
         self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
@@ -83,6 +85,7 @@ class GrpoLoop:
         self.records: list[StepRecord] = []
         self.memory_log: list[dict] = []  # the trainer's hand-offs: memory measured at each
         self.release_timeout_s = release_timeout_s
+        self.record_batch = record_batch
         self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
 
     async def run(self) -> list[StepRecord]:
@@ -125,6 +128,8 @@ class GrpoLoop:
             t_reload = time.perf_counter()
             groups = self.buffer.take(self.groups_per_step, version, self.max_age)
             samples = to_samples(groups)
+            if self.record_batch is not None:
+                self.record_batch(version, samples)
             metrics = await self.trainer.train_step.remote(samples)
             t_train = time.perf_counter()
             new = version + 1

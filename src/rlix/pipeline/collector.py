@@ -359,6 +359,12 @@ class TrajectoryCollector:
         """Trajectories valid for the next step, capped at the target."""
         return min(self.buffer.valid_count(self.version, self.max_age), self.target)
 
+    def turns_outstanding(self, collected: int, target: int) -> int | None:
+        """Agent episodes: policy calls still to come, at most (None without episodes)."""
+        if self.episodes is None:
+            return None
+        return self.episodes.turns_outstanding(max(target - collected, 0))
+
     def demand_for_release(self) -> tuple[int, int]:
         """(collected, target) now, for the loop to send with its GPU release; recorded as
         reported, so the reporter loop does not send the same report again."""
@@ -377,7 +383,11 @@ class TrajectoryCollector:
             if not self.throttle.should_report(collected, target):
                 continue
             try:
-                await self.hooks.report_progress(collected, target, self.version)
+                turns = self.turns_outstanding(collected, target)
+                if turns is None:
+                    await self.hooks.report_progress(collected, target, self.version)
+                else:
+                    await self.hooks.report_progress(collected, target, self.version, turns_outstanding=turns)
                 self.reports += 1
             except asyncio.CancelledError:
                 raise

@@ -51,7 +51,8 @@ class RLixHooks(Protocol):
         ...
 
     async def report_progress(self, collected: int, target: int, step: int,
-                              shard_load: dict[int, int] | None = None) -> None:
+                              shard_load: dict[int, int] | None = None,
+                              turns_outstanding: int | None = None) -> None:
         """Rollout demand: trajectories collected vs needed for the next step."""
         ...
 
@@ -92,7 +93,8 @@ class NoOpHooks:
         return None
 
     async def report_progress(self, collected: int, target: int, step: int,
-                              shard_load: dict[int, int] | None = None) -> None:
+                              shard_load: dict[int, int] | None = None,
+                              turns_outstanding: int | None = None) -> None:
         return None
 
     async def clear_progress(self) -> None:

@@ -108,6 +108,8 @@ class Progress:
     `remaining`: trajectories still needed (target minus finished, in-flight ones included).
     `shard_load`: optional running-request count per active dp rank; the planner preempts
     the least loaded shards first so fewer requests have to be re-dispatched.
+    `turns_outstanding`: agent episodes only: policy calls still to come (at most) from the
+    episodes in flight and those not started; reported for operators, not yet planned on.
     """
 
     pipeline: str
@@ -115,6 +117,7 @@ class Progress:
     target: int = 0
     step: int = 0
     shard_load: dict[int, int] = field(default_factory=dict)
+    turns_outstanding: int | None = None
     reported_at: float = 0.0
 
 
