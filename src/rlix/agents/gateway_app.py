@@ -62,13 +62,18 @@ def create_gateway_app(gateway: PolicyGateway, api_key: str) -> FastAPI:
     return app
 
 
+#: at shutdown, agents' calls still in flight get this long before their connections are closed
+STOP_GRACE_S = 2.0
+
+
 class GatewayServer:
     """uvicorn inside the running loop (the pipeline's data-plane thread)."""
 
     def __init__(self, gateway: PolicyGateway, api_key: str, host: str = "127.0.0.1") -> None:
         self.host, self.port = host, free_port(host)
         config = uvicorn.Config(create_gateway_app(gateway, api_key), host=host, port=self.port,
-                                log_level="warning", access_log=False, lifespan="off")
+                                log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=STOP_GRACE_S)
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None
 

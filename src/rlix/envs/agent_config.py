@@ -29,6 +29,9 @@ class EnvConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict,
                                     description="keyword arguments of the resources server's class")
     system_prompt: str | None = Field(None, description="a system message before each example's prompt")
+    show_tools: bool = Field(True, description="list the resources server's tools to the model (false: the "
+                                               "agent still calls feedback_tool itself; saves the prompt "
+                                               "tokens of the tool list, ~270 with the tiny preset)")
     max_turns: int = Field(3, ge=1, description="policy calls per episode at most")
     feedback_tool: str | None = Field(
         "check", description="a tool the agent calls with each reply that calls no tool itself "

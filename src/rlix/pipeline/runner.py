@@ -25,6 +25,7 @@ import ray
 from transformers import AutoTokenizer
 
 from rlix import env
+from rlix.agents.environment import PipelineEnvironment
 from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
 from rlix.errors import TrainerDiedError, one_line
@@ -42,6 +43,7 @@ from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
 from rlix.pipeline.hooks import RLixHooks
 from rlix.placement import GpuReservation
 from rlix.training.actor import TrainerActor
+from rlix.training.types import TrainSample
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -120,6 +122,7 @@ class PipelineRunner:
         self.coordinator: ShardCoordinator | None = None
         self.buffer = ReplayBuffer()
         self.collector: TrajectoryCollector | None = None
+        self.env: PipelineEnvironment | None = None  # `env:` set: agent episodes
         self.loop: GrpoLoop | None = None
         self.joined = False
         self.trainer_placement: dict = {}
@@ -135,13 +138,14 @@ class PipelineRunner:
         train_gpus = await self.hooks.reserve(self.cfg, frees_memory=self.backend.supports_sleep)
         await self._start_trainer(str(path), train_gpus)
         ranks = await self._start_shards(str(path))
-        self._start_collector(str(path))
+        await self._start_collector(str(path))
         await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
         self.ready.set()
         self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,  # type: ignore[arg-type]
                              collector=self.collector, buffer=self.buffer, hooks=self.hooks,  # type: ignore[arg-type]
                              start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint,
-                             release_timeout_s=self.devices.release_timeout_s)
+                             release_timeout_s=self.devices.release_timeout_s,
+                             record_batch=self._record_batch if self.cfg.record_rollouts else None)
         self.setup_s = time.perf_counter() - t0
         return {"pipeline": self.cfg.name, "shards": ranks, "start_step": self.start_step,
                 "resumed_from": self.resumed_from,
@@ -221,7 +225,9 @@ class PipelineRunner:
                       max_model_len=ro.max_model_len)
         if cfg.engine == "embedded":
             return EngineBackendConfig(backend="embedded", dtype=dev.dtype, max_num_seqs=ro.max_num_seqs,
-                                       cpu_threads=cfg.cpu_threads, **common)
+                                       cpu_threads=cfg.cpu_threads, **common,
+                                       record_generations=str(self.dir / "generations") if cfg.record_rollouts
+                                       else None)
         v = cfg.vllm
         return EngineBackendConfig(
             backend="vllm", python=self.vllm_python, dtype=self.served_dtype,
@@ -235,13 +241,21 @@ class PipelineRunner:
         cast to it); bfloat16 unless the run names one."""
         return self.devices.dtype or "bfloat16"
 
-    def _start_collector(self, path: str) -> None:
+    async def _start_collector(self, path: str) -> None:
         cfg = self.cfg
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        episodes = None
+        if cfg.env is not None:  # trajectories are agent episodes: gateway + environment servers
+            self.env = PipelineEnvironment(cfg.env, cfg.name, self.api_key, self.dir / "env-logs")
+            episodes = await self.env.start(self.data_plane, self.router, tokenizer,
+                                            temperature=cfg.rollout.temperature,
+                                            max_tokens=cfg.rollout.max_new_tokens,
+                                            generate_timeout_s=GENERATE_TIMEOUT_S)
         self.collector = TrajectoryCollector(
-            self._generate, AutoTokenizer.from_pretrained(path), make_task(cfg.task), self.buffer,
+            self._generate, tokenizer, make_task(cfg.task), self.buffer,
             self.hooks, cfg.rollout, max_age=cfg.max_staleness,
             seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step,
-            max_failed_groups=cfg.max_failed_groups)
+            max_failed_groups=cfg.max_failed_groups, episodes=episodes)
         self.collector.pipeline = cfg.name
         self.collector.set_version(self.start_step)
 
@@ -279,6 +293,11 @@ class PipelineRunner:
             rounds += 1
             if rounds % TRAINER_WATCH_ROUNDS == 0 and await self._trainer_dead():
                 return
+            if self.env is not None and rounds % TRAINER_WATCH_ROUNDS == 0:
+                failure = await self.env.check()
+                if failure is not None:  # a server past its restart limit: nothing to roll out with
+                    self.coordinator.fail(failure)
+                    return
             try:
                 await self.coordinator.replace_dead()
             except Exception as exc:  # noqa: BLE001 - counted by the coordinator; tried again
@@ -312,7 +331,16 @@ class PipelineRunner:
                 "shard_guards": dict(launcher.pids()) if launcher is not None else {},
                 "shards": dict(launcher.server_pids()) if hasattr(launcher, "server_pids") else {},
                 "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {},
-                "active_shards": self.fleet.active_ranks() if self.fleet else []}
+                "active_shards": self.fleet.active_ranks() if self.fleet else [],
+                **(self.env.processes() if self.env is not None else {})}
+
+    def _record_batch(self, step: int, samples: list[TrainSample]) -> None:
+        """record_rollouts: the batch of `step` exactly as the trainer gets it, one line per sample."""
+        with (self.dir / "batches.jsonl").open("a") as fh:
+            for s in samples:
+                fh.write(json.dumps({"step": step, "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
+                                     "behaviour_logprobs": s.behaviour_logprobs, "loss_mask": s.loss_mask,
+                                     "advantage": s.advantage, "version": s.version}) + "\n")
 
     async def _on_step(self, record: StepRecord) -> None:
         row = record.as_dict()
@@ -402,6 +430,7 @@ class PipelineRunner:
             "device": self.devices.device, "gpu_memory": self.memory_log(),
             "trainer_placement": self.trainer_placement,
             "shard_placements": list(self.fleet.placements) if self.fleet is not None else [],
+            **({"env": self.env.stats()} if self.env is not None else {}),
         }
 
     async def shutdown(self) -> dict[str, float]:
@@ -429,6 +458,8 @@ class PipelineRunner:
             await timed("leave", self.hooks.leave())
         if self.collector is not None:
             await timed("collector", self.collector.stop())
+        if self.env is not None:
+            await timed("environment", self.env.stop(self.data_plane))
         if self.data_plane is not None:
             if self.router is not None and self.data_plane.alive():
                 await timed("router", self.data_plane.run(self.router.close()))

@@ -1,0 +1,100 @@
+"""Two agentic pipelines (multi-turn episodes, slow tools) time-shared vs pinned vs one after the other.
+
+`examples/agentic_two_pipelines.yaml` with every tool call taking `--tool-latency` seconds (0.5 by
+default), three ways in one invocation, same seeds:
+
+  time-shared  mode rlix, both pipelines on the 2 fake GPUs (the scheduler moves them between the
+               pipelines and between training and generation)
+  pinned       mode standalone, pipeline i keeps GPU i (its shard and its trainer)
+  queue        mode rlix, one pipeline at a time with both GPUs, the second after the first: what
+               a cluster that gives each job its GPUs exclusively does
+
+  agentic_timeshared_vs_queue   total steps per second of step time, time-shared / queue (goal >= 1.6)
+  agentic_timeshared_vs_pinned  the same, time-shared / pinned
+
+Throughput is counted over the span in which steps ran (setup excluded; the queue's two spans
+added). Episodes spend most of their time waiting on tools; time-sharing lets the other pipeline
+generate or train meanwhile, which the queue cannot.
+
+    .venv/bin/python bench/agentic_cpu.py [--steps N] [--tool-latency 0.5] [--keep raw.json]
+Ends by printing one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipelines_cpu import one_run  # noqa: E402
+
+
+def span(result: dict) -> tuple[int, float, dict]:
+    """(steps, span of the steps in seconds, reward gain per pipeline) of one run."""
+    records = [r for p in result["pipelines"].values() for r in p["records"]]
+    start = min(r["finished_at"] - r["step_s"] for r in records)
+    end = max(r["finished_at"] for r in records)
+    gains = {n: round(p["reward_last5"] - p["reward_first5"], 3) for n, p in result["pipelines"].items()}
+    return len(records), end - start, gains
+
+
+def episode_stats(result: dict) -> dict:
+    out = {}
+    for name, p in result["pipelines"].items():
+        c = p["collector"]
+        out[name] = {"turns": c.get("episode_turns"), "tool_calls": c.get("tool_calls"),
+                     "dropped": p["accounting"].get("dropped", {}), "env_restarts": p.get("env", {}).get("restarts")}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" /
+                                            "agentic_two_pipelines.yaml"))
+    ap.add_argument("--steps", type=int, default=12, help="every pipeline's steps")
+    ap.add_argument("--tool-latency", type=float, default=0.5, help="seconds per tool call")
+    ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
+    args = ap.parse_args()
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    for p in cfg["pipelines"]:
+        p["steps"] = args.steps
+        p["env"] = dict(p.get("env") or {}, tool_latency_s=args.tool_latency)
+    import ray
+
+    t0 = time.perf_counter()
+    raw: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="rlix-bench-agentic-") as tmp:
+        for label, mode, pipelines in [("timeshared", "rlix", cfg["pipelines"]),
+                                       ("pinned", "standalone", cfg["pipelines"]),
+                                       *[(f"queue{i}", "rlix", [p]) for i, p in enumerate(cfg["pipelines"])]]:
+            print(f"agentic_cpu: {label} ({mode}, {len(pipelines)} pipeline(s))", file=sys.stderr)
+            raw[label] = [one_run(dict(cfg, pipelines=pipelines), mode, Path(tmp) / label)]
+            ray.shutdown()
+    if args.keep:
+        Path(args.keep).write_text(json.dumps(raw, default=str))
+    runs = {label: span(rs[0]) for label, rs in raw.items()}
+    rate = {label: runs[label][0] / runs[label][1] for label in ("timeshared", "pinned")}
+    queue = [v for k, v in runs.items() if k.startswith("queue")]
+    rate["queue"] = sum(s for s, _, _ in queue) / sum(t for _, t, _ in queue)
+    out = {
+        "agentic_timeshared_vs_queue": round(rate["timeshared"] / rate["queue"], 3),
+        "agentic_timeshared_vs_pinned": round(rate["timeshared"] / rate["pinned"], 3),
+        "agentic_steps_per_min": {k: round(v * 60, 2) for k, v in rate.items()},
+        "agentic_spans_s": {k: round(v[1], 1) for k, v in runs.items()},
+        "agentic_reward_gain": {k: v[2] for k, v in runs.items()},
+        "agentic_episodes": {k: episode_stats(rs[0]) for k, rs in raw.items()},
+        "tool_latency_s": args.tool_latency, "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    for k, v in out.items():
+        print(f"{k:32s} {v}", file=sys.stderr)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

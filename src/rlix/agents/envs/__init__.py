@@ -1,0 +1,1 @@
+"""Environments shipped with rlix (resources servers for the generic ToolAgent)."""
