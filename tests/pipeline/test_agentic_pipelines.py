@@ -24,6 +24,7 @@ import yaml
 from rlix.inference.server.generation_log import read_generations
 from rlix.run import run
 
+pytestmark = pytest.mark.slow  # whole runs: ~4 and ~2 min on 2 cores (CI's slow step)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agentic_two_pipelines.yaml"
 
 
