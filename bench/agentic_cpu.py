@@ -12,7 +12,8 @@ default), three ways in one invocation, same seeds:
   agentic_timeshared_vs_queue   total steps per second of step time, time-shared / queue (goal >= 1.6)
   agentic_timeshared_vs_pinned  the same, time-shared / pinned
 
-Throughput is counted over the span in which steps ran (setup excluded; the queue's two spans
+Throughput is counted over the steps after each pipeline's first (`--warmup`), from the end of
+that first step to the end of the last (setup and first starts excluded; the queue's two spans
 added). Episodes spend most of their time waiting on tools; time-sharing lets the other pipeline
 generate or train meanwhile, which the queue cannot.
 
@@ -35,13 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipelines_cpu import one_run  # noqa: E402
 
 
-def span(result: dict) -> tuple[int, float, dict]:
-    """(steps, span of the steps in seconds, reward gain per pipeline) of one run."""
-    records = [r for p in result["pipelines"].values() for r in p["records"]]
-    start = min(r["finished_at"] - r["step_s"] for r in records)
-    end = max(r["finished_at"] for r in records)
+def span(result: dict, warmup: int) -> tuple[int, float, dict]:
+    """(steps, span of those steps in seconds, reward gain per pipeline) of one run: the steps
+    after each pipeline's first `warmup` ones, from the end of the last warm-up step to the end
+    of the last step (the first step also pays for the shards' and servers' first start)."""
+    steps, start, end = 0, float("inf"), 0.0
+    for p in result["pipelines"].values():
+        ends = sorted(r["finished_at"] for r in p["records"])
+        steps += len(ends) - warmup
+        start = min(start, ends[warmup - 1] if warmup else min(r["finished_at"] - r["step_s"] for r in p["records"]))
+        end = max(end, ends[-1])
     gains = {n: round(p["reward_last5"] - p["reward_first5"], 3) for n, p in result["pipelines"].items()}
-    return len(records), end - start, gains
+    return steps, end - start, gains
 
 
 def episode_stats(result: dict) -> dict:
@@ -59,6 +65,7 @@ def main() -> None:
                                             "agentic_two_pipelines.yaml"))
     ap.add_argument("--steps", type=int, default=12, help="every pipeline's steps")
     ap.add_argument("--tool-latency", type=float, default=0.5, help="seconds per tool call")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps of each pipeline left out of the rates")
     ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -78,7 +85,7 @@ def main() -> None:
             ray.shutdown()
     if args.keep:
         Path(args.keep).write_text(json.dumps(raw, default=str))
-    runs = {label: span(rs[0]) for label, rs in raw.items()}
+    runs = {label: span(rs[0], args.warmup) for label, rs in raw.items()}
     rate = {label: runs[label][0] / runs[label][1] for label in ("timeshared", "pinned")}
     queue = [v for k, v in runs.items() if k.startswith("queue")]
     rate["queue"] = sum(s for s, _, _ in queue) / sum(t for _, t, _ in queue)
@@ -89,7 +96,7 @@ def main() -> None:
         "agentic_spans_s": {k: round(v[1], 1) for k, v in runs.items()},
         "agentic_reward_gain": {k: v[2] for k, v in runs.items()},
         "agentic_episodes": {k: episode_stats(rs[0]) for k, rs in raw.items()},
-        "tool_latency_s": args.tool_latency, "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1),
+        "tool_latency_s": args.tool_latency, "steps": args.steps, "warmup": args.warmup, "wall_s": round(time.perf_counter() - t0, 1),
     }
     for k, v in out.items():
         print(f"{k:32s} {v}", file=sys.stderr)

@@ -171,3 +171,24 @@ def test_training_waits_until_aged_rather_than_take_a_peers_last_shard():
                PipelineSpec("b", max_shards=4))
     step(led, 0.0)
     assert [g.pipeline for g in step(led, 100.0, [req]).grants] == ["a"]
+
+
+def test_a_peers_last_shard_on_the_trainers_home_moves_to_an_idle_gpu_at_once():
+    """The floor reservation protects a pipeline from having no shard, not a GPU: when idle
+    GPUs elsewhere can take that shard in the same plan, a fixed-home training request does not
+    wait for aging (agentic bench: 10 s waits beside an idle GPU)."""
+    led = make(1, 2, PipelineSpec("a", train_gpus=1, max_shards=1, fixed_trainer=True),
+               PipelineSpec("b", max_shards=2, fixed_trainer=True))
+    prog = {"a": Progress("a", remaining=0, target=8), "b": Progress("b", remaining=8, target=8)}
+    step(led, 0.0, progress=prog)
+    assert led.train_home["a"] == frozenset({0}) and [h.gpus for h in led.shards_of("b").values()] == [(0,)]
+    p = step(led, 100.0, [GpuRequest(1, "a", Stage.TRAIN, 1, 100.0)], prog)
+    assert [(g.pipeline, g.gpus) for g in p.grants] == [("a", (0,))]
+    assert [h.gpus for h in led.shards_of("b").values()] == [(1,)]  # b keeps a shard, on GPU 1
+    # with no idle GPU to go to, the reservation still holds until the request ages
+    led = make(1, 2, PipelineSpec("a", train_gpus=1, max_shards=1, fixed_trainer=True),
+               PipelineSpec("b", max_shards=1, fixed_trainer=True), PipelineSpec("c", max_shards=1))
+    prog["c"] = Progress("c", remaining=8, target=8)
+    step(led, 0.0, progress=prog)
+    if [h.gpus for h in led.shards_of("b").values()] == [(0,)]:
+        assert not step(led, 100.0, [GpuRequest(2, "a", Stage.TRAIN, 1, 100.0)], prog).grants

@@ -134,23 +134,22 @@ class PolicyGateway:
 
     def prompt_ids(self, trace: EpisodeTrace, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """Turn k+1's prompt, stitched to turn k's exact tokens where the conversation allows."""
-        fresh = trace.turns == []
-        if not fresh:
-            reason = self._stitch_problem(trace, messages, tools)
+        text_all = self._render(messages, tools, True)
+        if trace.turns:
+            text_prev = self._render(trace.messages, tools, False)
+            reason = self._stitch_problem(trace, messages, tools, text_prev, text_all)
             if reason is None:
                 last = trace.turns[-1]
-                text_prev = self._render(trace.messages, tools, False)
-                delta = self._render(messages, tools, True)[len(text_prev):]
                 rest = self.closing
                 end = self.tok.decode(last.token_ids[-1:], skip_special_tokens=False) if last.token_ids else ""
                 if end and last.token_ids[-1] in self.tok.all_special_ids and rest.startswith(end):
                     rest = rest[len(end):]  # the model wrote the end token itself
-                return last.prompt_ids + last.token_ids + self._encode(rest + delta)
+                return last.prompt_ids + last.token_ids + self._encode(rest + text_all[len(text_prev):])
             trace.mark_broken(reason)
-        return self._encode(self._render(messages, tools, True))
+        return self._encode(text_all)
 
-    def _stitch_problem(self, trace: EpisodeTrace, messages: list[dict[str, Any]],
-                        tools: list[dict] | None) -> str | None:
+    def _stitch_problem(self, trace: EpisodeTrace, messages: list[dict[str, Any]], tools: list[dict] | None,
+                        text_prev: str, text_all: str) -> str | None:
         prev = trace.messages
         if (tools or None) != (trace.tools or None):
             return "the tools changed between turns"
@@ -159,8 +158,7 @@ class PolicyGateway:
         for i, (a, b) in enumerate(zip(prev, messages)):
             if _norm_message(a) != _norm_message(b):
                 return f"message {i} differs from what the previous turn saw or answered"
-        text_prev = self._render(prev, tools, False)
-        if not self._render(messages, tools, True).startswith(text_prev) or not text_prev.endswith(self.closing):
+        if not text_all.startswith(text_prev) or not text_prev.endswith(self.closing):
             return "the chat template does not render the conversation as a prefix of the next prompt"
         return None
 

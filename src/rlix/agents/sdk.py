@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 from abc import ABC, abstractmethod
-from contextlib import asynccontextmanager
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,9 @@ from pydantic import BaseModel, ValidationError, create_model
 from rlix.agents.protocol import (Example, RunRequest, RunResult, ToolList, ToolRequest, ToolResult, ToolSpec,
                                   VerifyRequest, VerifyResult)
 from rlix.envs.agent_config import EnvConfig
-from rlix.errors import AgentEnvError
+from rlix.errors import AgentEnvError, one_line
+
+ToolMethod = Callable[..., Awaitable[str]]
 
 
 @dataclass
@@ -37,37 +40,59 @@ class EpisodeContext:
     state: dict[str, Any] = field(default_factory=dict)
 
 
+class ResourcesError(AgentEnvError):
+    """The resources server refused or failed a call. `status` is its HTTP status (None: no
+    usable answer); `detail` its own one-line reason, what an agent may show the model."""
+
+    def __init__(self, message: str, status: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.status, self.detail = status, detail or message
+
+
 @dataclass(frozen=True)
 class _Tool:
     name: str
     description: str
     arguments: type[BaseModel]
-    method: Callable[..., Awaitable[str]]
+    method: ToolMethod
 
     def spec(self) -> ToolSpec:
         schema = self.arguments.model_json_schema()
         # pydantic's "title"s repeat the names: prompt tokens for nothing
         props = {k: {f: v for f, v in p.items() if f != "title"} for k, p in schema.get("properties", {}).items()}
-        params = {"type": "object", "properties": props, "required": schema.get("required", [])}
+        params: dict[str, Any] = {"type": "object", "properties": props, "required": schema.get("required", [])}
+        if "$defs" in schema:  # enums and nested models are referenced from the properties
+            params["$defs"] = schema["$defs"]
         return ToolSpec(function={"name": self.name, "description": self.description, "parameters": params})
 
 
-def tool(description: str = "") -> Callable[[Callable[..., Awaitable[str]]], Callable[..., Awaitable[str]]]:
-    """Mark `async def name(self, episode: EpisodeContext, **args) -> str` as a tool."""
-    def mark(fn: Callable[..., Awaitable[str]]) -> Callable[..., Awaitable[str]]:
-        fn.__rlix_tool__ = description or (inspect.getdoc(fn) or "").split("\n")[0]  # type: ignore[attr-defined]
+def tool(description: str | ToolMethod = "") -> Any:
+    """Mark `async def name(self, episode: EpisodeContext, **args) -> str` as a tool:
+    `@tool("what it does")`, `@tool(description=...)` or bare `@tool` (the docstring's first line)."""
+    def mark(fn: ToolMethod) -> ToolMethod:
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"tool {getattr(fn, '__name__', fn)!r} must be an async method")
+        text = description if isinstance(description, str) else ""
+        fn.__rlix_tool__ = text or (inspect.getdoc(fn) or "").split("\n")[0]  # type: ignore[attr-defined]
         return fn
+    if callable(description):
+        return mark(description)
     return mark
 
 
 def _arguments_model(name: str, fn: Callable[..., Any]) -> type[BaseModel]:
+    """The pydantic model of a tool's arguments: its parameters after (self, episode); string
+    annotations (`from __future__ import annotations`) resolve in the tool's own module."""
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) < 2:
+        raise TypeError(f"tool {name!r} must take (self, episode: EpisodeContext, ...)")
     fields: dict[str, Any] = {}
-    for pname, p in list(inspect.signature(fn).parameters.items())[2:]:  # self, episode
+    for p in params[2:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         annotation = p.annotation if p.annotation is not inspect.Parameter.empty else Any
-        fields[pname] = (annotation, ... if p.default is inspect.Parameter.empty else p.default)
-    return create_model(f"{name}_arguments", **fields)
+        fields[p.name] = (annotation, ... if p.default is inspect.Parameter.empty else p.default)
+    return create_model(f"{name}_arguments", __module__=fn.__module__, **fields)
 
 
 def _one_line_validation(where: str, exc: ValidationError) -> str:
@@ -84,11 +109,15 @@ class ResourcesServer(ABC):
     """Tools and the verifier of one environment. Subclass it, mark tools with `@tool`, write
     `verify`. `tool_latency_s` is added to every tool call (to simulate slow tools)."""
 
+    #: episodes whose state is kept; an agent that dies before verifying never frees its episode,
+    #: so past this the oldest states are dropped rather than growing for the whole run
+    max_episodes = 10_000
+
     def __init__(self, tool_latency_s: float = 0.0, **options: Any) -> None:
         if options:
             raise TypeError(f"{type(self).__name__} takes no options {sorted(options)}")
         self.tool_latency_s = float(tool_latency_s)
-        self._episodes: dict[str, EpisodeContext] = {}
+        self._episodes: OrderedDict[str, EpisodeContext] = OrderedDict()
         self._tools: dict[str, _Tool] = {}
         for name, fn in inspect.getmembers(type(self), predicate=inspect.iscoroutinefunction):
             if hasattr(fn, "__rlix_tool__"):
@@ -98,10 +127,18 @@ class ResourcesServer(ABC):
         return ToolList(tools=[t.spec() for t in self._tools.values()])
 
     def episode(self, episode_id: str, example: Example | None = None) -> EpisodeContext:
-        ctx = self._episodes.setdefault(episode_id, EpisodeContext(episode_id))
+        """The episode's context, created at its first use."""
+        ctx = self._episodes.get(episode_id)
+        if ctx is None:
+            ctx = self._episodes[episode_id] = EpisodeContext(episode_id)
+            while len(self._episodes) > self.max_episodes:
+                self._episodes.popitem(last=False)
         if example is not None and ctx.example is None:
             ctx.example = example
         return ctx
+
+    def open_episodes(self) -> int:
+        return len(self._episodes)
 
     async def call(self, name: str, req: ToolRequest) -> ToolResult:
         """Validated call of tool `name` (KeyError: unknown tool; ValidationError: bad arguments)."""
@@ -109,9 +146,10 @@ class ResourcesServer(ABC):
         args = t.arguments.model_validate(req.arguments)
         if self.tool_latency_s:
             await asyncio.sleep(self.tool_latency_s)
-        return ToolResult(output=str(await t.method(self.episode(req.episode_id, req.example), **args.model_dump())))
+        return ToolResult(output=str(await t.method(self.episode(req.episode_id, req.example), **dict(args))))
 
     async def verify_episode(self, req: VerifyRequest) -> VerifyResult:
+        """`verify` with the episode's context; the context is dropped afterwards."""
         ctx = self.episode(req.episode_id, req.example)
         try:
             return await self.verify(req, ctx)
@@ -120,14 +158,15 @@ class ResourcesServer(ABC):
 
     @abstractmethod
     async def verify(self, req: VerifyRequest, episode: EpisodeContext) -> VerifyResult:
-        """The episode's reward, from its example and its whole conversation."""
+        """The episode's reward, from its example and its whole conversation (and the state its
+        tools kept in `episode.state`)."""
 
     def create_app(self) -> FastAPI:
         app = FastAPI(title=f"rlix resources: {type(self).__name__}", docs_url=None, redoc_url=None)
 
         @app.get("/health")
         async def health() -> dict:
-            return {"status": "ok", "episodes": len(self._episodes)}
+            return {"status": "ok", "episodes": self.open_episodes()}
 
         @app.get("/tools")
         async def tools() -> dict:
@@ -136,12 +175,14 @@ class ResourcesServer(ABC):
         @app.post("/tools/{name}")
         async def call(name: str, request: Request) -> JSONResponse:
             if name not in self._tools:
-                return _error(404, f"no tool {name!r} (tools: {', '.join(self._tools)})", "NotFoundError")
+                return _error(404, f"no tool {name!r} (tools: {', '.join(self._tools) or 'none'})", "NotFoundError")
             try:
                 req = ToolRequest.model_validate_json(await request.body())
                 return JSONResponse((await self.call(name, req)).model_dump())
             except ValidationError as exc:
                 return _error(422, _one_line_validation(f"tool {name}", exc), "ValidationError")
+            except Exception as exc:  # noqa: BLE001 - the environment's bug: one line, not a traceback page
+                return _error(500, f"tool {name}: {one_line(exc)}", type(exc).__name__)
 
         @app.post("/verify")
         async def verify(request: Request) -> JSONResponse:
@@ -149,78 +190,98 @@ class ResourcesServer(ABC):
                 req = VerifyRequest.model_validate_json(await request.body())
             except ValidationError as exc:
                 return _error(422, _one_line_validation("verify", exc), "ValidationError")
-            return JSONResponse((await self.verify_episode(req)).model_dump())
+            try:
+                return JSONResponse((await self.verify_episode(req)).model_dump())
+            except Exception as exc:  # noqa: BLE001 - as for tools
+                return _error(500, f"verify: {one_line(exc)}", type(exc).__name__)
 
         return app
 
 
 class ResourcesClient:
-    """An agent's typed client of its resources server: anything but a well-formed 200 is an
-    AgentEnvError naming the endpoint."""
+    """An agent's typed client of its resources server: anything but a well-formed 2xx is a
+    ResourcesError (an AgentEnvError) naming the endpoint."""
 
     def __init__(self, url: str, http: httpx.AsyncClient) -> None:
         self.url, self.http = url.rstrip("/"), http
 
-    async def _post(self, path: str, body: BaseModel) -> Any:
-        try:
-            resp = await self.http.post(self.url + path, content=body.model_dump_json(),
-                                        headers={"content-type": "application/json"})
-        except httpx.HTTPError as exc:
-            raise AgentEnvError(f"resources {path}: {type(exc).__name__}: {exc}") from None
-        return self._json(path, resp)
+    async def tools(self) -> ToolList:
+        return self._typed("/tools", ToolList, await self._request("GET", "/tools"))
 
-    @staticmethod
-    def _json(path: str, resp: httpx.Response) -> Any:
-        if resp.status_code != 200:
-            raise AgentEnvError(f"resources {path} answered {resp.status_code}: {resp.text[:200]}")
+    async def call(self, name: str, episode_id: str, arguments: dict[str, Any], example: Example | None = None) -> str:
+        path = f"/tools/{name}"
+        data = await self._request("POST", path, ToolRequest(episode_id=episode_id, arguments=arguments,
+                                                             example=example))
+        return self._typed(path, ToolResult, data).output
+
+    async def verify(self, episode_id: str, example: Example, messages: list[dict[str, Any]]) -> VerifyResult:
+        data = await self._request("POST", "/verify", VerifyRequest(episode_id=episode_id, example=example,
+                                                                    messages=messages))
+        return self._typed("/verify", VerifyResult, data)
+
+    async def _request(self, method: str, path: str, body: BaseModel | None = None) -> Any:
+        try:
+            if body is None:
+                resp = await self.http.request(method, self.url + path)
+            else:
+                resp = await self.http.request(method, self.url + path, content=body.model_dump_json(),
+                                               headers={"content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise ResourcesError(f"resources {path}: {type(exc).__name__}: {exc}".replace("\n", " ")) from None
+        if not 200 <= resp.status_code < 300:
+            detail = _error_message(resp)
+            raise ResourcesError(f"resources {path} answered {resp.status_code}: {detail}", resp.status_code,
+                                 detail)
         try:
             return resp.json()
         except ValueError:
-            raise AgentEnvError(f"resources {path} answered something that is not JSON") from None
-
-    async def tools(self) -> ToolList:
-        try:
-            resp = await self.http.get(self.url + "/tools")
-        except httpx.HTTPError as exc:
-            raise AgentEnvError(f"resources /tools: {type(exc).__name__}: {exc}") from None
-        return self._typed("/tools", ToolList, self._json("/tools", resp))
-
-    async def call(self, name: str, episode_id: str, arguments: dict[str, Any], example: Example | None = None) -> str:
-        data = await self._post(f"/tools/{name}", ToolRequest(episode_id=episode_id, arguments=arguments,
-                                                              example=example))
-        return self._typed(f"/tools/{name}", ToolResult, data).output
-
-    async def verify(self, episode_id: str, example: Example, messages: list[dict[str, Any]]) -> VerifyResult:
-        data = await self._post("/verify", VerifyRequest(episode_id=episode_id, example=example, messages=messages))
-        return self._typed("/verify", VerifyResult, data)
+            raise ResourcesError(f"resources {path} answered something that is not JSON", resp.status_code) from None
 
     @staticmethod
     def _typed(path: str, model: type[BaseModel], data: Any) -> Any:
         try:
             return model.model_validate(data)
         except ValidationError as exc:
-            raise AgentEnvError(_one_line_validation(f"resources {path} answer", exc)) from None
+            raise ResourcesError(_one_line_validation(f"resources {path} answer", exc)) from None
+
+
+def _error_message(resp: httpx.Response) -> str:
+    """The server's own one-line reason ({"error": {"message"}}, FastAPI's {"detail"}) or the
+    body's start."""
+    try:
+        body = resp.json()
+        message = body["error"]["message"] if "error" in body else body["detail"]
+        text = message if isinstance(message, str) else str(message)
+    except (ValueError, KeyError, TypeError):
+        text = resp.text[:200]
+    return " ".join(text.split())[:300]
 
 
 class AgentServer(ABC):
     """Runs one episode per POST /run. Subclass it and write `run`; `self.resources` is the
-    resources server's client, `self.http` a shared HTTP client (for the policy too)."""
+    resources server's client, `self.http` a shared HTTP client (for the policy too), created
+    on first use and closed when the app shuts down."""
 
     def __init__(self, resources_url: str, config: EnvConfig) -> None:
         self.config = config
-        self.resources_url = resources_url
+        self.resources_url = resources_url.rstrip("/")
         self._http: httpx.AsyncClient | None = None
+        self._resources: ResourcesClient | None = None
 
     @property
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.episode_timeout_s, connect=5.0),
                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            self._resources = None
         return self._http
 
     @property
     def resources(self) -> ResourcesClient:
-        return ResourcesClient(self.resources_url, self.http)
+        http = self.http
+        if self._resources is None:
+            self._resources = ResourcesClient(self.resources_url, http)
+        return self._resources
 
     @abstractmethod
     async def run(self, req: RunRequest) -> RunResult:
@@ -228,8 +289,8 @@ class AgentServer(ABC):
 
     async def close(self) -> None:
         if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+            http, self._http, self._resources = self._http, None, None
+            await http.aclose()
 
     def create_app(self) -> FastAPI:
         @asynccontextmanager
@@ -252,8 +313,6 @@ class AgentServer(ABC):
             try:
                 return JSONResponse((await self.run(req)).model_dump())
             except Exception as exc:  # noqa: BLE001 - the episode failed: the pipeline counts it
-                line = (str(exc).strip().splitlines() or [""])[-1]
-                return _error(502, f"episode {req.episode_id}: {type(exc).__name__}: {line}"[:500],
-                              type(exc).__name__)
+                return _error(502, f"episode {req.episode_id}: {one_line(exc)}", type(exc).__name__)
 
         return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 import uvicorn
@@ -32,10 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--config", default="{}", help="the environment's settings (EnvConfig as JSON)")
+    ap.add_argument("--options", default=None,
+                    help="resources: keyword arguments of its class (JSON object; replaces the config's options)")
     ap.add_argument("--resources-url", default=None, help="agent: where its resources server is")
     args = ap.parse_args(argv)
     try:
         cfg = EnvConfig.model_validate_json(args.config)
+        if args.options is not None:
+            options = json.loads(args.options)
+            if not isinstance(options, dict):
+                raise ValueError("--options must be a JSON object")
+            cfg = cfg.model_copy(update={"options": options})
         if args.role == "resources":
             server = load(args.target, ResourcesServer)(tool_latency_s=cfg.tool_latency_s, **cfg.options)
         else:

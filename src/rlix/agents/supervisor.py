@@ -4,27 +4,32 @@
 server told its URL, each a `ShardProcess` (own session, under rlix.procguard, so a SIGKILLed
 owner still ends them; ended by PID). A dead server, or one whose /health fails twice in a row,
 is restarted on the port it had, so nobody needs to be told a new address. Past `max_restarts`
-the environment has failed: AgentEnvError naming it and the server. `EnvironmentSupervisor` is
-the thin Ray actor around it, checking once a second.
+the environment has failed: AgentEnvError naming it and the server. `watch()` checks in a
+thread of its own; `EnvironmentSupervisor` is the thin Ray actor around it.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
 import ray
 
 from rlix.envs.agent_config import EnvConfig
-from rlix.errors import AgentEnvError, EngineStateError
+from rlix.errors import AgentEnvError, EngineStateError, one_line
 from rlix.inference.fleet.shard_process import ShardProcess
 
 ROLES = ("resources", "agent")
 CHECK_EVERY_S = 1.0
+HEALTH_TIMEOUT_S = 2.0
 #: a server that has not exited this long after SIGTERM is killed (its episodes are lost anyway)
 STOP_GRACE_S = 3.0
+#: a server being replaced gets less: it is dead or hung already
+RESTART_GRACE_S = 1.0
 
 
 class EnvServerSpec:
@@ -49,13 +54,39 @@ class EnvServerSpec:
         return {}
 
 
+def _exit_code(guard_code: int | None) -> int | None:
+    """The server's exit code from its guard's: rlix.procguard exits 128+N for a server ended by
+    signal N, reported here as -N (as Popen does)."""
+    if guard_code is not None and guard_code > 128:
+        return 128 - guard_code
+    return guard_code
+
+
+def _server_exited(proc: ShardProcess) -> bool:
+    """The guard's server child is gone or a zombie its guard has not reaped yet."""
+    pid = proc.server_pid()
+    if pid is None:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 class EnvironmentProcesses:
+    """One environment's agent and resources servers (see the module's docstring)."""
+
     def __init__(self, cfg: EnvConfig, log_dir: str | Path) -> None:
         self.cfg, self.log_dir = cfg, Path(log_dir)
         self.procs: dict[str, ShardProcess] = {}
-        self.restarts: list[str] = []
-        self._unhealthy: dict[str, int] = {}
+        self.restarts: list[str] = []  # what was restarted and why, oldest first
+        self.error: str | None = None  # the watch's fatal error (a server past max_restarts)
+        self.health_timeout_s = HEALTH_TIMEOUT_S
+        self._restarted: Counter[str] = Counter()
+        self._unhealthy: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._stop_watch = threading.Event()
+        self._watch: threading.Thread | None = None
 
     @property
     def resources_url(self) -> str:
@@ -69,37 +100,41 @@ class EnvironmentProcesses:
         return {role: p.url for role, p in self.procs.items()}
 
     def pids(self) -> dict[str, int]:
-        """The servers' own PIDs (not their guards'), by role."""
+        """The servers' own PIDs (not their guards'), by role; a server not running is left out."""
         out = {}
-        for role, p in self.procs.items():
+        for role, p in list(self.procs.items()):
             pid = p.server_pid()
             if pid is not None:
                 out[role] = pid
         return out
 
-    def _spec(self, role: str) -> EnvServerSpec:
-        return EnvServerSpec(role, self.cfg, self.resources_url if role == "agent" else None)
-
     def _launch(self, role: str, port: int | None = None) -> None:
-        proc = ShardProcess(self._spec(role), "", port=port, log_dir=self.log_dir)
+        spec = EnvServerSpec(role, self.cfg, self.resources_url if role == "agent" else None)
+        proc = ShardProcess(spec, "", port=port, log_dir=self.log_dir / role)
         self.procs[role] = proc
         proc.start()
         try:
             proc.wait_ready()
         except EngineStateError as exc:
-            proc.stop()
+            proc.stop(grace_s=RESTART_GRACE_S)
+            last = next((x for x in reversed(str(exc).splitlines()) if x.strip()), type(exc).__name__)
             raise AgentEnvError(f"environment {self.cfg.name}: the {role} server did not start: "
-                                f"{str(exc).splitlines()[-1] if str(exc) else exc}") from None
+                                f"{last.strip()} (log: {proc.log_path})") from None
 
     def start(self) -> dict[str, str]:
+        """Both servers, healthy; their URLs by role. If one does not start, neither runs."""
         with self._lock:
-            for role in ROLES:
-                self._launch(role)
+            try:
+                for role in ROLES:
+                    self._launch(role)
+            except BaseException:
+                self._stop_all()
+                raise
             return self.urls()
 
     def check(self) -> list[str]:
         """Restart what is dead or unhealthy; what was restarted, for the logs. Raises
-        AgentEnvError once a server has needed more than max_restarts restarts."""
+        AgentEnvError once a server needs a restart past max_restarts."""
         done = []
         with self._lock:
             for role in ROLES:
@@ -109,65 +144,90 @@ class EnvironmentProcesses:
                 why = self._problem(role, proc)
                 if why is None:
                     continue
-                if len([r for r in self.restarts if r.startswith(role)]) >= self.cfg.max_restarts:
-                    raise AgentEnvError(f"environment {self.cfg.name}: the {role} server {why} and has been "
-                                        f"restarted {self.cfg.max_restarts} times (max_restarts)")
-                proc.stop(grace_s=2.0)
-                note = f"{role} restarted ({why})"
-                self.restarts.append(note)
+                if self._restarted[role] >= self.cfg.max_restarts:
+                    raise AgentEnvError(f"environment {self.cfg.name}: the {role} server {why} after "
+                                        f"{self._restarted[role]} restarts (max_restarts)")
+                proc.stop(grace_s=RESTART_GRACE_S)
+                self._restarted[role] += 1
                 self._unhealthy.pop(role, None)
+                note = f"{role} restarted ({why})"
                 try:
-                    self._launch(role, port=proc.port)
+                    self._launch(role, port=proc.port)  # the same port: the agent keeps its resources URL
                 except AgentEnvError as exc:  # counted; tried again at the next check
-                    self.restarts[-1] = f"{note}; the restart failed: {exc}"
-                done.append(self.restarts[-1])
+                    note = f"{note}; the restart failed: {exc}"
+                self.restarts.append(note)
+                done.append(note)
         return done
 
     def _problem(self, role: str, proc: ShardProcess) -> str | None:
+        """Why `role` needs a restart, or None. A server that exited while its guard is still
+        up died a moment ago: the guard is about to exit with its code."""
+        if proc.alive() and _server_exited(proc) and proc.proc is not None:
+            try:
+                proc.proc.wait(1.0)
+            except subprocess.TimeoutExpired:  # still up: judged by /health below
+                pass
         if not proc.alive():
-            code = proc.proc.poll() if proc.proc is not None else None
-            return f"exited (code {code})"
+            return f"exited with code {_exit_code(proc.proc.poll() if proc.proc is not None else None)}"
         try:
-            ok = httpx.get(proc.url + "/health", timeout=2.0).status_code == 200
+            ok = httpx.get(proc.url + "/health", timeout=self.health_timeout_s).status_code == 200
         except httpx.HTTPError:
             ok = False
         if ok:
             self._unhealthy.pop(role, None)
             return None
-        self._unhealthy[role] = self._unhealthy.get(role, 0) + 1
+        self._unhealthy[role] += 1
         return "failed /health twice" if self._unhealthy[role] >= 2 else None
 
+    def watch(self, every_s: float = CHECK_EVERY_S) -> None:
+        """`check()` every `every_s` in a thread until `stop()`; a fatal error ends the watch and
+        is kept in `error` (the owner polls it)."""
+        if self._watch is not None:
+            return
+        self._stop_watch.clear()
+        self._watch = threading.Thread(target=self._watch_loop, args=(every_s,), name=f"env-watch-{self.cfg.name}",
+                                       daemon=True)
+        self._watch.start()
+
+    def _watch_loop(self, every_s: float) -> None:
+        while not self._stop_watch.wait(every_s):
+            try:
+                self.check()
+            except AgentEnvError as exc:
+                self.error = str(exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - a watch that died silently would supervise nothing
+                self.error = f"environment {self.cfg.name}: its supervisor's check failed: {one_line(exc)}"
+                return
+
     def stop(self) -> None:
+        """The watch, then both servers by PID (the agent first: it calls the resources). Idempotent."""
+        self._stop_watch.set()
+        watch, self._watch = self._watch, None
+        if watch is not None and watch is not threading.current_thread():
+            watch.join(STOP_GRACE_S + 5.0)
         with self._lock:
-            for role in reversed(ROLES):
-                proc = self.procs.pop(role, None)
-                if proc is not None:
-                    proc.stop(grace_s=STOP_GRACE_S)
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for role in reversed(ROLES):
+            proc = self.procs.pop(role, None)
+            if proc is not None:
+                proc.stop(grace_s=STOP_GRACE_S)
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class EnvironmentSupervisor:
-    """One environment of one pipeline; see EnvironmentProcesses."""
+    """One environment of one pipeline: its servers, checked every second; see
+    EnvironmentProcesses. Threaded (max_concurrency) so its getters answer during a restart."""
 
     def __init__(self, cfg: EnvConfig, log_dir: str) -> None:
         self.procs = EnvironmentProcesses(cfg, log_dir)
-        self._error: str | None = None
-        self._stop = threading.Event()
-        self._watch: threading.Thread | None = None
 
     def start(self) -> dict[str, str]:
         urls = self.procs.start()
-        self._watch = threading.Thread(target=self._loop, name="env-watch", daemon=True)
-        self._watch.start()
+        self.procs.watch(CHECK_EVERY_S)
         return urls
-
-    def _loop(self) -> None:
-        while not self._stop.wait(CHECK_EVERY_S):
-            try:
-                self.procs.check()
-            except AgentEnvError as exc:
-                self._error = str(exc)
-                return
 
     def urls(self) -> dict[str, str]:
         return self.procs.urls()
@@ -179,10 +239,7 @@ class EnvironmentSupervisor:
         return list(self.procs.restarts)
 
     def error(self) -> str | None:
-        return self._error
+        return self.procs.error
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.join(5.0)
         self.procs.stop()

@@ -3,12 +3,15 @@
 Each turn sends the whole conversation, with the resources server's tools, to the policy's
 chat-completions endpoint (header X-Session-ID: the episode's session), and appends the answer
 exactly as it came (the policy gateway stitches turns only onto the conversation it answered).
-A reply that calls tools gets each tool's output as a `tool` message; a tool the model names
-wrongly or calls with bad arguments gets the error as its output (the model's mistake, not the
-environment's). A reply without calls is passed to `feedback_tool` when one is configured, its
-answer becoming the next user turn (not after the last turn: the verifier reads that one);
-otherwise it ends the episode. A 400 from the policy (the
-conversation no longer fits, say) ends the episode too; what was done so far is verified.
+No sampling parameters are sent: the pipeline's gateway applies its own, so the behaviour
+logprobs are those the trainer assumes. A reply that calls tools gets each tool's output as a
+`tool` message; a tool the model names wrongly or calls with bad arguments gets the error as its
+output (the model's mistake, not the environment's). A reply without calls is passed to
+`feedback_tool` when one is configured, its answer becoming the next user turn (not after the
+last turn: nobody would read it, and the verifier reads the reply itself); otherwise it ends the
+episode. A reply cut at max tokens (finish_reason "length") is a turn like any other. A 400 from
+the policy (the conversation no longer fits, say) ends the episode too; what was done so far is
+verified. Any other policy failure fails the episode (a 502 the pipeline retries).
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
+
 from rlix.agents.protocol import RunRequest, RunResult
-from rlix.agents.sdk import AgentServer
+from rlix.agents.sdk import AgentServer, ResourcesError
 from rlix.errors import AgentEnvError
+
+#: resources answers that are the model's mistake (unknown tool, bad arguments): shown to it
+_MODEL_ERRORS = (404, 422)
 
 
 class ToolAgent(AgentServer):
@@ -32,7 +40,7 @@ class ToolAgent(AgentServer):
         turns = calls = 0
         while turns < cfg.max_turns:
             reply = await self._policy(req, messages, tools)
-            if reply is None:  # refused: the episode ends here
+            if reply is None:  # refused (400): the episode ends here
                 break
             turns += 1
             messages.append(reply)
@@ -40,11 +48,12 @@ class ToolAgent(AgentServer):
                 for call in reply["tool_calls"]:
                     calls += 1
                     output = await self._tool(req, call)
-                    messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": output})
+                    call_id = call.get("id", "") if isinstance(call, dict) else ""
+                    messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             elif cfg.feedback_tool and turns < cfg.max_turns:
                 calls += 1
                 output = await resources.call(cfg.feedback_tool, req.episode_id,
-                                              {"answer": reply.get("content") or ""}, req.example)
+                                              {"answer": _text(reply.get("content"))}, req.example)
                 messages.append({"role": "user", "content": output})
             else:  # no feedback tool, or the last turn (the verifier reads it)
                 break
@@ -54,33 +63,52 @@ class ToolAgent(AgentServer):
 
     async def _policy(self, req: RunRequest, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The policy's assistant message, as it came; None when it refused the request (400)."""
         policy = req.policy
-        resp = await self.http.post(
-            f"{policy.base_url.rstrip('/')}/v1/chat/completions",
-            json={"model": policy.model, "messages": messages, **({"tools": tools} if tools else {})},
-            headers={"X-Session-ID": req.session_id, "Authorization": f"Bearer {policy.api_key}"})
+        url = f"{policy.base_url.rstrip('/')}/v1/chat/completions"
+        try:
+            resp = await self.http.post(
+                url, json={"model": policy.model, "messages": messages, **({"tools": tools} if tools else {})},
+                headers={"X-Session-ID": req.session_id, "Authorization": f"Bearer {policy.api_key}"})
+        except httpx.HTTPError as exc:
+            raise AgentEnvError(f"policy {url}: {type(exc).__name__}: {exc}".replace("\n", " ")) from None
         if resp.status_code == 400:
             return None
         if resp.status_code != 200:
-            raise AgentEnvError(f"policy answered {resp.status_code}: {resp.text[:200]}")
+            raise AgentEnvError(f"policy answered {resp.status_code}: {' '.join(resp.text[:200].split())}")
         try:
             message = resp.json()["choices"][0]["message"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise AgentEnvError(f"policy answer is not a chat completion: {resp.text[:200]}") from None
-        return dict(message)
+            message = None
+        if not isinstance(message, dict):
+            raise AgentEnvError(f"policy answer is not a chat completion: {' '.join(resp.text[:200].split())}")
+        return message
 
-    async def _tool(self, req: RunRequest, call: dict[str, Any]) -> str:
-        fn = call.get("function") or {}
-        name = fn.get("name", "")
+    async def _tool(self, req: RunRequest, call: Any) -> str:
+        """One tool call's output; the model's own mistakes come back to it as the output."""
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not name or not isinstance(name, str):
+            return "error: a tool call must name a function"
+        raw = fn.get("arguments") or "{}"  # type: ignore[union-attr]
         try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except json.JSONDecodeError:
+            args = raw if isinstance(raw, dict) else json.loads(raw)
+        except (json.JSONDecodeError, TypeError):
             return f"error: the arguments of {name} are not JSON"
         if not isinstance(args, dict):
-            return f"error: the arguments of {name} must be an object"
+            return f"error: the arguments of {name} must be a JSON object"
         try:
             return await self.resources.call(name, req.episode_id, args, req.example)
-        except AgentEnvError as exc:
-            if " answered 404" in str(exc) or " answered 422" in str(exc):
-                return f"error: {exc}"  # the model called a tool wrongly: it hears why
+        except ResourcesError as exc:
+            if exc.status in _MODEL_ERRORS:
+                return f"error: {exc.detail}"
             raise
+
+
+def _text(content: Any) -> str:
+    """An assistant message's text: a string, or the text parts of a content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""

@@ -2,7 +2,10 @@
 
 Groups (one prompt x `group_size` samples, session-sticky to one shard) are generated
 concurrently through the router, one request per sample; each answer comes back typed
-(`Generation`: token ids, logprobs, weight-version spans, finish reason). Admission control: no new group
+(`Generation`: token ids, logprobs, weight-version spans, finish reason). With an agent
+environment (`episodes`), each sample is instead one multi-turn episode run by the
+environment's agent server, stitched into the exact sampled tokens with context masked
+(agents/rollout.py); a failed episode is retried, and counted with its reason when it stays failed. Admission control: no new group
 starts while the young-enough groups buffered plus those in flight already cover
 `groups_per_step x (max_age + 1)`: more could only go stale before the trainer reaches them. A
 group that still finishes too old is dropped and counted ("stale"). Demand goes to the hooks

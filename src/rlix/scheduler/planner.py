@@ -87,8 +87,10 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
         aged = now - r.submitted_at >= params.aging_s
         chosen = placer.choose(spec, r.gpus) if r.gpus <= pool.unlocked() else None
         # Rollout floor reservation: until it ages, a grant may not take the last shard of a
-        # pipeline of the same or a higher tier that still has rollout demand.
-        if chosen is not None and not aged and placer.empties(spec, chosen, spec.priority):
+        # pipeline of the same or a higher tier that still has rollout demand, unless idle GPUs
+        # elsewhere can take that pipeline's shard in this same plan.
+        if chosen is not None and not aged and placer.empties(spec, chosen, spec.priority) \
+                and not placer.rehomed(spec, chosen, spec.priority):
             chosen = None
         if chosen is None:
             if aged:

@@ -88,6 +88,29 @@ class StagePlacer:
                    if len(keys) >= self.pool.shard_count[q] and self.demand.get(q, 0) > 0
                    and (min_priority is None or self.ledger.pipelines[q].priority >= min_priority))
 
+    def rehomed(self, spec: PipelineSpec, gpus: list[int], min_priority: int | None = None) -> bool:
+        """Every pipeline that `empties` counts would find idle GPUs for a shard elsewhere (not in
+        `gpus`), so the rebalance of this same plan gives it one at once: taking its last shard
+        then starves nobody, and the grant need not wait (an idle GPU beside a waiting trainer
+        whose fixed home holds a peer's shard helps no one)."""
+        taken: dict[str, set] = {}
+        for g in gpus:
+            key = self.pool.state[g]
+            if key is not None and key is not LOCKED and key[0] != spec.name:
+                taken.setdefault(key[0], set()).add(key)
+        starved = [q for q, keys in taken.items()
+                   if len(keys) >= self.pool.shard_count[q] and self.demand.get(q, 0) > 0
+                   and (min_priority is None or self.ledger.pipelines[q].priority >= min_priority)]
+        free = {nd: len([g for g in self.pool.free_gpus_on(nd) if g not in gpus])
+                for nd in range(len(self.pool.node_gpus))}
+        for q in starved:
+            tp = self.ledger.pipelines[q].tp
+            node = next((nd for nd, f in free.items() if f >= tp), None)
+            if node is None:
+                return False
+            free[node] -= tp
+        return True
+
     def choose(self, spec: PipelineSpec, n: int) -> list[int] | None:
         pool = self.pool
         home = self.ledger.train_home.get(spec.name)
