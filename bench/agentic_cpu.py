@@ -66,32 +66,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="every pipeline's steps")
     ap.add_argument("--tool-latency", type=float, default=0.5, help="seconds per tool call")
     ap.add_argument("--warmup", type=int, default=1, help="first steps of each pipeline left out of the rates")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="on a machine with CUDA: both pipelines on its one real GPU (time-shared vs queue; "
+                         "no pinned mode: there is one GPU); figures named agentic_1gpu_*")
     ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
     for p in cfg["pipelines"]:
         p["steps"] = args.steps
         p["env"] = dict(p.get("env") or {}, tool_latency_s=args.tool_latency)
+    modes = [("timeshared", "rlix", cfg["pipelines"]), ("pinned", "standalone", cfg["pipelines"]),
+             *[(f"queue{i}", "rlix", [p]) for i, p in enumerate(cfg["pipelines"])]]
+    if args.one_gpu:
+        cfg["cluster"] = {"nodes": 1, "gpus_per_node": 1}
+        cfg["device"] = "auto"
+        for p in cfg["pipelines"]:
+            p.update(max_shards=1, min_shards=1, gpus=[0])
+        modes = [m for m in modes if m[0] != "pinned"]
     import ray
 
     t0 = time.perf_counter()
     raw: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="rlix-bench-agentic-") as tmp:
-        for label, mode, pipelines in [("timeshared", "rlix", cfg["pipelines"]),
-                                       ("pinned", "standalone", cfg["pipelines"]),
-                                       *[(f"queue{i}", "rlix", [p]) for i, p in enumerate(cfg["pipelines"])]]:
+        for label, mode, pipelines in modes:
             print(f"agentic_cpu: {label} ({mode}, {len(pipelines)} pipeline(s))", file=sys.stderr)
             raw[label] = [one_run(dict(cfg, pipelines=pipelines), mode, Path(tmp) / label)]
             ray.shutdown()
     if args.keep:
         Path(args.keep).write_text(json.dumps(raw, default=str))
     runs = {label: span(rs[0], args.warmup) for label, rs in raw.items()}
-    rate = {label: runs[label][0] / runs[label][1] for label in ("timeshared", "pinned")}
+    rate = {label: runs[label][0] / runs[label][1] for label in ("timeshared", "pinned") if label in runs}
     queue = [v for k, v in runs.items() if k.startswith("queue")]
     rate["queue"] = sum(s for s, _, _ in queue) / sum(t for _, t, _ in queue)
+    tag = "agentic_1gpu" if args.one_gpu else "agentic"
     out = {
-        "agentic_timeshared_vs_queue": round(rate["timeshared"] / rate["queue"], 3),
-        "agentic_timeshared_vs_pinned": round(rate["timeshared"] / rate["pinned"], 3),
+        f"{tag}_timeshared_vs_queue": round(rate["timeshared"] / rate["queue"], 3),
+        **({"agentic_timeshared_vs_pinned": round(rate["timeshared"] / rate["pinned"], 3)} if "pinned" in rate else {}),
         "agentic_steps_per_min": {k: round(v * 60, 2) for k, v in rate.items()},
         "agentic_spans_s": {k: round(v[1], 1) for k, v in runs.items()},
         "agentic_reward_gain": {k: v[2] for k, v in runs.items()},
