@@ -69,6 +69,10 @@ def main() -> None:
     ap.add_argument("--one-gpu", action="store_true",
                     help="on a machine with CUDA: both pipelines on its one real GPU (time-shared vs queue; "
                          "no pinned mode: there is one GPU); figures named agentic_1gpu_*")
+    ap.add_argument("--slices", type=int, default=1,
+                    help="with --one-gpu: the GPU scheduled as this many slices (cluster.gpu_slices), so "
+                         "both pipelines' shards and trainers can be on it at once; the queue gets the "
+                         "same slices (a job alone may use them too)")
     ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -78,11 +82,13 @@ def main() -> None:
     modes = [("timeshared", "rlix", cfg["pipelines"]), ("pinned", "standalone", cfg["pipelines"]),
              *[(f"queue{i}", "rlix", [p]) for i, p in enumerate(cfg["pipelines"])]]
     if args.one_gpu:
-        cfg["cluster"] = {"nodes": 1, "gpus_per_node": 1}
+        cfg["cluster"] = {"nodes": 1, "gpus_per_node": 1, "gpu_slices": args.slices}
         cfg["device"] = "auto"
         for p in cfg["pipelines"]:
             p.update(max_shards=1, min_shards=1, gpus=[0])
         modes = [m for m in modes if m[0] != "pinned"]
+    elif args.slices != 1:
+        ap.error("--slices needs --one-gpu")
     import ray
 
     t0 = time.perf_counter()
@@ -106,6 +112,7 @@ def main() -> None:
         "agentic_spans_s": {k: round(v[1], 1) for k, v in runs.items()},
         "agentic_reward_gain": {k: v[2] for k, v in runs.items()},
         "agentic_episodes": {k: episode_stats(rs[0]) for k, rs in raw.items()},
+        **({"gpu_slices": args.slices} if args.one_gpu else {}),
         "tool_latency_s": args.tool_latency, "steps": args.steps, "warmup": args.warmup, "wall_s": round(time.perf_counter() - t0, 1),
     }
     for k, v in out.items():

@@ -43,6 +43,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     preflight(cfg, args.config)
     cluster = "auto (from Ray)" if cfg.cluster.is_auto else (
         f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPUs")
+    if cfg.cluster.gpu_slices > 1:
+        cluster += f", each scheduled as {cfg.cluster.gpu_slices} slices"
     print(f"{args.config}: ok; cluster {cluster}; {len(cfg.pipelines)} pipeline(s)")
     for p in cfg.pipelines:
         print(f"  {p.name}: priority {p.priority}, weight {p.weight}, train {p.train_gpus} GPU(s), "
@@ -101,7 +103,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           served_model_name=args.served_model_name, dtype=args.dtype,
-          max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations)
+          max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations,
+          memory_share=env.gpu_memory_share())
     return 0
 
 

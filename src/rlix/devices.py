@@ -33,6 +33,19 @@ def free_cuda_caches(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def cap_process_memory(device: str | torch.device, share: float) -> None:
+    """Let this process's allocator take at most `share` of its GPU's memory (a process placed
+    on a slice of a shared GPU, `cluster.gpu_slices`): going past it is an out-of-memory error
+    in this process, never a neighbour's. Nothing on CPU or at a share of 1."""
+    device = torch.device(device)
+    if not 0 < share <= 1:
+        raise ConfigError(f"a GPU memory share must be in (0, 1], got {share}")
+    if device.type != "cuda" or share >= 1:
+        return
+    torch.cuda.set_per_process_memory_fraction(share, device.index if device.index is not None
+                                               else torch.cuda.current_device())
+
+
 def resolve_dtype(dtype: str, device: str) -> str | None:
     """The dtype name to load models in: `auto` is bfloat16 on cuda and the checkpoint's own
     (None) on cpu."""

@@ -90,17 +90,40 @@ def visible_devices() -> str | None:
 #: the variable through which a placed process is shown only its GPUs
 VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 
+#: the fraction of its GPU's memory a shard placed on a slice may use (`cluster.gpu_slices`)
+GPU_MEMORY_SHARE_VAR = "RLIX_GPU_MEMORY_SHARE"
 
-def process_visible_devices(pid: int) -> str | None:
-    """`CUDA_VISIBLE_DEVICES` another process of ours was started with (from /proc; None if
-    unset or unreadable): how a placement is checked, not assumed."""
+
+def gpu_memory_share() -> float:
+    """`RLIX_GPU_MEMORY_SHARE` of this process (1.0 when unset); a value outside (0, 1] is an
+    error, not a silent whole GPU."""
+    raw = os.environ.get(GPU_MEMORY_SHARE_VAR, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{GPU_MEMORY_SHARE_VAR}={raw!r}: give a fraction in (0, 1]")
+    return share
+
+
+def process_env(pid: int, name: str) -> str | None:
+    """Variable `name` of the environment another process of ours was started with (from
+    /proc; None if unset or unreadable): how a placement is checked, not assumed."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             entries = fh.read().split(b"\0")
     except OSError:
         return None
-    prefix = VISIBLE_DEVICES_VAR.encode() + b"="
+    prefix = name.encode() + b"="
     for entry in entries:
         if entry.startswith(prefix):
             return entry[len(prefix):].decode()
     return None
+
+
+def process_visible_devices(pid: int) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` another process of ours was started with (see process_env)."""
+    return process_env(pid, VISIBLE_DEVICES_VAR)

@@ -13,6 +13,10 @@ bundle with a small GPU fraction (Ray then sets its CUDA_VISIBLE_DEVICES), and a
 a child of its pipeline's actor, is started with CUDA_VISIBLE_DEVICES set to the physical ids
 (`visible_devices`). On CPU the same happens with Ray's fake GPUs (`ray.init(num_gpus=N)`), so
 placement is tested without CUDA.
+
+With `cluster.gpu_slices: N` the scheduler's GPU g is slice g % N of physical GPU g // N (per
+node): every slice of a GPU maps to that GPU's one bundle, and `memory_share` (1/N) is the
+fraction of its memory a process placed on a slice may allocate (it caps its own allocator).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class GpuSlot:
     physical: str  # the id CUDA_VISIBLE_DEVICES names on that node
     bundle: int  # index of its bundle in the node's placement group
     has_cuda: bool  # the node has NVIDIA devices (else Ray's GPUs are fake)
+    memory_share: float = 1.0  # of the physical GPU's memory: 1/gpu_slices
 
 
 @ray.remote(num_cpus=0, num_gpus=ACTOR_GPU_FRACTION)
@@ -60,9 +65,10 @@ class GpuReservation:
         self.groups = list(groups)
 
     @classmethod
-    def reserve(cls, topology: Topology, timeout_s: float = 60.0) -> GpuReservation:
-        """Reserve every GPU of `topology` on the alive Ray nodes that have GPUs (in the
-        scheduler's order); a clear error if Ray cannot give them within `timeout_s`."""
+    def reserve(cls, topology: Topology, timeout_s: float = 60.0, *, slices: int = 1) -> GpuReservation:
+        """Reserve every GPU of `topology` (physical GPUs) on the alive Ray nodes that have GPUs
+        (in the scheduler's order); a clear error if Ray cannot give them within `timeout_s`.
+        The slots are the scheduler's GPUs: `slices` per physical GPU."""
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
         nodes.sort(key=lambda n: (n.get("NodeManagerAddress", ""), n.get("NodeID", "")))
         if len(nodes) < topology.num_nodes:
@@ -102,8 +108,15 @@ class GpuReservation:
                 raise ConfigError(f"GPU {gpu}: Ray placed it on device {physical} of node {node_ip}, "
                                   f"which has {devices} NVIDIA device(s); the cluster config asks "
                                   f"for more GPUs than the node has")
-            slots.append(GpuSlot(gpu, node, node_ip, physical, bundle, devices > 0))
+            for part in range(slices):
+                slots.append(GpuSlot(gpu * slices + part, node, node_ip, physical, bundle, devices > 0,
+                                     memory_share=1.0 / slices))
         return cls(slots, groups)
+
+    @property
+    def memory_share(self) -> float:
+        """The fraction of a GPU's memory each placed process may use (1/gpu_slices)."""
+        return min((s.memory_share for s in self.slots), default=1.0)
 
     @property
     def has_cuda(self) -> bool:
@@ -119,7 +132,11 @@ class GpuReservation:
         slots = [self.slot(g) for g in gpus]
         if len({s.node for s in slots}) > 1:
             raise ConfigError(f"GPUs {[s.gpu for s in slots]} span several nodes; one process needs one node")
-        return ",".join(s.physical for s in slots)
+        physical = [s.physical for s in slots]
+        if len(set(physical)) != len(physical):
+            raise ConfigError(f"GPUs {[s.gpu for s in slots]} are slices of the same device; one process "
+                              f"takes one slice of a GPU")
+        return ",".join(physical)
 
     def actor_options(self, gpus: Sequence[int]) -> dict[str, Any]:
         """Ray options that put an actor on these rlix GPUs (Ray sets its CUDA_VISIBLE_DEVICES to

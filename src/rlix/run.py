@@ -67,26 +67,28 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
     if cfg.cluster.is_auto and env.ray_address() is None:
         raise ConfigError(f"{config_path}: cluster is auto but no Ray cluster to read GPUs from "
                           "(set RAY_ADDRESS, or give nodes and gpus_per_node)")
-    total = None if cfg.cluster.is_auto else int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+    physical = None if cfg.cluster.is_auto else cfg.cluster.physical_gpus
     t_start = time.perf_counter()
     if not ray.is_initialized():
         address = env.ray_address()
         if address:
             ray.init(address=address, namespace="rlix", log_to_driver=False)
         else:  # a local cluster; on CPU its GPUs are fake (num_gpus): reserved and placed all the same
-            ray.init(num_cpus=max(4, 2 * len(cfg.pipelines) + 2), num_gpus=total, namespace="rlix",
+            ray.init(num_cpus=max(4, 2 * len(cfg.pipelines) + 2), num_gpus=physical, namespace="rlix",
                      include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     api_key = env.api_key() or secrets.token_urlsafe(24)
-    topology = topology_from_ray() if cfg.cluster.is_auto else cfg.cluster.topology()
+    gpus = topology_from_ray() if cfg.cluster.is_auto else cfg.cluster.physical_topology()
+    reservation = GpuReservation.reserve(gpus, slices=cfg.cluster.gpu_slices)
+    topology = gpus.sliced(cfg.cluster.gpu_slices)  # what the scheduler hands out
     total = topology.num_gpus
-    reservation = GpuReservation.reserve(topology)
     scheduler = None
     supervisor: Supervisor | None = None
     ending = "finished"
     try:
         devices = device_plan(cfg, reservation)
-        say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, {total} GPU(s) "
-            f"({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
+        sliced = f" as {total} slices" if cfg.cluster.gpu_slices > 1 else ""
+        say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, {gpus.num_gpus} GPU(s)"
+            f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda")

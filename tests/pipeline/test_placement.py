@@ -116,6 +116,30 @@ def test_a_placed_shard_sees_only_its_gpu_and_moves_by_restarting(tiny_model_dir
     asyncio.run(main())
 
 
+def test_a_move_between_slices_of_one_gpu_keeps_the_process(tiny_model_dir):
+    """gpu_slices: 2 (rlix GPUs 0, 1 are device 0; 2, 3 device 1): a shard moved to the other
+    slice of its device sees the same device and keeps its process; to another device, a new one."""
+    def placement(gpus):
+        return {env.VISIBLE_DEVICES_VAR: ",".join(str(g // 2) for g in gpus), env.GPU_MEMORY_SHARE_VAR: "0.5"}
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            assert await fleet.place({0: [0]}) == [0]
+            first = fleet.launcher.pids()[0]
+            await fleet.sleep_partial([0])
+            assert await fleet.place({0: [1]}) == []  # the other slice of device 0: same process
+            assert fleet.launcher.pids()[0] == first and fleet.shards[0].gpus == (1,)
+            assert await fleet.place({0: [2]}) == [0]  # device 1: a new process
+            assert fleet.launcher.pids()[0] != first and not _alive(first)
+            assert env.process_visible_devices(fleet.launcher.pids()[0]) == "1"
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_shard_that_cannot_confirm_its_release_is_killed_and_named(tiny_model_dir):
     async def main() -> None:
         fleet = _fleet(tiny_model_dir, lambda gpus: {env.VISIBLE_DEVICES_VAR: "0"}, release_timeout_s=2.0)

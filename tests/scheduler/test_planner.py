@@ -180,6 +180,7 @@ def test_a_peers_last_shard_on_the_trainers_home_moves_to_an_idle_gpu_at_once():
     led = make(1, 2, PipelineSpec("a", train_gpus=1, max_shards=1, fixed_trainer=True),
                PipelineSpec("b", max_shards=2, fixed_trainer=True))
     prog = {"a": Progress("a", remaining=0, target=8), "b": Progress("b", remaining=8, target=8)}
+    led.last_shard_gpus[("b", 0)] = (0,)  # b's engine was last on a's home: it wakes there
     step(led, 0.0, progress=prog)
     assert led.train_home["a"] == frozenset({0}) and [h.gpus for h in led.shards_of("b").values()] == [(0,)]
     p = step(led, 100.0, [GpuRequest(1, "a", Stage.TRAIN, 1, 100.0)], prog)
@@ -192,3 +193,19 @@ def test_a_peers_last_shard_on_the_trainers_home_moves_to_an_idle_gpu_at_once():
     step(led, 0.0, progress=prog)
     if [h.gpus for h in led.shards_of("b").values()] == [(0,)]:
         assert not step(led, 100.0, [GpuRequest(2, "a", Stage.TRAIN, 1, 100.0)], prog).grants
+
+
+def test_a_new_shard_avoids_other_pipelines_training_homes():
+    """A shard placed on a peer's training home is preempted by every one of that peer's train
+    steps; given the choice, a shard goes where no trainer lives, then to its own home."""
+    led = make(1, 2, PipelineSpec("a", max_shards=1, fixed_trainer=True),
+               PipelineSpec("b", max_shards=1, fixed_trainer=True))
+    step(led, 0.0)
+    for name in ("a", "b"):
+        assert [h.gpus for h in led.shards_of(name).values()] == [tuple(led.train_home[name])]
+    # a GPU outside every home goes first
+    led = make(1, 3, PipelineSpec("a", max_shards=1, fixed_trainer=True),
+               PipelineSpec("b", max_shards=1, fixed_trainer=True))
+    homes = led.train_home["a"] | led.train_home["b"]
+    step(led, 0.0, progress={"a": Progress("a", remaining=8, target=8), "b": Progress("b", remaining=0, target=8)})
+    assert [set(h.gpus) & homes for h in led.shards_of("a").values()] == [set()]

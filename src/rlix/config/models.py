@@ -24,6 +24,11 @@ class ClusterConfig(_Strict):
 
     nodes: int | Literal["auto"] = Field("auto", description="number of nodes, or auto")
     gpus_per_node: int | Literal["auto"] = Field("auto", description="GPUs on each node, or auto")
+    gpu_slices: int = Field(1, ge=1, le=8, description="the scheduler sees each GPU as this many GPUs "
+                                                       "(slices), each with 1/N of its memory: shards and "
+                                                       "trainers of several pipelines then share one GPU "
+                                                       "at once; every GPU count and id in the config "
+                                                       "counts slices")
 
     @model_validator(mode="after")
     def _positive(self) -> "ClusterConfig":
@@ -37,10 +42,24 @@ class ClusterConfig(_Strict):
     def is_auto(self) -> bool:
         return self.nodes == "auto" or self.gpus_per_node == "auto"
 
-    def topology(self) -> Topology:
+    @property
+    def physical_gpus(self) -> int:
+        """GPUs in the cluster (not auto), as Ray counts them."""
+        return int(self.nodes) * int(self.gpus_per_node)
+
+    @property
+    def scheduled_gpus(self) -> int:
+        """GPUs the scheduler hands out (not auto): slices of the physical ones."""
+        return self.physical_gpus * self.gpu_slices
+
+    def physical_topology(self) -> Topology:
         if self.is_auto:
             raise ValueError("cluster is 'auto': resolve it from Ray (rlix.scheduler.service.topology_from_ray)")
         return Topology.uniform(int(self.nodes), int(self.gpus_per_node))
+
+    def topology(self) -> Topology:
+        """What the scheduler plans over: every GPU as `gpu_slices` GPUs."""
+        return self.physical_topology().sliced(self.gpu_slices)
 
 
 class SchedulerConfig(_Strict):
@@ -196,8 +215,13 @@ class RlixConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"pipeline names must be unique; repeated: {', '.join(dupes)}")
+        if self.cluster.gpu_slices > 1:
+            wide = [p.name for p in self.pipelines if p.tp > 1]
+            if wide:
+                raise ValueError(f"pipelines {wide}: tp > 1 with gpu_slices > 1 could put one shard on "
+                                 f"two slices of the same GPU; use tp: 1 or gpu_slices: 1")
         if not self.cluster.is_auto:
-            total = int(self.cluster.nodes) * int(self.cluster.gpus_per_node)
+            total = self.cluster.scheduled_gpus
             for p in self.pipelines:
                 if p.train_gpus > total:
                     raise ValueError(f"pipeline {p.name!r}: train_gpus={p.train_gpus} exceeds the cluster's {total} GPUs")

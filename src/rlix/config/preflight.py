@@ -129,7 +129,7 @@ def _fits(cfg: RlixConfig, p: PipelineConfig) -> list[str]:
     """Its floor of shards (and its trainer, without partial overlap) must fit the cluster."""
     if cfg.cluster.is_auto:
         return []
-    total = int(cfg.cluster.nodes) * int(cfg.cluster.gpus_per_node)
+    total = cfg.cluster.scheduled_gpus
     need = p.min_shards * p.tp + (0 if p.partial_overlap else p.train_gpus)
     if need <= total:
         return []

@@ -30,7 +30,7 @@ from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
 from rlix.errors import TrainerDiedError, one_line
 from rlix.inference.fleet.api import EngineBackend
-from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
+from rlix.inference.fleet.backends import VLLM_DEFAULT_MEMORY_UTILIZATION, EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
 from rlix.inference.router.data_plane import DataPlaneThread
@@ -91,9 +91,17 @@ class DevicePlan:
         cheaper and frees nothing another holder could use anyway."""
         return 2 if self.device == "cuda" else 1
 
+    @property
+    def memory_share(self) -> float:
+        """Of a GPU's memory, what one placed process may use (1/gpu_slices)."""
+        return self.reservation.memory_share if self.reservation is not None else 1.0
+
     def visible_devices_env(self, gpus: Sequence[int]) -> dict[str, str]:
         assert self.reservation is not None
-        return {env.VISIBLE_DEVICES_VAR: self.reservation.visible_devices(gpus)}
+        out = {env.VISIBLE_DEVICES_VAR: self.reservation.visible_devices(gpus)}
+        if self.memory_share < 1:
+            out[env.GPU_MEMORY_SHARE_VAR] = repr(self.memory_share)
+        return out
 
 
 class PipelineRunner:
@@ -158,7 +166,9 @@ class PipelineRunner:
         options: dict[str, Any] = {"max_concurrency": 2}
         if dev.reservation is not None and gpus:
             options.update(dev.reservation.actor_options(gpus))
-        extra = {"dtype": dev.dtype} if dev.dtype else {}
+        extra: dict[str, Any] = {"dtype": dev.dtype} if dev.dtype else {}
+        if dev.memory_share < 1:
+            extra["memory_share"] = dev.memory_share
         self.trainer = TrainerActor.options(**options).remote(
             path, cfg.train, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
             cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda",
@@ -180,7 +190,8 @@ class PipelineRunner:
         await self.trainer.publish.remote(self.start_step, cfg.audit_weights)
         self.trainer_placement = {"gpus": list(gpus), "pid": await self.trainer.pid.remote(),
                                   "node_id": await self.trainer.node_id.remote(),
-                                  "visible_devices": await self.trainer.visible_devices.remote()}
+                                  "visible_devices": await self.trainer.visible_devices.remote(),
+                                  "memory_share": dev.memory_share}
         await self.trainer.offload.remote()
 
     async def _start_shards(self, path: str) -> list[int]:
@@ -231,7 +242,10 @@ class PipelineRunner:
         v = cfg.vllm
         return EngineBackendConfig(
             backend="vllm", python=self.vllm_python, dtype=self.served_dtype,
-            max_num_seqs=v.max_num_seqs or ro.max_num_seqs, gpu_memory_utilization=v.gpu_memory_utilization,
+            max_num_seqs=v.max_num_seqs or ro.max_num_seqs,
+            # on a slice of a shared GPU vLLM must size its cache to the slice, not the device
+            gpu_memory_utilization=v.gpu_memory_utilization or (
+                round(VLLM_DEFAULT_MEMORY_UTILIZATION * dev.memory_share, 3) if dev.memory_share < 1 else None),
             enforce_eager=v.enforce_eager, cpu_kvcache_gib=v.cpu_kvcache_gib,
             startup_timeout_s=v.startup_timeout_s, extra_args=tuple(v.extra_args), **common)
 

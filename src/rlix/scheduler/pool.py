@@ -111,7 +111,9 @@ class Pool:
                     exclude: frozenset[int] = frozenset()) -> tuple[int, ...] | None:
         """Free GPUs for one shard: its previous GPUs if free (its engine is still there),
         else the node holding the fewest of this pipeline's shards (so one node-sized training
-        grant never takes all of them), best fit among those."""
+        grant never takes all of them), best fit among those. Within the node, GPUs outside every
+        training home first, then its own home (it sleeps there only while its own trainer
+        trains), another pipeline's home last (that pipeline's every train step preempts it)."""
         last = self.ledger.last_shard_gpus.get((pipeline, dp_rank))
         if last and all(self.state[g] is None for g in last) and not exclude.intersection(last):
             return last
@@ -127,7 +129,13 @@ class Pool:
                 best, best_key = node, key
         if best is None:
             return None
-        return tuple(self.free_gpus_on(best, exclude)[:tp])
+        return tuple(sorted(self.free_gpus_on(best, exclude), key=lambda g: self._home_cost(pipeline, g))[:tp])
+
+    def _home_cost(self, pipeline: str, g: int) -> int:
+        homes = self.ledger.train_home
+        if g in homes.get(pipeline, ()):
+            return 1
+        return 2 if any(g in home for home in homes.values()) else 0
 
     def next_rank(self, pipeline: str, max_shards: int) -> int | None:
         """An inactive dp rank, preferring one whose previous GPUs are free again (its engine

@@ -201,6 +201,13 @@ class Topology:
     def uniform(cls, nodes: int, gpus_per_node: int) -> "Topology":
         return cls(tuple([gpus_per_node] * nodes))
 
+    def sliced(self, slices: int) -> "Topology":
+        """Every GPU as `slices` GPUs (consecutive ids, same node): how the scheduler sees a
+        cluster whose GPUs are shared by several holders at once (`cluster.gpu_slices`)."""
+        if slices < 1:
+            raise ValueError(f"slices must be >= 1, got {slices}")
+        return Topology(tuple(n * slices for n in self.gpus_per_node))
+
     @property
     def num_gpus(self) -> int:
         return sum(self.gpus_per_node)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlix.config.models import TrainConfig
-from rlix.devices import DeviceMemory, measure, release_and_measure, wait_for_free
+from rlix.devices import DeviceMemory, cap_process_memory, measure, release_and_measure, wait_for_free
 from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
@@ -60,7 +60,8 @@ class PolicyTrainer:
                  max_grad_norm: float | None = 1.0, dtype: torch.dtype | str | None = None,
                  temperature: float = 1.0, rank: int = 0, world_size: int = 1,
                  cache_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 cache_host: HostMemory = "auto", offloaded: bool = False) -> None:
+                 cache_host: HostMemory = "auto", offloaded: bool = False,
+                 memory_share: float = 1.0) -> None:
         if micro_batch_size < 1:
             raise TrainingError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if aggregation not in ("token", "sequence"):
@@ -75,6 +76,7 @@ class PolicyTrainer:
             if self.device.index is None:  # pin "cuda" to one GPU: set_device/synchronize need it
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            cap_process_memory(self.device, memory_share)  # a slice of a shared GPU: its part only
         self.micro_batch_size = int(micro_batch_size)
         self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
         self.aggregation: Aggregation = aggregation

@@ -23,6 +23,10 @@ from rlix.inference.fleet.api import EngineBackend
 from rlix.models.presets import resolve_model
 
 
+#: vLLM's own --gpu-memory-utilization default; a shard on a slice of a GPU gets its share of it
+VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
+
+
 class EngineBackendConfig(BaseModel):
     """One pipeline's engine settings, the same for all its shards."""
 

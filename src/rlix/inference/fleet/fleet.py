@@ -166,14 +166,15 @@ class ShardFleet:
     async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> list[int]:
         """Make each rank's process run on its GPUs, seeing only them: started if it has no
         process, restarted if its process sits on other GPUs (it is asleep: nothing in flight is
-        lost). A new process is INACTIVE and serves the weights on disk. Returns the ranks whose
-        process is new."""
+        lost). A move that changes nothing the process sees (another slice of the same GPU,
+        `cluster.gpu_slices`) keeps the process: a start costs ~15 s on a GPU. A new process is
+        INACTIVE and serves the weights on disk. Returns the ranks whose process is new."""
         async def one(rank: int) -> bool:
             want = tuple(int(g) for g in gpus_of[rank])
             info = self.shards.get(rank)
             if info is not None and info.gpus == want:
                 return False
-            if info is not None and not self.restart_on_move:
+            if info is not None and (not self.restart_on_move or self._sees_the_same(info.gpus, want)):
                 info.gpus = want
                 return False
             if info is not None:
@@ -182,12 +183,18 @@ class ShardFleet:
             self.shards[rank] = ShardInfo(rank, url, gpus=want)
             pid = self.launcher.pids().get(rank)
             self.placements.append({"rank": rank, "gpus": list(want), "pid": pid, "at": time.time(),
-                                    "visible_devices": env.process_visible_devices(pid) if pid else None})
+                                    "visible_devices": env.process_visible_devices(pid) if pid else None,
+                                    "memory_share": env.process_env(pid, env.GPU_MEMORY_SHARE_VAR) if pid else None})
             self.client.shard_urls[rank] = url
             await self.router.set_shard(rank, url, ShardState.INACTIVE.value)
             return True
         started = await self._each(sorted(int(r) for r in gpus_of), one)
         return [r for r, new in started.items() if new]
+
+    def _sees_the_same(self, old: Sequence[int], new: Sequence[int]) -> bool:
+        """A process placed on `old` would be started on `new` with the same environment."""
+        placement = getattr(self.launcher, "placement", None)
+        return placement is not None and bool(old) and placement(tuple(old)) == placement(tuple(new))
 
     async def kill(self, rank: int) -> None:
         """End one shard's process by its PID and forget it."""

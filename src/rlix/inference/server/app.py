@@ -26,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
                          WeightUpdateError)
+from rlix.devices import cap_process_memory
 from rlix.httpkit import MAX_BODY_BYTES, RequestGuard
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
@@ -361,9 +362,12 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
           served_model_name: str | None = None, dtype: str | None = None,
-          max_body: int = MAX_BODY_BYTES, record_generations: str | None = None) -> None:
-    """Load the embedded engine and serve it until interrupted (what `rlix serve` runs)."""
+          max_body: int = MAX_BODY_BYTES, record_generations: str | None = None,
+          memory_share: float = 1.0) -> None:
+    """Load the embedded engine and serve it until interrupted (what `rlix serve` runs).
+    `memory_share`: the fraction of the GPU's memory this server may allocate (a slice)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
+    cap_process_memory(device, memory_share)
     path = resolve_model(model)
     engine = TorchEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len)
