@@ -1,4 +1,5 @@
-"""`rlix` command line: run, sim, check, status, serve, router.
+"""`rlix` command line: run, sim, check, status, serve, router; and for a shared cluster up,
+submit, jobs, cancel, logs, down.
 
 Every error is printed as one line and exits 2 (Ctrl-C: 130); `--debug` shows the traceback
 instead.
@@ -56,20 +57,87 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import ray  # deferred: see _cmd_run
 
+    from rlix.cluster.commands import jobs_table, read_state  # deferred: see _cmd_run
+    from rlix.scheduler.core import gpu_roles  # deferred: see _cmd_run
     from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
 
-    address = args.address or env.ray_address() or "auto"
+    state = read_state()
+    address = args.address or env.ray_address() or (state["address"] if state else "auto")
     _reachable(address)
     try:
         ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
     except ConnectionError:
-        raise SchedulerError("no Ray cluster is running here (start one, or give --address "
-                             "host:port / RAY_ADDRESS)") from None
+        raise SchedulerError("no Ray cluster is running here (start one with `rlix up`, or give "
+                             "--address host:port / RAY_ADDRESS)") from None
     try:
         snap = ray.get(get_scheduler().snapshot.remote())
+        try:
+            from rlix.cluster.registry import get_registry  # deferred: see _cmd_run
+
+            rows = ray.get(get_registry().jobs.remote())
+        except ConfigError:  # a cluster of `rlix run`: no job registry
+            rows = None
     finally:
         ray.shutdown()
-    print(json.dumps(snap, indent=2, default=str))
+    if args.json:
+        print(json.dumps({"scheduler": snap, "jobs": rows}, indent=2, default=str))
+        return 0
+    roles = gpu_roles(snap)
+    gpus = sum(snap["ledger"]["nodes"]) if "ledger" in snap else len(roles)
+    print(f"rlix cluster at {address}: {gpus} GPU(s), {len(snap.get('pipelines', {}))} pipeline(s) registered")
+    for gpu in range(gpus):
+        print(f"  gpu {gpu}: {roles.get(gpu, 'idle')}")
+    if rows is not None:
+        for line in jobs_table(rows):
+            print(line)
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from rlix.cluster.commands import up  # deferred: see _cmd_run
+
+    up(num_gpus=args.num_gpus, num_cpus=args.num_cpus, gpu_slices=args.gpu_slices, quotas=args.quota,
+       default_quota=args.default_quota, address=args.address, dwell_s=args.dwell_s, aging_s=args.aging_s)
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from rlix.cluster.commands import down  # deferred: see _cmd_run
+
+    down()
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from rlix.cluster.commands import submit  # deferred: see _cmd_run
+
+    submit(args.config, name=args.name, user=args.user, resume=args.resume, address=args.address)
+    return 0
+
+
+def _cmd_jobs(args: argparse.Namespace) -> int:
+    from rlix.cluster.commands import jobs, jobs_table  # deferred: see _cmd_run
+
+    rows = jobs(args.address)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        for line in jobs_table(rows):
+            print(line)
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from rlix.cluster.commands import cancel  # deferred: see _cmd_run
+
+    row = cancel(args.name, wait_s=args.wait, address=args.address)
+    return 0 if row["state"] in ("cancelled", "done", "failed") else 1
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from rlix.cluster.commands import logs  # deferred: see _cmd_run
+
+    logs(args.name, follow=args.follow, address=args.address)
     return 0
 
 
@@ -155,9 +223,51 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="run config YAML")
     check.set_defaults(func=_cmd_check)
 
-    status = sub.add_parser("status", help="print the running scheduler's snapshot")
-    status.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or auto)")
+    status = sub.add_parser("status", help="who holds which GPU, and the jobs of a shared cluster")
+    status.add_argument("--address", default=None,
+                        help="Ray address (default: RAY_ADDRESS, else the `rlix up` cluster, else auto)")
+    status.add_argument("--json", action="store_true", help="the scheduler's whole snapshot and the jobs, as JSON")
     status.set_defaults(func=_cmd_status)
+
+    up = sub.add_parser("up", help="start a shared cluster: Ray, the scheduler and the job registry, left running")
+    up.add_argument("--num-gpus", type=int, default=None, help="GPUs of a local Ray cluster (fake ones on CPU)")
+    up.add_argument("--num-cpus", type=int, default=16, help="CPUs Ray may schedule on (default: 16)")
+    up.add_argument("--address", default=None, help="use this Ray cluster instead of starting one")
+    up.add_argument("--gpu-slices", type=int, default=1, help="schedule each GPU as this many (see cluster.gpu_slices)")
+    up.add_argument("--quota", action="append", default=[], metavar="USER=GPUS",
+                    help="the most GPUs a user's jobs may hold at once; repeat per user")
+    up.add_argument("--default-quota", type=int, default=None, help="the cap for users not named (default: none)")
+    up.add_argument("--dwell-s", type=float, default=30.0, help="scheduler: a woken shard is kept this long")
+    up.add_argument("--aging-s", type=float, default=60.0, help="scheduler: a request waiting this long goes first")
+    up.set_defaults(func=_cmd_up)
+
+    down = sub.add_parser("down", help="stop the shared cluster (its jobs are cancelled: checkpoints saved)")
+    down.set_defaults(func=_cmd_down)
+
+    submit = sub.add_parser("submit", help="add a config's pipelines to the shared cluster as one job")
+    submit.add_argument("config", help="run config YAML (its cluster section is ignored: the cluster is shared)")
+    submit.add_argument("--name", default=None, help="job name (default: the config file's name)")
+    submit.add_argument("--user", default=None, help="whose quota it counts against (default: RLIX_USER or USER)")
+    submit.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
+    submit.add_argument("--address", default=None, help="Ray address (default: the `rlix up` cluster)")
+    submit.set_defaults(func=_cmd_submit)
+
+    jobs = sub.add_parser("jobs", help="the jobs of the shared cluster, the queue and why each waits")
+    jobs.add_argument("--json", action="store_true")
+    jobs.add_argument("--address", default=None)
+    jobs.set_defaults(func=_cmd_jobs)
+
+    cancel = sub.add_parser("cancel", help="stop a job (by its name or a pipeline's); its GPUs go back")
+    cancel.add_argument("name")
+    cancel.add_argument("--wait", type=float, default=60.0, help="seconds to wait for it to end (default: 60)")
+    cancel.add_argument("--address", default=None)
+    cancel.set_defaults(func=_cmd_cancel)
+
+    logs = sub.add_parser("logs", help="print a job's log (its driver's output)")
+    logs.add_argument("name")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    logs.add_argument("--address", default=None)
+    logs.set_defaults(func=_cmd_logs)
 
     serve = sub.add_parser("serve", help="serve one model with the embedded engine (vLLM's HTTP API)")
     serve.add_argument("--model", required=True, help="model preset name or local checkpoint dir")
@@ -195,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    env.join_ray_with_token()  # before Ray is imported: it reads the mode once
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -26,6 +26,15 @@ def ray_address() -> str | None:
     return os.environ.get("RAY_ADDRESS") or None
 
 
+def join_ray_with_token() -> None:
+    """Before Ray is imported, in a process that may join a running cluster: Ray (2.60) secures
+    a cluster it starts with the token in ~/.ray/auth_token, but a process that joins one sends
+    it only when told to (`RAY_AUTH_MODE=token`, read once at import; processes we start inherit
+    it); an explicit RAY_AUTH_MODE is left as it is."""
+    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def is_ci() -> bool:
     """True under CI (`CI=true`), where progress bars and colours are turned off."""
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -38,6 +47,11 @@ def cache_dir() -> Path:
         return Path(value).expanduser()
     base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
     return Path(base).expanduser() / "rlix"
+
+
+def user() -> str:
+    """Who submits a job to a shared cluster (`RLIX_USER`, else `USER`, else "unknown")."""
+    return (os.environ.get("RLIX_USER") or os.environ.get("USER") or "unknown").strip() or "unknown"
 
 
 def api_key() -> str | None:

@@ -51,6 +51,15 @@ class RunLog:
 
 
 
+def prepare_run_dir(cfg: RlixConfig, config_path: str) -> Path:
+    run_dir = Path(cfg.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{config_path}: run_dir: cannot create {run_dir}: {exc.strerror}") from None
+    return run_dir
+
+
 def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         out: TextIO = sys.stdout) -> dict:
     """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json,
@@ -58,11 +67,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
     cfg: RlixConfig = load_config(config_path)
     preflight(cfg, config_path)  # before Ray: a bad file, task or verifier fails in a second
     mode = mode or env.control_plane(cfg.control_plane)
-    run_dir = Path(cfg.run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{config_path}: run_dir: cannot create {run_dir}: {exc.strerror}") from None
+    run_dir = prepare_run_dir(cfg, config_path)
     say = RunLog(run_dir / "run.log", out)
     if cfg.cluster.is_auto and env.ray_address() is None:
         raise ConfigError(f"{config_path}: cluster is auto but no Ray cluster to read GPUs from "
@@ -76,31 +81,48 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         else:  # a local cluster; on CPU its GPUs are fake (num_gpus): reserved and placed all the same
             ray.init(num_cpus=max(4, 2 * len(cfg.pipelines) + 2), num_gpus=physical, namespace="rlix",
                      include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    api_key = env.api_key() or secrets.token_urlsafe(24)
     gpus = topology_from_ray() if cfg.cluster.is_auto else cfg.cluster.physical_topology()
     reservation = GpuReservation.reserve(gpus, slices=cfg.cluster.gpu_slices)
     topology = gpus.sliced(cfg.cluster.gpu_slices)  # what the scheduler hands out
-    total = topology.num_gpus
     scheduler = None
-    supervisor: Supervisor | None = None
-    ending = "finished"
     try:
         devices = device_plan(cfg, reservation)
-        sliced = f" as {total} slices" if cfg.cluster.gpu_slices > 1 else ""
+        sliced = f" as {topology.num_gpus} slices" if cfg.cluster.gpu_slices > 1 else ""
         say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, {gpus.num_gpus} GPU(s)"
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda")
             ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
-        supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=api_key,
-                                devices=devices, scheduler=scheduler, say=say,
+        return follow(cfg, config_path, mode=mode, run_dir=run_dir, say=say, devices=devices,
+                      scheduler=scheduler, all_gpus=list(range(topology.num_gpus)), resume=resume,
+                      t_start=t_start, first_plan_held=scheduler is not None)
+    finally:
+        if scheduler is not None:
+            ray.kill(scheduler)
+        reservation.release()
+        say.close()
+
+
+def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
+           devices: DevicePlan, scheduler, all_gpus: list[int], resume: bool, t_start: float,
+           first_plan_held: bool = False, role_log_from: int = 0) -> dict:
+    """Start a config's pipelines against a scheduler (None: standalone), follow them to the
+    end, stop them, and write the summary whatever the ending. `first_plan_held`: the
+    scheduler plans nothing until every pipeline has registered (a run's own scheduler; never a
+    shared one). Raises PipelineFailedError when every pipeline failed."""
+    supervisor: Supervisor | None = None
+    ending = "finished"
+    try:
+        supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=env.api_key() or
+                                secrets.token_urlsafe(24), devices=devices, scheduler=scheduler, say=say,
                                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                 setup_timeout_s=cfg.setup_timeout_s,
-                                all_gpus=list(range(total)), resume=resume, vllm_python=cfg.vllm_python)
+                                all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
+                                role_log_from=role_log_from)
         supervisor.start_all()
         supervisor.wait_setup()
-        if scheduler is not None:
+        if first_plan_held:
             ray.get(scheduler.resume.remote())
         supervisor.drive()
     except KeyboardInterrupt:
@@ -118,12 +140,8 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
             if audit is not None and not audit["ok"]:
                 say(f"scheduler ledger at the end of the run: {audit['error']}")
         say(f"stopped in {time.perf_counter() - t_stop:.1f}s")
-        if scheduler is not None:
-            ray.kill(scheduler)
-        reservation.release()
         result = _write_summary(config_path, mode, run_dir, supervisor, ending,
                                 round(time.perf_counter() - t_start, 1), say)
-        say.close()
     failed = {n: s["error"] for n, s in result["pipelines"].items() if s.get("state") == "failed"}
     if failed and len(failed) == len(result["pipelines"]):
         raise PipelineFailedError("; ".join(f"{n}: {e}" for n, e in failed.items()))

@@ -1,0 +1,258 @@
+"""`rlix up | submit | jobs | cancel | logs | down`: a cluster that many people submit to.
+
+The cluster is found through its state file (`RLIX_CACHE_DIR/cluster/state.json`, written by
+the head process `rlix up` leaves running); `RAY_ADDRESS` or `--address` name a Ray cluster
+directly instead. Every command that reads or changes jobs is a short Ray driver that talks to
+the job registry by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from rlix import env
+from rlix.cluster.jobs import FINAL, Job, PipelineNeeds
+from rlix.cluster.registry import get_registry
+from rlix.config import load_config
+from rlix.config.preflight import preflight
+from rlix.errors import ConfigError
+
+#: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
+UP_TIMEOUT_S = 120.0
+#: how long `rlix down` waits for the head to stop its jobs and Ray
+DOWN_TIMEOUT_S = 150.0
+
+
+def cluster_dir() -> Path:
+    return env.cache_dir() / "cluster"
+
+
+def state_path() -> Path:
+    return cluster_dir() / "state.json"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return True
+
+
+def read_state() -> dict | None:
+    """The running head's state, or None (no file, or its head process is gone)."""
+    path = state_path()
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return state if _alive(int(state.get("pid", 0))) else None
+
+
+def cluster_address(address: str | None = None) -> str:
+    """Where the cluster's Ray is: --address, RAY_ADDRESS, else the head's state file."""
+    address = address or env.ray_address()
+    if address:
+        return address
+    state = read_state()
+    if state is None:
+        raise ConfigError("no rlix cluster is up (start one with `rlix up`, or give --address)")
+    return state["address"]
+
+
+def connect(address: str | None = None) -> str:
+    address = cluster_address(address)
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace="rlix", log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError) as exc:
+            raise ConfigError(f"no Ray cluster answers at {address} ({exc.__class__.__name__})") from None
+    return address
+
+
+# ---------------------------------------------------------------------- up / down
+def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str],
+       default_quota: int | None, address: str | None, dwell_s: float, aging_s: float,
+       out: Callable[[str], None] = print) -> dict:
+    """Start the head process (or say where the running one is); returns the cluster's state."""
+    state = read_state()
+    if state is not None:
+        out(f"rlix cluster already up at {state['address']} (head pid {state['pid']}): "
+            f"{state['gpus']} GPU(s)")
+        return state
+    if address is None and num_gpus is None:
+        raise ConfigError("rlix up: give --num-gpus N for a local cluster, or --address of a Ray cluster")
+    cluster_dir().mkdir(parents=True, exist_ok=True)
+    state_path().unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),
+           "--num-cpus", str(num_cpus), "--gpu-slices", str(gpu_slices),
+           "--dwell-s", str(dwell_s), "--aging-s", str(aging_s)]
+    cmd += ["--address", address] if address else ["--num-gpus", str(num_gpus)]
+    for q in quotas:
+        cmd += ["--quota", q]
+    if default_quota is not None:
+        cmd += ["--default-quota", str(default_quota)]
+    log = cluster_dir() / "head.log"
+    with log.open("ab") as fh:
+        head = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # it outlives this command: that is the point
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = read_state()
+        if state is not None:
+            out(f"rlix cluster up at {state['address']} (head pid {state['pid']}): {state['gpus']} GPU(s)"
+                f"{' as ' + str(state['scheduled_gpus']) + ' slices' if state['gpu_slices'] > 1 else ''}; "
+                f"log {log}")
+            return state
+        if head.poll() is not None:
+            raise ConfigError(f"rlix up: the head exited with code {head.returncode}: "
+                              f"{_last_line(log)}")
+        time.sleep(0.2)
+    head.kill()
+    raise ConfigError(f"rlix up: the head did not come up within {UP_TIMEOUT_S:g} s (log {log})")
+
+
+def down(out: Callable[[str], None] = print) -> None:
+    state = read_state()
+    if state is None:
+        state_path().unlink(missing_ok=True)
+        out("no rlix cluster is up")
+        return
+    pid = int(state["pid"])
+    os.kill(pid, signal.SIGTERM)  # the head cancels the jobs, waits for them, ends Ray
+    deadline = time.monotonic() + DOWN_TIMEOUT_S
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        raise ConfigError(f"rlix down: the head (pid {pid}) did not stop within {DOWN_TIMEOUT_S:g} s; killed it")
+    out(f"rlix cluster at {state['address']} is down")
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(empty log)"
+
+
+# ---------------------------------------------------------------------- jobs
+def job_from_config(config_path: str, name: str | None, user: str) -> Job:
+    cfg = load_config(config_path)
+    preflight(cfg, config_path)
+    return Job(name=name or Path(config_path).stem, user=user, config=str(Path(config_path).resolve()),
+               run_dir=str(Path(cfg.run_dir).resolve()),
+               pipelines=[PipelineNeeds(p.name, p.train_gpus, p.tp, p.min_shards, p.max_shards, p.partial_overlap)
+                          for p in cfg.pipelines])
+
+
+def submit(config_path: str, *, name: str | None = None, user: str | None = None, resume: bool = False,
+           address: str | None = None, out: Callable[[str], None] = print) -> dict:
+    """Queue a config's pipelines as one job and start its driver; returns the job's row."""
+    job = job_from_config(config_path, name, user or env.user())
+    address = connect(address)
+    registry = get_registry()
+    try:
+        row = ray.get(registry.submit.remote(job))
+    except ray.exceptions.RayTaskError as exc:
+        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
+    log = Path(job.run_dir) / "driver.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "rlix.cluster.driver", "--job", job.name, "--config", job.config,
+           "--address", address] + (["--resume"] if resume else [])
+    with log.open("ab") as fh:
+        subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)  # an independent Ray job: it outlives this shell
+    where = (f"queued, position {row['queue_position']}: {row['reason']}" if row["state"] == "queued"
+             else row["state"])
+    out(f"submitted job {job.name} (user {job.user}; pipelines {', '.join(p.name for p in job.pipelines)}): "
+        f"{where}; log: rlix logs {job.name}")
+    return row
+
+
+def jobs(address: str | None = None) -> list[dict]:
+    connect(address)
+    return ray.get(get_registry().jobs.remote())
+
+
+def jobs_table(rows: list[dict]) -> list[str]:
+    """What `rlix jobs` prints: one line per job, the queue's reasons under it."""
+    head = ("job", "user", "state", "pipelines", "min/max GPUs", "queue", "since")
+    table = [head]
+    now = time.time()
+    for r in rows:
+        since = r["ended_at"] or r["started_at"] or r["submitted_at"]
+        table.append((r["name"], r["user"], r["state"] + (" (cancelling)" if r["cancel_requested"]
+                                                          and r["state"] not in FINAL else ""),
+                      ",".join(r["pipelines"]), f"{r['minimum_gpus']}/{r['most_gpus']}",
+                      str(r["queue_position"] or "-"), f"{now - since:.0f}s"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    lines += [f"  {r['name']}: {r['reason']}" for r in rows if r["reason"]]
+    return lines
+
+
+def cancel(name: str, *, wait_s: float = 60.0, address: str | None = None,
+           out: Callable[[str], None] = print) -> dict:
+    """Cancel a job (by its name or a pipeline's); waits until it has ended, up to `wait_s`."""
+    connect(address)
+    registry = get_registry()
+    try:
+        row = ray.get(registry.cancel.remote(name))
+    except ray.exceptions.RayTaskError as exc:
+        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
+    deadline = time.monotonic() + wait_s
+    while row["state"] not in FINAL and time.monotonic() < deadline:
+        ray.get(registry.wait_change.remote(1.0))
+        row = ray.get(registry.job.remote(row["name"]))
+    if row["state"] not in FINAL:
+        out(f"job {row['name']}: cancel asked; still {row['state']} after {wait_s:g} s")
+    else:
+        out(f"job {row['name']}: {row['state']}{' (' + row['reason'] + ')' if row['reason'] else ''}")
+    return row
+
+
+def logs(name: str, *, follow: bool = False, address: str | None = None,
+         write: Callable[[str], None] = lambda s: print(s, end="", flush=True)) -> None:
+    """Print a job's driver log; with `follow`, keep printing until the job has ended."""
+    connect(address)
+    registry = get_registry()
+    try:
+        row = ray.get(registry.job.remote(name))
+    except ray.exceptions.RayTaskError as exc:
+        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
+    path = Path(row["run_dir"]) / "driver.log"
+    pos = 0
+    while True:
+        try:
+            with path.open("r", errors="replace") as fh:
+                fh.seek(pos)
+                chunk = fh.read()
+                pos = fh.tell()
+        except FileNotFoundError:
+            chunk = ""
+        if chunk:
+            write(chunk)
+        if not follow or ray.get(registry.job.remote(name))["state"] in FINAL:
+            if follow:  # what was written between the last read and the end
+                with path.open("r", errors="replace") as fh:
+                    fh.seek(pos)
+                    write(fh.read())
+            return
+        time.sleep(0.5)

@@ -1,0 +1,118 @@
+"""The head of a shared rlix cluster: the process `rlix up` leaves running.
+
+It starts a local Ray cluster (or joins one given by address), reserves its GPUs for rlix,
+starts the scheduler (detached, restarted by Ray when its worker dies) and the job registry, then
+writes the cluster's state file, which is how every later command finds the cluster. It lives
+until `rlix down` sends it SIGTERM: then it cancels the live jobs, waits for their drivers to
+stop them (each saves a checkpoint), and takes everything down, its Ray cluster included.
+
+    python -m rlix.cluster.head --state FILE [--num-gpus N] [--num-cpus N] [--gpu-slices K]
+                                [--quota USER=N ...] [--default-quota N] [--address ADDR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from rlix.cluster.jobs import Quotas
+from rlix.cluster.registry import ClusterInfo, start_registry
+from rlix.placement import GpuReservation
+from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.service import start_scheduler, topology_from_ray
+
+#: how long `rlix down` lets running jobs stop (checkpoint, leave) before ending the cluster
+DRAIN_TIMEOUT_S = 60.0
+
+
+def parse_quotas(items: list[str], default: int | None) -> Quotas:
+    users: dict[str, int] = {}
+    for item in items:
+        user, sep, value = item.partition("=")
+        if not sep or not user or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--quota {item!r}: give USER=GPUS with GPUS >= 1")
+        users[user] = int(value)
+    return Quotas(users, default)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rlix-head", description=__doc__.split("\n")[0])
+    ap.add_argument("--state", required=True, help="where to write the cluster's state (JSON)")
+    ap.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    ap.add_argument("--num-gpus", type=int, default=None, help="GPUs of the local Ray cluster (fake on CPU)")
+    ap.add_argument("--num-cpus", type=int, default=16)
+    ap.add_argument("--gpu-slices", type=int, default=1)
+    ap.add_argument("--quota", action="append", default=[])
+    ap.add_argument("--default-quota", type=int, default=None)
+    ap.add_argument("--dwell-s", type=float, default=30.0)
+    ap.add_argument("--aging-s", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    quotas = parse_quotas(args.quota, args.default_quota)
+    state = Path(args.state)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if args.address:
+        ray.init(address=args.address, namespace="rlix", log_to_driver=False, logging_level="ERROR")
+    else:
+        ray.init(num_cpus=args.num_cpus, num_gpus=args.num_gpus, namespace="rlix", include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR")
+    gpus = topology_from_ray()
+    reservation = GpuReservation.reserve(gpus, slices=args.gpu_slices)
+    topology = gpus.sliced(args.gpu_slices)
+    params = PlannerParams(dwell_s=args.dwell_s, aging_s=args.aging_s)
+    scheduler = start_scheduler(topology, params, detached=True, real_gpus=reservation.has_cuda)
+    address = ray.get_runtime_context().gcs_address
+    info = ClusterInfo(address=address, reservation=reservation, topology=topology,
+                       gpu_slices=args.gpu_slices, params=params, started_at=time.time())
+    registry = start_registry(info, quotas)
+    ray.get(registry.jobs.remote())  # up and answering
+    tmp = state.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "gpus": gpus.num_gpus,
+                               "scheduled_gpus": topology.num_gpus, "gpu_slices": args.gpu_slices,
+                               "cuda": reservation.has_cuda, "started_at": info.started_at,
+                               "quotas": {"users": quotas.users, "default": quotas.default}}))
+    tmp.replace(state)
+    print(f"rlix head: up at {address}, {gpus.num_gpus} GPU(s)"
+          f"{f' as {topology.num_gpus} slices' if args.gpu_slices > 1 else ''}", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+        print("rlix head: going down: cancelling live jobs", flush=True)
+        live = ray.get(registry.live_jobs.remote(), timeout=30)
+        for job in live:
+            ray.get(registry.cancel.remote(job["name"]), timeout=30)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline and ray.get(registry.live_jobs.remote(), timeout=30):
+            time.sleep(0.5)
+        left = ray.get(registry.live_jobs.remote(), timeout=30)
+        for job in left:  # a driver that did not stop in time is ended by its PID
+            if job.get("driver_pid"):
+                try:
+                    os.kill(job["driver_pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        ray.get(registry.forget.remote(), timeout=30)
+    finally:
+        for actor in (registry, scheduler):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - going down anyway
+                pass
+        reservation.release()
+        state.unlink(missing_ok=True)
+        ray.shutdown()
+        print("rlix head: down", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

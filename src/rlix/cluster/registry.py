@@ -1,0 +1,133 @@
+"""The job registry of a shared cluster: a named, detached Ray actor around `JobBook`.
+
+It also holds what every job's driver needs to join the cluster (its GPU reservation, the
+scheduler's view of the GPUs, the planner's knobs), so a driver started from any shell finds
+everything through Ray by name. Its book is saved to Ray's key-value store at every change and
+read back when Ray restarts the actor, so a crash of its worker loses no job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlix.cluster.jobs import FINAL, Job, JobBook, Quotas
+from rlix.errors import ConfigError
+from rlix.placement import GpuReservation
+from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.types import Topology
+
+REGISTRY_NAME = "rlix:jobs"
+NAMESPACE = "rlix"
+_KV_KEY = b"rlix:jobs:book"
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """What a driver needs to run pipelines on the shared cluster."""
+
+    address: str
+    reservation: GpuReservation
+    topology: Topology  # what the scheduler hands out (slices of the reserved GPUs)
+    gpu_slices: int
+    params: PlannerParams
+    started_at: float
+
+
+def _kv_put(value: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(_KV_KEY, value, overwrite=True)
+
+
+def _kv_get() -> bytes | None:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(_KV_KEY)
+
+
+def _kv_del() -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(_KV_KEY)
+
+
+@ray.remote(num_cpus=0)
+class JobRegistry:
+    """See module doc. Every method answers at once except `wait_change`."""
+
+    def __init__(self, info: ClusterInfo, quotas: Quotas) -> None:
+        self.info = info
+        saved = _kv_get() if ray.get_runtime_context().was_current_actor_reconstructed else None
+        self.book: JobBook = pickle.loads(saved) if saved else JobBook(info.topology.num_gpus, quotas)
+        self._changed = asyncio.Event()
+
+    def cluster_info(self) -> ClusterInfo:
+        return self.info
+
+    def submit(self, job: Job) -> dict:
+        return self._after(lambda: self.book.submit(job)).row()
+
+    def attach_driver(self, name: str, pid: int) -> dict:
+        """The job's driver process is up (its PID: `rlix down` ends it if it will not stop)."""
+        def change() -> Job:
+            job = self.book.get(name)
+            job.driver_pid = pid
+            return job
+        return self._after(change).row()
+
+    def set_state(self, name: str, state: str, reason: str = "") -> dict:
+        return self._after(lambda: self.book.set_state(name, state, reason)).row()
+
+    def cancel(self, name: str) -> dict:
+        return self._after(lambda: self.book.cancel(name)).row()
+
+    def job(self, name: str) -> dict:
+        row = self.book.find(name).row()
+        row["queue_position"] = self.book.position(row["name"])
+        return row
+
+    def jobs(self) -> list[dict]:
+        return self.book.rows()
+
+    def live_jobs(self) -> list[dict]:
+        return [j.row() for j in self.book.live()]
+
+    async def wait_change(self, timeout_s: float) -> None:
+        """Returns at the next change of the book, or after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
+    def forget(self) -> None:
+        """The cluster goes down: its saved book goes with it."""
+        _kv_del()
+
+    def _after(self, change):  # type: ignore[no-untyped-def]
+        result = change()
+        _kv_put(pickle.dumps(self.book))
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+        return result
+
+
+def start_registry(info: ClusterInfo, quotas: Quotas):  # type: ignore[no-untyped-def]
+    """The registry actor, detached and restarted by Ray when its worker dies."""
+    return JobRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, lifetime="detached",
+                               max_restarts=-1, max_task_retries=-1).remote(info, quotas)
+
+
+def get_registry() -> Any:
+    try:
+        return ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise ConfigError("no rlix cluster here: the Ray cluster has no job registry (start one with `rlix up`)") \
+            from None
+
+
+__all__ = ["FINAL", "REGISTRY_NAME", "ClusterInfo", "JobRegistry", "get_registry", "start_registry"]
