@@ -2,9 +2,10 @@
 
 A job is one submitted config (one or more pipelines) with its own driver process. Admission
 keeps two promises before a job's pipelines reach the scheduler:
-- its minimum fits: the GPUs every admitted pipeline needs to make progress at all (its floor of
-  shards, or its trainer, whichever is larger; both without partial overlap) add up to at most
-  the cluster's GPUs, so the scheduler can always give each a shard and a training turn;
+- its minimum fits: the GPUs the scheduler promises every admitted pipeline at all times (its
+  floor of `min_shards` x `tp`, at least one, plus its trainer's GPUs when its shards may not
+  sleep on them) add up to at most the cluster's GPUs; trainers with partial overlap take turns
+  on GPUs whose shards sleep meanwhile, so they need no GPUs of their own;
 - its user's cap: the most GPUs a user's admitted pipelines could hold at once (max shards x tp,
   plus the trainer's GPUs) stays within the user's quota, so no user can take the cluster.
 A job that breaks either waits in a first-come queue, with its position and the reason; the
@@ -37,9 +38,9 @@ class PipelineNeeds:
 
     @property
     def minimum(self) -> int:
-        """GPUs it cannot make progress without (its floor of shards and its trainer)."""
-        floor = self.min_shards * self.tp
-        return floor + self.train_gpus if not self.partial_overlap else max(floor, self.train_gpus)
+        """GPUs the scheduler promises it at all times (see module doc)."""
+        floor = max(1, self.min_shards) * self.tp
+        return floor + (0 if self.partial_overlap else self.train_gpus)
 
     @property
     def most(self) -> int:
