@@ -27,6 +27,11 @@ class UnknownPipelineError(SchedulerError):
     """The named pipeline is not registered with the scheduler."""
 
 
+class SchedulerStateError(SchedulerError):
+    """The scheduler's persisted state cannot be read back after a restart (unreadable, another
+    format or another cluster's); the restarted scheduler refuses calls rather than start empty."""
+
+
 class ScenarioError(ConfigError):
     """A simulator scenario file is invalid."""
 

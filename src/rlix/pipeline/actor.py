@@ -49,6 +49,9 @@ class PipelineActor:
     async def resize_inference(self, remove: list[int], add: dict[int, list[int]]) -> Any:
         return await self.runner.resize_inference(remove, add)
 
+    async def reassert_shards(self, shards: dict[int, list[int]], wake: bool = True) -> Any:
+        return await self.runner.reassert_shards(shards, wake)
+
     async def progress(self) -> dict:
         return self.runner.progress()
 

@@ -17,6 +17,10 @@ its sync call: one round trip from the trainer instead of a wake, then start, bu
 A shard whose process dies (`replace_dead`, polled by the pipeline) is forgotten; if the
 scheduler had it on GPUs, a new process is started there, synced to the latest version and
 routed to again, so the pipeline goes on. One that keeps dying fails the pipeline.
+
+A scheduler that restarted does not know which of its last resize calls got here; it calls
+`reassert(shards)` with what its ledger says, and the coordinator (once those calls are done)
+sleeps or wakes only the difference.
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ class ShardCoordinator:
         self.history: dict[int, list[int]] = {}  # rank -> every version it was synced to, in order
         self.stats = CoordinatorStats()
         self._lock = asyncio.Lock()  # resize and publish never interleave
+        self._resizing = 0  # resize calls in flight (a re-assertion waits for them)
+        self._no_resize = asyncio.Event()
+        self._no_resize.set()
 
     def _event(self, kind: str, ranks, version: int | None = None, seconds: float = 0.0) -> None:  # type: ignore[no-untyped-def]
         self.stats.events.append(ShardEvent(time.time(), kind, tuple(sorted(ranks)), version, seconds))
@@ -138,10 +145,36 @@ class ShardCoordinator:
     async def resize_inference(self, remove: list[int], add: Mapping[int, Any]) -> dict:
         """The scheduler's call: sleep `remove`, then wake + sync + activate `add`. A failed GPU
         hand-off (GpuMemoryError) ends the pipeline: it is kept in `failure` and raised."""
+        self._resizing += 1
+        self._no_resize.clear()
         try:
             return await self._resize(remove, add)
         except GpuMemoryError as exc:
             raise self._fail(exc) from None
+        finally:
+            self._resizing -= 1
+            if not self._resizing:
+                self._no_resize.set()
+
+    async def reassert(self, shards: Mapping[int, Any], wake: bool = True) -> dict:
+        """A restarted scheduler's call: the awake shards become `shards` (rank -> GPUs). The
+        calls of the scheduler's old instance may still be running here: they finish first.
+        Then every rank not named that is or may be awake (or was given GPUs) is put to sleep,
+        and with `wake` every rank named that is not already on those GPUs is woken there (one
+        that is, active or being replaced by `replace_dead`, is left alone). Repeating it
+        changes nothing."""
+        while not self._no_resize.is_set():
+            await self._no_resize.wait()
+        want = {int(r): tuple(int(g) for g in gpus or ()) for r, gpus in shards.items()}
+        add = {r: list(g) for r, g in want.items() if wake and self.assigned.get(r) != g}
+        awake = {r for r, info in self.fleet.shards.items() if info.active or info.asleep is not True}
+        remove = sorted((set(self.assigned) | awake) - set(want))
+        if not add and not remove:
+            return {"unchanged": sorted(want)}
+        log.warning("%s: the restarted scheduler re-asserts shards %s: sleep %s, wake %s",
+                    self.fleet.holder, sorted(want), remove, sorted(add))
+        out = await self.resize_inference(remove, add)
+        return {**out, "reasserted": {"remove": remove, "add": sorted(add)}}
 
     async def _resize(self, remove: list[int], add: Mapping[int, Any]) -> dict:
         place_first = self.placed and bool(add) and not remove

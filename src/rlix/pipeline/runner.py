@@ -400,6 +400,14 @@ class PipelineRunner:
             return {"skipped": "pipeline is shutting down"}
         return await self.coordinator.resize_inference(remove, add)
 
+    async def reassert_shards(self, shards: dict[int, list[int]], wake: bool = True) -> dict:
+        """A restarted scheduler's call (see ShardCoordinator.reassert); waits for setup like
+        `resize_inference`."""
+        await self.ready.wait()
+        if self.closing or self.coordinator is None:
+            return {"skipped": "pipeline is shutting down"}
+        return await self.coordinator.reassert(shards, wake)
+
     def memory_log(self) -> list[dict]:
         """Every GPU hand-off of this pipeline's holders, with the memory measured at it."""
         rows = list(self.loop.memory_log if self.loop else [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +30,9 @@ from rlix.scheduler.types import (
 )
 
 log = logging.getLogger("rlix.scheduler")
+
+#: how many departed pipelines the core remembers (what a repeated unregister answers)
+DEPARTED_KEPT = 16
 
 PlanFn = Callable[[Ledger, list[GpuRequest], dict[str, Progress], float, PlannerParams], Plan]
 
@@ -67,9 +70,15 @@ class SchedulerCore:
         # every GPU role/owner change, numbered, so a poller misses none (`rlix run`'s log)
         self.role_log: deque[dict] = deque(maxlen=log_size * 200)
         self._roles: dict[int, str] = {}
-        self._role_seq = 0
+        self.role_seq = 0  # number of the last role change (persisted: the numbering survives)
         self.last_error: str | None = None
-        self._next_id = 1
+        self.next_id = 1  # the next request's id (persisted: ids are never reused)
+        # pipeline -> its last release {"stage", "freed"}, until it requests again: what a release
+        # retried after a scheduler restart answers
+        self.last_release: dict[str, dict] = {}
+        # pipelines that left, newest last -> {"freed", "gpus" (its shards' last GPUs)}: what a
+        # repeated unregister answers, and where a leaving pipeline's sleeps may still be in flight
+        self.departed: OrderedDict[str, dict] = OrderedDict()
 
     # ------------------------------------------------------------------ pipelines
     def register(self, spec: PipelineSpec) -> None:
@@ -79,6 +88,7 @@ class SchedulerCore:
             self.ledger.register(spec)
         except LedgerError as exc:
             raise SchedulerError(str(exc)) from exc
+        self.departed.pop(spec.name, None)
         log.info("registered pipeline %s (priority=%d, train_gpus=%d, tp=%d, shards %d..%d)",
                  spec.name, spec.priority, spec.train_gpus, spec.tp, spec.min_shards,
                  spec.max_shards)
@@ -88,7 +98,14 @@ class SchedulerCore:
         self.require(name)
         shards = [ShardMove(name, rank, h.gpus)
                   for rank, h in sorted(self.ledger.shards_of(name).items())]
+        last_gpus = sorted({g for (p, _), gpus in self.ledger.last_shard_gpus.items() if p == name
+                            for g in gpus})
         freed = self.ledger.unregister(name)
+        self.departed.pop(name, None)
+        self.departed[name] = {"freed": list(freed), "gpus": last_gpus}
+        while len(self.departed) > DEPARTED_KEPT:
+            self.departed.popitem(last=False)
+        self.last_release.pop(name, None)
         self._note_roles()
         cancelled = [r for r in self.pending.values() if r.pipeline == name]
         for r in cancelled:
@@ -136,9 +153,10 @@ class SchedulerCore:
             # holds the first could block itself, and the waiting bound assumes it cannot.
             raise SchedulerError(f"{pipeline}: already holds GPUs for {held[0].name.lower()}; "
                                  f"release them before requesting {stage.name.lower()}")
-        request = GpuRequest(self._next_id, pipeline, stage, gpus, self.clock())
-        self._next_id += 1
+        request = GpuRequest(self.next_id, pipeline, stage, gpus, self.clock())
+        self.next_id += 1
         self.pending[request.id] = request
+        self.last_release.pop(pipeline, None)
         return request
 
     def cancel_request(self, request_id: int) -> GpuRequest | None:
@@ -154,6 +172,7 @@ class SchedulerCore:
             raise SchedulerError(f"{pipeline}: holds no GPUs for {stage.name.lower()}")
         freed = self.ledger.release(pipeline, stage)
         self._note_roles()
+        self.last_release[pipeline] = {"stage": stage.name.lower(), "freed": list(freed)}
         return freed
 
     def report_progress(self, progress: Progress) -> None:
@@ -216,10 +235,15 @@ class SchedulerCore:
         for gpu in sorted(set(roles) | set(self._roles)):
             before, after = self._roles.get(gpu, "idle"), roles.get(gpu, "idle")
             if before != after:
-                self._role_seq += 1
-                self.role_log.append({"seq": self._role_seq, "at": now, "gpu": gpu,
+                self.role_seq += 1
+                self.role_log.append({"seq": self.role_seq, "at": now, "gpu": gpu,
                                       "before": before, "after": after})
         self._roles = roles
+
+    def resync_roles(self) -> None:
+        """Take the ledger's current GPU roles as the ones already logged (after the ledger was
+        restored: the log holds every change up to it)."""
+        self._roles = gpu_roles(self.ledger.snapshot())
 
     def role_changes(self, since: int = 0) -> list[dict]:
         """GPU role changes numbered after `since`, oldest first (the last `maxlen` are kept)."""

@@ -26,6 +26,10 @@ log = logging.getLogger("rlix.scheduler")
 
 #: `resize_inference(remove, add)`: dp ranks to sleep; dp rank -> GPU ids to wake.
 ResizeFn = Callable[[list[int], dict[int, list[int]]], Awaitable[object]]
+#: `reassert_shards(shards, wake)`: after a scheduler restart, the pipeline's awake shards
+#: become these (dp rank -> GPU ids), whatever the old scheduler's calls did: the others are put
+#: to sleep, and with `wake` the missing ones woken; idempotent
+ReassertFn = Callable[[dict[int, list[int]], bool], Awaitable[object]]
 OnGrant = Callable[[Grant], None]
 OnError = Callable[[str, BaseException], None]
 
@@ -34,7 +38,7 @@ OnError = Callable[[str, BaseException], None]
 class Action:
     """One coordinator call (or one grant) in flight; kept for snapshots and tests."""
 
-    kind: str  # "shrink" | "expand" | "grant"
+    kind: str  # "shrink" | "expand" | "grant" | "reassert"
     pipeline: str
     gpus: tuple[int, ...]
     ranks: tuple[int, ...] = ()
@@ -54,6 +58,15 @@ def ray_resize(handle) -> ResizeFn:
         return await handle.resize_inference.remote(remove, add)
 
     return resize
+
+
+def ray_reassert(handle) -> ReassertFn:
+    """Adapt a coordinator's Ray actor handle to a `ReassertFn`."""
+
+    async def reassert(shards: dict[int, list[int]], wake: bool) -> object:
+        return await handle.reassert_shards.remote(shards, wake)
+
+    return reassert
 
 
 class PlanExecutor:
@@ -96,6 +109,17 @@ class PlanExecutor:
                 self._resize(pipeline, coordinators.get(pipeline), [], add, deps)))
         return started
 
+    def submit_call(self, kind: str, pipeline: str, gpus: Iterable[int], ranks: Iterable[int],
+                    call: Callable[[], Awaitable[object]], report: bool = True) -> asyncio.Task:
+        """One coordinator call outside a plan (after a restart: re-assert a pipeline's shards),
+        ordered like a plan's actions: it waits for earlier actions on these GPUs and ranks,
+        and later ones wait for it. `report` False: a failure is only logged (a pipeline that
+        has left may be gone)."""
+        gpus, ranks = tuple(sorted(set(gpus))), tuple(sorted(set(ranks)))
+        deps = self._deps([*gpus, *(_rank_key(pipeline, r) for r in ranks)])
+        return self._start(Action(kind, pipeline, gpus, ranks, len(deps)),
+                           self._run(pipeline, call, kind, deps, report))
+
     def _deps(self, resources: Iterable[object]) -> list[asyncio.Task]:
         out: dict[int, asyncio.Task] = {}
         for r in resources:
@@ -128,22 +152,29 @@ class PlanExecutor:
     # ------------------------------------------------------------------ actions
     async def _resize(self, pipeline: str, fn: ResizeFn | None, remove: list[int],
                       add: dict[int, list[int]], deps: list[asyncio.Task]) -> None:
-        if deps:
-            await asyncio.wait(deps)
         if fn is None:
+            if deps:
+                await asyncio.wait(deps)
             log.debug("skip resize of %s (no coordinator): remove=%s add=%s", pipeline, remove, add)
             return
+        await self._run(pipeline, lambda: fn(remove, add),
+                        f"resize_inference (remove={remove} add={add})", deps)
+
+    async def _run(self, pipeline: str, call: Callable[[], Awaitable[object]], what: str,
+                   deps: list[asyncio.Task], report: bool = True) -> None:
+        if deps:
+            await asyncio.wait(deps)
         try:
             if self.call_timeout_s is None:
-                await fn(remove, add)
+                await call()
             else:
-                await asyncio.wait_for(fn(remove, add), self.call_timeout_s)
+                await asyncio.wait_for(call(), self.call_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure is reported, never swallowed
-            log.warning("resize_inference of %s (remove=%s add=%s) failed: %r",
-                        pipeline, remove, add, exc)
-            self._report(pipeline, exc)
+            log.warning("%s of %s failed: %r", what, pipeline, exc)
+            if report:
+                self._report(pipeline, exc)
 
     async def _grant(self, grant: Grant, deps: list[asyncio.Task]) -> None:
         if deps:

@@ -5,30 +5,54 @@ a plan's `wake_at` passes, hands plans to the executor, and resolves the callers
 `request()`. `SchedulerService` is the thin Ray actor ("rlix:scheduler" in namespace "rlix")
 around it; it adds Ray handles and the coordinator liveness check. Plans are logged at INFO
 on the `rlix.scheduler` logger.
+
+Surviving its own death: the state is saved (rlix.scheduler.persistence) to Ray's GCS key-value
+store at every change, before any coordinator call or answer that depends on it goes out. Ray
+restarts the actor (max_restarts) and re-sends the calls that were in flight (max_task_retries);
+the new instance loads the state, re-asserts every pipeline's shards to its coordinator before
+anything new is handed out, and answers the re-sent calls as the old one would have.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections import deque
-from collections.abc import Callable
+import warnings
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.experimental import internal_kv
 
 from rlix import env
-from rlix.errors import SchedulerError, UnknownPipelineError
+from rlix.errors import SchedulerError, SchedulerStateError, UnknownPipelineError
 from rlix.scheduler.core import PlanFn, SchedulerCore, parse_stage
-from rlix.scheduler.executor import PlanExecutor, ResizeFn, ray_resize
+from rlix.scheduler.executor import PlanExecutor, ReassertFn, ResizeFn, ray_reassert, ray_resize
+from rlix.scheduler.persistence import SchedulerPersistence, ServiceState
 from rlix.scheduler.planner import PlannerParams
-from rlix.scheduler.types import Grant, PipelineSpec, Plan, Progress, Stage, Topology
+from rlix.scheduler.types import (
+    GpuRequest,
+    Grant,
+    Holding,
+    PipelineSpec,
+    Plan,
+    Progress,
+    Stage,
+    Topology,
+)
 
 log = logging.getLogger("rlix.scheduler")
 
 ACTOR_NAME = "rlix:scheduler"
 NAMESPACE = "rlix"
+#: the scheduler's keys in Ray's GCS key-value store (namespace NAMESPACE); a fresh scheduler
+#: deletes everything under it, a restarted one reads its own actor id's part
+STATE_PREFIX = "rlix:scheduler:state:"
+#: handles kept of pipelines that left (their last sleeps may be in flight at a restart)
+DEPARTED_HANDLES_KEPT = 16
 
 
 class AsyncScheduler:
@@ -40,8 +64,10 @@ class AsyncScheduler:
                  clock: Callable[[], float] = time.monotonic, plan_fn: PlanFn | None = None,
                  is_fatal: Callable[[BaseException], bool] = lambda exc: False,
                  call_timeout_s: float | None = None, min_timer_s: float = 0.05,
-                 real_gpus: bool = False) -> None:
+                 real_gpus: bool = False, persistence: SchedulerPersistence | None = None) -> None:
         self.core = SchedulerCore(topology, params, clock=clock, plan_fn=plan_fn)
+        # saved at every change (`_save`); None: the state lives in this process only
+        self.persistence = persistence
         # real GPUs: a GPU is handed on only once its holder's memory is free, so a pipeline
         # whose shards can only pause (spec.frees_memory False) cannot share them
         self.real_gpus = real_gpus
@@ -55,6 +81,85 @@ class AsyncScheduler:
         self.holding = False
         self.failures: deque[dict] = deque(maxlen=20)
         self.errors: deque[dict] = deque(maxlen=20)
+        self.restarts = 0  # how often this scheduler's state was restored
+        # after a restore only: what calls re-sent by Ray (their answer was lost with the old
+        # instance) attach to or are answered with; each is used once
+        self._recovered_ids: set[int] = set()  # requests pending or granted before the restart
+        self._retry_releases: dict[str, dict] = {}  # pipeline -> its last release
+        self._retry_unregisters: dict[str, list[int]] = {}  # departed pipeline -> its freed GPUs
+
+    # ------------------------------------------------------------------ persistence
+    def _save(self) -> None:
+        """Persist the state now (called at the end of every change, before any await, so no
+        caller or coordinator ever acts on a state that a restart could lose)."""
+        if self.persistence is None:
+            return
+        try:
+            self.persistence.save(self.core, ServiceState(self.holding, list(self.failures),
+                                                          list(self.errors), self.restarts))
+        except Exception as exc:  # noqa: BLE001 - the store's failure must not fail the call
+            log.exception("could not save the scheduler's state")
+            self.errors.append({"what": "save state", "error": repr(exc)[:500], "at": self.core.clock()})
+
+    def restore(self) -> bool:
+        """Load the persisted state into this (fresh) scheduler; False if none is stored.
+        Coordinators are attached (`attach`) and re-asserted (`reconcile`) by the caller."""
+        if self.persistence is None:
+            return False
+        state = self.persistence.load(self.core)
+        if state is None:
+            return False
+        self.holding = state.holding
+        self.failures.extend(state.failures)
+        self.errors.extend(state.errors)
+        self.restarts = state.restarts + 1
+        self._recovered_ids = set(self.core.pending) | {
+            h.request_id for h in self.core.ledger.holdings.values() if h.request_id is not None}
+        self._retry_releases = {n: dict(r) for n, r in self.core.last_release.items()}
+        self._retry_unregisters = {n: list(d["freed"]) for n, d in self.core.departed.items()}
+        self._save()
+        return True
+
+    def attach(self, name: str, resize: ResizeFn) -> None:
+        """The coordinator of a restored pipeline."""
+        self.core.require(name)
+        self._coordinators[name] = resize
+
+    def reconcile(self, reasserts: Mapping[str, ReassertFn],
+                  departed: Mapping[str, ReassertFn] | None = None) -> None:
+        """After a restore, before anything new is handed out: each pipeline's coordinator is
+        told which of its shards the ledger has awake (the old instance's last calls may or may
+        not have reached it), in two rounds: first every shard the ledger does not have awake is
+        put to sleep, then the ones it has are woken where they are not. A wake waits for the
+        sleeps on its GPUs, and every action planned from here on for the re-assertions on its
+        GPUs and ranks, so no GPU gets a second awake holder. Pipelines that left just before
+        the restart (`departed`) are told to keep nothing awake. A pipeline without a
+        coordinator here cannot be told anything: it is failed. Then the first plan."""
+        ledger = self.core.ledger
+        rounds: list[tuple[str, set[int], range, ReassertFn, dict[int, list[int]]]] = []
+        for name, spec in self.core.pipelines.items():
+            fn = reasserts.get(name)
+            if fn is None:
+                continue
+            shards = {rank: list(gpus) for rank, gpus in self.core.shard_gpus(name).items()}
+            gpus = set(ledger.gpus_of(name)) | {g for (p, _), gs in ledger.last_shard_gpus.items()
+                                                if p == name for g in gs}
+            rounds.append((name, gpus, range(spec.max_shards), fn, shards))
+            self.executor.submit_call("reassert", name, gpus, range(spec.max_shards),
+                                      lambda fn=fn, shards=shards: fn(shards, False))
+        for name, fn in (departed or {}).items():
+            info = self.core.departed.get(name)
+            if info is None or name in self.core.pipelines:
+                continue
+            self.executor.submit_call("reassert", name, {*info["gpus"], *info["freed"]}, (),
+                                      lambda fn=fn: fn({}, False), report=False)
+        for name, gpus, ranks, fn, shards in rounds:
+            if shards:
+                self.executor.submit_call("reassert", name, gpus, ranks,
+                                          lambda fn=fn, shards=shards: fn(shards, True))
+        for name in [n for n in self.core.pipelines if n not in reasserts]:
+            self.pipeline_failed(name, "its coordinator was not restored after the scheduler's restart")
+        self._replan("recovered")
 
     # ------------------------------------------------------------------ calls
     def register(self, spec: PipelineSpec, resize: ResizeFn) -> list[int]:
@@ -67,12 +172,16 @@ class AsyncScheduler:
             log.info("pipeline %s: its preempted shards pause and keep their memory (fake GPUs: "
                      "nothing to hand over)", spec.name)
         self.core.register(spec)
+        self._retry_unregisters.pop(spec.name, None)
         self._coordinators[spec.name] = resize
         self._replan(f"register {spec.name}")
         return sorted(self.core.ledger.train_home.get(spec.name, ()))
 
     def unregister(self, name: str) -> list[int]:
-        """A live pipeline leaves: its shards are put to sleep before others get its GPUs."""
+        """A live pipeline leaves: its shards are put to sleep before others get its GPUs. Its
+        unregister re-sent after a restart (the old instance had done it) gets the same answer."""
+        if name not in self.core.pipelines and name in self._retry_unregisters:
+            return self._retry_unregisters.pop(name)
         gone = self.core.unregister(name)
         resize = self._coordinators.pop(name, None)
         if gone.shards and resize is not None:
@@ -103,8 +212,17 @@ class AsyncScheduler:
         if progress is not None:
             self.core.report_progress(progress)
         if stage is Stage.ROLLOUT:
+            self._save()
             return await self._await_rollout(pipeline)
-        req = self.core.submit_request(pipeline, stage, gpus)
+        self._retry_releases.pop(pipeline, None)
+        recovered = self._recovered(pipeline, stage, gpus)
+        if isinstance(recovered, Holding):
+            return await self._grant_again(recovered)
+        try:
+            req = recovered or self.core.submit_request(pipeline, stage, gpus)
+        except SchedulerError:
+            self._save()  # the progress that came with it
+            raise
         fut = asyncio.get_running_loop().create_future()
         self._waiters[req.id] = (pipeline, fut)
         self._replan(f"request {pipeline}/{stage.name.lower()} x{gpus}")
@@ -119,11 +237,25 @@ class AsyncScheduler:
     def release(self, pipeline: str, stage: Stage | str | int, progress: Progress | None = None
                 ) -> list[int]:
         """Free a stage's GPUs; `progress` (the pipeline's new demand) is applied first, so the
-        one re-plan that follows sees both."""
+        one re-plan that follows sees both. A release re-sent after a restart (the old instance
+        had done it) gets the same answer instead of "holds no GPUs"."""
         if progress is not None:
             self.core.report_progress(progress)
-        freed = self.core.release(pipeline, stage)
-        self._replan(f"release {pipeline}/{parse_stage(stage).name.lower()}")
+        stage = parse_stage(stage)
+        retry = self._retry_releases.pop(pipeline, None)
+        if (retry is not None and retry["stage"] == stage.name.lower()
+                and pipeline in self.core.pipelines
+                and self.core.ledger.stage_holding(pipeline, stage) is None):
+            log.info("release of %s/%s came again after the restart: already done", pipeline,
+                     retry["stage"])
+            self._replan(f"progress {pipeline}")
+            return list(retry["freed"])
+        try:
+            freed = self.core.release(pipeline, stage)
+        except SchedulerError:
+            self._save()
+            raise
+        self._replan(f"release {pipeline}/{stage.name.lower()}")
         return freed
 
     def report_progress(self, progress: Progress) -> None:
@@ -140,6 +272,7 @@ class AsyncScheduler:
         snap["failures"] = list(self.failures)
         snap["errors"] = list(self.errors)
         snap["timer_armed"] = self._timer is not None and not self._timer.done()
+        snap["restarts"] = self.restarts
         # pipelines whose preempted shards keep their memory (pause, no sleep)
         snap["pause_only"] = sorted(n for n, spec in self.core.pipelines.items() if not spec.frees_memory)
         return snap
@@ -161,12 +294,21 @@ class AsyncScheduler:
         (placed shards start where that plan puts them; a plan per registration would start one
         pipeline's shards only to move them for the next)."""
         self.holding = True
+        self._save()
 
     def resume(self) -> None:
         self.holding = False
         self._replan("resume")
 
     def _replan(self, reason: str) -> None:
+        """Plan, persist, then start the plan's calls (they run only after this returns, so
+        the state they act on is saved first)."""
+        try:
+            self._plan(reason)
+        finally:
+            self._save()
+
+    def _plan(self, reason: str) -> None:
         if self.holding:
             return
         try:
@@ -220,6 +362,46 @@ class AsyncScheduler:
                 fut.set_exception(SchedulerError(message))
         self._notify()  # rollout waiters re-check and find the pipeline gone
 
+    def _recovered(self, pipeline: str, stage: Stage, gpus: int) -> GpuRequest | Holding | None:
+        """A request re-sent after a restart: the same request, still pending (the caller waits
+        for it again), or its holding if it was granted before the restart (`_grant_again`);
+        None for a new request."""
+        if not self._recovered_ids or pipeline not in self.core.pipelines:
+            return None
+        self._recovered_ids &= set(self.core.pending) | {
+            h.request_id for h in self.core.ledger.holdings.values() if h.request_id is not None}
+        for rid in sorted(self._recovered_ids):
+            req = self.core.pending.get(rid)
+            if req is not None and (req.pipeline, req.stage, req.gpus) == (pipeline, stage, gpus):
+                self._recovered_ids.discard(rid)
+                log.info("request %d of %s/%s came again after the restart: waiting for it again",
+                         rid, pipeline, stage.name.lower())
+                return req
+        held = self.core.ledger.stage_holding(pipeline, stage)
+        if held is not None and held.request_id in self._recovered_ids and len(held.gpus) == gpus:
+            self._recovered_ids.discard(held.request_id)
+            return held
+        return None
+
+    async def _grant_again(self, held: Holding) -> list[int]:
+        """A grant made before the restart, asked for again: its GPUs once every call on them
+        (the re-assertions of their former holders) has finished, as a first grant would be."""
+        pipeline, stage, rid = held.pipeline, held.stage, held.request_id
+        log.info("request %s of %s/%s came again after the restart: it was granted GPUs %s",
+                 rid, pipeline, stage.name.lower(), list(held.gpus))
+        try:
+            await self.executor.settled(held.gpus)
+        except asyncio.CancelledError:
+            if rid is not None:
+                self._abandon(rid, pipeline, stage)
+            raise
+        self._require(pipeline)
+        now = self.core.ledger.stage_holding(pipeline, stage)
+        if now is None or now.request_id != rid:
+            raise SchedulerError(f"{pipeline}: its {stage.name.lower()} GPUs granted before the "
+                                 f"scheduler's restart were taken back meanwhile")
+        return list(now.gpus)
+
     def _abandon(self, request_id: int, pipeline: str, stage: Stage) -> None:
         """The caller stopped waiting: drop the request, or give back what it was granted."""
         if self.core.cancel_request(request_id) is not None:
@@ -255,9 +437,30 @@ def _is_dead(exc: BaseException) -> bool:
     return isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError)
 
 
+class RayKVStore:
+    """Ray's GCS key-value store as a `StateStore`: it lives as long as the Ray cluster, not the
+    scheduler's worker process."""
+
+    def __init__(self, namespace: str = NAMESPACE) -> None:
+        self.namespace = namespace
+
+    def get(self, key: str) -> bytes | None:
+        return internal_kv._internal_kv_get(key, namespace=self.namespace)
+
+    def put(self, key: str, value: bytes) -> None:
+        internal_kv._internal_kv_put(key, value, overwrite=True, namespace=self.namespace)
+
+    def delete(self, key: str) -> None:
+        internal_kv._internal_kv_del(key, namespace=self.namespace)
+
+    def delete_prefix(self, prefix: str) -> None:
+        internal_kv._internal_kv_del(prefix, del_by_prefix=True, namespace=self.namespace)
+
+
 @ray.remote(num_cpus=0)
 class SchedulerService:
-    """The Ray face of `AsyncScheduler`. Start it with `start_scheduler`."""
+    """The Ray face of `AsyncScheduler`. Start it with `start_scheduler` (which has Ray restart
+    it if its worker dies; a restarted instance carries on from the persisted state)."""
 
     def __init__(self, topology: Topology, params: PlannerParams | None = None,
                  liveness_interval_s: float = 2.0, ping_timeout_s: float = 3.0,
@@ -268,68 +471,171 @@ class SchedulerService:
             log.addHandler(handler)
             log.setLevel(logging.INFO)
             log.propagate = False  # one line per event even if Ray configured the root logger
+        ctx = ray.get_runtime_context()
+        with warnings.catch_warnings():  # Ray's own use of a deprecated property inside it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reconstructed = ctx.was_current_actor_reconstructed
+        store = RayKVStore()
+        self._persistence = SchedulerPersistence(store, f"{STATE_PREFIX}{ctx.get_actor_id()}:")
         self._sched = AsyncScheduler(topology, params, is_fatal=_is_dead,
-                                     call_timeout_s=call_timeout_s, real_gpus=real_gpus)
+                                     call_timeout_s=call_timeout_s, real_gpus=real_gpus,
+                                     persistence=self._persistence)
         self._handles: dict[str, object] = {}
+        # pipelines that left, newest last: after a restart they are told to keep nothing awake
+        self._departed: OrderedDict[str, object] = OrderedDict()
         self._liveness_interval_s = liveness_interval_s
         self._ping_timeout_s = ping_timeout_s
         self._liveness: asyncio.Task | None = None
+        self._broken: str | None = None  # a restart whose state could not be read
+        self._to_reconcile = False
+        if reconstructed:
+            self._recover()
+        else:
+            store.delete_prefix(STATE_PREFIX)  # a scheduler that died for good left its state
+
+    # ------------------------------------------------------------------ restart
+    def _recover(self) -> None:
+        """Ray restarted this actor: load the state and the coordinators' handles. The
+        coordinators are re-asserted by the first call (`_start`: it needs the event loop)."""
+        try:
+            restored = self._sched.restore()
+            handles = self._load_handles()
+        except SchedulerStateError as exc:
+            self._broken = str(exc)
+            log.error("scheduler restarted but cannot go on: %s", exc)
+            return
+        if not restored:
+            log.warning("scheduler restarted with no saved state (it had none yet): starting empty")
+            return
+        core = self._sched.core
+        self._handles = {n: h for n, h in handles.get("registered", {}).items() if n in core.pipelines}
+        self._departed = OrderedDict((n, h) for n, h in handles.get("departed", {}).items()
+                                     if n in core.departed and n not in core.pipelines)
+        for name, handle in self._handles.items():
+            self._sched.attach(name, ray_resize(handle))
+        self._to_reconcile = True
+        log.warning("scheduler restarted (restart %d): %d pipeline(s), %d holding(s), %d pending "
+                    "request(s), %d role change(s) restored", self._sched.restarts,
+                    len(core.pipelines), len(core.ledger.holdings), len(core.pending), core.role_seq)
+
+    def _load_handles(self) -> dict:
+        blob = self._persistence.get_blob("handles")
+        if blob is None:
+            return {}
+        try:
+            return ray.cloudpickle.loads(blob)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same
+            raise SchedulerStateError(f"the scheduler's saved coordinator handles are unreadable: "
+                                      f"{type(exc).__name__}: {exc}") from None
+
+    def _save_handles(self, extra: Mapping[str, object] | None = None) -> None:
+        """The coordinators' handles (a handle pickles to its actor id; it works in the
+        restarted process), saved before the state that names their pipelines."""
+        registered = {**self._handles, **(extra or {})}
+        self._persistence.put_blob("handles", ray.cloudpickle.dumps(
+            {"registered": registered, "departed": dict(self._departed)}))
 
     def _start(self) -> None:
+        """Every call starts here: a broken restart refuses it; the first call after a restart
+        re-asserts the coordinators before its own work; the liveness check runs."""
+        if self._broken is not None:
+            raise SchedulerStateError(self._broken)
+        if self._to_reconcile:
+            self._to_reconcile = False
+            self._sched.reconcile({n: ray_reassert(h) for n, h in self._handles.items()},
+                                  {n: ray_reassert(h) for n, h in self._departed.items()})
         if self._liveness is None or self._liveness.done():
             self._liveness = asyncio.get_running_loop().create_task(self._check_liveness())
 
+    # ------------------------------------------------------------------ calls
     async def ping(self) -> dict:
         self._start()
         return {"gpus_per_node": list(self._sched.core.ledger.topology.gpus_per_node)}
 
+    async def pid(self) -> int:
+        """The worker process's PID (what a fault test kills)."""
+        return os.getpid()
+
     async def register(self, spec: PipelineSpec, coordinator) -> list[int]:
-        """Returns the pipeline's training home (where a bound trainer is placed)."""
+        """Returns the pipeline's training home (where a bound trainer is placed). The same
+        registration again (same spec, same coordinator actor: a call re-sent after a restart)
+        gets the same answer."""
         self._start()
         if not isinstance(coordinator, ray.actor.ActorHandle):
             raise SchedulerError(f"register {getattr(spec, 'name', spec)!r}: coordinator must be "
                                  f"a Ray actor handle, got {type(coordinator).__name__}")
-        home = self._sched.register(spec, ray_resize(coordinator))
+        core = self._sched.core
+        known = self._handles.get(getattr(spec, "name", None))
+        if (known is not None and core.pipelines.get(spec.name) == spec
+                and known._actor_id == coordinator._actor_id):
+            return sorted(core.ledger.train_home.get(spec.name, ()))
+        self._save_handles(extra={spec.name: coordinator})
+        try:
+            home = self._sched.register(spec, ray_resize(coordinator))
+        except BaseException:
+            self._save_handles()
+            raise
         self._handles[spec.name] = coordinator
+        self._departed.pop(spec.name, None)
         return home
 
     async def unregister(self, name: str) -> list[int]:
-        self._handles.pop(name, None)
+        self._start()
+        handle = self._handles.pop(name, None)
+        if handle is not None:
+            self._departed[name] = handle
+            while len(self._departed) > DEPARTED_HANDLES_KEPT:
+                self._departed.popitem(last=False)
+            self._save_handles()
         return self._sched.unregister(name)
 
     async def pipeline_failed(self, name: str, reason: str) -> None:
         """The run found this pipeline dead or hung: drop it without calling it; its GPUs go
         back to the pool now (not at the next liveness round)."""
-        self._handles.pop(name, None)
+        self._start()
+        self._drop_handle(name)
         self._sched.pipeline_failed(name, reason)
+
+    def _drop_handle(self, name: str) -> None:
+        if self._handles.pop(name, None) is not None or self._departed.pop(name, None) is not None:
+            self._save_handles()
 
     async def request(self, pipeline: str, stage: Stage | str | int, gpus: int = 0,
                       progress: Progress | None = None) -> list[int]:
+        self._start()
         return await self._sched.request(pipeline, stage, gpus, progress)
 
     async def release(self, pipeline: str, stage: Stage | str | int,
                       progress: Progress | None = None) -> list[int]:
+        self._start()
         return self._sched.release(pipeline, stage, progress)
 
     async def report_progress(self, progress: Progress) -> None:
+        self._start()
         self._sched.report_progress(progress)
 
     async def hold(self) -> None:
+        self._start()
         self._sched.hold()
 
     async def resume(self) -> None:
+        self._start()
         self._sched.resume()
 
     async def role_changes(self, since: int = 0) -> list[dict]:
-        """Every GPU role/owner change numbered after `since` (what `rlix run` logs)."""
+        """Every GPU role/owner change numbered after `since` (what `rlix run` logs); the
+        numbering goes on across a restart."""
+        self._start()
         return self._sched.role_changes(since)
 
     async def snapshot(self) -> dict:
+        self._start()
         return self._sched.snapshot()
 
     async def audit(self) -> dict:
         """The ledger's invariants checked now, and who holds what (after a failure, the run
         records that the dead pipeline holds nothing)."""
+        self._start()
         ledger = self._sched.core.ledger
         try:
             ledger.check_invariants()
@@ -338,9 +644,10 @@ class SchedulerService:
             error = f"{type(exc).__name__}: {exc}"
         holders = sorted({h.pipeline for h in ledger.holdings.values()})
         return {"ok": error is None, "error": error, "pipelines": sorted(self._sched.core.pipelines),
-                "holders": holders}
+                "holders": holders, "restarts": self._sched.restarts}
 
     async def settle(self) -> None:
+        self._start()
         await self._sched.settle()
 
     async def _check_liveness(self) -> None:
@@ -355,7 +662,7 @@ class SchedulerService:
                 results = await asyncio.gather(*(self._ping(h) for h in handles.values()))
                 for (name, handle), dead in zip(handles.items(), results):
                     if dead is not None and self._handles.get(name) is handle:
-                        del self._handles[name]
+                        self._drop_handle(name)
                         self._sched.pipeline_failed(name, dead)
             except Exception:  # noqa: BLE001 - keep checking whatever one round hit
                 log.exception("liveness check failed")
@@ -403,7 +710,10 @@ def start_scheduler(topology: Topology | str | None = None, params: PlannerParam
         topology = topology_from_ray()
     if not isinstance(topology, Topology):
         raise SchedulerError(f"topology must be a Topology or 'auto', got {topology!r}")
-    options: dict = {"name": ACTOR_NAME, "namespace": NAMESPACE, "get_if_exists": True}
+    # Ray restarts it if its worker dies and re-sends the calls that were in flight; the new
+    # instance carries on from the state saved at every change (see the module doc)
+    options: dict = {"name": ACTOR_NAME, "namespace": NAMESPACE, "get_if_exists": True,
+                     "max_restarts": -1, "max_task_retries": -1}
     if detached:
         options["lifetime"] = "detached"
     handle = SchedulerService.options(**options).remote(

@@ -1,0 +1,116 @@
+"""ShardCoordinator.reassert, what a restarted scheduler calls: the awake shards become what its
+ledger says, once the old scheduler's calls still running here are done; repeating it changes
+nothing. A fake fleet records what the coordinator asks of it (no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlix.inference.fleet.fleet import ShardInfo
+from rlix.pipeline.coordinator import ShardCoordinator
+
+
+class FakeFleet:
+    """What the coordinator uses of a ShardFleet; `place_gate` holds process starts."""
+
+    supports_sleep = True
+    sleep_level = 1
+    release_timeout_s = None
+    holder = "pipeline-x"
+
+    def __init__(self) -> None:
+        self.shards: dict[int, ShardInfo] = {}
+        self.calls: list[tuple] = []
+        self.place_gate = asyncio.Event()
+        self.place_gate.set()
+
+    async def start(self, ranks, active=False):
+        for r in ranks:
+            self.shards[r] = ShardInfo(r, f"http://shard-{r}", asleep=False, active=active)
+
+    async def place(self, gpus_of):
+        self.calls.append(("place", {int(r): tuple(g) for r, g in gpus_of.items()}))
+        await self.place_gate.wait()
+        new = [r for r in gpus_of if r not in self.shards]
+        for r, gpus in gpus_of.items():
+            info = self.shards.setdefault(r, ShardInfo(r, f"http://shard-{r}"))
+            info.gpus = tuple(gpus)
+        return new
+
+    async def sleep_partial(self, ranks, level=None):
+        self.calls.append(("sleep", sorted(ranks)))
+        for r in ranks:
+            self.shards[r].asleep, self.shards[r].active = True, False
+        return {r: {} for r in ranks}
+
+    async def wake_up_partial(self, ranks, tags=None):
+        self.calls.append(("wake", sorted(ranks)))
+        for r in ranks:
+            self.shards[r].asleep = False
+
+    async def activate(self, ranks):
+        for r in ranks:
+            self.shards[r].active = True
+
+    async def dead_ranks(self):
+        return []
+
+    def active_ranks(self):
+        return sorted(r for r, s in self.shards.items() if s.active)
+
+    def asleep_ranks(self, ranks):
+        return [r for r in ranks if self.shards[r].asleep is not False]
+
+    def note_woken(self, ranks, woken=True):
+        for r in ranks:
+            self.shards[r].asleep = False if woken else None
+
+
+async def no_sync(version, urls, wake):  # every shard serves the latest version already
+    raise AssertionError("no sync expected")
+
+
+def test_reassert_sleeps_and_wakes_only_the_difference_and_repeats_change_nothing():
+    async def main() -> None:
+        fleet = FakeFleet()
+        coord = ShardCoordinator(fleet, no_sync)  # type: ignore[arg-type]
+        await coord.start([0, 1, 2], version=0)
+        await fleet.sleep_partial([0, 1, 2])
+        await coord.resize_inference([], {0: [0]})
+        fleet.calls.clear()
+
+        assert await coord.reassert({0: [0]}) == {"unchanged": [0]}
+        assert fleet.calls == [] and fleet.active_ranks() == [0]
+        await coord.reassert({1: [1]}, wake=False)  # first round: only the sleeps
+        assert fleet.calls == [("sleep", [0])] and fleet.active_ranks() == []
+        await coord.reassert({1: [1]})
+        assert fleet.calls[1:] == [("wake", [1])] and fleet.active_ranks() == [1]
+        assert coord.assigned == {1: (1,)}
+        n = len(fleet.calls)
+        assert await coord.reassert({1: [1]}) == {"unchanged": [1]} and len(fleet.calls) == n
+        await coord.reassert({})
+        assert fleet.calls[n:] == [("sleep", [1])] and fleet.active_ranks() == [] and coord.assigned == {}
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_reassert_waits_for_the_old_schedulers_call_still_running_here():
+    """The old scheduler's expand of rank 2 is still starting its process (outside the lock)
+    when the restarted one says rank 2 is not awake: it ends asleep, not awake."""
+    async def main() -> None:
+        fleet = FakeFleet()
+        coord = ShardCoordinator(fleet, no_sync, placed=True)  # type: ignore[arg-type]
+        fleet.place_gate.clear()
+        old_call = asyncio.ensure_future(coord.resize_inference([], {2: [2]}))
+        while not fleet.calls:
+            await asyncio.sleep(0.001)
+        reassert = asyncio.ensure_future(coord.reassert({}, wake=False))
+        await asyncio.sleep(0.05)
+        assert not reassert.done()
+        fleet.place_gate.set()
+        await asyncio.wait_for(old_call, 2)
+        out = await asyncio.wait_for(reassert, 2)
+        assert out["reasserted"] == {"remove": [2], "add": []}
+        assert fleet.active_ranks() == [] and fleet.shards[2].asleep is True and coord.assigned == {}
+
+    asyncio.run(asyncio.wait_for(main(), 10))
