@@ -58,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     quotas = parse_quotas(args.quota, args.default_quota)
     state = Path(args.state)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.address:
         ray.init(address=args.address, namespace="rlix", log_to_driver=False, logging_level="ERROR")
     else:
         ray.init(num_cpus=args.num_cpus, num_gpus=args.num_gpus, namespace="rlix", include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR")
+    # after ray.init, which installs handlers of its own: `rlix down` must drain the jobs first
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     gpus = topology_from_ray()
     reservation = GpuReservation.reserve(gpus, slices=args.gpu_slices)
     topology = gpus.sliced(args.gpu_slices)

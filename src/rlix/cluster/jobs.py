@@ -189,13 +189,13 @@ class JobBook:
                 return i
         return None
 
+    def row(self, name: str) -> dict:
+        """A job as `rlix jobs` shows it (its place in the queue included)."""
+        job = self.find(name)
+        return {**job.row(), "queue_position": self.position(job.name)}
+
     def rows(self) -> list[dict]:
-        out = []
-        for job in sorted(self.jobs.values(), key=lambda j: j.submitted_at):
-            row = job.row()
-            row["queue_position"] = self.position(job.name)
-            out.append(row)
-        return out
+        return [self.row(j.name) for j in sorted(self.jobs.values(), key=lambda j: j.submitted_at)]
 
     def _admitted(self) -> list[Job]:
         return [j for j in self.jobs.values() if j.state in ("admitted", "running")]

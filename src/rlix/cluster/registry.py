@@ -70,7 +70,7 @@ class JobRegistry:
         return self.info
 
     def submit(self, job: Job) -> dict:
-        return self._after(lambda: self.book.submit(job)).row()
+        return self.book.row(self._after(lambda: self.book.submit(job)).name)
 
     def attach_driver(self, name: str, pid: int) -> dict:
         """The job's driver process is up (its PID: `rlix down` ends it if it will not stop)."""
@@ -78,18 +78,16 @@ class JobRegistry:
             job = self.book.get(name)
             job.driver_pid = pid
             return job
-        return self._after(change).row()
+        return self.book.row(self._after(change).name)
 
     def set_state(self, name: str, state: str, reason: str = "") -> dict:
-        return self._after(lambda: self.book.set_state(name, state, reason)).row()
+        return self.book.row(self._after(lambda: self.book.set_state(name, state, reason)).name)
 
     def cancel(self, name: str) -> dict:
-        return self._after(lambda: self.book.cancel(name)).row()
+        return self.book.row(self._after(lambda: self.book.cancel(name)).name)
 
     def job(self, name: str) -> dict:
-        row = self.book.find(name).row()
-        row["queue_position"] = self.book.position(row["name"])
-        return row
+        return self.book.row(name)
 
     def jobs(self) -> list[dict]:
         return self.book.rows()

@@ -1,0 +1,151 @@
+"""A shared cluster, driven only through the CLI as its users would: `rlix up`, two jobs
+submitted from two separate processes, a third that arrives mid-run and gets GPUs, a fourth that
+waits in the queue (the cluster's floors, then its user's cap), a cancel whose GPUs come back
+within 10 s, `rlix status` and `rlix jobs` showing each change, and `rlix down` leaving nothing.
+
+On CPU with 3 fake GPUs; every process is found and checked by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow  # ~3 min on 2 cores
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(") ", 1)[1][0] != "Z"
+
+
+class Cli:
+    def __init__(self, tmp: Path) -> None:
+        self.env = {**os.environ, "RLIX_CACHE_DIR": str(tmp / "cache")}
+        self.env.pop("RAY_ADDRESS", None)
+
+    def __call__(self, *args: str, user: str = "ann", check: bool = True, timeout: float = 180) -> str:
+        out = subprocess.run([sys.executable, "-m", "rlix.cli", *args], capture_output=True, text=True,
+                             env={**self.env, "RLIX_USER": user}, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"rlix {' '.join(args)} -> {out.returncode}: {out.stderr[-2000:]}")
+        return out.stdout
+
+    def popen(self, *args: str, user: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "rlix.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**self.env, "RLIX_USER": user})
+
+    def status(self) -> dict:
+        return json.loads(self("status", "--json"))
+
+
+def holders(status: dict) -> dict[str, list[int]]:
+    """GPUs each pipeline holds now, from the scheduler's ledger."""
+    out: dict[str, list[int]] = {}
+    for name, p in status["scheduler"]["pipelines"].items():
+        gpus = set(p["train_gpus_held"]) | {g for gs in p["shards"].values() for g in gs}
+        out[name] = sorted(gpus)
+    return out
+
+
+def wait_until(what: str, check, timeout: float = 240.0, every: float = 1.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def write_job(tmp: Path, name: str, model: Path, max_shards: int) -> str:
+    pipe = {"name": name, "model": str(model), "min_shards": 1, "max_shards": max_shards, "steps": 500,
+            "seed": len(name), "checkpoint_every": 0, "task": {"name": "pattern", "patterns": ["a"]},
+            "rollout": {"groups_per_step": 2, "group_size": 4, "max_new_tokens": 8, "concurrency": 2}}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp / "runs" / name), "pipelines": [pipe]}))
+    return str(path)
+
+
+def test_researchers_share_a_cluster_through_submit_cancel_and_the_queue(tmp_path, tiny_model_dir):
+    cli = Cli(tmp_path)
+    up = cli("up", "--num-gpus", "3", "--num-cpus", "12", "--quota", "carol=2", "--dwell-s", "0.2",
+             "--aging-s", "5")
+    assert "rlix cluster up at" in up and "3 GPU(s)" in up
+    state = json.loads((tmp_path / "cache" / "cluster" / "state.json").read_text())
+    head = int(state["pid"])
+    drivers: list[int] = []
+    try:
+        jobs = {n: write_job(tmp_path, n, tiny_model_dir, 1 if n in ("jc", "jd") else 2)
+                for n in ("ja", "jb", "jc", "jd")}
+        # two researchers submit at the same time, from two processes
+        subs = [cli.popen("submit", jobs["ja"], user="ann"), cli.popen("submit", jobs["jb"], user="ben")]
+        for proc in subs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            assert "admitted" in out, out
+        both = wait_until("ja and jb to hold GPUs",
+                          lambda: (h := holders(cli.status())) and h.get("ja") and h.get("jb") and h)
+        assert set(both) == {"ja", "jb"}
+        # `rlix status` shows who holds which GPU (it changes by the second: read until it shows both)
+        table = wait_until("status to show ja and jb", lambda: (t := cli("status")) and "ja/" in t and "jb/" in t and t)
+        assert "running" in table and "3 GPU(s)" in table
+
+        # a third arrives mid-run and gets GPUs (the others shrink for it)
+        assert "admitted" in cli("submit", jobs["jc"], user="carol")
+        wait_until("status to show jc on a GPU", lambda: "jc/" in cli("status"))
+
+        # a fourth waits: the cluster's 3 floors are promised
+        out = cli("submit", jobs["jd"], user="carol")
+        assert "queued, position 1" in out and "3 of the cluster's 3 are promised" in out, out
+        listing = cli("jobs")
+        assert "jd" in listing and "queued" in listing and "jd: needs 1 GPU(s) as its minimum" in listing
+
+        # cancelling ja: its GPUs come back within 10 s; jd still waits, now for carol's cap
+        rows = {r["name"]: r for r in json.loads(cli("jobs", "--json"))}
+        drivers = [r["driver_pid"] for r in rows.values() if r["driver_pid"]]
+        t0 = time.monotonic()
+        out = cli("cancel", "ja")
+        assert "job ja: cancelled" in out, out
+        wait_until("ja's GPUs to return", lambda: "ja" not in holders(cli.status()), timeout=10, every=0.2)
+        assert time.monotonic() - t0 <= 10.0 + 1.0  # the last status call's own time
+        assert not _alive(rows["ja"]["driver_pid"])
+        jd = {r["name"]: r for r in json.loads(cli("jobs", "--json"))}["jd"]
+        assert jd["state"] == "queued" and "user 'carol' is at 2 of a 2-GPU cap" in jd["reason"], jd
+        assert "cancelled" in cli("status")
+
+        # cancelling carol's running job lets her queued one in
+        assert "job jc: cancelled" in cli("cancel", "jc", user="carol")
+        wait_until("jd to hold a GPU", lambda: holders(cli.status()).get("jd"))
+        logs = wait_until("jd's log to say it is ready", lambda: (t := cli("logs", "jd")) and "jd: ready in" in t and t)
+        assert "job jd: queued, position 1: user 'carol' is at 2 of a 2-GPU cap" in logs, logs[-2000:]
+        rows = {r["name"]: r for r in json.loads(cli("jobs", "--json"))}
+        drivers = [r["driver_pid"] for r in rows.values() if r["driver_pid"]]
+        assert {n: r["state"] for n, r in rows.items()} == {"ja": "cancelled", "jb": "running",
+                                                            "jc": "cancelled", "jd": "running"}
+        # done: `rlix down` cancels what runs, and ends the head and every driver
+        assert "is down" in cli("down", timeout=200)
+        assert not _alive(head)
+        assert [pid for pid in drivers if _alive(pid)] == []
+        assert not (tmp_path / "cache" / "cluster" / "state.json").exists()
+        for name in ("jb", "jd"):  # stopped the way Ctrl-C stops a run: summary written
+            summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+            assert summary["ending"] == "interrupted", summary["ending"]
+    finally:
+        for pid in [head, *drivers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
