@@ -69,7 +69,7 @@ class Supervisor:
     def __init__(self, pipelines: list[PipelineConfig], *, mode: str, run_dir: Path, api_key: str,
                  devices: DevicePlan, scheduler: Any, say: Callable[[str], None],
                  heartbeat_timeout_s: float, setup_timeout_s: float, all_gpus: list[int],
-                 resume: bool = False, vllm_python: str | None = None) -> None:
+                 resume: bool = False, vllm_python: str | None = None, role_log_from: int = 0) -> None:
         self.slots = {p.name: PipelineSlot(p) for p in pipelines}
         self.vllm_python = vllm_python
         self.mode, self.run_dir, self.api_key, self.devices = mode, run_dir, api_key, devices
@@ -79,7 +79,7 @@ class Supervisor:
         self.role_changes: list[dict] = []
         self.gpu_seconds: dict[str, float] = {}
         self.ledger_audits: list[dict] = []
-        self._seen_change = 0
+        self._seen_change = role_log_from  # a shared scheduler's earlier changes are not this run's
         self._last_poll = time.perf_counter()
         self._processes: dict[str, dict] = {}
 
