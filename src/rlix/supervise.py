@@ -80,6 +80,7 @@ class Supervisor:
         self.gpu_seconds: dict[str, float] = {}
         self.ledger_audits: list[dict] = []
         self._seen_change = role_log_from  # a shared scheduler's earlier changes are not this run's
+        self._seen_restarts: int | None = None  # of the scheduler's actor (Ray restarts it)
         self._last_poll = time.perf_counter()
         self._processes: dict[str, dict] = {}
 
@@ -162,6 +163,11 @@ class Supervisor:
             changes = ray.get(self.scheduler.role_changes.remote(self._seen_change), timeout=30)
         except (RayActorError, GetTimeoutError) as exc:
             raise SchedulerError(f"the scheduler stopped answering: {one_line(exc)}") from None
+        restarts = snap.get("restarts", 0)
+        if self._seen_restarts is not None and restarts > self._seen_restarts:
+            self.say(f"the scheduler's worker died and Ray restarted it (restart {restarts}); it "
+                     f"carried on from its saved state")
+        self._seen_restarts = restarts
         for what in gpu_roles(snap).values():
             name = what.split("/", 1)[0]
             self.gpu_seconds[name] = self.gpu_seconds.get(name, 0.0) + now - self._last_poll

@@ -261,3 +261,37 @@ def test_ctrl_c_saves_checkpoints_and_summary_and_resume_says_where_it_starts(tm
         in resumed.stdout
     steps = [json.loads(line)["step"] for line in (run_dir / "pa" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, saved["pa"] + 3))  # each step once: trimmed to the checkpoint
+
+
+@pytest.mark.slow
+def test_sigkilled_scheduler_is_restarted_and_both_pipelines_finish_every_step(tmp_path, fresh_ray):
+    """The scheduler's worker is SIGKILLed mid-run: Ray restarts the actor, it carries on from
+    its saved state, and neither pipeline notices beyond a pause: every step of both is trained
+    once, the ledger passes its audits, and the GPU role log read by the run has no gap."""
+    from rlix.scheduler.service import get_scheduler
+
+    path = fault_config(tmp_path)
+    killer = Killer(tmp_path / "run", lambda procs: ray.get(get_scheduler().pid.remote(), timeout=30))
+    killer.start()
+    summary = run(path)
+    killer.join(5)
+    assert killer.killed is not None, "the fault was never injected"
+    for name, steps in (("pa", PA_STEPS), ("pb", PB_STEPS)):
+        s = summary["pipelines"][name]
+        assert s["state"] == "done" and s["steps"] == steps and not s["failures"], (name, s.get("failures"))
+        rows = [json.loads(line) for line in (tmp_path / "run" / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), name  # each step once
+    audits = summary["ledger_audits"]
+    assert audits and all(a["ok"] for a in audits), audits
+    assert audits[-1]["after"] == "end of run" and audits[-1]["restarts"] == 1
+    changes = summary["role_changes"]
+    seqs = [c["seq"] for c in changes]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs  # no gap, no repeat across the restart
+    roles: dict[int, str] = {}
+    for c in changes:  # each change follows on from its GPU's previous role: one holder at a time
+        assert c["before"] == roles.get(c["gpu"], "idle"), c
+        roles[c["gpu"]] = c["after"]
+    assert any(c["at"] > killer.at for c in changes), "no GPU moved after the restart"
+    assert gone(killer.killed)
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert "failed" not in log and "Ray restarted it (restart 1)" in log, log[-3000:]

@@ -66,6 +66,13 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
+def same_changes(got: list[dict], want: list[dict]) -> bool:
+    """The same role changes; their times moved onto another clock agree to within 1 ms (on one
+    host the clocks are the same, up to the float noise of the offsets)."""
+    return [dict(c, at=0) for c in got] == [dict(c, at=0) for c in want] and \
+        all(abs(x["at"] - y["at"]) < 1e-3 for x, y in zip(got, want))
+
+
 def scheduler(store: MemoryStore) -> AsyncScheduler:
     return AsyncScheduler(Topology((2,)), PARAMS, persistence=SchedulerPersistence(store, PREFIX))
 
@@ -107,10 +114,9 @@ def test_retried_requests_attach_to_the_restored_ones_after_the_shards_are_reass
     async def second_life() -> None:
         a, b = Gated(), Gated()
         s = restarted(store, {"a": a, "b": b})
-        same = lambda rows: [{**r, "at": round(r["at"], 3)} for r in rows]  # noqa: E731 - µs apart
         assert s.restarts == 1 and [dataclasses.replace(r, submitted_at=0) for r in s.core.pending.values()] \
             == [dataclasses.replace(r, submitted_at=0) for r in before["pending"].values()]
-        assert same(s.core.role_changes()) == same(before["roles"])
+        assert same_changes(s.core.role_changes(), before["roles"])
         a.gate.clear()  # a's re-assertion is slow
         s.reconcile({"a": a.reassert, "b": b.reassert})
         await until(lambda: a.calls)
@@ -292,10 +298,7 @@ def test_sigkilled_scheduler_comes_back_with_its_state_and_the_request_in_flight
     assert strip(after["ledger"]["holdings"]) == strip(before["ledger"]["holdings"])
     assert [(p["id"], p["pipeline"], p["gpus"]) for p in after["pending"]] == \
         [(p["id"], p["pipeline"], p["gpus"]) for p in before["pending"]]
-    roles_after = ray.get(sched.role_changes.remote(0))
-    assert [dict(c, at=0) for c in roles_after] == [dict(c, at=0) for c in roles_before]
-    # the times are moved onto the new process's clock: the same instants (same host, so to µs)
-    assert all(abs(x["at"] - y["at"]) < 0.01 for x, y in zip(roles_after, roles_before))
+    assert same_changes(ray.get(sched.role_changes.remote(0)), roles_before)
     assert ray.get(sched.audit.remote())["ok"]
     ray.get(sched.settle.remote())
     # each coordinator was told what the ledger has awake, and holds exactly that
@@ -344,3 +347,21 @@ def _alive() -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_a_restart_that_cannot_read_its_state_refuses_calls_instead_of_starting_empty(ray_cluster):
+    from ray.experimental import internal_kv
+
+    from rlix.errors import SchedulerStateError, one_line
+
+    sched = start_scheduler(topology_from_ray(), PARAMS)
+    ray_cluster.append(sched)
+    coord = FakeCoordinator.remote()
+    ray_cluster.append(coord)
+    ray.get(sched.register.remote(PipelineSpec("a", max_shards=2), coord))
+    key = next(k for k in kv_keys() if k.endswith(":core"))
+    internal_kv._internal_kv_put(key, b"{not json", overwrite=True, namespace=NAMESPACE)
+    os.kill(ray.get(sched.pid.remote()), signal.SIGKILL)
+    with pytest.raises(SchedulerStateError, match="unreadable") as err:
+        ray.get(sched.snapshot.remote(), timeout=60)
+    assert one_line(err.value).startswith("SchedulerStateError: the scheduler's state under")

@@ -492,6 +492,7 @@ class SchedulerService:
             self._recover()
         else:
             store.delete_prefix(STATE_PREFIX)  # a scheduler that died for good left its state
+            self._sched._save()  # from now on a restart finds a state, even an empty one
 
     # ------------------------------------------------------------------ restart
     def _recover(self) -> None:
@@ -505,7 +506,8 @@ class SchedulerService:
             log.error("scheduler restarted but cannot go on: %s", exc)
             return
         if not restored:
-            log.warning("scheduler restarted with no saved state (it had none yet): starting empty")
+            log.error("scheduler restarted but found no saved state (deleted by another "
+                      "scheduler's start?): starting empty")
             return
         core = self._sched.core
         self._handles = {n: h for n, h in handles.get("registered", {}).items() if n in core.pipelines}
