@@ -167,6 +167,11 @@ CASES = [
     Case("CLI", "sim with a non-UTF-8 scenario", lambda tmp: (tmp / "s.yaml").write_bytes(b"\xff\xfe") and ["sim", str(tmp / "s.yaml")], r"s\.yaml: not UTF-8"),
     Case("CLI", "status with a malformed --address", lambda tmp: ["status", "--address", "nowhere"], r"--address 'nowhere': give host:port"),
     Case("CLI", "status with an address nothing listens on", lambda tmp: ["status", "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),
+    Case("CLI", "up with neither --num-gpus nor --address", lambda tmp: ["up"], r"rlix up: give --num-gpus N for a local cluster"),
+    Case("CLI", "up with a malformed --quota", lambda tmp: ["up", "--num-gpus", "2", "--quota", "alice"], r"--quota 'alice': give USER=GPUS"),
+    Case("CLI", "submit a config that fails its check", lambda tmp: ["submit", config(tmp, p_steps=0)], r"pipelines\[0\]\.steps: .*greater than or equal to 1"),
+    Case("CLI", "submit with no cluster up", lambda tmp: ["submit", config(tmp), "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),
+    Case("CLI", "cancel with no cluster up", lambda tmp: ["cancel", "job", "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),
 ]
 
 

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import sys
 from typing import NoReturn
 
@@ -57,13 +56,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import ray  # deferred: see _cmd_run
 
-    from rlix.cluster.commands import jobs_table, read_state  # deferred: see _cmd_run
+    from rlix.cluster.commands import jobs_table, reachable, read_state  # deferred: see _cmd_run
     from rlix.scheduler.core import gpu_roles  # deferred: see _cmd_run
     from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
 
     state = read_state()
     address = args.address or env.ray_address() or (state["address"] if state else "auto")
-    _reachable(address)
+    reachable(address)
     try:
         ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
     except ConnectionError:
@@ -139,20 +138,6 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
     logs(args.name, follow=args.follow, address=args.address)
     return 0
-
-
-def _reachable(address: str, timeout_s: float = 3.0) -> None:
-    """A `host:port` address must accept a connection within `timeout_s` (Ray itself would
-    retry for minutes); "auto" and ray:// addresses are left to Ray."""
-    if address == "auto" or "://" in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise SchedulerError(f"--address {address!r}: give host:port (e.g. 10.0.0.1:6379) or auto")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        raise SchedulerError(f"no Ray cluster answers at {address} ({exc.strerror or exc})") from None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

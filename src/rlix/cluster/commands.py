@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,11 +21,11 @@ from pathlib import Path
 import ray
 
 from rlix import env
-from rlix.cluster.jobs import FINAL, Job, PipelineNeeds
+from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, parse_quotas
 from rlix.cluster.registry import get_registry
 from rlix.config import load_config
 from rlix.config.preflight import preflight
-from rlix.errors import ConfigError
+from rlix.errors import ConfigError, SchedulerError
 
 #: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
 UP_TIMEOUT_S = 120.0
@@ -75,8 +76,23 @@ def cluster_address(address: str | None = None) -> str:
     return state["address"]
 
 
+def reachable(address: str, timeout_s: float = 3.0) -> None:
+    """A `host:port` address must accept a connection within `timeout_s` (Ray itself would
+    retry for minutes); "auto" and ray:// addresses are left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise SchedulerError(f"--address {address!r}: give host:port (e.g. 10.0.0.1:6379) or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise SchedulerError(f"no Ray cluster answers at {address} ({exc.strerror or exc})") from None
+
+
 def connect(address: str | None = None) -> str:
     address = cluster_address(address)
+    reachable(address)
     if not ray.is_initialized():
         try:
             ray.init(address=address, namespace="rlix", log_to_driver=False, logging_level="ERROR")
@@ -97,6 +113,9 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
         return state
     if address is None and num_gpus is None:
         raise ConfigError("rlix up: give --num-gpus N for a local cluster, or --address of a Ray cluster")
+    parse_quotas(quotas, default_quota)  # a bad --quota fails here, not in the head's log
+    if gpu_slices < 1:
+        raise ConfigError(f"rlix up: --gpu-slices {gpu_slices}: give 1 or more")
     cluster_dir().mkdir(parents=True, exist_ok=True)
     state_path().unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),

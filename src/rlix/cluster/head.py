@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ray
 
-from rlix.cluster.jobs import Quotas
+from rlix.cluster.jobs import parse_quotas
 from rlix.cluster.registry import ClusterInfo, start_registry
 from rlix.placement import GpuReservation
 from rlix.scheduler.planner import PlannerParams
@@ -31,16 +31,6 @@ from rlix.scheduler.service import start_scheduler, topology_from_ray
 
 #: how long `rlix down` lets running jobs stop (checkpoint, leave) before ending the cluster
 DRAIN_TIMEOUT_S = 60.0
-
-
-def parse_quotas(items: list[str], default: int | None) -> Quotas:
-    users: dict[str, int] = {}
-    for item in items:
-        user, sep, value = item.partition("=")
-        if not sep or not user or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--quota {item!r}: give USER=GPUS with GPUS >= 1")
-        users[user] = int(value)
-    return Quotas(users, default)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,19 @@ class Quotas:
         return self.users.get(user, self.default)
 
 
+def parse_quotas(items: list[str], default: int | None = None) -> Quotas:
+    """`USER=GPUS` items (the `--quota` options of `rlix up`)."""
+    users: dict[str, int] = {}
+    for item in items:
+        user, sep, value = item.partition("=")
+        if not sep or not user or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--quota {item!r}: give USER=GPUS with GPUS >= 1")
+        users[user] = int(value)
+    if default is not None and default < 1:
+        raise ConfigError(f"--default-quota {default}: give a number of GPUs >= 1")
+    return Quotas(users, default)
+
+
 class JobBook:
     """Every job of the cluster, the admission queue and the quotas (see module doc)."""
 

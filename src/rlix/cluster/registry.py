@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 
 from rlix.cluster.jobs import FINAL, Job, JobBook, Quotas
 from rlix.errors import ConfigError
@@ -39,20 +40,14 @@ class ClusterInfo:
 
 
 def _kv_put(value: bytes) -> None:
-    from ray.experimental import internal_kv
-
     internal_kv._internal_kv_put(_KV_KEY, value, overwrite=True)
 
 
 def _kv_get() -> bytes | None:
-    from ray.experimental import internal_kv
-
     return internal_kv._internal_kv_get(_KV_KEY)
 
 
 def _kv_del() -> None:
-    from ray.experimental import internal_kv
-
     internal_kv._internal_kv_del(_KV_KEY)
 
 
