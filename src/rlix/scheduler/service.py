@@ -217,6 +217,7 @@ class AsyncScheduler:
         self._retry_releases.pop(pipeline, None)
         recovered = self._recovered(pipeline, stage, gpus)
         if isinstance(recovered, Holding):
+            self._save()  # the progress that came with it
             return await self._grant_again(recovered)
         try:
             req = recovered or self.core.submit_request(pipeline, stage, gpus)
