@@ -116,3 +116,17 @@ def test_the_staged_package_imports_without_rlix():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"ok {EXTENSION_PACKAGE}.vllm_worker"
+
+
+def test_weights_vllm_packed_away_are_not_mismatches_but_not_all_of_them():
+    """vLLM's CPU backend may drop a linear layer's weight after packing it for oneDNN; its
+    /weight_checker digest is then that of zero bytes: not comparable, not a mismatch. The rest
+    is still compared, and a server with nothing comparable is a problem."""
+    from rlix.weights.vllm_names import PACKED_AWAY_DIGEST, compare_digests, packed_away
+
+    want = {"a.weight": "1", "b.weight": "2", "norm.weight": "3"}
+    got = {"a.weight": PACKED_AWAY_DIGEST, "b.weight": PACKED_AWAY_DIGEST, "norm.weight": "3"}
+    assert packed_away(got) == ["a.weight", "b.weight"] and compare_digests(want, got) == []
+    assert compare_digests(want, {**got, "norm.weight": "4"}) == ["norm.weight: differs"]
+    everything = {n: PACKED_AWAY_DIGEST for n in want}
+    assert compare_digests(want, everything) == ["no served weight is observable (all packed away by vLLM's CPU GEMM)"]
