@@ -187,10 +187,7 @@ def submit(config_path: str, *, name: str | None = None, user: str | None = None
     job = job_from_config(config_path, name, user or env.user())
     address = connect(address)
     registry = get_registry()
-    try:
-        row = ray.get(registry.submit.remote(job))
-    except ray.exceptions.RayTaskError as exc:
-        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
+    row = _ask(registry.submit.remote(job))
     log = Path(job.run_dir) / "driver.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.driver", "--job", job.name, "--config", job.config,
@@ -203,6 +200,14 @@ def submit(config_path: str, *, name: str | None = None, user: str | None = None
     out(f"submitted job {job.name} (user {job.user}; pipelines {', '.join(p.name for p in job.pipelines)}): "
         f"{where}; log: rlix logs {job.name}")
     return row
+
+
+def _ask(ref):  # type: ignore[no-untyped-def]
+    """A registry call's answer; its own error (a ConfigError raised in the actor) as that error."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
 
 
 def jobs(address: str | None = None) -> list[dict]:
@@ -232,10 +237,7 @@ def cancel(name: str, *, wait_s: float = 60.0, address: str | None = None,
     """Cancel a job (by its name or a pipeline's); waits until it has ended, up to `wait_s`."""
     connect(address)
     registry = get_registry()
-    try:
-        row = ray.get(registry.cancel.remote(name))
-    except ray.exceptions.RayTaskError as exc:
-        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
+    row = _ask(registry.cancel.remote(name))
     deadline = time.monotonic() + wait_s
     while row["state"] not in FINAL and time.monotonic() < deadline:
         ray.get(registry.wait_change.remote(1.0))
@@ -252,10 +254,7 @@ def logs(name: str, *, follow: bool = False, address: str | None = None,
     """Print a job's driver log; with `follow`, keep printing until the job has ended."""
     connect(address)
     registry = get_registry()
-    try:
-        row = ray.get(registry.job.remote(name))
-    except ray.exceptions.RayTaskError as exc:
-        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
+    row = _ask(registry.job.remote(name))
     path = Path(row["run_dir"]) / "driver.log"
     pos = 0
     while True:
