@@ -116,66 +116,94 @@ class GrpoLoop:
 
     async def one_step(self) -> StepRecord:
         version = self.step
-        t0 = time.perf_counter()
+        t: dict[str, float] = {"start": time.perf_counter()}
         await self.collector.wait_for(self.groups_per_step)
-        t_gen = time.perf_counter()
+        t["gen"] = time.perf_counter()
         gpus = await self.hooks.before_training(version)
-        t_gpus = time.perf_counter()
+        t["gpus"] = time.perf_counter()
         where = ",".join(map(str, gpus))
+        trained: tuple[list, list[TrainSample], dict] | None = None
+        published = None
         try:
-            # the GPU's previous holders confirmed their release; the reload also measures it
-            self._memory("acquire", gpus, await self.trainer.reload.remote(self.release_timeout_s, where))
-            t_reload = time.perf_counter()
-            groups = self.buffer.take(self.groups_per_step, version, self.max_age)
-            samples = to_samples(groups)
-            if self.record_batch is not None:
-                self.record_batch(version, samples)
-            metrics = await self.trainer.train_step.remote(samples)
-            t_train = time.perf_counter()
-            new = version + 1
-            published = await self.trainer.publish.remote(new, self.audit)
-            t_cache = time.perf_counter()
-            released = await self.trainer.offload.remote()
-            self._memory("release", gpus, released)
-            check_released(released, f"the trainer of {self.name}", where)
-            t_off = time.perf_counter()
-            self.coordinator.announce(new)  # shards woken from here on get `new`
-            # the new demand goes with the release, so the GPUs go back where the demand is
-            # (reported after it, a GPU went to the other pipeline and came back one report
-            # later: a wasted sleep, wake and sync)
-            self.collector.set_version(new)
-            demand = self.collector.demand_for_release()
+            try:
+                # the GPU's previous holders confirmed their release; the reload also measures it
+                self._memory("acquire", gpus, await self.trainer.reload.remote(self.release_timeout_s, where))
+                t["reload"] = time.perf_counter()
+                groups = self.buffer.take(self.groups_per_step, version, self.max_age)
+                samples = to_samples(groups)
+                if self.record_batch is not None:
+                    self.record_batch(version, samples)
+                training = asyncio.ensure_future(self.trainer.train_step.remote(samples))
+                try:
+                    metrics = await asyncio.shield(training)
+                except asyncio.CancelledError:
+                    # the trainer takes this step whatever happens here, and a checkpoint on the
+                    # way out saves it: the step is recorded too, or a resume would skip its row
+                    metrics = await training
+                    trained = (groups, samples, metrics)
+                    raise
+                trained = (groups, samples, metrics)
+                t["train"] = time.perf_counter()
+                new = version + 1
+                published = await self.trainer.publish.remote(new, self.audit)
+                t["cache"] = time.perf_counter()
+                released = await self.trainer.offload.remote()
+                self._memory("release", gpus, released)
+                check_released(released, f"the trainer of {self.name}", where)
+                t["off"] = time.perf_counter()
+                self.coordinator.announce(new)  # shards woken from here on get `new`
+                # the new demand goes with the release, so the GPUs go back where the demand is
+                # (reported after it, a GPU went to the other pipeline and came back one report
+                # later: a wasted sleep, wake and sync)
+                self.collector.set_version(new)
+                demand = self.collector.demand_for_release()
+            except BaseException:
+                await self.hooks.after_training(version)
+                raise
+            # The release and the refit of the shards that stayed active run together (the release
+            # round trip no longer delays the step). The refit takes the coordinator's lock at once,
+            # before the release can come back as a wake: a wake then waits for the refit.
+            refit = asyncio.ensure_future(self.coordinator.publish(new))
+            try:
+                await self.hooks.after_training(version, demand=demand)
+                t["release"] = time.perf_counter()
+            finally:
+                await refit
+                t["sync"] = time.perf_counter()
         except BaseException:
-            await self.hooks.after_training(version)
+            if trained is not None:  # trained but not finished: its row, with the phases it reached
+                self.step = version + 1
+                await self._record(version + 1, *trained, t, published)
             raise
-        # The release and the refit of the shards that stayed active run together (the release
-        # round trip no longer delays the step). The refit takes the coordinator's lock at once,
-        # before the release can come back as a wake: a wake then waits for the refit.
-        t_rel = t_sync = t_off
-        refit = asyncio.ensure_future(self.coordinator.publish(new))
-        try:
-            await self.hooks.after_training(version, demand=demand)
-            t_rel = time.perf_counter()
-        finally:
-            await refit
-            t_sync = time.perf_counter()
         self.step = new
-        rewards = [t.reward for g in groups for t in g.trajectories]
+        record = await self._record(new, groups, samples, metrics, t, published)
+        if self.checkpoint is not None and self.checkpoint_every and new % self.checkpoint_every == 0:
+            await self.checkpoint(new)
+        return record
+
+    async def _record(self, new: int, groups: list, samples: list[TrainSample], metrics: dict,
+                      t: dict[str, float], published: Any) -> StepRecord:
+        """The step's row (phases a step cut short did not reach count 0 s), passed to on_step."""
+        rewards = [tr.reward for g in groups for tr in g.trajectories]
         mean = sum(rewards) / len(rewards)
         std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-        versions = sorted({t.version for g in groups for t in g.trajectories})
-        self.trained_versions.append((version, versions))
+        versions = sorted({tr.version for g in groups for tr in g.trajectories})
+        self.trained_versions.append((new - 1, versions))
+        end = max(t.values())
+
+        def span(start: str, stop: str) -> float:
+            return t[stop] - t[start] if start in t and stop in t else 0.0
+
+        audit_s = published.audit_s if published is not None else 0.0
         record = StepRecord(
             step=new, reward=mean, reward_std=std, samples=len(samples),
             tokens=sum(s.trained_tokens() for s in samples), oldest_version=versions[0],
-            loss=float(metrics.get("loss", 0.0)), generate_s=t_gen - t0, wait_gpus_s=t_gpus - t_gen,
-            reload_s=t_reload - t_gpus, train_s=t_train - t_reload, audit_s=published.audit_s,
-            cache_s=t_cache - t_train - published.audit_s, offload_s=t_off - t_cache,
-            release_s=t_rel - t_off, sync_s=t_sync - t_off, step_s=max(t_rel, t_sync) - t0,
+            loss=float(metrics.get("loss", 0.0)), generate_s=span("start", "gen"),
+            wait_gpus_s=span("gen", "gpus"), reload_s=span("gpus", "reload"), train_s=span("reload", "train"),
+            audit_s=audit_s, cache_s=max(0.0, span("train", "cache") - audit_s), offload_s=span("cache", "off"),
+            release_s=span("off", "release"), sync_s=span("off", "sync"), step_s=end - t["start"],
             finished_at=time.time())
         self.records.append(record)
-        if self.checkpoint is not None and self.checkpoint_every and new % self.checkpoint_every == 0:
-            await self.checkpoint(new)
         if self.on_step is not None:
             result = self.on_step(record)
             if asyncio.iscoroutine(result):

@@ -1,0 +1,119 @@
+"""GrpoLoop against fakes: a step the trainer took is recorded once, even when it is cut short."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from rlix.config.models import PipelineConfig
+from rlix.pipeline.async_grpo import GrpoLoop
+from rlix.pipeline.types import Group, Trajectory
+
+
+class _Remote:
+    """`actor.method.remote(...)` as an awaitable, like a Ray actor handle's."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.step = 0
+        self.started = asyncio.Event()
+        self.finish = asyncio.Event()
+        self.reload = _Remote(self._memory)
+        self.offload = _Remote(self._memory)
+        self.train_step = _Remote(self._train)
+        self.publish = _Remote(self._publish)
+
+    async def _memory(self, *args):
+        return SimpleNamespace(reserved=0, as_dict=lambda: {})
+
+    async def _train(self, samples):
+        self.started.set()
+        await self.finish.wait()  # the remote step runs on, whatever the caller does
+        self.step += 1
+        return {"loss": 0.5}
+
+    async def _publish(self, version, audit):
+        return SimpleNamespace(audit_s=0.0)
+
+
+class FakeBuffer:
+    def take(self, n, version, max_age):
+        trajectories = [Trajectory(f"t{i}", "g", [1, 2], [3, 4], [-0.1, -0.2], float(i), version) for i in range(2)]
+        return [Group("g", "prompt", trajectories)]
+
+
+class FakeHooks:
+    async def before_training(self, version):
+        return [0]
+
+    async def after_training(self, version, demand=None):
+        return None
+
+
+class FakeCollector:
+    async def wait_for(self, n):
+        return None
+
+    def set_version(self, v):
+        pass
+
+    def demand_for_release(self):
+        return 0
+
+
+class FakeCoordinator:
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+        self.failure = None
+
+    def announce(self, v):
+        pass
+
+    async def publish(self, v):
+        pass
+
+
+def make_loop(rows: list) -> tuple[GrpoLoop, FakeTrainer]:
+    trainer = FakeTrainer()
+    loop = GrpoLoop(PipelineConfig(name="p", steps=3), trainer=trainer, coordinator=FakeCoordinator(),
+                    collector=FakeCollector(), buffer=FakeBuffer(), hooks=FakeHooks(),
+                    on_step=rows.append)
+    return loop, trainer
+
+
+def test_a_step_cancelled_while_the_trainer_takes_it_is_recorded_once_the_trainer_finishes() -> None:
+    """Ctrl-C lands while train_step is in flight: the trainer finishes the step anyway (and a
+    checkpoint on the way out saves it), so the loop records it and says it holds that step."""
+    async def scenario() -> None:
+        rows: list = []
+        loop, trainer = make_loop(rows)
+        run = asyncio.ensure_future(loop.run())
+        await trainer.started.wait()
+        run.cancel()
+        await asyncio.sleep(0.05)
+        assert not run.done()  # waiting for the trainer's step, not abandoning it
+        trainer.finish.set()
+        try:
+            await run
+        except asyncio.CancelledError:
+            pass
+        assert trainer.step == 1 and loop.step == 1
+        assert [r.step for r in rows] == [1] and rows[0].loss == 0.5 and rows[0].sync_s == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_finished_steps_are_recorded_in_order_with_their_phases() -> None:
+    async def scenario() -> None:
+        rows: list = []
+        loop, trainer = make_loop(rows)
+        trainer.finish.set()
+        await loop.run()
+        assert [r.step for r in rows] == [1, 2, 3] and loop.step == trainer.step == 3
+        assert all(r.step_s >= r.train_s >= 0 and r.reward == 0.5 for r in rows)
+
+    asyncio.run(scenario())
