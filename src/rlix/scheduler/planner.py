@@ -22,7 +22,7 @@ from rlix.scheduler.pool import Pool
 from rlix.scheduler.shares import Demand, rollout_targets
 from rlix.scheduler.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
-from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Stage
+from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Role, Stage
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progres
     pool = Pool(ledger)
     demand = {name: rollout_demand(spec, progress.get(name)) for name, spec in ledger.pipelines.items()}
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
-    wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params)
+    training = {h.pipeline for h in ledger.holdings.values() if h.role is Role.TRAIN} \
+        | {g.pipeline for g in grants}
+    wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training)
     wakes = [t for t in (wake_requests, wake_rollout) if t is not None]
     return Plan(grants=grants, shrinks=pool.shrinks, expands=pool.expands,
                 wake_at=min(wakes) if wakes else None)
@@ -110,10 +112,12 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
 
 # ---------------------------------------------------------------------- phase 2
 def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress],
-                       demand: dict[str, int], now: float, params: PlannerParams) -> float | None:
+                       demand: dict[str, int], now: float, params: PlannerParams,
+                       training: set[str]) -> float | None:
     specs = ledger.pipelines
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
-                      pool.shard_count[name], ledger.shardless_since.get(name, ledger.version))
+                      pool.shard_count[name], ledger.shardless_since.get(name, ledger.version),
+                      training=name in training)
                for name, s in specs.items()]
     target = rollout_targets(demands, pool.unlocked())
 

@@ -26,13 +26,14 @@ class Demand:
     min_shards: int
     current: int  # shards it holds now (tie-break: keep what you have)
     waiting_since: int = 0  # when it last lost (or never had) a shard; earlier goes first
+    training: bool = False  # trains now: its floor shard yields to one that only generates
 
 
 def rollout_targets(demands: list[Demand], capacity_gpus: int) -> dict[str, int]:
     target = {d.name: 0 for d in demands}
     left = capacity_gpus
     wanting = [d for d in demands if d.shards > 0]
-    by_tier = sorted(wanting, key=lambda d: (-d.priority, -d.current, d.waiting_since, d.name))
+    by_tier = sorted(wanting, key=lambda d: (-d.priority, d.training, -d.current, d.waiting_since, d.name))
 
     for floor_of in (lambda d: 1, lambda d: min(d.shards, max(1, d.min_shards))):
         for d in by_tier:

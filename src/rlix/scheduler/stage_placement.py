@@ -101,7 +101,7 @@ class StagePlacer:
         starved = [q for q, keys in taken.items()
                    if len(keys) >= self.pool.shard_count[q] and self.demand.get(q, 0) > 0
                    and (min_priority is None or self.ledger.pipelines[q].priority >= min_priority)]
-        free = {nd: len([g for g in self.pool.free_gpus_on(nd) if g not in gpus])
+        free = {nd: len([g for g in self._yielding_on(nd, spec.name) if g not in gpus])
                 for nd in range(len(self.pool.node_gpus))}
         for q in starved:
             tp = self.ledger.pipelines[q].tp
@@ -110,6 +110,14 @@ class StagePlacer:
                 return False
             free[node] -= tp
         return True
+
+    def _yielding_on(self, node: int, requester: str) -> list[int]:
+        """GPUs of `node` a starved peer's shard can have in this plan: idle ones, and those of
+        the requester's own shards (a pipeline that trains yields its floor shard to one that only
+        generates; see shares.rollout_targets)."""
+        state = self.pool.state
+        return [g for g in self.pool.node_gpus[node]
+                if state[g] is None or (state[g] is not LOCKED and state[g][0] == requester)]
 
     def choose(self, spec: PipelineSpec, n: int) -> list[int] | None:
         pool = self.pool
