@@ -21,6 +21,16 @@ CPU (always):
   nccl_cache_sync_vs_h2d_bound    host cache (pinned) -> the same shard: staged to cuda:0 then
                                   broadcast, vs max(pinned H2D copy, raw broadcast); a cache in
                                   host memory cannot beat its own host->GPU copy.
+Cross-node (always; alone with --only cross_node), on a 2-node Ray cluster simulated on this
+host (ray.cluster_utils.Cluster), a --cross-mib cache of bf16 buckets on node A:
+  cross_node_sync_vs_socket       NodeCacheActor.ensure on node B (the version streamed over TCP
+                                  by rlix.weights.relay into B's replica cache) vs a plain socket
+                                  copy of the same bytes between an actor on A and one on B
+                                  (sendall from one buffer, recv_into one buffer, 1-byte ack).
+                                  Medians of --cross-reps runs, the three ways alternating, each
+                                  timed from this driver. Goal >= 0.7.
+  cross_node_object_store_gbps    the same bytes through Ray's object store (ray.put on A, ray.get
+                                  on B), for comparison.
 The receiving engine (ModelEngine) stages each update into a second copy of its weights and
 flips at finish, so the figures measure the sync (transfer, decode, staging copy), not an
 engine's apply. All times are the best of --rounds warm syncs (the receiver has mapped the
@@ -28,6 +38,7 @@ cache's segment and allocated its staging); the first sync's time is reported ap
 
     .venv/bin/python bench/weight_sync.py          # CPU, under 3 minutes on 2 cores
     python bench/weight_sync.py --gpu              # adds the GPU figures
+    .venv/bin/python bench/weight_sync.py --only cross_node   # the cross-node part alone
 Ends by printing one JSON line of the figures.
 """
 
@@ -39,6 +50,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -310,6 +322,189 @@ def gpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[typ
     return out
 
 
+# -- cross-node: a replica on node B filled from a cache on node A --------------------------
+def _cross_node_actors():  # type: ignore[no-untyped-def]
+    """The bench's actors, defined on first use so that the CPU/GPU parts never import Ray."""
+    import ray
+
+    from rlix.weights import relay
+
+    @ray.remote(num_cpus=0)
+    class CacheHolder:
+        """Stands in for TrainerActor on node A: a cache of `total` bytes of bf16 tensors;
+        publish(v) packs them as version v; send_version is TrainerActor.send_version."""
+
+        def __init__(self, total: int, bucket: int, tensors: int = 16) -> None:
+            per = total // tensors // 2
+            gen = torch.Generator().manual_seed(0)
+            self.state = {f"layers.{i}.weight": torch.randn(per, generator=gen).bfloat16() for i in range(tensors)}
+            self.cache = BucketCache.for_model(self.state, bucket_bytes=bucket, host="shm")
+
+        def publish(self, version: int) -> int:
+            self.state["layers.0.weight"][0] = float(version)  # each version's bytes differ
+            self.cache.build_latest(version, self.state)
+            self.cache.promote_active(version)
+            return self.cache.layout.total_bytes
+
+        def send_version(self, version: int, host: str, port: int) -> float:
+            return relay.send_version(self.cache, int(version), host, int(port))
+
+        def checksums(self, version: int) -> list[int]:
+            return self.cache.checksums(version)
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def close(self) -> None:
+            self.cache.close()
+
+    @ray.remote(num_cpus=0)
+    class SocketPeer:
+        """One end of the plain socket copy (and of the object store fetch): one buffer of
+        `total` bytes, touched once so that no run pays page faults."""
+
+        def __init__(self, total: int) -> None:
+            self.buf = torch.empty(total, dtype=torch.uint8).random_()
+            self.view = memoryview(self.buf.numpy()).cast("B")
+            self.server = None
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def listen(self) -> tuple[str, int]:
+            import socket
+            if self.server is not None:
+                self.server.close()
+            ip = ray.util.get_node_ip_address()
+            self.server = socket.create_server((ip, 0))
+            return ip, self.server.getsockname()[1]
+
+        def recv(self) -> float:
+            self.server.settimeout(60)
+            conn, _ = self.server.accept()
+            with conn:
+                conn.settimeout(60)
+                t0, got, n = time.perf_counter(), 0, len(self.view)
+                while got < n:
+                    k = conn.recv_into(self.view[got: got + relay.CHUNK])
+                    if not k:
+                        raise ConnectionError("sender closed early")
+                    got += k
+                conn.sendall(b"k")
+            return time.perf_counter() - t0
+
+        def send(self, host: str, port: int) -> float:
+            import socket
+            t0 = time.perf_counter()
+            with socket.create_connection((host, port), timeout=60) as conn:
+                for pos in range(0, len(self.view), relay.CHUNK):
+                    conn.sendall(self.view[pos: pos + relay.CHUNK])
+                if conn.recv(1) != b"k":
+                    raise ConnectionError("no ack")
+            return time.perf_counter() - t0
+
+        def put(self) -> list:
+            return [ray.put(self.buf.numpy())]  # in a list: handed on as a reference, not resolved
+
+        def fetch(self, refs: list) -> int:
+            return int(ray.get(refs[0]).nbytes)
+
+    return CacheHolder, SocketPeer
+
+
+def cross_node_figures(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from rlix.weights.node_cache import NodeCacheActor
+
+    total = args.cross_mib << 20
+    store = 3 * total + (64 << 20)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"node_a": 1}, "object_store_memory": store, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=store)
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        cluster.wait_for_nodes()
+        CacheHolder, SocketPeer = _cross_node_actors()
+        on_a, on_b = {"resources": {"node_a": 0.01}}, {"resources": {"node_b": 0.01}}
+        holder = CacheHolder.options(**on_a).remote(total, args.bucket_mib << 20)
+        replica = NodeCacheActor.options(**on_b).remote("bench")
+        src, dst = SocketPeer.options(**on_a).remote(total), SocketPeer.options(**on_b).remote(total)
+        nbytes_ = ray.get(holder.publish.remote(0), timeout=300)
+        a, b, r, h = ray.get([src.node_id.remote(), dst.node_id.remote(), replica.node_id.remote(),
+                              holder.node_id.remote()], timeout=300)
+        if not (a == h != b == r):
+            raise SystemExit("cross-node actors are not on the nodes asked for")
+
+        def relay_once(v: int) -> tuple[float, object]:
+            ray.get(holder.publish.remote(v), timeout=300)
+            t0 = time.perf_counter()
+            res = ray.get(replica.ensure.remote(v, holder), timeout=300)
+            return time.perf_counter() - t0, res
+
+        def socket_once() -> float:
+            ip, port = ray.get(dst.listen.remote(), timeout=60)
+            t0 = time.perf_counter()
+            ray.get([dst.recv.remote(), src.send.remote(ip, port)], timeout=300)
+            return time.perf_counter() - t0
+
+        def store_once() -> float:
+            refs = ray.get(src.put.remote(), timeout=300)
+            t0 = time.perf_counter()
+            got = ray.get(dst.fetch.remote(refs), timeout=300)
+            t = time.perf_counter() - t0
+            del refs
+            assert got == total
+            return t
+
+        warm, reps = 2, args.cross_reps  # the warm-up allocates the replica's two slots
+        t_relay, t_sock, t_store, inner, stream, first = [], [], [], [], [], []
+        for i in range(warm + reps):
+            tr, res = relay_once(i + 1)
+            ts = socket_once()
+            to = store_once() if args.object_store else None
+            if i < warm:
+                first.append(tr)
+            else:
+                t_relay.append(tr)
+                t_sock.append(ts)
+                inner.append(res.seconds)  # type: ignore[attr-defined]
+                stream.append(res.send_seconds)  # type: ignore[attr-defined]
+                if to is not None:
+                    t_store.append(to)
+            print(f"cross-node rep {i - warm if i >= warm else 'warm'}: relay {tr:.4f} s, socket {ts:.4f} s"
+                  + (f", object store {to:.4f} s" if to is not None else ""), file=sys.stderr, flush=True)
+        last = warm + reps
+        same = ray.get(replica.checksums.remote(last)) == ray.get(holder.checksums.remote(last))
+        if not same:
+            raise SystemExit("cross-node relay delivered different bytes")
+        m_relay, m_sock = statistics.median(t_relay), statistics.median(t_sock)
+        out = {
+            "cross_node_sync_vs_socket": round(m_sock / m_relay, 3),
+            "cross_node_sync_gbps": round(nbytes_ / m_relay / 1e9, 3),
+            "cross_node_socket_gbps": round(total / m_sock / 1e9, 3),
+            "cross_node_bytes": nbytes_, "cross_node_reps": reps,
+            "cross_node_sync_vs_socket_paired": round(statistics.median(s / r for s, r in zip(t_sock, t_relay)), 3),
+            "cross_node_sync_s": [round(t, 4) for t in t_relay],
+            # inside NodeCacheActor.ensure: asking the trainer to promoted; the stream alone
+            # (the sender's connect to the receiver's confirmation)
+            "cross_node_sync_inner_s": [round(t, 4) for t in inner],
+            "cross_node_sync_stream_s": [round(t, 4) for t in stream],
+            "cross_node_socket_s": [round(t, 4) for t in t_sock],
+            # the replica allocating (and faulting in) its two shared-memory slots: once per node
+            "cross_node_first_syncs_s": [round(t, 4) for t in first],
+        }
+        if t_store:
+            out["cross_node_object_store_gbps"] = round(total / statistics.median(t_store) / 1e9, 3)
+            out["cross_node_object_store_s"] = [round(t, 4) for t in t_store]
+        ray.get([replica.close.remote(), holder.close.remote()], timeout=60)
+        return out
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", action="store_true")
@@ -319,6 +514,11 @@ def main() -> None:
     p.add_argument("--small-kib", type=int, default=100, help="size of each of the 10,000 small tensors")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--skip-cpu", action="store_true")
+    p.add_argument("--only", choices=("cpu", "gpu", "cross_node"), help="run only this part")
+    p.add_argument("--cross-mib", type=int, default=512, help="bytes of the cross-node cache, MiB")
+    p.add_argument("--cross-reps", type=int, default=5, help="measured cross-node repetitions (>= 5)")
+    p.add_argument("--no-object-store", dest="object_store", action="store_false",
+                   help="skip the cross-node object store comparison")
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--bytes", type=int, default=0, help=argparse.SUPPRESS)
@@ -329,10 +529,12 @@ def main() -> None:
     t0 = time.perf_counter()
     figures: dict = {}
     with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp:
-        if not args.skip_cpu:
+        if (args.only or "cpu") == "cpu" and not args.skip_cpu:
             figures.update(cpu_figures(args, tmp))
-        if args.gpu:
+        if args.only == "gpu" or (args.gpu and args.only is None):
             figures.update(gpu_figures(args, tmp))
+        if args.only in (None, "cross_node"):
+            figures.update(cross_node_figures(args))
     figures["wall_s"] = round(time.perf_counter() - t0, 1)
     for k, v in figures.items():
         print(f"{k:34s} {v}", file=sys.stderr)

@@ -28,7 +28,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # deferred: each command imports only what it runs (`rlix check` needs neither torch nor Ray)
     from rlix.run import run
 
-    result = run(args.config, resume=args.resume, mode=args.mode)
+    result = run(args.config, resume=args.resume, mode=args.mode, address=args.address)
     # a run where some pipeline failed (the others finished) or served unsynced weights
     failed = [n for n, s in result["pipelines"].items()
               if s.get("version_mismatches") or s.get("state") == "failed"]
@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
     run.add_argument("--mode", choices=["rlix", "standalone"], default=None,
                      help="override control_plane (default: config, then RLIX_CONTROL_PLANE)")
+    run.add_argument("--address", default=None,
+                     help="attach to this Ray cluster (host:port or ray://host:port; default RAY_ADDRESS); "
+                          "without one a local cluster is started")
     run.set_defaults(func=_cmd_run)
 
     sim = sub.add_parser("sim", help="simulate a cluster scenario under three scheduling policies")

@@ -2,7 +2,8 @@
 
 The scheduler's ledger numbers GPUs 0..N-1, node by node (nodes in `topology_from_ray`'s
 order). `GpuReservation.reserve` turns those numbers into real devices: one placement group per
-node, one `{"GPU": 1}` bundle per GPU, pinned to the node by its `node:<ip>` resource. Ray
+node, one `{"GPU": 1}` bundle per GPU, pinned to the node by its `ray.io/node-id` label (not its
+IP: the nodes of a cluster simulated on one machine share one). Ray
 reserves a bundle's GPU for the group for as long as the group exists, so no other Ray task or
 actor can be scheduled onto it while rlix runs: the whole fraction is ours to time-share. A
 probe task in every bundle reads which device Ray gave it (`ray.get_gpu_ids()`), so GPU g is
@@ -28,7 +29,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlix.errors import ConfigError
 from rlix.scheduler.types import Topology
@@ -46,14 +47,23 @@ class GpuSlot:
     bundle: int  # index of its bundle in the node's placement group
     has_cuda: bool  # the node has NVIDIA devices (else Ray's GPUs are fake)
     memory_share: float = 1.0  # of the physical GPU's memory: 1/gpu_slices
+    node_id: str = ""  # the Ray node it is on
+
+
+def on_this_node(soft: bool = False) -> dict[str, Any]:
+    """Ray options that keep an actor on the caller's node: pipeline actors write the run dir
+    there, and a node lost elsewhere must not take a pipeline's control with it."""
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=soft)}
 
 
 @ray.remote(num_cpus=0, num_gpus=ACTOR_GPU_FRACTION)
-def _probe() -> tuple[str, list[str], int]:
-    """What a process placed in a bundle sees: its node, its GPU ids, how many NVIDIA devices
-    the node has (0: Ray's GPUs there are fake)."""
+def _probe() -> tuple[str, str, list[str], int]:
+    """What a process placed in a bundle sees: its node (address, id), its GPU ids, how many
+    NVIDIA devices the node has (0: Ray's GPUs there are fake)."""
     node_ip = ray.util.get_node_ip_address()
-    return node_ip, [str(g) for g in ray.get_gpu_ids()], len(glob.glob("/dev/nvidia[0-9]*"))
+    node_id = ray.get_runtime_context().get_node_id()
+    return node_ip, node_id, [str(g) for g in ray.get_gpu_ids()], len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 class GpuReservation:
@@ -81,9 +91,9 @@ class GpuReservation:
             if have < count:
                 raise ConfigError(f"node {node} ({info['NodeManagerAddress']}) has {have} GPU(s); the "
                                   f"cluster config asks for {count}")
-            pin = f"node:{info['NodeManagerAddress']}"
-            groups.append(placement_group([{"GPU": 1, pin: 0.001} for _ in range(count)],
-                                          strategy="STRICT_PACK", name=f"rlix-gpus-node{node}"))
+            pin = {"ray.io/node-id": info["NodeID"]}
+            groups.append(placement_group([{"GPU": 1} for _ in range(count)], strategy="STRICT_PACK",
+                                          bundle_label_selector=[pin] * count, name=f"rlix-gpus-node{node}"))
         try:
             ready = ray.get([g.ready() for g in groups], timeout=timeout_s)
             del ready
@@ -100,7 +110,7 @@ class GpuReservation:
                 probes.append((node, bundle, _probe.options(scheduling_strategy=strategy).remote()))
         slots = []
         for gpu, (node, bundle, ref) in enumerate(probes):
-            node_ip, ids, devices = ray.get(ref)
+            node_ip, node_id, ids, devices = ray.get(ref)
             physical = ids[0] if ids else str(bundle)
             if devices and physical.isdigit() and int(physical) >= devices:
                 for g in groups:
@@ -110,7 +120,7 @@ class GpuReservation:
                                   f"for more GPUs than the node has")
             for part in range(slices):
                 slots.append(GpuSlot(gpu * slices + part, node, node_ip, physical, bundle, devices > 0,
-                                     memory_share=1.0 / slices))
+                                     memory_share=1.0 / slices, node_id=node_id))
         return cls(slots, groups)
 
     @property
@@ -121,6 +131,26 @@ class GpuReservation:
     @property
     def has_cuda(self) -> bool:
         return bool(self.slots) and all(s.has_cuda for s in self.slots)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray nodes whose GPUs are reserved, in the scheduler's node order."""
+        return list(dict.fromkeys(s.node_id for s in self.slots))
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.node_ids) > 1
+
+    def node_of(self, gpus: Sequence[int]) -> str:
+        """The Ray node these GPUs are on (a process placed on them runs there)."""
+        nodes = {self.slot(g).node_id for g in gpus}
+        if len(nodes) != 1:
+            raise ConfigError(f"GPUs {list(gpus)} span {len(nodes)} nodes; one process needs one node")
+        return nodes.pop()
+
+    def gpus_on(self, node_id: str) -> list[int]:
+        """rlix's GPUs (slices included) on one Ray node."""
+        return [s.gpu for s in self.slots if s.node_id == node_id]
 
     def slot(self, gpu: int) -> GpuSlot:
         if not 0 <= gpu < len(self.slots):
@@ -148,6 +178,13 @@ class GpuReservation:
         strategy = PlacementGroupSchedulingStrategy(self.groups[slot.node],
                                                     placement_group_bundle_index=slot.bundle)
         return {"num_gpus": ACTOR_GPU_FRACTION, "scheduling_strategy": strategy}
+
+    def host_options(self, gpus: Sequence[int]) -> dict[str, Any]:
+        """Ray options that put an actor hosting a process placed on `gpus` (all on one node)
+        into the first one's bundle, so on that node; the process itself is told its GPUs
+        (`visible_devices`), the actor computes nothing."""
+        self.node_of(gpus)
+        return self.actor_options(list(gpus)[:1])
 
     def release(self) -> None:
         for g in self.groups:

@@ -14,12 +14,14 @@ import json
 import secrets
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
 import ray
 
 from rlix import env
+from rlix.simulated_cluster import SimulatedCluster
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
@@ -60,27 +62,63 @@ def prepare_run_dir(cfg: RlixConfig, config_path: str) -> Path:
     return run_dir
 
 
-def run(config_path: str, *, resume: bool = False, mode: str | None = None,
+def run(config_path: str, *, resume: bool = False, mode: str | None = None, address: str | None = None,
         out: TextIO = sys.stdout) -> dict:
     """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json,
-    whatever the ending: finished, failed, interrupted)."""
+    whatever the ending: finished, failed, interrupted). `address` (else RAY_ADDRESS) attaches
+    to a running Ray cluster; without one a local cluster is started: several simulated nodes
+    on this machine when the config asks for more than one."""
     cfg: RlixConfig = load_config(config_path)
     preflight(cfg, config_path)  # before Ray: a bad file, task or verifier fails in a second
     mode = mode or env.control_plane(cfg.control_plane)
     run_dir = prepare_run_dir(cfg, config_path)
     say = RunLog(run_dir / "run.log", out)
-    if cfg.cluster.is_auto and env.ray_address() is None:
+    address = address or env.ray_address()
+    if cfg.cluster.is_auto and address is None and not ray.is_initialized():
         raise ConfigError(f"{config_path}: cluster is auto but no Ray cluster to read GPUs from "
-                          "(set RAY_ADDRESS, or give nodes and gpus_per_node)")
-    physical = None if cfg.cluster.is_auto else cfg.cluster.physical_gpus
+                          "(give --address or set RAY_ADDRESS, or give nodes and gpus_per_node)")
     t_start = time.perf_counter()
-    if not ray.is_initialized():
-        address = env.ray_address()
-        if address:
-            ray.init(address=address, namespace="rlix", log_to_driver=False)
-        else:  # a local cluster; on CPU its GPUs are fake (num_gpus): reserved and placed all the same
-            ray.init(num_cpus=max(4, 2 * len(cfg.pipelines) + 2), num_gpus=physical, namespace="rlix",
-                     include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    simulated = None if ray.is_initialized() else _start_ray(cfg, address, run_dir, say)
+    try:
+        return _run_on_ray(cfg, config_path, mode=mode, run_dir=run_dir, say=say, resume=resume,
+                           t_start=t_start)
+    finally:
+        say.close()
+        if simulated is not None:
+            ray.shutdown()
+            simulated.shutdown()
+
+
+def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog) -> SimulatedCluster | None:
+    """Attach to `address`, or start a local cluster: one node, or as many simulated nodes as
+    the config names (the simulated cluster is returned: the caller ends it)."""
+    init = {"namespace": "rlix", "log_to_driver": False, "logging_level": "ERROR"}
+    if address:
+        try:
+            ray.init(address=address, **init)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ConfigError(f"cannot attach to the Ray cluster at {address}: {one_line(exc)}") from None
+        return None
+    cpus = max(4, 2 * len(cfg.pipelines) + 2)
+    if cfg.cluster.is_auto or int(cfg.cluster.nodes) == 1:
+        # on CPU its GPUs are fake (num_gpus): reserved and placed all the same
+        # "local": a new cluster, never one another program started on this machine
+        ray.init(address="local", num_cpus=cpus, num_gpus=None if cfg.cluster.is_auto else cfg.cluster.physical_gpus,
+                 include_dashboard=False, **init)
+        return None
+    nodes, per_node = int(cfg.cluster.nodes), int(cfg.cluster.gpus_per_node)
+    simulated = SimulatedCluster(nodes, per_node, cpus_per_node=max(2, -(-cpus // nodes)))
+    simulated.connect(**init)
+    shown = simulated.nodes()
+    (run_dir / "cluster.json").write_text(json.dumps({"address": simulated.address,
+                                                      "nodes": [asdict(n) for n in shown]}, indent=1))
+    say(f"no cluster given: simulating {nodes} nodes of {per_node} GPU(s) on this machine "
+        f"(raylet PIDs {[n.raylet_pid for n in shown]}; {run_dir / 'cluster.json'})")
+    return simulated
+
+
+def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
+                resume: bool, t_start: float) -> dict:
     gpus = topology_from_ray() if cfg.cluster.is_auto else cfg.cluster.physical_topology()
     reservation = GpuReservation.reserve(gpus, slices=cfg.cluster.gpu_slices)
     topology = gpus.sliced(cfg.cluster.gpu_slices)  # what the scheduler hands out
@@ -101,7 +139,6 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None,
         if scheduler is not None:
             ray.kill(scheduler)
         reservation.release()
-        say.close()
 
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
@@ -155,6 +192,7 @@ def _write_summary(config_path: str, mode: str, run_dir: Path, supervisor: Super
     result = {"config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
               "pipelines": summaries,
               "role_changes": supervisor.role_changes if supervisor is not None else [],
+              "lost_nodes": supervisor.lost_nodes if supervisor is not None else [],
               "ledger_audits": supervisor.ledger_audits if supervisor is not None else []}
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (run_dir / "gpu_memory.json").write_text(json.dumps(memory_ledger(summaries), indent=1))
@@ -172,11 +210,6 @@ def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:
     elif device == "cuda" and not reservation.has_cuda:
         raise ConfigError("device is cuda but the Ray cluster's GPUs are not CUDA devices "
                           "(no /dev/nvidia* on their nodes); use device: cpu or auto")
-    if device == "cuda":
-        wide = [p.name for p in cfg.pipelines if p.train_gpus > 1]
-        if wide:
-            raise ConfigError(f"pipelines {wide}: train_gpus > 1 on cuda needs one trainer process "
-                              f"per GPU, which rlix does not place yet; use train_gpus: 1")
     return DevicePlan(device=device, dtype=resolve_dtype(cfg.dtype, device), reservation=reservation,
                       release_timeout_s=cfg.release_timeout_s)
 

@@ -26,12 +26,15 @@ from rlix.config.models import PipelineConfig
 from rlix.errors import PipelineHungError, SchedulerError, one_line
 from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.runner import DevicePlan, read_metrics
+from rlix.placement import on_this_node
 from rlix.scheduler.core import gpu_roles
 
 #: how long a live pipeline may take to stop (checkpoint, leave, processes ended)
 STOP_TIMEOUT_S = 120.0
 #: how long a finished or failed pipeline may take to hand over its summary
 SUMMARY_TIMEOUT_S = 15.0
+#: how often the run checks that the nodes holding its GPUs are still in the cluster
+NODE_WATCH_S = 2.0
 
 
 @dataclass
@@ -81,6 +84,8 @@ class Supervisor:
         self.ledger_audits: list[dict] = []
         self._seen_change = role_log_from  # a shared scheduler's earlier changes are not this run's
         self._seen_restarts: int | None = None  # of the scheduler's actor (Ray restarts it)
+        self.lost_nodes: list[dict] = []  # nodes that left the cluster mid-run, with what they took
+        self._nodes_checked = 0.0
         self._last_poll = time.perf_counter()
         self._processes: dict[str, dict] = {}
 
@@ -91,7 +96,7 @@ class Supervisor:
 
     def _start(self, slot: PipelineSlot, resume: bool) -> None:
         gpus = slot.cfg.gpus if slot.cfg.gpus is not None else self.all_gpus
-        slot.actor = PipelineActor.remote(slot.cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir),
+        slot.actor = PipelineActor.options(**on_this_node()).remote(slot.cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir),
                                           api_key=self.api_key, gpus=gpus, resume=resume,
                                           devices=self.devices, vllm_python=self.vllm_python)
         slot.setup_ref, slot.run_ref, slot.progress_ref = slot.actor.setup.remote(), None, None
@@ -113,8 +118,37 @@ class Supervisor:
             self._poll_setup(timeout_s=0.0)
             self._poll_runs(timeout_s=0.25)
             self._poll_scheduler()
+            self._poll_nodes()
             self._poll_progress()
             self._check_heartbeats()
+
+    def _poll_nodes(self) -> None:
+        """Every NODE_WATCH_S: a node holding rlix GPUs that left the Ray cluster takes them out
+        of the ledger (the scheduler re-plans without them); what it took is said and kept."""
+        reservation = self.devices.reservation
+        now = time.monotonic()
+        if reservation is None or not reservation.multi_node or now - self._nodes_checked < NODE_WATCH_S:
+            return
+        self._nodes_checked = now
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for node in reservation.node_ids:
+            if node in alive or any(e["node_id"] == node for e in self.lost_nodes):
+                continue
+            gpus = reservation.gpus_on(node)
+            event: dict[str, Any] = {"node_id": node, "gpus": gpus, "at": time.time()}
+            if self.scheduler is not None:
+                try:
+                    lost = ray.get(self.scheduler.gpus_lost.remote(gpus, f"node {node[:12]} left the cluster"),
+                                   timeout=30)
+                    event.update(shards=[f"{m.pipeline}#{m.dp_rank}" for m in lost.shards],
+                                 training=lost.training, homeless=lost.homeless)
+                except Exception as exc:  # noqa: BLE001 - said, and the run goes on
+                    event["error"] = one_line(exc)
+            self.lost_nodes.append(event)
+            self.say(f"node {node[:12]} left the cluster: GPUs {gpus} lost"
+                     + (f"; shards dropped {event['shards']}" if event.get("shards") else "")
+                     + (f"; pipelines whose trainer was there: {event['homeless']}" if event.get("homeless") else "")
+                     + (f"; the scheduler was not told: {event['error']}" if event.get("error") else ""))
 
     def _poll_setup(self, timeout_s: float) -> None:
         setting_up = {s.setup_ref: s for s in self.slots.values() if s.state == "setup"}

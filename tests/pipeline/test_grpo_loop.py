@@ -1,4 +1,4 @@
-"""GrpoLoop against fakes: a step the trainer took is recorded once, even when it is cut short."""
+"""GrpoLoop against fakes (a TrainerGroup's async methods): a step the trainer took is recorded once, even when it is cut short."""
 
 from __future__ import annotations
 
@@ -10,33 +10,24 @@ from rlix.pipeline.async_grpo import GrpoLoop
 from rlix.pipeline.types import Group, Trajectory
 
 
-class _Remote:
-    """`actor.method.remote(...)` as an awaitable, like a Ray actor handle's."""
-
-    def __init__(self, fn):
-        self.remote = fn
-
-
 class FakeTrainer:
     def __init__(self) -> None:
         self.step = 0
         self.started = asyncio.Event()
         self.finish = asyncio.Event()
-        self.reload = _Remote(self._memory)
-        self.offload = _Remote(self._memory)
-        self.train_step = _Remote(self._train)
-        self.publish = _Remote(self._publish)
 
-    async def _memory(self, *args):
+    async def reload(self, *args):
         return SimpleNamespace(reserved=0, as_dict=lambda: {})
 
-    async def _train(self, samples):
+    offload = reload
+
+    async def train_step(self, samples):
         self.started.set()
         await self.finish.wait()  # the remote step runs on, whatever the caller does
         self.step += 1
         return {"loss": 0.5}
 
-    async def _publish(self, version, audit):
+    async def publish(self, version, audit):
         return SimpleNamespace(audit_s=0.0)
 
 

@@ -22,6 +22,7 @@ from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.hooks import RLixHooks
+from rlix.training.group import TrainerGroup
 from rlix.training.grpo import group_advantages
 from rlix.training.types import TrainSample
 
@@ -70,7 +71,7 @@ class GrpoLoop:
     step, `checkpoint(step)` every `checkpoint_every` steps, `record_batch(step, samples)` with
     each batch before it is trained on (record_rollouts)."""
 
-    def __init__(self, cfg: PipelineConfig, *, trainer: Any, coordinator: ShardCoordinator,
+    def __init__(self, cfg: PipelineConfig, *, trainer: TrainerGroup, coordinator: ShardCoordinator,
                  collector: TrajectoryCollector, buffer: ReplayBuffer, hooks: RLixHooks,
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
                  checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0,
@@ -127,13 +128,13 @@ class GrpoLoop:
         try:
             try:
                 # the GPU's previous holders confirmed their release; the reload also measures it
-                self._memory("acquire", gpus, await self.trainer.reload.remote(self.release_timeout_s, where))
+                self._memory("acquire", gpus, await self.trainer.reload(self.release_timeout_s, where))
                 t["reload"] = time.perf_counter()
                 groups = self.buffer.take(self.groups_per_step, version, self.max_age)
                 samples = to_samples(groups)
                 if self.record_batch is not None:
                     self.record_batch(version, samples)
-                training = asyncio.ensure_future(self.trainer.train_step.remote(samples))
+                training = asyncio.ensure_future(self.trainer.train_step(samples))
                 try:
                     metrics = await asyncio.shield(training)
                 except asyncio.CancelledError:
@@ -145,9 +146,9 @@ class GrpoLoop:
                 trained = (groups, samples, metrics)
                 t["train"] = time.perf_counter()
                 new = version + 1
-                published = await self.trainer.publish.remote(new, self.audit)
+                published = await self.trainer.publish(new, self.audit)
                 t["cache"] = time.perf_counter()
-                released = await self.trainer.offload.remote()
+                released = await self.trainer.offload()
                 self._memory("release", gpus, released)
                 check_released(released, f"the trainer of {self.name}", where)
                 t["off"] = time.perf_counter()

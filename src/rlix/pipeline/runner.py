@@ -32,6 +32,7 @@ from rlix.errors import TrainerDiedError, one_line
 from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import VLLM_DEFAULT_MEMORY_UTILIZATION, EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.actors import RayLauncher
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
 from rlix.inference.router.data_plane import DataPlaneThread
 from rlix.inference.router.router import Generation, Router
@@ -41,8 +42,9 @@ from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
 from rlix.pipeline.hooks import RLixHooks
+from rlix.pipeline.weight_routes import WeightRoutes
 from rlix.placement import GpuReservation
-from rlix.training.actor import TrainerActor
+from rlix.training.group import TrainerGroup
 from rlix.training.types import TrainSample
 
 log = logging.getLogger("rlix.pipeline")
@@ -96,6 +98,11 @@ class DevicePlan:
         """Of a GPU's memory, what one placed process may use (1/gpu_slices)."""
         return self.reservation.memory_share if self.reservation is not None else 1.0
 
+    @property
+    def multi_node(self) -> bool:
+        """The run's GPUs are on several nodes: shards are Ray actors on their GPUs' node."""
+        return self.reservation is not None and self.reservation.multi_node
+
     def visible_devices_env(self, gpus: Sequence[int]) -> dict[str, str]:
         assert self.reservation is not None
         out = {env.VISIBLE_DEVICES_VAR: self.reservation.visible_devices(gpus)}
@@ -122,11 +129,12 @@ class PipelineRunner:
         self.closing = False
         self.setup_s = 0.0
         # built by setup(), in this order; shutdown() stops whatever exists
-        self.trainer: Any = None
+        self.trainer: TrainerGroup | None = None
         self.backend: EngineBackend | None = None
         self.data_plane: DataPlaneThread | None = None
         self.router: Router | None = None
         self.fleet: ShardFleet | None = None
+        self.weight_routes: WeightRoutes | None = None  # several nodes: a cache replica per node
         self.coordinator: ShardCoordinator | None = None
         self.buffer = ReplayBuffer()
         self.collector: TrajectoryCollector | None = None
@@ -140,7 +148,8 @@ class PipelineRunner:
     async def setup(self) -> dict:
         t0 = time.perf_counter()
         path = resolve_model(self.cfg.model)
-        self.backend = make_backend(self._engine_config(str(path)))
+        self.engine_cfg = self._engine_config(str(path))
+        self.backend = make_backend(self.engine_cfg)
         self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
         # the scheduler may place shards from now on
         train_gpus = await self.hooks.reserve(self.cfg, frees_memory=self.backend.supports_sleep)
@@ -160,23 +169,25 @@ class PipelineRunner:
                 "setup_s": round(self.setup_s, 2)}
 
     async def _start_trainer(self, path: str, gpus: list[int]) -> None:
-        """The trainer, placed on its training GPUs (resumed from its checkpoint if asked), its
-        first version published. On CUDA it starts offloaded: the GPU is not its until granted."""
+        """The trainer ranks, one per training GPU, each placed on its GPU's node (resumed from
+        the checkpoint if asked), the first version published. On CUDA they start offloaded:
+        the GPUs are not theirs until granted."""
         cfg, dev = self.cfg, self.devices
-        options: dict[str, Any] = {"max_concurrency": 2}
-        if dev.reservation is not None and gpus:
-            options.update(dev.reservation.actor_options(gpus))
+        if dev.reservation is not None and gpus:  # data-parallel ranks: one process per GPU
+            ranks = [{"max_concurrency": 2, **dev.reservation.actor_options([g])} for g in gpus]
+        else:
+            ranks = [{"max_concurrency": 2}]
         extra: dict[str, Any] = {"dtype": dev.dtype} if dev.dtype else {}
         if dev.memory_share < 1:
             extra["memory_share"] = dev.memory_share
-        self.trainer = TrainerActor.options(**options).remote(
-            path, cfg.train, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
+        self.trainer = TrainerGroup.start(
+            path, cfg.train, ranks, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
             cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda",
             engine=cfg.engine, served_dtype=self.served_dtype, **extra)
         ckpt = self.checkpoint_dir
         metrics = self.dir / "metrics.jsonl"
         if self.resume and ckpt.exists():
-            self.start_step = int(await self.trainer.load_checkpoint.remote(str(ckpt)))
+            self.start_step = await self.trainer.load_checkpoint(str(ckpt))
             self.checkpointed_step = self.start_step
             self.resumed_from = f"{ckpt} at step {self.start_step}"
             rows = read_metrics(metrics)
@@ -187,12 +198,15 @@ class PipelineRunner:
             if self.resume:
                 self.resumed_from = f"no checkpoint in {ckpt}: starting at step 0"
             write_metrics(metrics, [])
-        await self.trainer.publish.remote(self.start_step, cfg.audit_weights)
-        self.trainer_placement = {"gpus": list(gpus), "pid": await self.trainer.pid.remote(),
-                                  "node_id": await self.trainer.node_id.remote(),
-                                  "visible_devices": await self.trainer.visible_devices.remote(),
-                                  "memory_share": dev.memory_share}
-        await self.trainer.offload.remote()
+        await self.trainer.publish(self.start_step, cfg.audit_weights)
+        pids, nodes = await self.trainer.pids(), await self.trainer.node_ids()
+        visible = await self.trainer.visible_devices()
+        self.trainer_placement = {"gpus": list(gpus), "pid": pids[0], "node_id": nodes[0],
+                                  "visible_devices": visible[0], "memory_share": dev.memory_share,
+                                  "ranks": [{"rank": r, "gpu": gpus[r] if r < len(gpus) else None, "pid": pids[r],
+                                             "node_id": nodes[r], "visible_devices": visible[r]}
+                                            for r in range(len(pids))]}
+        await self.trainer.offload()
 
     async def _start_shards(self, path: str) -> list[int]:
         """The router on its own thread (control calls never queue behind rollout traffic on this
@@ -209,8 +223,15 @@ class PipelineRunner:
         placed = dev.reservation is not None
         # shard logs in the run dir: a dead shard's log stays for its post-mortem, and nothing
         # is left in /tmp when the process that would clean it up is killed
-        launcher = LocalLauncher(backend, self.api_key, log_dir=str(self.dir / "shard-logs"),
-                                 placement=dev.visible_devices_env if placed else None)
+        launcher: LocalLauncher | RayLauncher
+        if dev.multi_node:  # each shard a Ray actor on its GPUs' node, its server bound to that node
+            assert dev.reservation is not None
+            launcher = RayLauncher(self.engine_cfg, self.api_key, placement=dev.reservation.host_options,
+                                   process_env=dev.visible_devices_env, node_of=dev.reservation.node_of,
+                                   log_dir=str(self.dir / "shard-logs"))
+        else:
+            launcher = LocalLauncher(backend, self.api_key, log_dir=str(self.dir / "shard-logs"),
+                                     placement=dev.visible_devices_env if placed else None)
         self.fleet = ShardFleet(launcher, self.data_plane.router_control(self.router), control,
                                 sleep_level=dev.sleep_level, release_timeout_s=dev.release_timeout_s,
                                 holder=f"pipeline {cfg.name}", supports_sleep=backend.supports_sleep,
@@ -218,10 +239,15 @@ class PipelineRunner:
                                 drain_before_sleep=vllm,
                                 # fake GPUs: a vLLM server is not restarted (a minute) to move
                                 restart_on_move=dev.device == "cuda" or not vllm)
-        self.coordinator = ShardCoordinator(self.fleet, self.trainer.sync_weights.remote, initial_version=0,
+        sync: Any = self.trainer.sync_weights
+        if dev.multi_node:  # shards off the trainer's node are synced from their node's replica
+            self.weight_routes = WeightRoutes(sync, self.trainer.ranks[0], self.trainer_placement["node_id"],
+                                              self.fleet.node_of, api_key=self.api_key, engine=backend.name)
+            sync = self.weight_routes
+        self.coordinator = ShardCoordinator(self.fleet, sync, initial_version=0,
                                             wake_in_sync=True,  # our engine serves /sync_weights
                                             placed=placed,
-                                            audit=self.trainer.weight_checksums.remote if cfg.audit_weights else None,
+                                            audit=self.trainer.weight_checksums if cfg.audit_weights else None,
                                             served_checksums=vllm_checksums if vllm else None)
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
@@ -325,7 +351,7 @@ class PipelineRunner:
         that only times out (a busy trainer) is not death."""
         assert self.coordinator is not None
         try:
-            await asyncio.wait_for(self.trainer.pid.remote(), TRAINER_PING_TIMEOUT_S)
+            await asyncio.wait_for(self.trainer.ping(), TRAINER_PING_TIMEOUT_S)
         except asyncio.TimeoutError:
             return False
         except ray.exceptions.RayActorError as exc:
@@ -341,10 +367,12 @@ class PipelineRunner:
         """This pipeline's processes by PID (the fault tests kill them; operators look here)."""
         launcher = self.fleet.launcher if self.fleet is not None else None
         return {"pipeline": os.getpid(), "trainer": self.trainer_placement.get("pid"),
+                "trainer_ranks": [r["pid"] for r in self.trainer_placement.get("ranks", [])],
                 "trainer_node": self.trainer_placement.get("node_id"),
                 "shard_guards": dict(launcher.pids()) if launcher is not None else {},
                 "shards": dict(launcher.server_pids()) if hasattr(launcher, "server_pids") else {},
                 "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {},
+                "shard_nodes": {r: self.fleet.node_of(r) for r in self.fleet.shards} if self.fleet else {},
                 "active_shards": self.fleet.active_ranks() if self.fleet else [],
                 **(self.env.processes() if self.env is not None else {})}
 
@@ -372,7 +400,7 @@ class PipelineRunner:
         leaves the previous checkpoint whole."""
         final, new, old = self.checkpoint_dir, self.dir / "checkpoint" / "trainer.new", self.dir / "checkpoint" / "trainer.old"
         shutil.rmtree(new, ignore_errors=True)
-        saved = int(await self.trainer.save_checkpoint.remote(str(new)))
+        saved = await self.trainer.save_checkpoint(str(new))
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             final.rename(old)
@@ -452,6 +480,7 @@ class PipelineRunner:
             "device": self.devices.device, "gpu_memory": self.memory_log(),
             "trainer_placement": self.trainer_placement,
             "shard_placements": list(self.fleet.placements) if self.fleet is not None else [],
+            "replications": list(self.weight_routes.replications) if self.weight_routes is not None else [],
             **({"env": self.env.stats()} if self.env is not None else {}),
         }
 
@@ -488,7 +517,8 @@ class PipelineRunner:
             await timed("data plane", self.data_plane.stop())
         if self.fleet is not None:
             await timed("shards", self.fleet.shutdown())
+        if self.weight_routes is not None:
+            await timed("weight replicas", self.weight_routes.close())
         if self.trainer is not None:
-            await timed("trainer", self.trainer.close.remote())
-            ray.kill(self.trainer)
+            await timed("trainer", self.trainer.close())
         return took

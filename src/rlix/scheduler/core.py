@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rlix.errors import LedgerError, SchedulerError, UnknownPipelineError
@@ -46,6 +46,17 @@ class Unregistered:
     shards: list[ShardMove]
     freed_gpus: list[int]
     cancelled: list[GpuRequest]
+
+
+@dataclass(frozen=True)
+class LostGpus:
+    """What a node leaving took: every GPU lost so far, the shards that were on them, the
+    pipelines that were training there, and those whose training home was there."""
+
+    gpus: list[int]
+    shards: list[ShardMove]
+    training: list[str]
+    homeless: list[str]
 
 
 class SchedulerCore:
@@ -113,6 +124,19 @@ class SchedulerCore:
         self.progress.pop(name, None)
         log.info("unregistered pipeline %s; GPUs %s return to the pool", name, freed)
         return Unregistered(name, shards, freed, cancelled)
+
+    def gpus_lost(self, gpus: Iterable[int]) -> LostGpus:
+        """GPUs whose node left the cluster: the holdings on them are dropped, and pipelines
+        whose training home was there can never train again (the caller fails them)."""
+        dropped = self.ledger.mark_lost(gpus)
+        self._note_roles()
+        lost = set(self.ledger.lost)
+        homeless = sorted(n for n, home in self.ledger.train_home.items() if home & lost)
+        shards = [ShardMove(h.pipeline, h.dp_rank, h.gpus) for h in dropped if h.role is Role.GENERATE]
+        training = sorted({h.pipeline for h in dropped if h.role is Role.TRAIN})
+        log.warning("GPUs %s left the cluster: dropped %d shard(s), training of %s; homes lost: %s",
+                    sorted(lost), len(shards), training, homeless)
+        return LostGpus(sorted(lost), shards, training, homeless)
 
     def require(self, name: str) -> PipelineSpec:
         spec = self.ledger.pipelines.get(name)

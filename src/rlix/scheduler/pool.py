@@ -27,6 +27,8 @@ class Pool:
         self.ranks: dict[str, set[int]] = {name: set() for name in ledger.pipelines}
         self.per_node: dict[str, list[int]] = {}
         self.free_on_node = [0] * self.topology.num_nodes
+        for g in ledger.lost:  # gone with their node: never free again
+            self.state[g] = LOCKED
         for g, key in enumerate(self.state):
             if key is None:
                 self.free_on_node[self.node_of[g]] += 1

@@ -26,10 +26,11 @@ from collections.abc import Callable, Mapping
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.experimental import internal_kv
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlix import env
 from rlix.errors import SchedulerError, SchedulerStateError, UnknownPipelineError
-from rlix.scheduler.core import PlanFn, SchedulerCore, parse_stage
+from rlix.scheduler.core import LostGpus, PlanFn, SchedulerCore, parse_stage
 from rlix.scheduler.executor import PlanExecutor, ReassertFn, ResizeFn, ray_reassert, ray_resize
 from rlix.scheduler.persistence import SchedulerPersistence, ServiceState
 from rlix.scheduler.planner import PlannerParams
@@ -40,6 +41,7 @@ from rlix.scheduler.types import (
     PipelineSpec,
     Plan,
     Progress,
+    ShardMove,
     Stage,
     Topology,
 )
@@ -202,6 +204,23 @@ class AsyncScheduler:
                     name, reason, gone.freed_gpus)
         self._fail_waiters(name, f"pipeline {name!r} failed: {reason}")
         self._replan(f"{name} failed")
+
+    def gpus_lost(self, gpus: list[int], reason: str) -> LostGpus:
+        """A node left the cluster with these GPUs: they leave the ledger for good. Pipelines
+        that had shards there are told to forget them (their processes went with the node);
+        those whose training home was there can never train again and fail; the rest carry on."""
+        lost = self.core.gpus_lost(gpus)
+        shards: dict[str, list[ShardMove]] = {}
+        for move in lost.shards:
+            shards.setdefault(move.pipeline, []).append(move)
+        for name, moves in shards.items():
+            resize = self._coordinators.get(name)
+            if resize is not None:
+                self.executor.submit(Plan(shrinks=moves), {name: resize})
+        for name in lost.homeless:
+            self.pipeline_failed(name, f"its training GPUs were lost ({reason})")
+        self._replan(f"GPUs {sorted(gpus)} lost")
+        return lost
 
     async def request(self, pipeline: str, stage: Stage | str | int, gpus: int,
                       progress: Progress | None = None) -> list[int]:
@@ -599,6 +618,14 @@ class SchedulerService:
         self._drop_handle(name)
         self._sched.pipeline_failed(name, reason)
 
+    async def gpus_lost(self, gpus: list[int], reason: str) -> LostGpus:
+        """The run saw a node leave with these GPUs (see AsyncScheduler.gpus_lost)."""
+        self._start()
+        lost = self._sched.gpus_lost(gpus, reason)
+        for name in lost.homeless:
+            self._drop_handle(name)
+        return lost
+
     def _drop_handle(self, name: str) -> None:
         if self._handles.pop(name, None) is not None or self._departed.pop(name, None) is not None:
             self._save_handles()
@@ -719,6 +746,9 @@ def start_scheduler(topology: Topology | str | None = None, params: PlannerParam
                      "max_restarts": -1, "max_task_retries": -1}
     if detached:
         options["lifetime"] = "detached"
+    else:  # beside the run's driver: a lost node elsewhere leaves it be
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)
     handle = SchedulerService.options(**options).remote(
         topology, params, liveness_interval_s=liveness_interval_s, call_timeout_s=call_timeout_s,
         real_gpus=real_gpus)

@@ -40,6 +40,8 @@ class Ledger:
         # the rollout floor serves the longest-waiting first, so names never decide who starves
         self.shardless_since: dict[str, int] = {}
         self.version = 0  # bumped on every change; lets callers cache derived views
+        # GPUs whose node left the cluster: nothing is placed on them again
+        self.lost: set[int] = set()
 
     # ------------------------------------------------------------------ pipelines
     def register(self, spec: PipelineSpec) -> None:
@@ -107,7 +109,7 @@ class Ledger:
         return self.train_home.get(pipeline, frozenset())
 
     def idle_gpus(self) -> list[int]:
-        return [g for g, key in enumerate(self.owner) if key is None]
+        return [g for g, key in enumerate(self.owner) if key is None and g not in self.lost]
 
     def gpus_of(self, pipeline: str) -> list[int]:
         return sorted(g for h in self.holdings.values() if h.pipeline == pipeline for g in h.gpus)
@@ -163,6 +165,18 @@ class Ledger:
                 self.shardless_since.setdefault(name, self.version)
         self.version += 1
         self.check_invariants()
+
+    def mark_lost(self, gpus: Iterable[int]) -> list[Holding]:
+        """GPUs that left the cluster with their node: every holding on one is dropped (its
+        processes went with the node) and no plan uses them again. Returns the holdings dropped."""
+        lost = {int(g) for g in gpus if 0 <= int(g) < self.topology.num_gpus} - self.lost
+        dropped = [h for h in self.holdings.values() if lost & set(h.gpus)]
+        for h in dropped:
+            self._drop(h.key)
+        self.lost |= lost
+        self.version += 1
+        self.check_invariants()
+        return dropped
 
     def release(self, pipeline: str, stage: Stage) -> list[int]:
         """A pipeline gives back the GPUs it holds for a non-rollout stage."""
@@ -237,6 +251,9 @@ class Ledger:
         bad = [g for g in h.gpus if not 0 <= g < n]
         if bad:
             raise LedgerError(f"{h.key}: GPUs {bad} do not exist (cluster has {n})")
+        gone = sorted(set(h.gpus) & self.lost)
+        if gone:
+            raise LedgerError(f"{h.key}: GPUs {gone} left the cluster with their node")
         self._check_shape(h, spec)
 
     @staticmethod
@@ -289,6 +306,7 @@ class Ledger:
             "gpus": self.topology.num_gpus,
             "nodes": list(self.topology.gpus_per_node),
             "idle": self.idle_gpus(),
+            "lost": sorted(self.lost),
             "holdings": [
                 {
                     "pipeline": h.pipeline,

@@ -11,6 +11,7 @@ version. Remote callers get typed summaries, never the tensors.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,6 +28,7 @@ from rlix.errors import WeightCacheError
 from rlix.threads import yield_cores_to_control
 from rlix.training.trainer import PolicyTrainer
 from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
+from rlix.weights import relay
 from rlix.weights.api import SyncReport
 from rlix.weights.buckets import tensor_checksums
 from rlix.weights.http_endpoint import HttpShardEndpoint
@@ -126,6 +128,14 @@ class TrainerActor:
             self._pusher = ShardWeightPusher(lambda: self.trainer.cache, self.api_key, endpoint=endpoint)
         return self._pusher.sync(version, {int(r): u for r, u in shards.items()}, wake)
 
+    def send_version(self, version: int, host: str, port: int) -> float:
+        """Stream cached `version` to a replica on another node (a NodeCacheActor listening at
+        host:port, rlix.weights.relay), where this cache's shared memory cannot be mapped;
+        returns the seconds it took. The version is leased meanwhile, so no build overwrites it."""
+        if self.trainer.cache is None:
+            raise WeightCacheError("no weight cache yet: publish a version first")
+        return relay.send_version(self.trainer.cache, int(version), host, int(port))
+
     def offload(self) -> DeviceMemory:
         """Offload, then the device memory measured afterwards (the release confirmation)."""
         return self.trainer.offload()
@@ -140,6 +150,14 @@ class TrainerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now: the master address of a data-parallel step
+        (rank 0's; a fresh port per step, so no communicator outlives its step)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), int(port)
 
     def node_id(self) -> str:
         """The Ray node this trainer runs on (where its shared-memory cache lives)."""

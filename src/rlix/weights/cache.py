@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -136,13 +136,23 @@ class BucketCache:
     def build_latest(self, version: int, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         """Snapshot `source` (a model, or its gathered state dict) as `version` and make it latest.
         Raises WeightCacheError if the slot it would overwrite is being synced."""
-        version = int(version)
         tensors = named_weights(source)
+        self.write_version(version, lambda buckets: pack(self.layout, tensors, buckets))
+
+    def write_version(self, version: int, fill: Callable[[list[torch.Tensor]], None], *,
+                      checksums: list[int] | None = None) -> None:
+        """Fill `version`'s slot by calling `fill(buckets)` on its empty bucket views, then make it
+        latest. What build_latest does with packing, for a fill from raw bytes (a node's replica
+        filled from the network, rlix.weights.relay). The slot is picked exactly as a build picks
+        it, so the active version and leased slots are never overwritten; if `fill` raises, the
+        version is left absent and the other versions untouched. `checksums`: the buckets'
+        checksums when the caller already verified them (kept, not recomputed)."""
+        version = int(version)
         with self._lock:
             slot = self._pick_slot(version)
             slot.version, slot.building, slot.checksums = None, True, None
         try:
-            pack(self.layout, tensors, slot.buckets)
+            fill(list(slot.buckets))
         except BaseException:
             with self._lock:
                 slot.building = False
@@ -151,6 +161,7 @@ class BucketCache:
             raise
         with self._lock:
             slot.version, slot.building = version, False
+            slot.checksums = list(checksums) if checksums is not None else None
             self.latest_version = version
 
     def _pick_slot(self, version: int) -> _Slot:

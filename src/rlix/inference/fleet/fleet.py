@@ -181,15 +181,26 @@ class ShardFleet:
                 await self.kill(rank)
             url = await self.launcher.start(rank, want)
             self.shards[rank] = ShardInfo(rank, url, gpus=want)
-            pid = self.launcher.pids().get(rank)
-            self.placements.append({"rank": rank, "gpus": list(want), "pid": pid, "at": time.time(),
-                                    "visible_devices": env.process_visible_devices(pid) if pid else None,
-                                    "memory_share": env.process_env(pid, env.GPU_MEMORY_SHARE_VAR) if pid else None})
+            self.placements.append({"rank": rank, "gpus": list(want), "at": time.time(), **self._process_info(rank)})
             self.client.shard_urls[rank] = url
             await self.router.set_shard(rank, url, ShardState.INACTIVE.value)
             return True
         started = await self._each(sorted(int(r) for r in gpus_of), one)
         return [r for r, new in started.items() if new]
+
+    def _process_info(self, rank: int) -> dict:
+        """Where a rank's process runs, read from the process (its node's launcher asks there)."""
+        info = getattr(self.launcher, "process_info", None)
+        if info is not None:
+            return info(rank)
+        pid = self.launcher.pids().get(rank)
+        return {"pid": pid, "visible_devices": env.process_visible_devices(pid) if pid else None,
+                "memory_share": env.process_env(pid, env.GPU_MEMORY_SHARE_VAR) if pid else None}
+
+    def node_of(self, rank: int) -> str | None:
+        """The Ray node a rank's process runs on, where the launcher knows (None: this one)."""
+        fn = getattr(self.launcher, "node_of_rank", None)
+        return fn(rank) if fn is not None else None
 
     def _sees_the_same(self, old: Sequence[int], new: Sequence[int]) -> bool:
         """A process placed on `old` would be started on `new` with the same environment."""

@@ -1,0 +1,254 @@
+"""TrainerGroup: one pipeline's data-parallel trainer ranks (one TrainerActor each) as one object.
+
+`train_gpus > 1` runs the policy as `n` identical ranks: every step splits the batch across
+them and all-reduces the gradients in a process group that lives only for that step (a fresh
+rendezvous on rank 0's node, see trainer.py), so the ranks hold identical weights afterwards.
+Hence what concerns the weights (publish, sync, audit, save) runs on rank 0 only, and what
+concerns every rank's GPU or state (reload, offload, train, load) runs on all of them at once.
+
+A plain class with async methods, used from the pipeline's event loop; a one-rank group behaves
+exactly like the single TrainerActor it wraps (its errors pass through unchanged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from rlix.config.models import TrainConfig
+from rlix.devices import DeviceMemory
+from rlix.errors import RlixError, TrainerDiedError, TrainingError, one_line
+from rlix.training.actor import TrainerActor
+from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
+from rlix.weights.api import SyncReport
+
+#: how long close() waits for a rank's own cleanup (it may be stuck in a step) before killing it
+CLOSE_TIMEOUT_S = 10.0
+
+
+def _died(exc: BaseException) -> bool:
+    """The rank's process is gone (a merely unreachable actor is not dead)."""
+    return isinstance(exc, ray.exceptions.RayActorError) and not isinstance(
+        exc, ray.exceptions.ActorUnavailableError)
+
+
+def _first_failure(results: Sequence[Any]) -> tuple[int, BaseException] | None:
+    """The lowest failed rank, a dead one before any other (its death is what failed the rest)."""
+    failed = [(r, x) for r, x in enumerate(results) if isinstance(x, BaseException)]
+    return min(failed, key=lambda f: (not _died(f[1]), f[0])) if failed else None
+
+
+def _worst(reports: Sequence[DeviceMemory]) -> DeviceMemory:
+    """The measurement the GPU hand-off must judge by: most memory still reserved, then least free."""
+    return max(reports, key=lambda m: (m.reserved, -(m.device_free or 0)))
+
+
+def split_batch(samples: Sequence[TrainSample], world_size: int) -> list[list[TrainSample]]:
+    """Contiguous shares whose sizes differ by at most one; every rank gets at least one sample
+    (an empty share cannot take part in the step's collectives like the others)."""
+    if len(samples) < world_size:
+        raise TrainingError(f"a batch of {len(samples)} samples cannot be split over {world_size} "
+                            "data-parallel trainer ranks: each rank needs at least one sample")
+    base, extra = divmod(len(samples), world_size)
+    out, start = [], 0
+    for r in range(world_size):
+        size = base + (1 if r < extra else 0)
+        out.append(list(samples[start:start + size]))
+        start += size
+    return out
+
+
+class TrainerGroup:
+    """The trainer ranks of one pipeline; see the module doc. Build it with `start`."""
+
+    def __init__(self, ranks: Sequence[Any], *, step_timeout_s: float = 300.0) -> None:
+        if not ranks:
+            raise TrainingError("a trainer group needs at least one rank")
+        self.ranks: list[Any] = list(ranks)
+        self.step_timeout_s = float(step_timeout_s)
+        self._pids: list[int | None] = [None] * len(self.ranks)  # known once pids() ran
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def start(cls, model_path: str, train_cfg: TrainConfig | None, rank_options: Sequence[Mapping[str, Any]],
+              *, step_timeout_s: float = 300.0, **trainer_kwargs: Any) -> TrainerGroup:
+        """One TrainerActor per entry of `rank_options` (its Ray placement), rank r of n. The
+        keyword arguments (seed included) go to every rank alike, so the ranks start identical.
+        `step_timeout_s` bounds each step's collectives (GroupSpec.timeout_s): a rank whose peer
+        died fails after it rather than waiting forever."""
+        if not rank_options:
+            raise TrainingError("a trainer group needs at least one rank (rank_options is empty)")
+        clash = {"rank", "world_size"} & trainer_kwargs.keys()
+        if clash:
+            raise TrainingError(f"the group sets {sorted(clash)} itself (one rank per rank_options entry)")
+        n = len(rank_options)
+        ranks = [TrainerActor.options(**dict(opts)).remote(model_path, train_cfg, rank=r, world_size=n,
+                                                           **trainer_kwargs)
+                 for r, opts in enumerate(rank_options)]
+        return cls(ranks, step_timeout_s=step_timeout_s)
+
+    # -- errors -----------------------------------------------------------------------------
+    def _rank_error(self, rank: int, exc: BaseException) -> BaseException:
+        """`exc` raised by `rank`, as an error that names the rank (several ranks: an error on
+        rank 1 must not read as the pipeline's only trainer). A dead rank is TrainerDiedError;
+        rlix's own errors keep their type; anything else becomes a TrainingError."""
+        if self.world_size == 1:
+            return exc
+        pid = self._pids[rank]
+        who = f"trainer rank {rank} of {self.world_size}" + (f" (pid {pid})" if pid is not None else "")
+        if _died(exc):
+            return TrainerDiedError(f"{who} died: {one_line(exc)}")
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, RlixError):
+            try:
+                return type(cause)(f"{who}: {cause}")
+            except TypeError:  # an error type built from more than a message
+                pass
+        return TrainingError(f"{who} failed: {one_line(exc)}")
+
+    def _raise_first(self, results: Sequence[Any]) -> None:
+        """Raise for the first failed rank (see `_first_failure`), naming it."""
+        first = _first_failure(results)
+        if first is not None:
+            err = self._rank_error(*first)
+            if err is first[1]:
+                raise err
+            raise err from first[1]
+
+    async def _on_all(self, calls: Iterable[Awaitable[Any]]) -> list[Any]:
+        """Every rank's result, in rank order, once all have answered; the first failure (by
+        `_raise_first`) raised after that, so no call is left running behind the error."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        self._raise_first(results)
+        return list(results)
+
+    async def _on_all_raw(self, calls: Iterable[Awaitable[Any]]) -> list[Any]:
+        """Like `_on_all`, but the lowest failed rank's own exception is raised (a note names
+        the rank), so callers can tell a dead rank (RayActorError) from a busy one."""
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        first = _first_failure(results)
+        if first is not None:
+            first[1].add_note(f"trainer rank {first[0]} of {self.world_size}")
+            raise first[1]
+        return list(results)
+
+    # -- GPU hand-off -----------------------------------------------------------------------
+    async def reload(self, timeout_s: float = 60.0, where: str | Sequence[str] | None = None) -> DeviceMemory:
+        """Every rank back on its GPU (each waits until its GPU has room, measured). `where`
+        names the GPUs in errors: one label for all ranks, or one per rank. Returns the worst
+        rank's measurement."""
+        labels = [where] * self.world_size if where is None or isinstance(where, str) else list(where)
+        if len(labels) != self.world_size:
+            raise TrainingError(f"{len(labels)} GPU labels for {self.world_size} trainer ranks")
+        reports = await self._on_all(a.reload.remote(timeout_s, g) for a, g in zip(self.ranks, labels))
+        return _worst(reports)
+
+    async def offload(self) -> DeviceMemory:
+        """Every rank off its GPU; the worst rank's measurement afterwards, since the release
+        check must hold for every GPU the group gives back."""
+        return _worst(await self._on_all(a.offload.remote() for a in self.ranks))
+
+    # -- the step ---------------------------------------------------------------------------
+    async def _group_spec_base(self) -> tuple[str, int]:
+        """Rank 0's node IP and a port free there: the step's rendezvous (a fresh port per step,
+        so no communicator outlives its step)."""
+        try:
+            return await self.ranks[0].rendezvous_address.remote()
+        except Exception as exc:  # noqa: BLE001 - named by rank
+            self._raise_first([exc])
+            raise
+
+    async def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """One data-parallel step: contiguous balanced shares, every rank at once; rank 0's
+        metrics (the trainer all-reduces loss and token counts, so they are the batch's). The
+        first rank to fail fails the step at once, naming the rank: the others are then stuck in
+        a collective only until `step_timeout_s`, and are not waited for."""
+        shares = split_batch(samples, self.world_size)
+        if self.world_size == 1:
+            return await self.ranks[0].train_step.remote(shares[0])
+        host, port = await self._group_spec_base()
+        tasks = [asyncio.ensure_future(actor.train_step.remote(
+                     share, GroupSpec(host, port, r, self.world_size, timeout_s=self.step_timeout_s)))
+                 for r, (actor, share) in enumerate(zip(self.ranks, shares))]
+        for t in tasks:  # a rank left behind a failed step still fails later: consume its error
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)  # all done, or one failed
+        self._raise_first([t.exception() if t.done() else None for t in tasks])
+        return tasks[0].result()
+
+    # -- weights: rank 0 holds the cache (the ranks' weights are identical) -----------------
+    async def publish(self, version: int, audit: bool = False) -> PublishedVersion:
+        """Rank 0 snapshots its weights into its cache as `version` (see TrainerActor.publish)."""
+        return await self.ranks[0].publish.remote(version, audit)
+
+    async def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
+        """Rank 0 moves these shards to cached `version` (see TrainerActor.sync_weights)."""
+        return await self.ranks[0].sync_weights.remote(version, dict(shards), list(wake))
+
+    async def weight_checksums(self, version: int) -> dict[str, int | str]:
+        """Rank 0's checksums of a version published with `audit`."""
+        return await self.ranks[0].weight_checksums.remote(version)
+
+    async def send_version(self, version: int, host: str, port: int) -> float:
+        """Rank 0 streams cached `version` to a node cache at host:port (see
+        TrainerActor.send_version); the seconds it took."""
+        return float(await self.ranks[0].send_version.remote(version, host, port))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    async def save_checkpoint(self, path: str) -> int:
+        """Rank 0 saves (its weights and optimizer state are every rank's); the step saved."""
+        return int(await self.ranks[0].save_checkpoint.remote(path))
+
+    async def load_checkpoint(self, path: str) -> int:
+        """Every rank resumes from `path` (a filesystem all the ranks' nodes see); the step,
+        which every rank must agree on."""
+        steps = [int(s) for s in await self._on_all(a.load_checkpoint.remote(path) for a in self.ranks)]
+        if len(set(steps)) != 1:
+            raise TrainingError(f"the trainer ranks loaded different steps from {path}: {steps}")
+        return steps[0]
+
+    # -- processes --------------------------------------------------------------------------
+    async def pids(self) -> list[int]:
+        """Every rank's process id, in rank order (raises the RayActorError of a dead rank)."""
+        pids = await self._on_all_raw(a.pid.remote() for a in self.ranks)
+        self._pids = list(pids)
+        return pids
+
+    async def pid(self) -> int:
+        """Rank 0's process id."""
+        self._pids[0] = int(await self.ranks[0].pid.remote())
+        return self._pids[0]
+
+    async def node_ids(self) -> list[str]:
+        """The Ray node of every rank (where its shared-memory cache would live)."""
+        return await self._on_all_raw(a.node_id.remote() for a in self.ranks)
+
+    async def visible_devices(self) -> list[str | None]:
+        """CUDA_VISIBLE_DEVICES of every rank, as placement set it."""
+        return await self._on_all_raw(a.visible_devices.remote() for a in self.ranks)
+
+    async def ping(self) -> None:
+        """Every rank answers; ray.exceptions.RayActorError if one died (the rank in its notes)."""
+        await self.pids()
+
+    async def close(self) -> None:
+        """Free every rank's cache, then kill every rank. Never raises: a rank may be dead
+        already, or stuck in a failed step's collective (its close is waited for a bounded time)."""
+        async def close_one(actor: Any) -> None:
+            try:
+                await asyncio.wait_for(actor.close.remote(), CLOSE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - dead or stuck: killed below either way
+                pass
+
+        await asyncio.gather(*(close_one(a) for a in self.ranks))
+        for actor in self.ranks:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
