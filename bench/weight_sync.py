@@ -21,8 +21,9 @@ CPU (always):
   nccl_cache_sync_vs_h2d_bound    host cache (pinned) -> the same shard: staged to cuda:0 then
                                   broadcast, vs max(pinned H2D copy, raw broadcast); a cache in
                                   host memory cannot beat its own host->GPU copy.
-Cross-node (always; alone with --only cross_node), on a 2-node Ray cluster simulated on this
-host (ray.cluster_utils.Cluster), a --cross-mib cache of bf16 buckets on node A:
+Cross-node (with the CPU part, not with --skip-cpu; alone with --only cross_node), on a 2-node
+Ray cluster simulated on this host (ray.cluster_utils.Cluster), a --cross-mib cache of bf16
+buckets on node A:
   cross_node_sync_vs_socket       NodeCacheActor.ensure on node B (the version streamed over TCP
                                   by rlix.weights.relay into B's replica cache) vs a plain socket
                                   copy of the same bytes between an actor on A and one on B
@@ -533,7 +534,7 @@ def main() -> None:
             figures.update(cpu_figures(args, tmp))
         if args.only == "gpu" or (args.gpu and args.only is None):
             figures.update(gpu_figures(args, tmp))
-        if args.only in (None, "cross_node"):
+        if args.only == "cross_node" or (args.only is None and not args.skip_cpu):
             figures.update(cross_node_figures(args))
     figures["wall_s"] = round(time.perf_counter() - t0, 1)
     for k, v in figures.items():

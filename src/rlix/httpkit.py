@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from rlix.errors import ConfigError
+
 STREAM_LIMIT = 16 * 2**20  # longest line readuntil accepts (long prompt_token_ids in SSE)
 _TRANSPORT = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)
 
@@ -28,6 +30,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def check_ray_address(address: str, timeout_s: float = 3.0) -> None:
+    """A Ray address (`host:port` or `ray://host:port`) must accept a connection within
+    `timeout_s`: Ray itself retries an unreachable one for minutes. "auto" is left to Ray.
+    ConfigError (one line) otherwise."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[1] if "://" in address else address
+    host, _, port = hostport.rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"Ray address {address!r} (--address or RAY_ADDRESS): give host:port or "
+                          "ray://host:port (e.g. 10.0.0.1:6379)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"no Ray cluster answers at {address} ({exc.strerror or exc})") from None
 
 
 def bearer(api_key: str) -> dict[str, str]:

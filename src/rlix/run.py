@@ -27,6 +27,7 @@ from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
 from rlix.devices import resolve_dtype
 from rlix.errors import ConfigError, PipelineFailedError, one_line
+from rlix.httpkit import check_ray_address
 from rlix.pipeline.runner import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.scheduler.planner import PlannerParams
@@ -94,6 +95,7 @@ def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog)
     the config names (the simulated cluster is returned: the caller ends it)."""
     init = {"namespace": "rlix", "log_to_driver": False, "logging_level": "ERROR"}
     if address:
+        check_ray_address(address)
         try:
             ray.init(address=address, **init)
         except (ConnectionError, RuntimeError, ValueError) as exc:

@@ -22,6 +22,7 @@ import ray
 import yaml
 
 from rlix.run import run
+from rlix.simulated_cluster import SimulatedCluster
 
 pytestmark = pytest.mark.slow
 
@@ -145,3 +146,25 @@ def test_a_killed_node_leaves_the_ledger_and_the_pipelines_elsewhere_go_on(tmp_p
     assert f"node {dead[:12]} left the cluster: GPUs {lost[0]['gpus']} lost" in log
     audits = summary["ledger_audits"]
     assert audits and all(a["ok"] for a in audits), audits
+
+
+def test_run_attaches_to_a_running_cluster_and_reads_its_nodes_and_gpus(tmp_path, fresh_ray):
+    cluster = SimulatedCluster(nodes=2, gpus_per_node=1, cpus_per_node=4)
+    try:
+        path = config(tmp_path, 2, cluster={"nodes": "auto", "gpus_per_node": "auto"})
+        cfg = yaml.safe_load(Path(path).read_text())
+        cfg["pipelines"] = cfg["pipelines"][1:]  # one pipeline: shards on both nodes between steps
+        Path(path).write_text(yaml.safe_dump(cfg))
+        summary = run(path, address=cluster.address)
+        nodes = {n.node_id for n in cluster.nodes()}
+        (p,) = summary["pipelines"].values()
+        assert p["state"] == "done" and p["steps"] == 2, p.get("error")
+        assert {s["node_id"] for s in p["shard_placements"]} == nodes
+        assert p["checksum_mismatches"] == [] and p["version_mismatches"] == []
+        assert "2 GPU(s)" in (tmp_path / "run" / "run.log").read_text()
+        assert not (tmp_path / "run" / "cluster.json").exists(), "attached: nothing simulated by the run"
+        # the run leaves the cluster it attached to as it found it: up
+        assert all(alive(n.raylet_pid) for n in cluster.nodes())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,8 @@ from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, parse_quotas
 from rlix.cluster.registry import get_registry
 from rlix.config import load_config
 from rlix.config.preflight import preflight
-from rlix.errors import ConfigError, SchedulerError
+from rlix.errors import ConfigError
+from rlix.httpkit import check_ray_address
 
 #: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
 UP_TIMEOUT_S = 120.0
@@ -77,17 +77,8 @@ def cluster_address(address: str | None = None) -> str:
 
 
 def reachable(address: str, timeout_s: float = 3.0) -> None:
-    """A `host:port` address must accept a connection within `timeout_s` (Ray itself would
-    retry for minutes); "auto" and ray:// addresses are left to Ray."""
-    if address == "auto" or "://" in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise SchedulerError(f"--address {address!r}: give host:port (e.g. 10.0.0.1:6379) or auto")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        raise SchedulerError(f"no Ray cluster answers at {address} ({exc.strerror or exc})") from None
+    """See httpkit.check_ray_address (Ray itself would retry an unreachable one for minutes)."""
+    check_ray_address(address, timeout_s)
 
 
 def connect(address: str | None = None) -> str:

@@ -7,6 +7,8 @@ buckets.py        layout (computed once) and packing           wire.py   the wir
 cache.py          versioned host cache (latest + active)       transport/  local, shm, cuda_ipc, nccl
 sync.py           WeightSync: selective sync to a set of DP ranks (the driver)
 push.py           the driver in the trainer's process, over HTTP
+relay.py          a cached version streamed over TCP into another node's replica
+node_cache.py     NodeCacheActor: a pipeline's cache replica on one node, and its syncs
 http_endpoint.py  the one HTTP client of a shard's weight endpoints
 shard_updater.py  a shard's end: buckets in, the engine's update protocol out
 """

@@ -118,11 +118,9 @@ def send_version(cache: BucketCache, version: int, host: str, port: int,
     WeightLayoutError or WeightChecksumError (the receiver refused), WeightCacheError (not cached)."""
     where = f"relay of version {version} to {host}:{port}"
     version = int(version)
-    layout = cache.layout
-    sums = cache.checksums(version) if checksums else None
-    head = encode_header(layout, version, sums)
     t0 = time.perf_counter()
     with cache.lease(version) as buckets:
+        head = encode_header(cache.layout, version, cache.checksums(version) if checksums else None)
         try:
             sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         except OSError as exc:
