@@ -28,7 +28,7 @@ from rlix import env
 from rlix.agents.environment import PipelineEnvironment
 from rlix.config.models import PipelineConfig
 from rlix.envs import make_task
-from rlix.errors import TrainerDiedError, one_line
+from rlix.errors import ConfigError, TrainerDiedError, one_line
 from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import VLLM_DEFAULT_MEMORY_UTILIZATION, EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
@@ -174,6 +174,11 @@ class PipelineRunner:
         the GPUs are not theirs until granted."""
         cfg, dev = self.cfg, self.devices
         if dev.reservation is not None and gpus:  # data-parallel ranks: one process per GPU
+            devices = [(dev.reservation.slot(g).node_id, dev.reservation.slot(g).physical) for g in gpus]
+            if dev.device == "cuda" and len(set(devices)) < len(devices):
+                raise ConfigError(f"{cfg.name}: its {len(gpus)} trainer ranks would share a GPU (training GPUs "
+                                  f"{list(gpus)} are slices of fewer devices); NCCL needs one device per "
+                                  f"rank: use train_gpus: 1 with gpu_slices, or whole GPUs")
             ranks = [{"max_concurrency": 2, **dev.reservation.actor_options([g])} for g in gpus]
         else:
             ranks = [{"max_concurrency": 2}]
