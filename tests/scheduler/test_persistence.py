@@ -189,3 +189,17 @@ def test_a_missing_role_change_is_refused():
     store.data[key] = json.dumps(json.loads(store.data[key])[1:]).encode()
     with pytest.raises(SchedulerStateError, match="not continuous"):
         reload(store, Clock(0.0), wall=0.0)
+
+
+def test_gpus_lost_with_their_node_stay_lost_across_a_restart():
+    core = SchedulerCore(Topology((2, 2)), PlannerParams(dwell_s=0.0), clock=Clock(0.0))
+    core.register(PipelineSpec("a", max_shards=4))
+    core.replan("start")
+    core.gpus_lost([2, 3])
+    store = MemoryStore()
+    assert SchedulerPersistence(store, PREFIX, wall_clock=lambda: 0.0).save(core, ServiceState())
+    got = SchedulerCore(Topology((2, 2)), PlannerParams(dwell_s=0.0), clock=Clock(1.0))
+    SchedulerPersistence(store, PREFIX, wall_clock=lambda: 1.0).load(got)
+    assert got.ledger.lost == {2, 3}
+    got.replan("after the restart")
+    assert sorted(g for h in got.ledger.holdings.values() for g in h.gpus) == [0, 1]

@@ -200,6 +200,7 @@ def _encode(core: SchedulerCore, service: ServiceState) -> dict[str, Any]:
         "last_shard_gpus": [[name, rank, list(gpus)]
                             for (name, rank), gpus in ledger.last_shard_gpus.items()],
         "shardless_since": dict(ledger.shardless_since),
+        "lost": sorted(ledger.lost),
         "version": ledger.version,
         "pending": [{"id": r.id, "pipeline": r.pipeline, "stage": r.stage.name, "gpus": r.gpus,
                      "submitted_at": r.submitted_at} for r in core.pending.values()],
@@ -244,6 +245,7 @@ def _decode(core: SchedulerCore, state: dict[str, Any], shift: float,
     ledger.last_shard_gpus = {(name, int(rank)): tuple(int(g) for g in gpus)
                               for name, rank, gpus in state["last_shard_gpus"]}
     ledger.shardless_since = {name: int(v) for name, v in state["shardless_since"].items()}
+    ledger.lost = {int(g) for g in state.get("lost", [])}  # GPUs gone with their node stay gone
     ledger.version = int(state["version"])
 
     core.pending = {}
