@@ -16,10 +16,25 @@ import torch
 PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["stop", "length", "abort"]
 
+#: the most alternatives per token an engine computes (OpenAI's and vLLM's default cap)
+MAX_TOP_LOGPROBS = 20
+
+#: (token id, raw logprob) pairs, most likely first: one token position's alternatives
+TopLogprobs = list[tuple[int, float]]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. top_k <= 0 and top_p >= 1 disable those filters; temperature 0 is greedy."""
+    """Per-request sampling. top_k <= 0 and top_p >= 1 disable those filters; temperature 0 is greedy.
+
+    `n` samples of one prompt share its prefill (one forward; the prompt's cache row is copied);
+    sample i draws from `seed + i` when seeded. `top_logprobs`: the k most likely tokens at each
+    output position, with their raw logprobs; `prompt_logprobs` (None: not computed) does the same
+    for the prompt's tokens, from the prefill. The penalties and `logit_bias` change what is
+    sampled, before temperature / top-k / top-p, never the reported logprobs: presence and
+    frequency count the generated tokens (OpenAI's), repetition (vLLM's) divides positive / multiplies
+    negative logits of every token seen in the prompt or the output.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -30,6 +45,19 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = True
+    n: int = 1
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True when a penalty or a bias must be applied before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -37,7 +65,11 @@ class GenerationOutput:
     """The state of one request, cumulative: every yield carries all tokens so far.
 
     `weight_versions` lists (start index into token_ids, weight version) spans, so a caller
-    knows exactly which weights sampled each token. `stop_reason` says what ended a "stop"
+    knows exactly which weights sampled each token. With `n` > 1 one request yields the outputs
+    of its `n` samples, each cumulative, told apart by `index`; `request_id` is then the
+    sample's own (`<id>-<index>`), which `abort` takes as well as the request's.
+    `top_logprobs[i]` holds output token i's alternatives (when asked for); `prompt_logprobs`
+    and `prompt_top_logprobs` the prompt's, the first token's None / [] (nothing precedes it). `stop_reason` says what ended a "stop"
     finish: the stop string or the stop token id (None for end-of-sequence), as vLLM reports it;
     token_ids keep every sampled token (a matched stop string's tokens included), so a text
     front end truncates the decoded text at that string.
@@ -50,6 +82,10 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     stop_reason: int | str | None = None
+    index: int = 0
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,7 +102,8 @@ class EngineAPI(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, final_only: bool = False) -> AsyncIterator[GenerationOutput]:
-        """Cumulative outputs, the last with finish_reason; `final_only`: just that one."""
+        """Cumulative outputs, the last with finish_reason; `final_only`: just that one (per
+        sample, when `params.n` > 1)."""
         ...
 
     async def abort(self, request_ids: list[str] | None = None) -> int: ...

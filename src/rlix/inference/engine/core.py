@@ -1,7 +1,9 @@
 """The engine's state machine and step loop, single-threaded and free of asyncio.
 
 One `step()` = admit waiting requests into free rows and prefill them, then decode one token for
-every running row, then retire finished rows. Requests therefore join and leave the batch at
+every running row, then retire finished rows. The n samples of one request are admitted together
+and prefilled once: the others copy the prefilled cache row and sample their first token from
+the same logits. Requests therefore join and leave the batch at
 token granularity. Everything here runs on the engine's worker thread (engine.py), so control
 operations (abort, pause, sleep, weight swaps) always land between two steps.
 """
@@ -19,7 +21,7 @@ from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.memory import release_memory, used_bytes
 from rlix.inference.engine.model_runner import ModelRunner
-from rlix.inference.engine.sampling import sample
+from rlix.inference.engine.sampling import sample, top_alternatives
 from rlix.inference.engine.sequence import Delta, Sequence
 from rlix.inference.engine.weights import WeightStaging
 
@@ -87,6 +89,8 @@ class EngineCore:
         self.last_sleep_freed_bytes = 0
         self.last_sleep_phases_ms: dict[str, float] = {}
         self._touched: dict[Sequence, None] = {}
+        self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
+        self.forked_rows = 0  # samples that copied another's prefill instead of running their own
         runner.cache.allocate()
 
     # -- queries -------------------------------------------------------------------------
@@ -123,6 +127,13 @@ class EngineCore:
         self.waiting.append(seq)
         self._queued_at[seq] = self._step_count
 
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """The samples of one request, queued together (admitted together, prefilled once)."""
+        self.check_can_generate()
+        self.waiting.extend(seqs)
+        for seq in seqs:
+            self._queued_at[seq] = self._step_count
+
     def reject(self, seq: Sequence, error: BaseException) -> None:
         """End a request that never entered the engine, handing `error` to its caller."""
         seq.pending.error = error
@@ -130,9 +141,11 @@ class EngineCore:
         self._touched[seq] = None
 
     def abort(self, request_ids: Iterable[str] | None = None) -> int:
-        """End the named (or all) requests with finish_reason "abort"; return how many."""
+        """End the named (or all) requests with finish_reason "abort"; return how many. A request
+        of n samples is named by its id (all of them) or by a sample's."""
         wanted = None if request_ids is None else set(request_ids)
-        hit = [s for s in (*self.running, *self.waiting) if wanted is None or s.request_id in wanted]
+        hit = [s for s in (*self.running, *self.waiting)
+               if wanted is None or s.request_id in wanted or s.group_id in wanted]
         for seq in hit:
             seq.finish("abort")
             self._touched[seq] = None
@@ -171,10 +184,11 @@ class EngineCore:
         admitted: list[Sequence] = []
         try:
             admitted = self._admit()
-            lengths = [len(s.prompt_token_ids) for s in admitted]
+            leaders, forks = _leaders(admitted)
+            lengths = [len(s.prompt_token_ids) for s in leaders]
             for group in plan_prefill_groups(lengths, self.max_prefill_padding,
                                              2 * self.max_prefill_tokens):
-                self._prefill([admitted[i] for i in group])
+                self._prefill([leaders[i] for i in group], forks)
             self._retire_finished()
             if self.running:
                 self._decode()
@@ -199,9 +213,13 @@ class EngineCore:
                 kept.append(self.waiting.popleft())
                 continue
             size = len(seq.prompt_token_ids)
-            if len(admitted) >= free or (admitted and size > budget):
+            count = 1  # a request's samples wait in a row and enter together
+            while (seq.group is not None and count < len(self.waiting)
+                   and self.waiting[count].group is seq.group):
+                count += 1
+            if len(admitted) + count > free or (admitted and size > budget):
                 break
-            admitted.append(self.waiting.popleft())
+            admitted.extend(self.waiting.popleft() for _ in range(count))
             budget -= size
         kept.extend(self.waiting)
         self.waiting = kept
@@ -217,14 +235,37 @@ class EngineCore:
     def _live_len(self) -> int:
         return max((s.cached_len for s in self.running), default=0)
 
-    def _prefill(self, group: list[Sequence]) -> None:
+    def _prefill(self, group: list[Sequence], forks: dict[Sequence, list[Sequence]]) -> None:
+        """Prefill `group` into the next free rows; each one's forks (the other samples of its
+        request) get a copy of its cache row and sample from its logits."""
         cache = self.runner.cache
         width = max(len(s.prompt_token_ids) for s in group)
         cache.ensure_capacity(width, live_rows=len(self.running), live_len=self._live_len())
         first_row = len(self.running)
-        logits = self.runner.prefill([s.prompt_token_ids for s in group], first_row)
+        every = frozenset(i for i, s in enumerate(group) if s.params.prompt_logprobs is not None)
+        logits, full = self.runner.prefill_all([s.prompt_token_ids for s in group], first_row, every)
+        self.prefill_tokens += sum(len(s.prompt_token_ids) for s in group)
         self.running.extend(group)
-        self._append(group, logits)
+        seqs, rows = list(group), list(range(len(group)))
+        for i, leader in enumerate(group):
+            if i in full:
+                _set_prompt_logprobs(leader, full[i])
+            followers = forks.get(leader)
+            if not followers:
+                continue
+            start = len(self.running)
+            cache.copy_rows(first_row + i, list(range(start, start + len(followers))),
+                            len(leader.prompt_token_ids))
+            self.running.extend(followers)
+            self.forked_rows += len(followers)
+            for f in followers:
+                if leader.prompt_logprobs is not None:
+                    f.set_prompt_logprobs(leader.prompt_logprobs, leader.prompt_top_logprobs or [])
+            seqs += followers
+            rows += [i] * len(followers)
+        if len(seqs) > len(group):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        self._append(seqs, logits)
 
     def _decode(self) -> None:
         positions = [s.cached_len for s in self.running]
@@ -234,9 +275,10 @@ class EngineCore:
         self._append(self.running, logits)
 
     def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, [s.sampling for s in seqs])
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.append(token, logprob, self.weight_version, self.eos_ids, self.detokenizer)
+        tokens, logprobs, top = sample(logits, [s.sampling for s in seqs])
+        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
+            seq.append(token, logprob, self.weight_version, self.eos_ids, self.detokenizer,
+                       top[i] if top is not None else None)
             self._touched[seq] = None
 
     def _retire_finished(self) -> None:
@@ -295,3 +337,30 @@ class EngineCore:
         self.weights.swap_in(staging.staged, complete)
         self.weight_version = staging.version
         return self.weight_version
+
+
+def _leaders(admitted: list[Sequence]) -> tuple[list[Sequence], dict[Sequence, list[Sequence]]]:
+    """The sequences to prefill, and for each the other samples of its request (its forks)."""
+    leaders: list[Sequence] = []
+    forks: dict[Sequence, list[Sequence]] = {}
+    first_of: dict[int, Sequence] = {}
+    for seq in admitted:
+        if seq.group is None:
+            leaders.append(seq)
+        elif (leader := first_of.get(id(seq.group))) is None:
+            first_of[id(seq.group)] = seq
+            leaders.append(seq)
+        else:
+            forks.setdefault(leader, []).append(seq)
+    return leaders, forks
+
+
+def _set_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
+    """Prompt token j's raw logprob (j >= 1) from position j - 1's logits [L, V]; the first
+    token has none (None, no alternatives)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)[:-1]
+    target = torch.tensor(seq.prompt_token_ids[1:], device=raw.device, dtype=torch.long)
+    values: list[float | None] = [None, *raw.gather(1, target[:, None])[:, 0].tolist()]
+    k = seq.params.prompt_logprobs or 0
+    top = top_alternatives(raw, k) if k > 0 and len(target) else [[] for _ in target.tolist()]
+    seq.set_prompt_logprobs(values, [[], *top])

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
-from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
+from rlix.inference.engine.api import MAX_TOP_LOGPROBS, GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.model_runner import ModelRunner, load_model
-from rlix.inference.engine.sequence import Delta, Sequence
+from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
 from rlix.inference.engine.weights import WeightStaging
 from rlix.models.presets import resolve_model
 from rlix.threads import yield_cores_to_control
@@ -45,7 +45,7 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.final_only = final_only
-        self.folded: Delta | None = None  # worker thread only
+        self.folded: dict[int, Delta] = {}  # by sample index; worker thread only
 
 
 def _set_future(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -119,6 +119,16 @@ class TorchEngine:
     @property
     def weight_version(self) -> int:
         return self._core.weight_version
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens run through prefill forwards so far (a request's n samples count once)."""
+        return self._core.prefill_tokens
+
+    @property
+    def forked_rows(self) -> int:
+        """Samples that started from another sample's prefill (n > 1) instead of their own."""
+        return self._core.forked_rows
 
     def sleep_report(self) -> dict:
         """What the last sleep took (ms per phase) and the CUDA graph captures so far: the
@@ -205,7 +215,7 @@ class TorchEngine:
         for seq, delta in self._core.collect():
             sink = seq.sink
             if sink.final_only:
-                sink.folded = delta = _fold(sink.folded, delta)
+                sink.folded[delta.index] = delta = _fold(sink.folded.get(delta.index), delta)
                 if delta.finish_reason is None and delta.error is None:
                     continue
             by_loop.setdefault(sink.loop, []).append((sink, delta))
@@ -248,12 +258,15 @@ class TorchEngine:
 
         Each item is the cumulative state; the last has finish_reason set. With `final_only`
         only that last one comes (for callers that do not stream). Closing the iterator early
-        (client gone) aborts the request.
+        (client gone) aborts the request. With `params.n` > 1 the items of the n samples come
+        interleaved, told apart by `index`, until every sample has finished.
         """
         prompt = self._validate(request_id, prompt_token_ids, params)
         if self._closed:
             raise EngineStateError("the engine is closed")
         self._core.check_can_generate()
+        if params.n > 1:
+            return self._stream_group(request_id, prompt, params, final_only)
         return self._stream(request_id, prompt, params, final_only)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -283,7 +296,30 @@ class TorchEngine:
             raise InvalidRequestError("top_p must lie in (0, 1]")
         if any(not isinstance(s, str) or not s for s in params.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
+        self._validate_extras(params)
         return ids
+
+    def _validate_extras(self, params: SamplingParams) -> None:
+        """n, logprob counts, penalties and bias (what the common request leaves at defaults)."""
+        if not 1 <= params.n <= self._core.max_num_seqs:
+            raise InvalidRequestError(f"n must lie in [1, {self._core.max_num_seqs}] (this engine's "
+                                      f"max_num_seqs: the samples of a request run together)")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(params, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must lie in [-2, 2], got {value}")
+        if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+            raise InvalidRequestError("repetition_penalty must be a finite number > 0")
+        for token, bias in params.logit_bias:
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary "
+                                          f"[0, {self.vocab_size})")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequestError(f"logit_bias values must lie in [-100, 100], got {bias}")
 
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                       final_only: bool = False) -> AsyncIterator[GenerationOutput]:
@@ -304,9 +340,7 @@ class TorchEngine:
                     error = _merge(out, sink.queue.get_nowait())  # catch up on a slow reader
                 if error is not None:
                     raise error
-                yield GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
-                                       list(out.logprobs), out.finish_reason,
-                                       list(out.weight_versions), out.stop_reason)
+                yield _copy(out)
                 if out.finished:
                     return
         finally:
@@ -324,6 +358,50 @@ class TorchEngine:
             self._core.add(seq)
         except Exception as exc:  # e.g. put to sleep between generate() and the worker
             self._core.reject(seq, exc)
+
+    async def _stream_group(self, request_id: str, prompt: list[int], params: SamplingParams,
+                            final_only: bool = False) -> AsyncIterator[GenerationOutput]:
+        """The n samples of one request: queued as one group (one prefill), yielded by index."""
+        n = params.n
+        ids = [f"{request_id}-{i}" for i in range(n)]
+        if any(i in self._live_ids for i in (request_id, *ids)):
+            raise InvalidRequestError(f"request {request_id!r} is already running")
+        sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
+        group = PromptGroup(request_id)
+        group.members = [Sequence(ids[i], prompt, params, sink=sink, index=i, group=group)
+                         for i in range(n)]
+        outs = [GenerationOutput(request_id=ids[i], prompt_token_ids=prompt, index=i)
+                for i in range(n)]
+        self._live_ids.update((request_id, *ids))
+        with self._cv:
+            self._pending_adds += n
+        done = 0
+        try:
+            self._submit(lambda: self._add_group(group.members))
+            while done < n:
+                delta = await sink.queue.get()
+                out = outs[delta.index]
+                error = _merge(out, delta)
+                if error is not None:
+                    raise error
+                done += out.finished
+                yield _copy(out)
+        finally:
+            self._live_ids.difference_update((request_id, *ids))
+            if done < n and not self._closed:
+                try:
+                    self._submit(lambda: self._core.abort([request_id]))
+                except EngineStateError:
+                    pass
+
+    def _add_group(self, seqs: list[Sequence]) -> None:
+        with self._cv:
+            self._pending_adds -= len(seqs)
+        try:
+            self._core.add_group(seqs)
+        except Exception as exc:
+            for seq in seqs:
+                self._core.reject(seq, exc)
 
     # -- control -------------------------------------------------------------------------
     async def abort(self, request_ids: list[str] | None = None) -> int:
@@ -411,10 +489,22 @@ class TorchEngine:
             self._staging, self._staging_failure = None, None
 
 
+def _copy(out: GenerationOutput) -> GenerationOutput:
+    """A snapshot of a cumulative output (the caller may keep it while more tokens come)."""
+    return GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
+                            list(out.logprobs), out.finish_reason, list(out.weight_versions),
+                            out.stop_reason, out.index, list(out.top_logprobs),
+                            out.prompt_logprobs, out.prompt_top_logprobs)
+
+
 def _merge(out: GenerationOutput, delta: Delta) -> BaseException | None:
     out.token_ids.extend(delta.token_ids)
     out.logprobs.extend(delta.logprobs)
     out.weight_versions.extend(delta.weight_versions)
+    if delta.top_logprobs:
+        out.top_logprobs.extend(delta.top_logprobs)
+    if delta.prompt_logprobs is not None:
+        out.prompt_logprobs, out.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
     if delta.finish_reason is not None:
         out.finish_reason = delta.finish_reason
         out.stop_reason = delta.stop_reason
@@ -428,6 +518,9 @@ def _fold(into: Delta | None, delta: Delta) -> Delta:
     into.token_ids.extend(delta.token_ids)
     into.logprobs.extend(delta.logprobs)
     into.weight_versions.extend(delta.weight_versions)
+    into.top_logprobs.extend(delta.top_logprobs)
+    if delta.prompt_logprobs is not None:
+        into.prompt_logprobs, into.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
     into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
     into.error = delta.error
     return into

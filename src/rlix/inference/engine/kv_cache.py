@@ -97,6 +97,13 @@ class SlotKVCache:
         for t in (*self.keys, *self.values):
             t[dst, :, :length].copy_(t[src, :, :length])
 
+    def copy_rows(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy row `src`'s first `length` positions into each row of `dsts` (the samples of one
+        prompt after its single prefill: one copy per layer tensor, whatever their number)."""
+        index = torch.tensor(dsts, device=self.device)
+        for t in (*self.keys, *self.values):
+            t[index, :, :length] = t[src, :, :length]
+
     # -- step geometry -------------------------------------------------------------------
     def set_prefill(self, first_row: int, num_rows: int) -> None:
         """Next forward writes positions 0..T-1 of rows first_row..first_row+num_rows-1."""

@@ -97,8 +97,18 @@ class ModelRunner:
         return out.last_hidden_state
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], first_row: int) -> torch.Tensor:
-        """Run prompts (right-padded) into rows first_row..; return last-position logits [R, V]."""
+    def prefill(self, prompts: list[list[int]], first_row: int,
+                every_position: frozenset[int] = frozenset()) -> torch.Tensor:
+        """Run prompts (right-padded) into rows first_row..; return last-position logits [R, V].
+        With `every_position` (indices into `prompts`), see prefill_all."""
+        return self.prefill_all(prompts, first_row, every_position)[0]
+
+    @torch.inference_mode()
+    def prefill_all(self, prompts: list[list[int]], first_row: int,
+                    every_position: frozenset[int] = frozenset()
+                    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """prefill, plus the logits of every position [L_i, V] of the prompts in
+        `every_position` (their prompt logprobs); the LM head runs on those positions only."""
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -112,7 +122,8 @@ class ModelRunner:
         hidden = self.hidden(ids, positions, None)
         last = torch.tensor(lengths, device=self.device) - 1
         rows = torch.arange(len(prompts), device=self.device)
-        return self.lm_head(hidden[rows, last])
+        full = {i: self.lm_head(hidden[i, : lengths[i]]) for i in sorted(every_position)}
+        return self.lm_head(hidden[rows, last]), full
 
     def release_graphs(self) -> None:
         if self.graphs is not None:

@@ -7,21 +7,81 @@ top-p). So a seeded request yields the same tokens alone, in any batch, after a 
 device, up to float rounding of the logits; and the whole batch is sampled with a few tensor ops
 instead of one torch.Generator call per row.
 
-Logprobs are those of the model's raw distribution: log_softmax of the unscaled, unfiltered
-logits, evaluated at the sampled token (what a trainer recomputes from the same weights).
+Before that, a row that asked for them gets its logits shaped (`LogitShaping`): `logit_bias`
+added, then vLLM's repetition penalty (tokens of the prompt or the output: positive logits
+divided, negative ones multiplied), then OpenAI's frequency and presence penalties (the output's
+token counts). Rows that did not ask cost nothing: the batch's logits are not even copied.
+
+Logprobs are those of the model's raw distribution: log_softmax of the unscaled, unfiltered,
+unshaped logits, evaluated at the sampled token (what a trainer recomputes from the same
+weights); a row's `top_logprobs` alternatives are the k most likely tokens of that same
+distribution.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+from rlix.inference.engine.api import TopLogprobs
 
 
 def new_rng(seed: int | None) -> random.Random:
     """The per-request random stream (fresh entropy when unseeded)."""
     return random.Random(seed if seed is not None else random.SystemRandom().getrandbits(64))
+
+
+@dataclass
+class LogitShaping:
+    """One row's penalties and bias, and the token counts they need (on the logits' device,
+    allocated at the row's first step)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: tuple[tuple[int, float], ...] = ()
+    prompt_ids: list[int] = field(default_factory=list)  # read only for the repetition penalty
+    counts: torch.Tensor | None = None  # [V] output token counts
+    seen_in_prompt: torch.Tensor | None = None  # [V] bool
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _setup(self, row: torch.Tensor) -> None:
+        vocab, device = row.shape[0], row.device
+        self.counts = torch.zeros(vocab, dtype=row.dtype, device=device)
+        if self.repetition != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = [t for t in self.prompt_ids if 0 <= t < vocab]
+            if ids:
+                seen[torch.tensor(ids, device=device)] = True
+            self.seen_in_prompt = seen
+        if self.bias:
+            self._bias = (torch.tensor([t for t, _ in self.bias], device=device),
+                          torch.tensor([b for _, b in self.bias], dtype=row.dtype, device=device))
+
+    def apply(self, row: torch.Tensor) -> None:
+        """Shape one row of logits [V] in place."""
+        if self.counts is None:
+            self._setup(row)
+        assert self.counts is not None
+        if self._bias is not None:
+            row.index_add_(0, *self._bias)
+        if self.repetition != 1.0:
+            assert self.seen_in_prompt is not None
+            seen = self.seen_in_prompt | (self.counts > 0)
+            shaped = torch.where(row > 0, row / self.repetition, row * self.repetition)
+            row.copy_(torch.where(seen, shaped, row))
+        if self.frequency:
+            row.sub_(self.counts * self.frequency)
+        if self.presence:
+            row.sub_((self.counts > 0).to(row.dtype) * self.presence)
+
+    def observe(self, token: int) -> None:
+        """Count a token this row sampled."""
+        if self.counts is not None:
+            self.counts[token] += 1
 
 
 @dataclass
@@ -32,26 +92,43 @@ class RowSampling:
     top_k: int
     top_p: float
     rng: random.Random
+    top_logprobs: int = 0  # alternatives to report per token (0: none)
+    shaping: LogitShaping | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
 
-def sample(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` [B, V]; return (token ids, raw logprobs)."""
+class Sampled(NamedTuple):
+    """One step's picks: token ids, their raw logprobs, and each row's alternatives (None for
+    the rows that asked for none; `top` itself is None when no row did)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[TopLogprobs | None] | None = None
+
+
+def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
+    """Pick one token per row of `logits` [B, V]; return the picks and their raw logprobs."""
     logits = logits.float()
     batch, vocab = logits.shape
     device = logits.device
+    shaped = logits
+    if any(r.shaping is not None for r in rows):
+        shaped = logits.clone()
+        for i, r in enumerate(rows):
+            if r.shaping is not None:
+                r.shaping.apply(shaped[i])
     greedy = [r.greedy for r in rows]
-    tokens = logits.argmax(dim=-1)
+    tokens = shaped.argmax(dim=-1)
     if not all(greedy):
         # Only sampled rows draw, one number per token, whatever their neighbours do.
         uniforms = torch.tensor([0.5 if g else max(r.rng.random(), 1e-12)
                                  for g, r in zip(greedy, rows)], device=device)
         temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows],
                              device=device)
-        scaled = logits / temps[:, None]
+        scaled = shaped / temps[:, None]
         use_top_k = any(0 < r.top_k < vocab for r in rows)
         use_top_p = any(r.top_p < 1.0 for r in rows)
         if use_top_k or use_top_p:
@@ -61,8 +138,31 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], li
             sampled = _inverse_cdf(probs, uniforms)
         greedy_mask = torch.tensor(greedy, device=device)
         tokens = torch.where(greedy_mask, tokens, sampled)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logprobs.tolist()
+    raw = torch.log_softmax(logits, dim=-1)
+    logprobs = raw.gather(1, tokens[:, None])[:, 0]
+    picked: list[int] = tokens.tolist()
+    for r, token in zip(rows, picked):
+        if r.shaping is not None:
+            r.shaping.observe(token)
+    top = _alternatives(raw, rows) if any(r.top_logprobs > 0 for r in rows) else None
+    return Sampled(picked, logprobs.tolist(), top)
+
+
+def top_alternatives(raw: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """The k most likely (token id, logprob) of each row of raw logprobs [R, V], best first."""
+    values, ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def _alternatives(raw: torch.Tensor, rows: list[RowSampling]) -> list[TopLogprobs | None]:
+    wanted = [i for i, r in enumerate(rows) if r.top_logprobs > 0]
+    k = max(rows[i].top_logprobs for i in wanted)
+    index = torch.tensor(wanted, device=raw.device)
+    found = top_alternatives(raw.index_select(0, index), k)
+    out: list[TopLogprobs | None] = [None] * len(rows)
+    for i, alts in zip(wanted, found):
+        out[i] = alts[: rows[i].top_logprobs]
+    return out
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

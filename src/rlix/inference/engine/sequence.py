@@ -6,8 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlix.inference.engine.api import Detokenizer, FinishReason, SamplingParams
-from rlix.inference.engine.sampling import RowSampling, new_rng
+from rlix.inference.engine.api import Detokenizer, FinishReason, SamplingParams, TopLogprobs
+from rlix.inference.engine.sampling import LogitShaping, RowSampling, new_rng
 
 _arrival = itertools.count()
 
@@ -22,6 +22,19 @@ class Delta:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: BaseException | None = None
+    index: int = 0  # the sample's index within its request (n > 1)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None  # in the first delta, when asked for
+    prompt_top_logprobs: list[TopLogprobs] | None = None
+
+
+@dataclass
+class PromptGroup:
+    """The n samples of one request: one prefill serves them all (the others copy its cache
+    row and sample their first token from its logits)."""
+
+    request_id: str
+    members: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -38,13 +51,28 @@ class Sequence:
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    index: int = 0  # within its group
+    group: PromptGroup | None = None  # n > 1: the request's samples, sharing one prefill
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
     sampling: RowSampling = field(init=False)
-    pending: Delta = field(default_factory=Delta)
+    pending: Delta = field(init=False)
     _text_checked: int = 0  # length of the output text already searched for stop strings
 
     def __post_init__(self) -> None:
         p = self.params
-        self.sampling = RowSampling(p.temperature, p.top_k, p.top_p, new_rng(p.seed))
+        seed = p.seed + self.index if p.seed is not None else None
+        shaping = None
+        if p.shapes_logits:
+            shaping = LogitShaping(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                                   p.logit_bias, self.prompt_token_ids)
+        self.sampling = RowSampling(p.temperature, p.top_k, p.top_p, new_rng(seed),
+                                    p.top_logprobs, shaping)
+        self.pending = Delta(index=self.index)
+
+    @property
+    def group_id(self) -> str | None:
+        return self.group.request_id if self.group is not None else None
 
     @property
     def finished(self) -> bool:
@@ -59,8 +87,13 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1]
 
+    def set_prompt_logprobs(self, logprobs: list[float | None], top: list[TopLogprobs]) -> None:
+        """The prompt's logprobs, from the prefill; they go out with the first delta."""
+        self.prompt_logprobs, self.prompt_top_logprobs = logprobs, top
+        self.pending.prompt_logprobs, self.pending.prompt_top_logprobs = logprobs, top
+
     def append(self, token: int, logprob: float, version: int, eos_ids: frozenset[int],
-               detokenizer: Detokenizer | None) -> None:
+               detokenizer: Detokenizer | None, top: TopLogprobs | None = None) -> None:
         """Record one sampled token (under weight `version`) and decide whether the request ends."""
         index = len(self.output_ids)
         if not self.weight_versions or self.weight_versions[-1][1] != version:
@@ -71,6 +104,8 @@ class Sequence:
         if self.params.logprobs:
             self.logprobs.append(logprob)
             self.pending.logprobs.append(logprob)
+        if top is not None:
+            self.pending.top_logprobs.append(top)
         self._check_finish(token, eos_ids, detokenizer)
 
     def _check_finish(self, token: int, eos_ids: frozenset[int],
@@ -107,5 +142,5 @@ class Sequence:
         delta = self.pending
         if not (delta.token_ids or delta.finish_reason or delta.error or delta.weight_versions):
             return None
-        self.pending = Delta()
+        self.pending = Delta(index=self.index)
         return delta
