@@ -60,13 +60,67 @@ def test_stream_text_equals_plain_text(engine):
     assert text == plain["choices"][0]["message"]["content"]
 
 
-@pytest.mark.parametrize("extra,param", [({"n": 2}, "n"), ({"echo": True}, "echo"),
-                                         ({"prompt": ["a", "b"]}, "prompt")])
-def test_unsupported_options_are_refused_clearly(engine, extra, param):
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 100}, "n"),  # more than the engine's batch
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
+    ("/v1/completions", {"min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[1]"),
+    ("/inference/v1/generate", {"sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
+    ("/inference/v1/generate", {"sampling_params": {"logprobs": 21}}, "sampling_params.logprobs"),
+    ("/inference/v1/generate", {"lora_request": {"name": "a"}}, "lora_request"),
+])
+def test_unsupported_options_are_refused_naming_the_field(engine, path, extra, param):
+    base = {"/v1/completions": {"model": "tiny", "prompt": "x"},
+            "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+            "/inference/v1/generate": {"token_ids": [5, 6], "sampling_params": {}}}[path]
+
     async def fn(http):
-        return await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", **extra})
+        body = {**base, **extra}
+        if "sampling_params" in extra:
+            body["sampling_params"] = {**base["sampling_params"], **extra["sampling_params"]}
+        return await http.post(path, json=body)
     r = _run(engine, fn)
-    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and param.split(".")[-1].split("[")[0] in r.json()["error"]["message"]
+
+
+def test_inert_fields_pass_and_vllm_extensions_keep_working(engine):
+    """What OpenAI clients and rlix's callers send that changes nothing here is accepted."""
+    async def fn(http):
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                "user": "u1", "store": False, "metadata": {"a": "b"}, "response_format": {"type": "text"},
+                "parallel_tool_calls": True, "n": 1, "seed": 3, "ignore_eos": True,
+                "skip_special_tokens": False, "return_token_ids": True, "min_tokens": 0,
+                "repetition_penalty": 1.1, "stream_options": {"include_usage": True}}
+        cmpl = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "best_of": 1, "echo": False,
+                "add_special_tokens": True, "return_tokens_as_token_ids": True, "logprobs": 2}
+        gen = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 2, "logprobs": 1, "seed": 1,
+                                                        "skip_special_tokens": True, "detokenize": False},
+               "request_id": "abc", "return_token_ids": True, "priority": 0}
+        return [await http.post(p, json=b) for p, b in (("/v1/chat/completions", chat),
+                                                         ("/v1/completions", cmpl),
+                                                         ("/inference/v1/generate", gen))]
+    answers = _run(engine, fn)
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    lp = answers[1].json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
 
 
 def test_text_stream_deltas_join_to_the_decode(engine):

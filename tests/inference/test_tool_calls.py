@@ -59,13 +59,23 @@ def test_template_messages_take_json_text_arguments():
         template_messages([{**msgs[0], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])
 
 
+def test_content_as_a_list_of_text_parts_is_joined_and_other_parts_are_refused():
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    out = template_messages([{"role": "system", "content": [parts[0]]}, {"role": "user", "content": parts}])
+    assert [m["content"] for m in out] == ["first", "first\nsecond"]  # joined as vLLM joins them
+    with pytest.raises(InvalidRequestError, match="image_url") as err:
+        template_messages([{"role": "user", "content": [parts[0], {"type": "image_url", "image_url": {}}]}])
+    assert err.value.param == "messages[0].content[1]"
+
+
 def test_an_answer_with_a_call_is_a_tool_calls_message():
     job = Job(rid="r", prompt_ids=[1], params=None, parse_tools=True)  # type: ignore[arg-type]
     content, calls, finish = OpenAIServing._tool_calls(job, '<tool_call>{"name": "add", "arguments": {}}</tool_call>',
                                                  "stop")
     assert content is None and finish == "tool_calls" and calls[0].name == "add"
-    r = S.chat_response("r", "tiny", content, finish, None, None, None, None, 3, 9,
-                        tool_calls=[c.as_openai() for c in calls])
+    r = S.chat_response("r", "tiny", [S.chat_choice(0, content, finish, None, None, None,
+                                                   tool_calls=[c.as_openai() for c in calls])],
+                        None, 3, 9)
     assert r["choices"][0]["finish_reason"] == "tool_calls"
     assert r["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": "{}"}
     # cut short by max_tokens: the reason stays "length"; without tools nothing is parsed

@@ -303,23 +303,25 @@ class TorchEngine:
         """n, logprob counts, penalties and bias (what the common request leaves at defaults)."""
         if not 1 <= params.n <= self._core.max_num_seqs:
             raise InvalidRequestError(f"n must lie in [1, {self._core.max_num_seqs}] (this engine's "
-                                      f"max_num_seqs: the samples of a request run together)")
+                                      f"max_num_seqs: the samples of a request run together)", param="n")
         for name in ("top_logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}")
+                raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}", param=name)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(params, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise InvalidRequestError(f"{name} must lie in [-2, 2], got {value}")
+                raise InvalidRequestError(f"{name} must lie in [-2, 2], got {value}", param=name)
         if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
-            raise InvalidRequestError("repetition_penalty must be a finite number > 0")
+            raise InvalidRequestError("repetition_penalty must be a finite number > 0",
+                                      param="repetition_penalty")
         for token, bias in params.logit_bias:
             if not 0 <= token < self.vocab_size:
                 raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary "
-                                          f"[0, {self.vocab_size})")
+                                          f"[0, {self.vocab_size})", param="logit_bias")
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise InvalidRequestError(f"logit_bias values must lie in [-100, 100], got {bias}")
+                raise InvalidRequestError(f"logit_bias values must lie in [-100, 100], got {bias}",
+                                          param="logit_bias")
 
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                       final_only: bool = False) -> AsyncIterator[GenerationOutput]:

@@ -10,8 +10,17 @@ against the original prompt. Upstream calls always ask for `return_token_ids`; t
 blanked again unless the caller asked for them. A chat request continues through
 /v1/completions on the already-templated prompt ids.
 
+A request of n > 1 samples goes whole to one shard (its samples share the prefill there). If
+that attempt is cut, each sample cut short is continued on its own, token-level as above (its
+prompt ids + its tokens, seed + index when seeded, as the engine seeds sample `index`), all of
+them concurrently; finished samples are kept. The caller still sees one answer: n choices by
+index (streamed: chunks of every sample, one usage chunk, one [DONE]).
+
 Known approximations: a stop string split across two attempts is not seen; weight-version spans
-of tokens streamed by a shard that then died without an abort event are labelled "unknown".
+of tokens streamed by a shard that then died without an abort event are labelled "unknown";
+presence and frequency penalties, which count generated tokens, do not count those of earlier
+attempts (they are the next attempt's prompt); a continued chat's top_logprobs come through
+/v1/completions, whose {text: logprob} maps merge alternatives that decode to the same text.
 """
 
 from __future__ import annotations
@@ -25,12 +34,35 @@ from typing import Any
 from rlix.errors import NoActiveShardError, ShardPreemptedError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
+from rlix.inference.server.tool_calls import parse_tool_calls
 from rlix.inference.router.shard_table import Shard, ShardState, ShardTable
 from rlix.httpkit import HttpPool, UpstreamError, UpstreamResponse, bearer
 
 MAX_ATTEMPTS = 64
 #: how often a DOWN shard's /health is tried (it goes back to its state when it answers)
 REVIVE_S = 1.0
+#: what a continuation (token-level, through /v1/completions for a chat) carries over of a
+#: chat or completions request, besides prompt, max_tokens and logprobs
+CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "stream", "stream_options", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "logit_bias", "skip_special_tokens",
+                    "return_tokens_as_token_ids")
+
+
+def requested_n(path: str, body: dict) -> int:
+    """How many samples a request asks for (1 when it says nothing sensible: the shard judges)."""
+    n = body.get("sampling_params", {}).get("n") if path == GENERATE else body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def _chat_items(lp: dict, k: int) -> list[dict]:
+    """Completions logprobs (a continued chat's) as chat logprob items with k alternatives."""
+    tops = lp.get("top_logprobs") or [None] * len(lp.get("tokens", []))
+    out = []
+    for tok, value, top in zip(lp.get("tokens", []), lp.get("token_logprobs", []), tops):
+        best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]
+        out.append(S.chat_logprob_item(tok, value, best))
+    return out
 
 
 @dataclass
@@ -43,14 +75,42 @@ class Progress:
     prompt_ids: list[int] | None = None
     ids: list[int] = field(default_factory=list)
     text: str = ""
-    lp_tokens: list[str] = field(default_factory=list)
-    lp_values: list[float] = field(default_factory=list)
+    lp_tokens: list[str] = field(default_factory=list)  # completions logprobs
+    lp_values: list[float | None] = field(default_factory=list)
+    lp_top: list[dict | None] = field(default_factory=list)
+    lp_items: list[dict] = field(default_factory=list)  # chat logprobs
     gen_logprobs: list[dict] = field(default_factory=list)
     spans: list[dict] = field(default_factory=list)
     base: int = 0  # len(ids) when the current attempt began: its spans start there
     attempts: int = 0
     down_cuts: int = 0  # attempts cut because their shard could not be reached
     last_down: str = ""
+    index: int = 0  # the choice this is (a sample of an n > 1 request continued on its own)
+    seeded: bool = False  # its first attempt was the whole request's: it only continues
+
+    @classmethod
+    def lane(cls, path: str, body: dict, wants_ids: bool, index: int) -> Progress:
+        """Sample `index` of an n > 1 request, as a request of its own (n = 1, seed + index)."""
+        drop = ("n", "best_of")
+        if path == GENERATE:
+            sp = {k: v for k, v in body.get("sampling_params", {}).items() if k not in drop}
+            if isinstance(sp.get("seed"), int):
+                sp["seed"] += index
+            lane_body = {**body, "sampling_params": sp}
+        else:
+            lane_body = {k: v for k, v in body.items() if k not in drop}
+            if isinstance(lane_body.get("seed"), int):
+                lane_body["seed"] += index
+        return cls(path, lane_body, wants_ids, index=index, seeded=True)
+
+    @property
+    def fresh(self) -> bool:
+        """The first attempt of a request of its own (nothing to join)."""
+        return self.attempts == 1 and not self.seeded
+
+    @property
+    def chat_top(self) -> int:
+        return (self.body.get("top_logprobs") or 0) if self.body.get("logprobs") else 0
 
     @property
     def max_tokens(self) -> int | None:
@@ -73,14 +133,14 @@ class Progress:
             sp = {**self.body.get("sampling_params", {}), "max_tokens": left}
             return GENERATE, {**self.body, "token_ids": self.prompt_ids + self.ids, "sampling_params": sp,
                               "return_token_ids": True}
-        keep = {k: v for k, v in self.body.items()
-                if k in ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                         "ignore_eos", "stream", "stream_options")}
+        keep = {k: v for k, v in self.body.items() if k in CONTINUED_FIELDS}
         body = {**keep, "prompt": self.prompt_ids + self.ids, "return_token_ids": True}
         if left is not None:
             body["max_tokens"] = left
-        if self.body.get("logprobs"):
-            body["logprobs"] = 0
+        if self.path == CHAT and self.body.get("logprobs"):
+            body["logprobs"] = self.chat_top
+        elif self.path == COMPLETIONS and self.body.get("logprobs") is not None:
+            body["logprobs"] = self.body["logprobs"]
         return COMPLETIONS, body
 
     def see_prompt(self, resp: dict, choice: dict) -> None:
@@ -96,13 +156,15 @@ class Progress:
         self.text += choice.get("text") or (choice.get("message") or {}).get("content") or \
             (choice.get("delta") or {}).get("content") or ""
         lp = choice.get("logprobs")
-        if lp and path == COMPLETIONS:
-            self.lp_tokens += lp.get("tokens", [])
+        if lp and path == COMPLETIONS and self.path == CHAT:  # a chat continued as a completion
+            self.lp_items += _chat_items(lp, self.chat_top)
+        elif lp and path == COMPLETIONS:
+            tokens = lp.get("tokens", [])
+            self.lp_tokens += tokens
             self.lp_values += lp.get("token_logprobs", [])
+            self.lp_top += lp.get("top_logprobs") or [None] * len(tokens)
         elif lp and path == CHAT:
-            for item in lp.get("content") or []:
-                self.lp_tokens.append(item["token"])
-                self.lp_values.append(item["logprob"])
+            self.lp_items += lp.get("content") or []
         elif lp and path == GENERATE:
             self.gen_logprobs += lp.get("content") or []
         spans = choice.get("weight_versions")
@@ -211,9 +273,15 @@ class Relay:
     async def unary(self, path: str, body: dict, session: str | None) -> tuple[int, dict | bytes]:
         """(status, answer); the answer is the shard's raw JSON bytes when nothing needs fixing."""
         self.requests += 1
-        prog = Progress(path, body, bool(body.get("return_token_ids")))
+        n = requested_n(path, body)
+        if n > 1:
+            return await self._unary_n(path, body, session, n)
+        return await self._unary(Progress(path, body, bool(body.get("return_token_ids"))), session, set())
+
+    async def _unary(self, prog: Progress, session: str | None, exclude: set[int]
+                     ) -> tuple[int, dict | bytes]:
+        path = prog.path
         raw_ok = path == GENERATE or prog.wants_ids  # nothing to blank in the common case
-        exclude: set[int] = set()
         while True:
             shard = await self._acquire(session, exclude, prog)
             up_path, up_body = prog.upstream()
@@ -229,7 +297,7 @@ class Relay:
                         raise ShardPreemptedError(f"shard {shard.rank} answered {status}")
                     done = True
                     return status, _json_or_error(raw, status)
-                if raw_ok and prog.attempts == 1 and b'"abort"' not in raw:
+                if raw_ok and prog.fresh and b'"abort"' not in raw:
                     done = True
                     return 200, raw  # the hot path: no parse, no re-serialisation
                 data = json.loads(raw)
@@ -239,7 +307,7 @@ class Relay:
                     prog.add(up_path, choice)
                     raise ShardPreemptedError(f"shard {shard.rank} preempted mid-request")
                 done = True
-                if prog.attempts == 1:  # the common case: one attempt
+                if prog.fresh:  # the common case: one attempt
                     if not prog.wants_ids:
                         _blank_ids(data, choice, path)
                     return 200, data
@@ -250,25 +318,93 @@ class Relay:
             finally:
                 self.table.release(shard, done)
 
-    def _merged(self, prog: Progress, last: dict, choice: dict) -> dict:
+    def _merged_choice(self, prog: Progress, choice: dict) -> dict:
+        """One choice of all attempts joined; `choice` is the last attempt's."""
         finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
         ids = prog.ids if prog.wants_ids else None
-        pids = prog.prompt_ids if prog.wants_ids else None
-        rid = last.get("id") or last.get("request_id") or ""
-        model = last.get("model") or prog.body.get("model") or ""
         if prog.path == GENERATE:
             lp = {"content": prog.gen_logprobs} if choice.get("logprobs") is not None else None
-            return S.generate_response(rid, model, finish, stop_reason, prog.ids, lp, prog.spans,
-                                       pids, prog.n_prompt())
+            return S.generate_choice(prog.index, finish, stop_reason, prog.ids, lp, prog.spans)
         if prog.path == CHAT:
-            lp = (S.chat_logprobs(prog.lp_tokens, prog.lp_values, bool(prog.body.get("top_logprobs")))
-                  if prog.body.get("logprobs") else None)
-            return S.chat_response(S.new_id("chatcmpl"), model, prog.text, finish, stop_reason, lp, ids,
-                                   pids, prog.n_prompt(), len(prog.ids))
-        lp = (S.completion_logprobs(prog.lp_tokens, prog.lp_values)
+            lp = {"content": prog.lp_items} if prog.body.get("logprobs") else None
+            content, calls = prog.text, None
+            if prog.body.get("tools") and prog.body.get("tool_choice") != "none":
+                content, found = parse_tool_calls(prog.text)
+                calls = [c.as_openai() for c in found]
+                finish = "tool_calls" if found and finish == "stop" else finish
+            return S.chat_choice(prog.index, content, finish, stop_reason, lp, ids, calls)
+        lp = (S.completion_logprobs(prog.lp_tokens, prog.lp_values, 0, prog.lp_top)
               if prog.body.get("logprobs") is not None else None)
-        return S.completion_response(rid, model, prog.text, finish, stop_reason, lp, ids, pids,
-                                     prog.n_prompt(), len(prog.ids))
+        return S.completion_choice(prog.index, prog.text, lp, finish, stop_reason, ids,
+                                   prog.prompt_ids if prog.wants_ids else None)
+
+    def _merged(self, prog: Progress, last: dict, choice: dict) -> dict:
+        rid = last.get("id") or last.get("request_id") or ""
+        model = last.get("model") or prog.body.get("model") or ""
+        merged = self._merged_choice(prog, choice)
+        pids = prog.prompt_ids if prog.wants_ids else None
+        if prog.path == GENERATE:
+            return S.generate_response(rid, model, [merged], pids, prog.n_prompt())
+        if prog.path == CHAT:
+            return S.chat_response(S.new_id("chatcmpl"), model, [merged], pids, prog.n_prompt(),
+                                   len(prog.ids))
+        return S.completion_response(rid, model, [merged], prog.n_prompt(), len(prog.ids))
+
+    async def _unary_n(self, path: str, body: dict, session: str | None, n: int) -> tuple[int, dict | bytes]:
+        """n samples: the whole request on one shard; the samples it cut continue on their own."""
+        wants_ids = bool(body.get("return_token_ids"))
+        first = Progress(path, body, wants_ids)
+        exclude: set[int] = set()
+        while True:
+            shard = await self._acquire(session, exclude, first)
+            up_path, up_body = first.upstream()
+            done = False
+            try:
+                try:
+                    status, raw = await self.pool.post_json(shard.url, up_path, up_body, self.headers)
+                except UpstreamError as exc:
+                    self._unreachable(shard, exc, first)
+                    raise ShardPreemptedError(f"shard {shard.rank}: {exc}") from None
+                if status != 200:
+                    if self._cut(shard, status):
+                        raise ShardPreemptedError(f"shard {shard.rank} answered {status}")
+                    done = True
+                    return status, _json_or_error(raw, status)
+                data = json.loads(raw)
+                cut = {c["index"] for c in data["choices"] if self._cut(shard, 200, c.get("finish_reason"))}
+                done = True
+                break
+            except ShardPreemptedError:
+                self._redispatch(shard, exclude)
+            finally:
+                self.table.release(shard, done)
+        choices = data["choices"]
+        pids = body.get("token_ids") if path == GENERATE else (
+            data.get("prompt_token_ids") or choices[0].get("prompt_token_ids"))
+        n_out = sum(len(c.get("token_ids") or []) for c in choices if c["index"] not in cut)
+        if cut:
+            self._redispatch(shard, exclude)
+            lanes = []
+            for c in choices:
+                if c["index"] in cut:
+                    lane = Progress.lane(path, body, wants_ids, c["index"])
+                    lane.prompt_ids = list(pids) if pids is not None else None
+                    lane.add(path, c)
+                    lanes.append(lane)
+            answers = await asyncio.gather(*(self._unary(lane, session, set(exclude)) for lane in lanes))
+            for lane, (status, answer) in zip(lanes, answers):
+                if status != 200:
+                    return status, answer
+                merged = (json.loads(answer) if isinstance(answer, bytes) else answer)["choices"][0]
+                choices[lane.index] = merged
+                n_out += len(lane.ids)
+        for c in choices:
+            if not wants_ids:
+                _blank_ids(data, c, path)
+        if cut:
+            n_prompt = len(pids or [])
+            data["usage"] = S.usage(n_prompt, n_out)
+        return 200, data
 
     # ------------------------------------------------------------ streaming
     async def _connect(self, prog: Progress, session: str | None, exclude: set[int]
@@ -302,13 +438,20 @@ class Relay:
         opened = await self._connect(prog, session, exclude)
         if isinstance(opened[0], int):
             return opened  # type: ignore[return-value]
+        n = requested_n(path, body)
+        if n > 1:
+            return self._stream_n(prog, n, opened, session, exclude)  # type: ignore[arg-type]
         return self._stream(prog, opened, session, exclude)  # type: ignore[arg-type]
 
     async def _stream(self, prog: Progress, opened: tuple[Shard, str, UpstreamResponse],
-                      session: str | None, exclude: set[int]) -> AsyncIterator[str]:
+                      session: str | None, exclude: set[int], ident: dict[str, Any] | None = None,
+                      tail: bool = True) -> AsyncIterator[str]:
+        """One choice's stream over as many attempts as it takes; `tail`: end with the usage
+        chunk (if asked for) and [DONE] (a sample of an n > 1 request leaves them to its caller,
+        which also gives the request's `ident`)."""
         opts = prog.body.get("stream_options")
         wants_usage = bool(opts and opts.get("include_usage", True))
-        ident: dict[str, Any] = {}
+        ident = dict(ident or {})
         shard, up_path, resp = opened
         while True:
             cut = done = False
@@ -356,9 +499,109 @@ class Relay:
                 yield _sse(opened_next[1])  # type: ignore[arg-type]
                 break
             shard, up_path, resp = opened_next  # type: ignore[misc]
+        if tail and wants_usage:
+            yield self._usage(prog.path, ident, prog.n_prompt(), len(prog.ids))
+        if tail:
+            yield "data: [DONE]\n\n"
+
+    async def _stream_n(self, first: Progress, n: int, opened: tuple[Shard, str, UpstreamResponse],
+                        session: str | None, exclude: set[int]) -> AsyncIterator[str]:
+        """n samples: the whole request's stream from one shard; if it is cut, the samples it
+        cut continue each on its own (concurrently), their chunks under their index."""
+        path, body = first.path, first.body
+        opts = body.get("stream_options")
+        wants_usage = bool(opts and opts.get("include_usage", True))
+        lanes = [Progress.lane(path, body, first.wants_ids, i) for i in range(n)]
+        pids = body.get("token_ids") if path == GENERATE else None
+        ident: dict[str, Any] = {}
+        finished: set[int] = set()
+        cut: set[int] = set()
+        shard, up_path, resp = opened
+        try:
+            async for line in resp.lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    yield line + "\n\n"
+                    finished.update(range(n))
+                    continue
+                if not chunk.get("choices"):
+                    continue  # upstream usage: ours counts all attempts
+                choice = chunk["choices"][0]
+                lane = lanes[choice.get("index", 0)]
+                found = chunk.get("prompt_token_ids") or choice.get("prompt_token_ids")
+                if pids is None and found:
+                    pids = list(found)
+                ident = ident or {k: chunk[k] for k in ("id", "request_id", "created", "model") if k in chunk}
+                finish = choice.get("finish_reason")
+                lane.add(up_path, choice)
+                if finish is not None and self._cut(shard, 200, finish):
+                    cut.add(lane.index)
+                    choice = {**choice, "finish_reason": None, "stop_reason": None}
+                    if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("token_ids"):
+                        yield self._rechunk(lane, chunk, choice, up_path, ident, wants_usage)
+                    continue
+                yield self._rechunk(lane, chunk, choice, up_path, ident, wants_usage)
+                if finish is not None:
+                    finished.add(lane.index)
+        except UpstreamError as exc:
+            left = [i for i in range(n) if i not in finished and i not in cut]
+            if left:
+                self._unreachable(shard, exc, first)
+            for i in left:
+                lanes[i].close_attempt_without_spans()
+                cut.add(i)
+        finally:
+            await resp.aclose()
+            self.table.release(shard, not cut)
+        if cut:
+            exclude.add(shard.rank)
+            self.redispatched += len(cut)
+            continued = [lanes[i] for i in sorted(cut)]
+            for lane in continued:
+                lane.prompt_ids = list(pids) if pids is not None else None
+            async for piece in self._merge_lanes(continued, session, exclude, ident):
+                yield piece
         if wants_usage:
-            yield self._usage(prog, ident)
+            yield self._usage(path, ident, len(pids or []), sum(len(lane.ids) for lane in lanes))
         yield "data: [DONE]\n\n"
+
+    async def _merge_lanes(self, lanes: list[Progress], session: str | None, exclude: set[int],
+                           ident: dict[str, Any]) -> AsyncIterator[str]:
+        """The continued samples' streams, concurrently, as their chunks come."""
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+        async def run(lane: Progress) -> None:
+            try:
+                try:
+                    opened = await self._connect(lane, session, set(exclude))
+                except NoActiveShardError as exc:
+                    opened = (503, S.error_body(str(exc), "ServiceUnavailableError", 503))
+                if isinstance(opened[0], int):
+                    await queue.put(_sse(opened[1]))  # type: ignore[arg-type]
+                    return
+                async for piece in self._stream(lane, opened, session, set(exclude), ident,  # type: ignore[arg-type]
+                                                tail=False):
+                    await queue.put(piece)
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report it in the stream
+                await queue.put(_sse(S.error_body(f"sample {lane.index}: {exc}", "InternalServerError", 500)))
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.get_running_loop().create_task(run(lane)) for lane in lanes]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _rechunk(self, prog: Progress, chunk: dict, choice: dict, up_path: str, ident: dict,
                  wants_usage: bool) -> str:
@@ -366,7 +609,7 @@ class Relay:
         finish = choice.get("finish_reason")
         if up_path == prog.path:  # same endpoint: keep the chunk, fix ids and the request id
             out = {**chunk, **{k: v for k, v in ident.items() if k in chunk}}
-            c = dict(choice)
+            c = {**choice, "index": prog.index}
             if not prog.wants_ids:
                 _blank_ids(out, c, prog.path)
                 if prog.path == GENERATE:  # vLLM omits it from generate chunks
@@ -380,17 +623,16 @@ class Relay:
         # a chat request continued through /v1/completions
         lp = None
         if prog.body.get("logprobs") and choice.get("logprobs"):
-            lp = S.chat_logprobs(choice["logprobs"].get("tokens", []),
-                                 choice["logprobs"].get("token_logprobs", []),
-                                 bool(prog.body.get("top_logprobs")))
+            lp = {"content": _chat_items(choice["logprobs"], prog.chat_top)}
         ids = choice.get("token_ids") if prog.wants_ids else None
         return _sse(S.chat_chunk(ident.get("id", ""), ident.get("model", ""), ident.get("created", 0),
                                  choice.get("text", ""), finish, choice.get("stop_reason"), lp, ids,
-                                 last=finish is not None and not wants_usage))
+                                 last=finish is not None and not wants_usage, index=prog.index))
 
-    def _usage(self, prog: Progress, ident: dict) -> str:
-        if prog.path == GENERATE:
-            return _sse(S.generate_usage_chunk(ident.get("request_id", ""), prog.n_prompt(), len(prog.ids)))
-        obj = "chat.completion.chunk" if prog.path == CHAT else "text_completion"
+    @staticmethod
+    def _usage(path: str, ident: dict, n_prompt: int, n_out: int) -> str:
+        if path == GENERATE:
+            return _sse(S.generate_usage_chunk(ident.get("request_id", ""), n_prompt, n_out))
+        obj = "chat.completion.chunk" if path == CHAT else "text_completion"
         return _sse(S.usage_chunk(ident.get("id", ""), ident.get("model", ""), ident.get("created", 0), obj,
-                                  prog.n_prompt(), len(prog.ids)))
+                                  n_prompt, n_out))

@@ -1,8 +1,12 @@
 """Wire shapes of the engine server, copied field by field from what vLLM 0.32 answers.
 
-Requests are pydantic models (unknown fields ignored, as vLLM does); responses are built as
-plain dicts in vLLM's key order, so a client (or a test) cannot tell our server from vLLM's.
-Fields we never fill (routed_experts, kv_transfer_params...) are present as null, as in vLLM.
+Requests are pydantic models. Unlike vLLM, which ignores what it does not know, a generation
+request with a field this server does not implement is refused (400 naming the field, see
+`refuse_unsupported`): a field that changes nothing at the value sent (`user`, `store: false`,
+`response_format: {"type": "text"}`...) passes, anything else would have been silently ignored.
+Responses are built as plain dicts in vLLM's key order, so a client (or a test) cannot tell our
+server from vLLM's. Fields we never fill (routed_experts, kv_transfer_params...) are present as
+null, as in vLLM.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -23,12 +28,94 @@ class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Req):
+class _Checked(BaseModel):
+    """A request whose unknown fields are kept (in model_extra) to be refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Checked):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(_Req):
+def _any(_: Any) -> bool:
+    return True
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(value == a and type(value) is type(a) for a in allowed)
+
+
+#: Fields that change nothing here at the values these predicates accept (identifiers,
+#: metadata, a feature left at its default), shared by both text endpoints; any other value is
+#: refused (400 naming the field) instead of being silently ignored.
+INERT: dict[str, Callable[[Any], bool]] = {
+    "user": _any, "metadata": _any, "prompt_cache_key": _any, "safety_identifier": _any,
+    "request_id": _any, "cache_salt": _any,  # identifiers (vLLM's request_id: we make our own)
+    "store": _is(False), "service_tier": _is("auto", "default"), "priority": _is(0),
+    "min_tokens": _is(0), "min_p": _is(0, 0.0), "use_beam_search": _is(False),
+    "length_penalty": _is(1, 1.0), "include_stop_str_in_output": _is(False),
+    "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _unset,
+    "prompt_logprobs": _unset, "logprob_token_ids": _unset, "allowed_token_ids": _unset,
+    "bad_words": _unset, "structured_outputs": _unset, "guided_json": _unset,
+    "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
+    "guided_decoding_backend": _unset, "kv_transfer_params": _unset, "vllm_xargs": _unset,
+    "mm_processor_kwargs": _unset, "thinking_token_budget": _unset,
+}
+#: ... the chat endpoint's own
+CHAT_INERT: dict[str, Callable[[Any], bool]] = {
+    **INERT, "response_format": lambda v: _unset(v) or v == {"type": "text"},
+    "modalities": lambda v: _unset(v) or v == ["text"], "parallel_tool_calls": _is(True),
+    "audio": _unset, "prediction": _unset, "web_search_options": _unset, "functions": _unset,
+    "function_call": _unset, "reasoning_effort": _unset, "verbosity": _unset,
+    "echo": _is(False), "chat_template": _unset, "documents": _unset, "include_reasoning": _any,
+}
+#: ... the completions endpoint's own (best_of is checked against n by the server)
+COMPLETION_INERT: dict[str, Callable[[Any], bool]] = {
+    **INERT, "suffix": _unset, "response_format": lambda v: _unset(v) or v == {"type": "text"},
+}
+#: vLLM SamplingParams fields of /inference/v1/generate that change nothing for token output
+GENERATE_INERT: dict[str, Callable[[Any], bool]] = {
+    **{k: INERT[k] for k in ("min_tokens", "min_p", "truncate_prompt_tokens", "prompt_logprobs",
+                              "allowed_token_ids", "bad_words", "structured_outputs",
+                              "logprob_token_ids")},
+    "skip_special_tokens": _any, "spaces_between_special_tokens": _any, "detokenize": _any,
+    "include_stop_str_in_output": _any, "output_kind": _any, "extra_args": _unset,
+    "best_of": _unset,
+}
+#: top-level fields of /inference/v1/generate besides the declared ones
+GENERATE_REQUEST_INERT: dict[str, Callable[[Any], bool]] = {
+    "cache_salt": _any, "priority": _is(0), "kv_transfer_params": _unset, "features": _unset,
+}
+STREAM_OPTIONS_INERT: dict[str, Callable[[Any], bool]] = {}
+
+
+def refuse_unsupported(req: BaseModel, inert: Mapping[str, Callable[[Any], bool]], where: str = "") -> None:
+    """InvalidRequestError naming the first field of `req` (a _Checked model) that this server
+    would otherwise ignore: unknown, or one of `inert` at a value that would change something."""
+    for name, value in (req.model_extra or {}).items():
+        field = f"{where}{name}"
+        check = inert.get(name)
+        if check is None:
+            raise InvalidRequestError(f"unknown or unsupported field `{field}`: this server does not "
+                                      f"implement it (refused rather than ignored)", param=field)
+        if not check(value):
+            raise InvalidRequestError(f"`{field}`={json.dumps(value)[:100]} is not supported: this "
+                                      f"server has no such feature (leave it out)", param=field)
+    opts = getattr(req, "stream_options", None)
+    if isinstance(opts, StreamOptions):
+        if opts.continuous_usage_stats:
+            raise InvalidRequestError("stream_options.continuous_usage_stats is not supported",
+                                      param="stream_options.continuous_usage_stats")
+        refuse_unsupported(opts, STREAM_OPTIONS_INERT, "stream_options.")
+
+
+class _SamplingFields(_Checked):
     """The OpenAI + vLLM sampling fields we honour."""
 
     model: str | None = None
@@ -44,18 +131,26 @@ class _SamplingFields(_Req):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    add_special_tokens: bool = True
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -64,7 +159,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
 
 
-class GenerateSamplingParams(_Req):
+class GenerateSamplingParams(_Checked):
     """vLLM's SamplingParams fields that /inference/v1/generate callers use."""
 
     n: int = 1
@@ -77,9 +172,13 @@ class GenerateSamplingParams(_Req):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
 
 
-class GenerateRequest(_Req):
+class GenerateRequest(_Checked):
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     token_ids: list[int] = Field(min_length=1)
     sampling_params: GenerateSamplingParams = GenerateSamplingParams()
@@ -153,51 +252,72 @@ def weight_spans(spans: list[tuple[int, int]], n_tokens: int) -> list[dict]:
     return out
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset0: int = 0) -> dict:
-    """OpenAI completions logprobs; top_logprobs holds the sampled token only (see server doc)."""
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], offset0: int = 0,
+                        top: list[dict[str, float] | None] | None = None) -> dict:
+    """OpenAI completions logprobs. `top`: each token's {token: logprob} alternatives (None for
+    an echoed first prompt token); without it, the sampled token alone."""
     offsets, pos = [], offset0
     for tok in tokens:
         offsets.append(pos)
         pos += len(tok)
-    return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)]}
+    if top is None:
+        top = [{t: lp} if lp is not None else None for t, lp in zip(tokens, logprobs)]
+    return {"text_offset": offsets, "token_logprobs": logprobs, "tokens": tokens, "top_logprobs": top}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float], top: bool) -> dict:
+def chat_logprob_item(token: str, logprob: float, top: list[tuple[str, float]] = ()) -> dict:
+    """One token of a chat answer's logprobs; `top` its alternatives, most likely first."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                             for t, lp in top]}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float],
+                  top: list[list[tuple[str, float]]] | None = None) -> dict:
+    return {"content": [chat_logprob_item(tok, lp, top[i] if top is not None else ())
+                        for i, (tok, lp) in enumerate(zip(tokens, logprobs))]}
+
+
+def generate_logprobs(token_ids: list[int], logprobs: list[float],
+                      top: list[list[tuple[int, float]]] | None = None, k: int = 0) -> dict:
+    """vLLM's generate logprobs: each token with its rank (when alternatives were computed and
+    it is among them) and `top_logprobs`: the sampled token, then the best others, max(k, 1) in all."""
     content = []
-    for tok, lp in zip(tokens, logprobs):
-        b = list(tok.encode("utf-8"))
-        item = {"token": tok, "logprob": lp, "bytes": b,
-                "top_logprobs": [{"token": tok, "logprob": lp, "bytes": b}] if top else []}
-        content.append(item)
+    for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+        rank = None
+        entries = [{"token_id": t, "logprob": lp, "rank": None}]
+        if top is not None and top[i]:
+            ranks = {tid: r for r, (tid, _) in enumerate(top[i], 1)}
+            rank = entries[0]["rank"] = ranks.get(t)
+            entries += [{"token_id": tid, "logprob": v, "rank": r}
+                        for r, (tid, v) in enumerate(top[i], 1) if tid != t]
+        content.append({"token_id": t, "logprob": lp, "rank": rank,
+                        "top_logprobs": entries[: max(k, 1)]})
     return {"content": content}
 
 
-def generate_logprobs(token_ids: list[int], logprobs: list[float]) -> dict:
-    return {"content": [{"token_id": t, "logprob": lp, "rank": None,
-                         "top_logprobs": [{"token_id": t, "logprob": lp, "rank": None}]}
-                        for t, lp in zip(token_ids, logprobs)]}
+def completion_choice(index: int, text: str, logprobs: dict | None, finish: str, stop_reason: Any,
+                      token_ids: list[int] | None, prompt_ids: list[int] | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids, "routed_experts": None}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, stop_reason: Any,
-                        logprobs: dict | None, token_ids: list[int] | None,
-                        prompt_ids: list[int] | None, n_prompt: int, n_out: int) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], n_prompt: int, n_out: int) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                     "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": None,
-                     "prompt_token_ids": prompt_ids, "routed_experts": None}],
-        "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT, "usage": usage(n_prompt, n_out),
-        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "choices": choices, "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+        "usage": usage(n_prompt, n_out), "kv_transfer_params": None, "ec_transfer_params": None,
+        "metrics": None,
     }
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
                      stop_reason: Any, logprobs: dict | None, token_ids: list[int] | None,
-                     prompt_ids: list[int] | None, last: bool = False) -> dict:
+                     prompt_ids: list[int] | None, last: bool = False, index: int = 0) -> dict:
     """`last`: the finishing chunk with no usage chunk after it carries the fingerprint."""
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+           "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": stop_reason, "prompt_token_ids": prompt_ids,
                         "token_ids": token_ids}]}
     if last:
@@ -205,35 +325,38 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: str 
     return out
 
 
-def chat_response(rid: str, model: str, content: str | None, finish: str, stop_reason: Any,
-                  logprobs: dict | None, token_ids: list[int] | None,
-                  prompt_ids: list[int] | None, n_prompt: int, n_out: int,
-                  tool_calls: list[dict] | None = None) -> dict:
+def chat_choice(index: int, content: str | None, finish: str, stop_reason: Any, logprobs: dict | None,
+                token_ids: list[int] | None, tool_calls: list[dict] | None = None) -> dict:
     message = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
                "audio": None, "function_call": None, "reasoning": None}
     if tool_calls is not None:
         message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": None}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], prompt_ids: list[int] | None,
+                  n_prompt: int, n_out: int) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                     "stop_reason": stop_reason, "token_ids": token_ids, "routed_experts": None}],
-        "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT, "usage": usage(n_prompt, n_out),
-        "prompt_logprobs": None, "prompt_token_ids": prompt_ids, "prompt_text": None,
-        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        "choices": choices, "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+        "usage": usage(n_prompt, n_out), "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+        "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
     }
 
 
-def chat_first_chunk(rid: str, model: str, created: int, prompt_ids: list[int] | None) -> dict:
+def chat_first_chunk(rid: str, model: str, created: int, prompt_ids: list[int] | None,
+                     index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}],
             "prompt_token_ids": prompt_ids, "prompt_text": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
                stop_reason: Any, logprobs: dict | None, token_ids: list[int] | None,
-               last: bool = False) -> dict:
-    choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": logprobs,
+               last: bool = False, index: int = 0) -> dict:
+    choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                               "finish_reason": finish}
     if finish is not None:
         choice["stop_reason"] = stop_reason
@@ -250,29 +373,31 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, n_prompt: int, n_o
             "usage": usage(n_prompt, n_out, details=False), "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
-def generate_response(rid: str, model: str, finish: str, stop_reason: Any, token_ids: list[int],
-                      logprobs: dict | None, spans: list[dict], prompt_ids: list[int] | None,
+def generate_choice(index: int, finish: str, stop_reason: Any, token_ids: list[int],
+                    logprobs: dict | None, spans: list[dict]) -> dict:
+    return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": token_ids,
+            "routed_experts": None, "sampling_mask": None, "weight_versions": spans, "logprobs": logprobs}
+
+
+def generate_response(rid: str, model: str, choices: list[dict], prompt_ids: list[int] | None,
                       n_prompt: int) -> dict:
     return {
         "request_id": rid, "model": model, "created": int(time.time()),
-        "usage": usage(n_prompt, len(token_ids)), "prompt_logprobs": None,
+        "usage": usage(n_prompt, sum(len(c["token_ids"]) for c in choices)), "prompt_logprobs": None,
         "prompt_token_id_logprobs": None, "prompt_token_ids": prompt_ids, "mm_placeholders": None,
         "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
-        "output_mode": "tokens",
-        "choices": [{"index": 0, "finish_reason": finish, "stop_reason": stop_reason,
-                     "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
-                     "weight_versions": spans, "logprobs": logprobs}],
+        "output_mode": "tokens", "choices": choices,
     }
 
 
 def generate_chunk(rid: str, finish: str | None, stop_reason: Any, token_ids: list[int],
                    logprobs: dict | None, spans: list[dict] | None,
-                   prompt_ids: list[int] | None) -> dict:
+                   prompt_ids: list[int] | None, index: int = 0) -> dict:
     out: dict[str, Any] = {"request_id": rid, "usage": None}
     if prompt_ids is not None:
         out["prompt_token_ids"] = prompt_ids
     out["output_mode"] = "tokens"
-    out["choices"] = [{"index": 0, "finish_reason": finish, "stop_reason": stop_reason,
+    out["choices"] = [{"index": index, "finish_reason": finish, "stop_reason": stop_reason,
                        "token_ids": token_ids, "routed_experts": None, "sampling_mask": None,
                        "weight_versions": spans, "logprobs": logprobs}]
     return out

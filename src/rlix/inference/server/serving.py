@@ -4,8 +4,11 @@ No HTTP here (server.py is a thin shell around it), so validation, stop strings 
 are tested with a fake engine. Behaviour follows vLLM 0.32 where it is observable: max_tokens is
 capped to the context left after the prompt, a prompt that fills the context is a 400, a stop
 string ends the output and is not part of the text, `return_token_ids` adds prompt and output ids.
-Not supported (400): n > 1, several prompts in one request, echo. Logprobs carry the sampled
-token only (the engine computes no top-k alternatives).
+`n` samples share the prompt's prefill and come back as `n` choices (by `index`, streamed
+interleaved); logprobs carry up to 20 alternatives per token (`top_logprobs`, completions'
+`logprobs`); completions `echo` prepends the prompt (with its logprobs, computed in the
+prefill). A field the server would ignore is refused (openai_schema.refuse_unsupported), as are
+several prompts in one request.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any
 
 from rlix.errors import InvalidRequestError, ModelNotFoundError, RlixError
 from rlix.inference.server import openai_schema as S
-from rlix.inference.engine.api import EngineAPI, GenerationOutput, SamplingParams
+from rlix.inference.engine.api import (MAX_TOP_LOGPROBS, EngineAPI, GenerationOutput, SamplingParams,
+                                      TopLogprobs)
 from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.tool_calls import ToolCall, check_tools, parse_tool_calls, template_messages
 
@@ -28,8 +32,10 @@ class TextStream:
     """Cumulative token ids -> text deltas. Holds back a trailing partial UTF-8 character and
     the tail that could still grow into a stop string; cuts the text at the first stop string."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), prefix: list[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), prefix: list[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
+        self.skip_special = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0
@@ -38,12 +44,12 @@ class TextStream:
         # bytes started in the prompt (a request re-dispatched with its accumulated tokens)
         # comes out whole; a prefix ending mid-character counts from where that character starts.
         self.prefix = list(prefix)
-        self.skip = len(tokenizer.decode(self.prefix, skip_special_tokens=True).rstrip("\ufffd"))
+        self.skip = len(tokenizer.decode(self.prefix, skip_special_tokens=skip_special_tokens).rstrip("\ufffd"))
 
     def update(self, token_ids: list[int], final: bool, cut: bool = False) -> str:
         """`cut`: the request ended early (aborted), so a trailing partial character is dropped
         rather than sent as U+FFFD: whoever continues the request will complete it."""
-        full = self.tok.decode(self.prefix + token_ids, skip_special_tokens=True)[self.skip:]
+        full = self.tok.decode(self.prefix + token_ids, skip_special_tokens=self.skip_special)[self.skip:]
         if self.stop:
             hits = [(full.find(s), s) for s in self.stop if s in full]
             if hits:
@@ -69,14 +75,21 @@ class Job:
     include_usage: bool = False
     return_token_ids: bool = False
     logprobs: bool = False
-    top_logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token shown, in the endpoint's meaning
     parse_tools: bool = False  # chat with tools: the answer's <tool_call> blocks become tool_calls
+    echo: str | None = None  # completions `echo`: the prompt's text, ahead of each choice's
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.params.n
 
 
 @dataclass
 class Step:
-    """What one engine yield added."""
+    """What one engine yield added to choice `index`."""
 
     out: GenerationOutput
     new_ids: list[int]
@@ -84,6 +97,8 @@ class Step:
     text: str
     finish: str | None
     stop_reason: Any
+    index: int = 0
+    new_top: list[TopLogprobs] = field(default_factory=list)
 
 
 def sse(obj: Any) -> str:
@@ -105,6 +120,7 @@ class OpenAIServing:
         self.model_root = model_root or model_name
         self.created = int(time.time())
         self._bg: set[asyncio.Task] = set()
+        self._token_strs: dict[int, str] = {}  # token id -> its text alone (logprob tokens)
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
@@ -113,10 +129,9 @@ class OpenAIServing:
                 f"The model `{model}` does not exist. Valid aliases: {self.model_name}.", param="model")
 
     def _params(self, req: Any, prompt_len: int, max_tokens: int | None, default_max: int | None,
-                logprobs: bool) -> SamplingParams:
-        if req.n != 1:
-            raise InvalidRequestError("n must be 1: rlix's engine server samples one sequence per "
-                                      "request (send n requests instead)", param="n")
+                logprobs: bool, top: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {req.n}", param="n")
         limit = self.engine.max_model_len
         if prompt_len >= limit and isinstance(req, S.GenerateSamplingParams):
             raise InvalidRequestError(
@@ -140,7 +155,18 @@ class OpenAIServing:
         return SamplingParams(max_tokens=min(wanted, room), temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=req.seed, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
-                              ignore_eos=req.ignore_eos, logprobs=logprobs)
+                              ignore_eos=req.ignore_eos, logprobs=logprobs, n=req.n,
+                              top_logprobs=top, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              repetition_penalty=(1.0 if req.repetition_penalty is None
+                                                  else req.repetition_penalty),
+                              logit_bias=_logit_bias(req.logit_bias))
+
+    @staticmethod
+    def _check_top(k: int | None, name: str) -> None:
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}", param=name)
 
     def _check_ids(self, ids: list[int], what: str) -> None:
         vocab = len(self.tok)
@@ -149,11 +175,16 @@ class OpenAIServing:
             raise InvalidRequestError(f"{what} holds token ids outside the vocabulary (size {vocab}): "
                                       f"{bad[:5]}", param=what)
 
-    def _encode_prompt(self, prompt: Any) -> list[int]:
+    @staticmethod
+    def _one_prompt(prompt: Any) -> Any:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+            return prompt[0]
+        return prompt
+
+    def _encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        prompt = self._one_prompt(prompt)
         if isinstance(prompt, str):
-            return self.tok(prompt, add_special_tokens=True)["input_ids"]
+            return self.tok(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -178,48 +209,86 @@ class OpenAIServing:
 
     def prepare_completion(self, req: S.CompletionRequest) -> Job:
         self.check_model(req.model)
+        S.refuse_unsupported(req, S.COMPLETION_INERT)
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError("best_of other than n is not supported (every sample is "
+                                      "returned: ask for n)", param="best_of")
+        self._check_top(req.logprobs, "logprobs")
+        ids = self._encode_prompt(req.prompt, req.add_special_tokens)
+        k = req.logprobs
+        params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
+                              prompt_logprobs=k if req.echo else None)
+        job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
         if req.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
-        ids = self._encode_prompt(req.prompt)
-        params = self._params(req, len(ids), req.max_tokens, 16, req.logprobs is not None)
-        return self._job("cmpl", ids, params, req, logprobs=req.logprobs is not None)
+            prompt = self._one_prompt(req.prompt)
+            job.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
+        return job
 
     def prepare_chat(self, req: S.ChatCompletionRequest) -> Job:
         self.check_model(req.model)
+        S.refuse_unsupported(req, S.CHAT_INERT)
+        self._check_top(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
+                                      param="top_logprobs")
         parse_tools = check_tools(req.tools, req.tool_choice)
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._params(req, len(ids), max_tokens, None, req.logprobs)
-        job = self._job("chatcmpl", ids, params, req, logprobs=req.logprobs, top=bool(req.top_logprobs))
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top)
+        job = self._job("chatcmpl", ids, params, req, logprobs=bool(req.logprobs), top=top)
         job.parse_tools = parse_tools
         return job
 
     def prepare_generate(self, req: S.GenerateRequest) -> Job:
         self.check_model(req.model)
-        self._check_ids(req.token_ids, "token_ids")
         sp = req.sampling_params
-        params = self._params(sp, len(req.token_ids), sp.max_tokens, 16, sp.logprobs is not None)
-        job = self._job("", req.token_ids, params, req, logprobs=sp.logprobs is not None)
+        S.refuse_unsupported(req, S.GENERATE_REQUEST_INERT)
+        S.refuse_unsupported(sp, S.GENERATE_INERT, "sampling_params.")
+        self._check_top(sp.logprobs, "sampling_params.logprobs")
+        self._check_ids(req.token_ids, "token_ids")
+        k = sp.logprobs
+        # vLLM's shape: the sampled token then the best others, max(k, 1) entries: k >= 2 needs
+        # the k best (the sampled one may be among them); 0 and 1 need none
+        params = self._params(sp, len(req.token_ids), sp.max_tokens, 16, k is not None,
+                              top=k if k and k >= 2 else 0)
+        job = self._job("", req.token_ids, params, req, logprobs=k is not None, top=k or 0)
         job.rid = f"generate-tokens-{req.request_id}"
         return job
 
     def _job(self, prefix: str, ids: list[int], params: SamplingParams, req: Any, *,
-             logprobs: bool, top: bool = False) -> Job:
+             logprobs: bool, top: int = 0) -> Job:
         opts = req.stream_options
         return Job(rid=S.new_id(prefix) if prefix else "", prompt_ids=ids, params=params,
                    stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
-                   return_token_ids=bool(req.return_token_ids), logprobs=logprobs, top_logprobs=top)
+                   return_token_ids=bool(req.return_token_ids), logprobs=logprobs, top_logprobs=top,
+                   skip_special_tokens=getattr(req, "skip_special_tokens", True),
+                   tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False)))
 
     # ------------------------------------------------------------ running
-    async def run(self, job: Job, text: TextStream | None) -> AsyncIterator[Step]:
-        """Engine outputs -> Steps; a stop string ends the request (the engine is told to abort)."""
+    def _texts(self, job: Job, always: bool = True) -> list[TextStream | None]:
+        """One text stream per choice (for token-level generate only to apply stop strings)."""
+        if not always and not job.params.stop:
+            return [None] * job.n
+        return [TextStream(self.tok, job.params.stop, job.prompt_ids[-8:], job.skip_special_tokens)
+                for _ in range(job.n)]
+
+    async def run(self, job: Job, texts: list[TextStream | None]) -> AsyncIterator[Step]:
+        """Engine outputs -> Steps (one per output that added something to a choice); a stop
+        string ends its choice (the engine is told to abort that sample)."""
         # nothing to send or check before the end: the engine wakes this loop once, not per step
         final_only = not job.stream and not job.params.stop
         agen = self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
-        seen, done = 0, False
+        seen = [0] * job.n
+        closed: set[int] = set()  # choices whose finish went out
+        done = False
         try:
             async for out in agen:
+                i = out.index
+                if i in closed:
+                    continue  # a sample still running after its stop string: being aborted
+                text = texts[i]
                 finish, stop_reason = out.finish_reason, None
                 delta = ""
                 if text is not None and (job.stream or text.stop or finish):
@@ -227,16 +296,20 @@ class OpenAIServing:
                                         cut=finish == "abort")
                     if text.stopped:
                         if finish is None:
-                            self._abort_later(job.rid)
+                            self._abort_later(out.request_id)
                         finish, stop_reason = "stop", text.stopped
                 if finish == "stop" and stop_reason is None:
                     stop_reason = out.stop_reason
-                new_ids, new_lps = out.token_ids[seen:], out.logprobs[seen:]
-                seen = len(out.token_ids)
-                done = finish is not None
-                if new_ids or done:
-                    yield Step(out, new_ids, new_lps, delta, finish, stop_reason)
-                if done:
+                k = seen[i]
+                new_ids, new_lps = out.token_ids[k:], out.logprobs[k:]
+                new_top = out.top_logprobs[k:] if out.top_logprobs else []
+                seen[i] = len(out.token_ids)
+                if finish is not None:
+                    closed.add(i)
+                if new_ids or finish is not None:
+                    yield Step(out, new_ids, new_lps, delta, finish, stop_reason, i, new_top)
+                if len(closed) == job.n:
+                    done = True
                     return
         finally:
             if not done:
@@ -253,61 +326,117 @@ class OpenAIServing:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _final(self, job: Job, text: TextStream | None) -> tuple[Step, str]:
-        last, chunks = None, []
-        async for step in self.run(job, text):
-            last = step
-            chunks.append(step.text)
-        assert last is not None  # the engine always ends with a finish reason
-        return last, "".join(chunks)
+    async def _finals(self, job: Job, texts: list[TextStream | None]) -> list[tuple[Step, str]]:
+        """Each choice's last step and whole text, by index."""
+        last: dict[int, Step] = {}
+        chunks: dict[int, list[str]] = {}
+        async for step in self.run(job, texts):
+            last[step.index] = step
+            chunks.setdefault(step.index, []).append(step.text)
+        return [(last[i], "".join(chunks[i])) for i in range(job.n)]  # every choice ends
 
-    def _strs(self, ids: list[int]) -> list[str]:
-        return [self.tok.decode([t]) for t in ids]
+    def _token_str(self, token: int, as_id: bool = False) -> str:
+        if as_id:
+            return f"token_id:{token}"
+        text = self._token_strs.get(token)
+        if text is None:
+            text = self._token_strs[token] = self.tok.decode([token])
+        return text
+
+    def _strs(self, ids: list[int], as_id: bool = False) -> list[str]:
+        return [self._token_str(t, as_id) for t in ids]
+
+    # ------------------------------------------------------------ logprobs
+    def _completion_lp(self, job: Job, out: GenerationOutput, ids: list[int], lps: list[float],
+                       tops: list[TopLogprobs], offset0: int = 0, echo: bool = False) -> dict:
+        """Completions logprobs of `ids` (the echoed prompt's first when `echo`); each token's
+        top_logprobs: the `logprobs` best tokens, and the token itself."""
+        as_id, k = job.tokens_as_ids, job.top_logprobs
+        tokens: list[str] = []
+        values: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+
+        def add(token: int, lp: float | None, alts: TopLogprobs) -> None:
+            tokens.append(self._token_str(token, as_id))
+            values.append(lp)
+            if lp is None:
+                top.append(None)
+                return
+            best = {self._token_str(t, as_id): v for t, v in alts[:k]}
+            best.setdefault(tokens[-1], lp)
+            top.append(best)
+
+        if echo:
+            n = len(job.prompt_ids)
+            for token, lp, alts in zip(job.prompt_ids, out.prompt_logprobs or [None] * n,
+                                       out.prompt_top_logprobs or [[]] * n):
+                add(token, lp, alts)
+        for token, lp, alts in zip(ids, lps, tops or [[]] * len(ids)):
+            add(token, lp, alts)
+        return S.completion_logprobs(tokens, values, offset0, top)
+
+    def _chat_lp(self, job: Job, ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> dict:
+        as_id = job.tokens_as_ids
+        top = ([[(self._token_str(t, as_id), v) for t, v in alts] for alts in tops]
+               if job.top_logprobs else None)
+        return S.chat_logprobs(self._strs(ids, as_id), lps, top)
 
     # ------------------------------------------------------------ completions
     async def completion(self, job: Job) -> dict:
-        last, text = await self._final(job, TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]))
-        out = last.out
-        lp = S.completion_logprobs(self._strs(out.token_ids), out.logprobs) if job.logprobs else None
-        return S.completion_response(job.rid, self.model_name, text, last.finish, last.stop_reason, lp,
-                                     out.token_ids if job.return_token_ids else None,
-                                     job.prompt_ids if job.return_token_ids else None,
-                                     len(job.prompt_ids), len(out.token_ids))
+        choices, n_out = [], 0
+        for i, (last, text) in enumerate(await self._finals(job, self._texts(job))):
+            out = last.out
+            lp = (self._completion_lp(job, out, out.token_ids, out.logprobs, out.top_logprobs,
+                                      echo=job.echo is not None) if job.logprobs else None)
+            if job.echo is not None:
+                text = job.echo + text
+            choices.append(S.completion_choice(i, text, lp, last.finish, last.stop_reason,
+                                               out.token_ids if job.return_token_ids else None,
+                                               job.prompt_ids if job.return_token_ids else None))
+            n_out += len(out.token_ids)
+        return S.completion_response(job.rid, self.model_name, choices, len(job.prompt_ids), n_out)
 
     async def completion_stream(self, job: Job) -> AsyncIterator[str]:
-        text, offset, n_out = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]), 0, 0
-        prompt = job.prompt_ids if job.return_token_ids else None
-        async for step in self._guard(self.run(job, text)):
+        offsets, n_out, first = [0] * job.n, [0] * job.n, [True] * job.n
+        async for step in self._guard(self.run(job, self._texts(job))):
             if isinstance(step, str):
                 yield step
                 return
+            i = step.index
+            echo = job.echo is not None and first[i]
             lp = None
             if job.logprobs:
-                strs = self._strs(step.new_ids)
-                lp = S.completion_logprobs(strs, step.new_logprobs, offset)
-                offset += sum(len(s) for s in strs)
-            n_out = len(step.out.token_ids)
-            yield sse(S.completion_chunk(job.rid, self.model_name, job.created, step.text, step.finish,
-                                         step.stop_reason, lp,
+                lp = self._completion_lp(job, step.out, step.new_ids, step.new_logprobs, step.new_top,
+                                         offsets[i], echo)
+                if lp["tokens"]:
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            n_out[i] = len(step.out.token_ids)
+            prompt = job.prompt_ids if job.return_token_ids and first[i] else None
+            first[i] = False
+            yield sse(S.completion_chunk(job.rid, self.model_name, job.created,
+                                         (job.echo or "") + step.text if echo else step.text,
+                                         step.finish, step.stop_reason, lp,
                                          step.new_ids if job.return_token_ids else None, prompt,
-                                         last=bool(step.finish) and not job.include_usage))
-            prompt = None
+                                         last=bool(step.finish) and not job.include_usage, index=i))
         if job.include_usage:
             yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "text_completion",
-                                    len(job.prompt_ids), n_out))
+                                    len(job.prompt_ids), sum(n_out)))
         yield DONE
 
     # ------------------------------------------------------------ chat
     async def chat(self, job: Job) -> dict:
-        last, text = await self._final(job, TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]))
-        out = last.out
-        lp = S.chat_logprobs(self._strs(out.token_ids), out.logprobs, job.top_logprobs) if job.logprobs else None
-        content, calls, finish = self._tool_calls(job, text, last.finish)
-        return S.chat_response(job.rid, self.model_name, content, finish, last.stop_reason, lp,
-                               out.token_ids if job.return_token_ids else None,
+        choices, n_out = [], 0
+        for i, (last, text) in enumerate(await self._finals(job, self._texts(job))):
+            out = last.out
+            lp = self._chat_lp(job, out.token_ids, out.logprobs, out.top_logprobs) if job.logprobs else None
+            content, calls, finish = self._tool_calls(job, text, last.finish)
+            choices.append(S.chat_choice(i, content, finish, last.stop_reason, lp,
+                                         out.token_ids if job.return_token_ids else None,
+                                         [c.as_openai() for c in calls] if job.parse_tools else None))
+            n_out += len(out.token_ids)
+        return S.chat_response(job.rid, self.model_name, choices,
                                job.prompt_ids if job.return_token_ids else None,
-                               len(job.prompt_ids), len(out.token_ids),
-                               tool_calls=[c.as_openai() for c in calls] if job.parse_tools else None)
+                               len(job.prompt_ids), n_out)
 
     @staticmethod
     def _tool_calls(job: Job, text: str, finish: str) -> tuple[str | None, list[ToolCall], str]:
@@ -318,81 +447,90 @@ class OpenAIServing:
         return content, calls, "tool_calls" if calls and finish == "stop" else finish
 
     async def chat_stream(self, job: Job) -> AsyncIterator[str]:
-        yield sse(S.chat_first_chunk(job.rid, self.model_name, job.created,
-                                     job.prompt_ids if job.return_token_ids else None))
+        for i in range(job.n):
+            yield sse(S.chat_first_chunk(job.rid, self.model_name, job.created,
+                                         job.prompt_ids if job.return_token_ids and i == 0 else None,
+                                         index=i))
         if job.parse_tools:  # a call is known only once its block closes: one delta at the end
             async for chunk in self._chat_stream_with_tools(job):
                 yield chunk
             return
-        text, n_out = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]), 0
-        async for step in self._guard(self.run(job, text)):
+        n_out = [0] * job.n
+        async for step in self._guard(self.run(job, self._texts(job))):
             if isinstance(step, str):
                 yield step
                 return
-            lp = (S.chat_logprobs(self._strs(step.new_ids), step.new_logprobs, job.top_logprobs)
+            lp = (self._chat_lp(job, step.new_ids, step.new_logprobs, step.new_top)
                   if job.logprobs else None)
-            n_out = len(step.out.token_ids)
+            n_out[step.index] = len(step.out.token_ids)
             yield sse(S.chat_chunk(job.rid, self.model_name, job.created, step.text, step.finish,
                                    step.stop_reason, lp, step.new_ids if job.return_token_ids else None,
-                                   last=bool(step.finish) and not job.include_usage))
+                                   last=bool(step.finish) and not job.include_usage, index=step.index))
+        if job.include_usage:
+            yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "chat.completion.chunk",
+                                    len(job.prompt_ids), sum(n_out)))
+        yield DONE
+
+    async def _chat_stream_with_tools(self, job: Job) -> AsyncIterator[str]:
+        parts: dict[int, list[str]] = {i: [] for i in range(job.n)}
+        new_ids: dict[int, list[int]] = {i: [] for i in range(job.n)}
+        n_out = 0
+        async for step in self._guard(self.run(job, self._texts(job))):
+            if isinstance(step, str):
+                yield step
+                return
+            i = step.index
+            parts[i].append(step.text)
+            new_ids[i] += step.new_ids
+            if step.finish is None:
+                continue
+            out = step.out
+            n_out += len(out.token_ids)
+            content, calls, finish = self._tool_calls(job, "".join(parts[i]), step.finish)
+            lp = self._chat_lp(job, out.token_ids, out.logprobs, out.top_logprobs) if job.logprobs else None
+            chunk = S.chat_chunk(job.rid, self.model_name, job.created, content or "", finish,
+                                 step.stop_reason, lp, new_ids[i] if job.return_token_ids else None,
+                                 last=not job.include_usage, index=i)
+            if calls:
+                chunk["choices"][0]["delta"]["tool_calls"] = [c.as_openai(j) for j, c in enumerate(calls)]
+            yield sse(chunk)
         if job.include_usage:
             yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "chat.completion.chunk",
                                     len(job.prompt_ids), n_out))
         yield DONE
 
-    async def _chat_stream_with_tools(self, job: Job) -> AsyncIterator[str]:
-        text = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:])
-        parts: list[str] = []
-        new_ids: list[int] = []
-        last: Step | None = None
-        async for step in self._guard(self.run(job, text)):
-            if isinstance(step, str):
-                yield step
-                return
-            parts.append(step.text)
-            new_ids += step.new_ids
-            last = step
-        assert last is not None
-        content, calls, finish = self._tool_calls(job, "".join(parts), last.finish or "stop")
-        lp = (S.chat_logprobs(self._strs(last.out.token_ids), last.out.logprobs, job.top_logprobs)
-              if job.logprobs else None)
-        chunk = S.chat_chunk(job.rid, self.model_name, job.created, content or "", finish, last.stop_reason, lp,
-                             new_ids if job.return_token_ids else None, last=not job.include_usage)
-        if calls:
-            chunk["choices"][0]["delta"]["tool_calls"] = [c.as_openai(i) for i, c in enumerate(calls)]
-        yield sse(chunk)
-        if job.include_usage:
-            yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "chat.completion.chunk",
-                                    len(job.prompt_ids), len(last.out.token_ids)))
-        yield DONE
-
     # ------------------------------------------------------------ token-level generate
+    def _generate_lp(self, job: Job, ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> dict:
+        return S.generate_logprobs(ids, lps, tops or None, job.top_logprobs)
+
     async def generate(self, job: Job) -> dict:
-        text = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]) if job.params.stop else None
-        last, _ = await self._final(job, text)
-        out = last.out
-        ids = out.token_ids
-        lp = S.generate_logprobs(ids, out.logprobs) if job.logprobs else None
-        if self.generation_log is not None:
-            self.generation_log.write(job.rid, job.prompt_ids, ids, list(out.logprobs), last.finish)
-        return S.generate_response(job.rid, self.model_name, last.finish, last.stop_reason, ids, lp,
-                                   S.weight_spans(out.weight_versions, len(ids)),
+        choices = []
+        for i, (last, _) in enumerate(await self._finals(job, self._texts(job, always=False))):
+            out = last.out
+            ids = out.token_ids
+            lp = self._generate_lp(job, ids, out.logprobs, out.top_logprobs) if job.logprobs else None
+            if self.generation_log is not None:
+                self.generation_log.write(out.request_id, job.prompt_ids, ids, list(out.logprobs),
+                                          last.finish)
+            choices.append(S.generate_choice(i, last.finish, last.stop_reason, ids, lp,
+                                             S.weight_spans(out.weight_versions, len(ids))))
+        return S.generate_response(job.rid, self.model_name, choices,
                                    job.prompt_ids if job.return_token_ids else None, len(job.prompt_ids))
 
     async def generate_stream(self, job: Job) -> AsyncIterator[str]:
-        text = TextStream(self.tok, job.params.stop, job.prompt_ids[-8:]) if job.params.stop else None
-        prompt, n_out = (job.prompt_ids if job.return_token_ids else None), 0
-        async for step in self._guard(self.run(job, text)):
+        prompt, n_out = (job.prompt_ids if job.return_token_ids else None), [0] * job.n
+        async for step in self._guard(self.run(job, self._texts(job, always=False))):
             if isinstance(step, str):
                 yield step
                 return
-            n_out = len(step.out.token_ids)
-            spans = S.weight_spans(step.out.weight_versions, n_out) if step.finish else None
-            lp = S.generate_logprobs(step.new_ids, step.new_logprobs) if job.logprobs else None
-            yield sse(S.generate_chunk(job.rid, step.finish, step.stop_reason, step.new_ids, lp, spans, prompt))
+            n_out[step.index] = len(step.out.token_ids)
+            spans = S.weight_spans(step.out.weight_versions, n_out[step.index]) if step.finish else None
+            lp = self._generate_lp(job, step.new_ids, step.new_logprobs, step.new_top) if job.logprobs else None
+            yield sse(S.generate_chunk(job.rid, step.finish, step.stop_reason, step.new_ids, lp, spans,
+                                       prompt, index=step.index))
             prompt = None
         if job.include_usage:
-            yield sse(S.generate_usage_chunk(job.rid, len(job.prompt_ids), n_out))
+            yield sse(S.generate_usage_chunk(job.rid, len(job.prompt_ids), sum(n_out)))
         yield DONE
 
     async def _guard(self, steps: AsyncIterator[Step]) -> AsyncIterator[Step | str]:
@@ -424,3 +562,15 @@ class OpenAIServing:
 
     def models(self) -> dict:
         return S.models_response(self.model_name, self.model_root, self.engine.max_model_len, self.created)
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs (the engine checks ids and ranges)."""
+    out = []
+    for key, bias in (raw or {}).items():
+        try:
+            out.append((int(key), float(bias)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                      param="logit_bias") from None
+    return tuple(out)

@@ -75,11 +75,31 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
                               "a call needs guided decoding)", param="tool_choice")
 
 
+def text_content(content: Any, where: str) -> Any:
+    """A message's content as the template reads it: a list of text parts (OpenAI's standard
+    form) joined by newlines, as vLLM joins them; a part of another type (image, audio, file) is
+    refused, naming it. Anything else is left for the template to judge."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"{where}.content[{j}]: content parts of type {kind!r} are not "
+                                      "supported (text parts only: {'type': 'text', 'text': ...})",
+                                      param=f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as the chat template reads them: an assistant's tool-call arguments as objects
-    (OpenAI sends them as JSON text), missing content as ''."""
+    """Messages as the chat template reads them: content parts joined (text_content), an
+    assistant's tool-call arguments as objects (OpenAI sends them as JSON text), missing content
+    as ''."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": text_content(m["content"], f"messages[{i}]")}
         if m.get("role") == "assistant" and m.get("tool_calls"):
             calls = []
             for c in m["tool_calls"]:
