@@ -213,3 +213,78 @@ def test_in_process_generate_survives_a_shard_killed_by_pid(tiny_model_dir, shar
     assert len(out.token_ids) == N and len(out.logprobs) == N and out.finish_reason == "length"
     assert out.weight_versions[0].start == 0 and out.weight_versions[-1].end == N
     assert len(after.token_ids) == 4
+
+
+def _with_n(kind: str, n: int) -> tuple[str, dict]:
+    path, body = CASES[kind]
+    if kind == "gen":
+        return path, {**body, "sampling_params": {**body["sampling_params"], "n": n}}
+    return path, {**body, "n": n}
+
+
+def _choices(kind: str, stream: bool, payload) -> dict[int, tuple[list[int], str, list[str]]]:
+    """{index: (token ids, text, finish reasons)} of an answer with several choices."""
+    if not stream:
+        return {c["index"]: _tokens(kind, False, {"choices": [c]}) for c in payload["choices"]}
+    by_index: dict[int, list] = {}
+    for chunk in payload:
+        for c in chunk["choices"]:
+            by_index.setdefault(c["index"], []).append({"choices": [c]})
+    return {i: _tokens(kind, True, chunks) for i, chunks in by_index.items()}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["cmpl", "chat", "gen"])
+def test_a_preempted_request_of_n_samples_continues_each_sample(shards, kind, stream):
+    """n = 3 goes whole to one shard; preempted mid-way, each sample continues on its own on
+    the other shard from its own tokens, and the caller gets 3 whole choices by index."""
+    path, body = _with_n(kind, 3)
+    body = {**body, "return_token_ids": True, "stream": stream}
+
+    async def call(http, url):
+        r = await http.post(url + path, json=body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()
+        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+        return [json.loads(x) for x in lines[:-1]]
+
+    async def main():
+        router = Router(KEY)
+        server = RouterServer(router)
+        await server.start()
+        client = RemoteInferenceClient(server.url, dict(enumerate(shards)), KEY)
+        try:
+            await router.set_shard(0, shards[0], "active")
+            await router.set_shard(1, shards[1], "inactive")
+            async with httpx.AsyncClient(timeout=60) as http:
+                t0 = time.perf_counter()
+                reference = await call(http, server.url)
+                took = time.perf_counter() - t0
+                task = asyncio.create_task(call(http, server.url))
+                while await _running(client, 0) < 3:
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(took / 3)
+                await router.set_shard(1, state="active")
+                await router.set_shard(0, state="preempted")
+                await client.abort_requests([0])
+                cut = await asyncio.wait_for(task, 60)
+            return reference, cut, router.relay.redispatched
+        finally:
+            await client.aclose()
+            await server.stop()
+
+    reference, cut, redispatched = asyncio.run(main())
+    ref, got = _choices(kind, stream, reference), _choices(kind, stream, cut)
+    assert sorted(got) == [0, 1, 2] and redispatched == 3
+    for i in range(3):
+        ids, text, finishes = got[i]
+        assert finishes == ["length"] and ids == ref[i][0] and len(ids) == N  # greedy: continued exactly
+        assert text.replace("\ufffd", "") == ref[i][1].replace("\ufffd", "")
+    if not stream:
+        assert cut["usage"]["completion_tokens"] == 3 * N
+        if kind == "gen":
+            for c in cut["choices"]:
+                spans = c["weight_versions"]
+                assert len(spans) == 2 and spans[0]["start"] == 0 and spans[-1]["end"] == N

@@ -106,6 +106,45 @@ def test_generate_shape(served):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_n_choices_and_top_logprobs_shape(served):
+    """n samples as choices by index; chat top_logprobs and completions logprobs alternatives
+    (greedy, so both engines put the sampled token first)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **SAMPLE,
+            "logprobs": True, "top_logprobs": 3}
+    r = served.http.post("/v1/chat/completions", json=body).json()
+    for item in r["choices"][0]["logprobs"]["content"]:
+        top = item["top_logprobs"]
+        assert len(top) == 3 and top[0]["token"] == item["token"]
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+    sampled = {**body, "n": 2, "temperature": 1.0, "seed": 3}  # vLLM refuses n > 1 when greedy
+    r = served.http.post("/v1/chat/completions", json=sampled).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1] and r["usage"]["completion_tokens"] == 8
+    assert all(len(item["top_logprobs"]) == 3 for item in r["choices"][1]["logprobs"]["content"])
+    chunks = sse(served.http.post("/v1/chat/completions", json={**sampled, "stream": True}).text)
+    assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
+    cmpl = served.http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", **SAMPLE,
+                                                     "logprobs": 2}).json()
+    lp = cmpl["choices"][0]["logprobs"]
+    assert all(len(top) == 2 and top[tok] == v for tok, v, top in
+               zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+
+
+def test_echo_and_content_parts_shape(served):
+    body = {"model": "tiny", "prompt": "hello world", **SAMPLE, "echo": True, "logprobs": 1}
+    r = served.http.post("/v1/completions", json=body).json()
+    choice = r["choices"][0]
+    plain = served.http.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+    assert choice["text"] == "hello world" + plain["text"]
+    lp = choice["logprobs"]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 4 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][n_prompt:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-3)
+    parts = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], **SAMPLE}
+    a = served.http.post("/v1/chat/completions", json=parts).json()
+    b = served.http.post("/v1/chat/completions", json={**parts, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize("path,body,status", [
     ("/v1/completions", b"{oops", 400),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),

@@ -383,7 +383,8 @@ class Relay:
             data.get("prompt_token_ids") or choices[0].get("prompt_token_ids"))
         n_out = sum(len(c.get("token_ids") or []) for c in choices if c["index"] not in cut)
         if cut:
-            self._redispatch(shard, exclude)
+            exclude.add(shard.rank)
+            self.redispatched += len(cut)  # each cut sample is re-dispatched on its own
             lanes = []
             for c in choices:
                 if c["index"] in cut:

@@ -274,12 +274,19 @@ class OpenAIServing:
         return [TextStream(self.tok, job.params.stop, job.prompt_ids[-8:], job.skip_special_tokens)
                 for _ in range(job.n)]
 
-    async def run(self, job: Job, texts: list[TextStream | None]) -> AsyncIterator[Step]:
-        """Engine outputs -> Steps (one per output that added something to a choice); a stop
-        string ends its choice (the engine is told to abort that sample)."""
+    def start(self, job: Job) -> AsyncIterator[GenerationOutput]:
+        """Hand the request to the engine, which validates it now (before a stream's 200)."""
         # nothing to send or check before the end: the engine wakes this loop once, not per step
         final_only = not job.stream and not job.params.stop
-        agen = self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
+        return self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
+
+    async def run(self, job: Job, texts: list[TextStream | None],
+                  agen: AsyncIterator[GenerationOutput] | None = None) -> AsyncIterator[Step]:
+        """Engine outputs -> Steps (one per output that added something to a choice); a stop
+        string ends its choice (the engine is told to abort that sample). `agen`: the request
+        as `start` handed it over (else it is started here)."""
+        if agen is None:
+            agen = self.start(job)
         seen = [0] * job.n
         closed: set[int] = set()  # choices whose finish went out
         done = False
@@ -396,9 +403,13 @@ class OpenAIServing:
             n_out += len(out.token_ids)
         return S.completion_response(job.rid, self.model_name, choices, len(job.prompt_ids), n_out)
 
-    async def completion_stream(self, job: Job) -> AsyncIterator[str]:
+    def completion_stream(self, job: Job) -> AsyncIterator[str]:
+        """The SSE text; the engine refuses a bad request here, before any of it is sent."""
+        return self._completion_stream(job, self.start(job))
+
+    async def _completion_stream(self, job: Job, agen: AsyncIterator[GenerationOutput]) -> AsyncIterator[str]:
         offsets, n_out, first = [0] * job.n, [0] * job.n, [True] * job.n
-        async for step in self._guard(self.run(job, self._texts(job))):
+        async for step in self._guard(self.run(job, self._texts(job), agen)):
             if isinstance(step, str):
                 yield step
                 return
@@ -446,17 +457,21 @@ class OpenAIServing:
         content, calls = parse_tool_calls(text)
         return content, calls, "tool_calls" if calls and finish == "stop" else finish
 
-    async def chat_stream(self, job: Job) -> AsyncIterator[str]:
+    def chat_stream(self, job: Job) -> AsyncIterator[str]:
+        """The SSE text; the engine refuses a bad request here, before any of it is sent."""
+        return self._chat_stream(job, self.start(job))
+
+    async def _chat_stream(self, job: Job, agen: AsyncIterator[GenerationOutput]) -> AsyncIterator[str]:
         for i in range(job.n):
             yield sse(S.chat_first_chunk(job.rid, self.model_name, job.created,
                                          job.prompt_ids if job.return_token_ids and i == 0 else None,
                                          index=i))
         if job.parse_tools:  # a call is known only once its block closes: one delta at the end
-            async for chunk in self._chat_stream_with_tools(job):
+            async for chunk in self._chat_stream_with_tools(job, agen):
                 yield chunk
             return
         n_out = [0] * job.n
-        async for step in self._guard(self.run(job, self._texts(job))):
+        async for step in self._guard(self.run(job, self._texts(job), agen)):
             if isinstance(step, str):
                 yield step
                 return
@@ -471,11 +486,12 @@ class OpenAIServing:
                                     len(job.prompt_ids), sum(n_out)))
         yield DONE
 
-    async def _chat_stream_with_tools(self, job: Job) -> AsyncIterator[str]:
+    async def _chat_stream_with_tools(self, job: Job, agen: AsyncIterator[GenerationOutput]
+                                      ) -> AsyncIterator[str]:
         parts: dict[int, list[str]] = {i: [] for i in range(job.n)}
         new_ids: dict[int, list[int]] = {i: [] for i in range(job.n)}
         n_out = 0
-        async for step in self._guard(self.run(job, self._texts(job))):
+        async for step in self._guard(self.run(job, self._texts(job), agen)):
             if isinstance(step, str):
                 yield step
                 return
@@ -517,9 +533,13 @@ class OpenAIServing:
         return S.generate_response(job.rid, self.model_name, choices,
                                    job.prompt_ids if job.return_token_ids else None, len(job.prompt_ids))
 
-    async def generate_stream(self, job: Job) -> AsyncIterator[str]:
+    def generate_stream(self, job: Job) -> AsyncIterator[str]:
+        """The SSE text; the engine refuses a bad request here, before any of it is sent."""
+        return self._generate_stream(job, self.start(job))
+
+    async def _generate_stream(self, job: Job, agen: AsyncIterator[GenerationOutput]) -> AsyncIterator[str]:
         prompt, n_out = (job.prompt_ids if job.return_token_ids else None), [0] * job.n
-        async for step in self._guard(self.run(job, self._texts(job, always=False))):
+        async for step in self._guard(self.run(job, self._texts(job, always=False), agen)):
             if isinstance(step, str):
                 yield step
                 return
