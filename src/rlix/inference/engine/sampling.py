@@ -115,12 +115,14 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
     batch, vocab = logits.shape
     device = logits.device
     shaped = logits
-    if any(r.shaping is not None for r in rows):
+    # rows that asked for shaping or alternatives (one pass; usually none)
+    special = [i for i, r in enumerate(rows) if r.shaping is not None or r.top_logprobs]
+    shaping = [i for i in special if rows[i].shaping is not None]
+    if shaping:
         shaped = logits.clone()
-        for i, r in enumerate(rows):
-            if r.shaping is not None:
-                r.shaping.apply(shaped[i])
-    greedy = [r.greedy for r in rows]
+        for i in shaping:
+            rows[i].shaping.apply(shaped[i])  # type: ignore[union-attr]
+    greedy = [r.temperature <= 0.0 for r in rows]  # (the property costs 1.5 us per 32 rows)
     tokens = shaped.argmax(dim=-1)
     if not all(greedy):
         # Only sampled rows draw, one number per token, whatever their neighbours do.
@@ -141,11 +143,12 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
     raw = torch.log_softmax(logits, dim=-1)
     logprobs = raw.gather(1, tokens[:, None])[:, 0]
     picked: list[int] = tokens.tolist()
-    for r, token in zip(rows, picked):
-        if r.shaping is not None:
-            r.shaping.observe(token)
-    top = _alternatives(raw, rows) if any(r.top_logprobs > 0 for r in rows) else None
-    return Sampled(picked, logprobs.tolist(), top)
+    if not special:
+        return Sampled(picked, logprobs.tolist())
+    for i in shaping:
+        rows[i].shaping.observe(picked[i])  # type: ignore[union-attr]
+    wanted = [i for i in special if rows[i].top_logprobs > 0]
+    return Sampled(picked, logprobs.tolist(), _alternatives(raw, rows, wanted) if wanted else None)
 
 
 def top_alternatives(raw: torch.Tensor, k: int) -> list[TopLogprobs]:
@@ -154,8 +157,7 @@ def top_alternatives(raw: torch.Tensor, k: int) -> list[TopLogprobs]:
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
-def _alternatives(raw: torch.Tensor, rows: list[RowSampling]) -> list[TopLogprobs | None]:
-    wanted = [i for i, r in enumerate(rows) if r.top_logprobs > 0]
+def _alternatives(raw: torch.Tensor, rows: list[RowSampling], wanted: list[int]) -> list[TopLogprobs | None]:
     k = max(rows[i].top_logprobs for i in wanted)
     index = torch.tensor(wanted, device=raw.device)
     found = top_alternatives(raw.index_select(0, index), k)
