@@ -131,3 +131,41 @@ def test_text_stream_deltas_join_to_the_decode(engine):
     parts.append(ts.update(ids, final=True))
     assert "".join(parts) == tok.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in p for p in parts)
+
+
+def test_token_level_generate_takes_n_and_logprob_alternatives(engine):
+    """vLLM's generate shapes: n choices by index (each with its weight-version spans); logprobs
+    k >= 2: the sampled token first, then the best others, k entries with their ranks."""
+    async def fn(http):
+        body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "n": 3, "temperature": 1.0,
+                                                            "seed": 4, "logprobs": 3, "ignore_eos": True}}
+        plain = (await http.post("/inference/v1/generate", json=body)).json()
+        streamed = _sse((await http.post("/inference/v1/generate", json={**body, "stream": True})).text)
+        return plain, streamed
+
+    plain, streamed = _run(engine, fn)
+    assert [c["index"] for c in plain["choices"]] == [0, 1, 2] and plain["usage"]["completion_tokens"] == 12
+    for c in plain["choices"]:
+        assert c["weight_versions"] == [{"version": "0", "start": 0, "end": 4}]
+        for item in c["logprobs"]["content"]:
+            top = item["top_logprobs"]
+            assert len(top) == 3 and top[0]["token_id"] == item["token_id"] and top[0]["rank"] == item["rank"]
+            others = [t["logprob"] for t in top[1:]]
+            assert others == sorted(others, reverse=True) and all(t["rank"] for t in top[1:])
+    ids = {}
+    for chunk in streamed:
+        for c in chunk["choices"]:
+            ids.setdefault(c["index"], []).extend(c["token_ids"])
+    assert ids == {c["index"]: c["token_ids"] for c in plain["choices"]}  # seeded: the same samples
+
+
+def test_completion_echo_with_n_and_a_token_prompt(engine):
+    async def fn(http):
+        body = {"model": "tiny", "prompt": [40, 41, 42], "max_tokens": 3, "n": 2, "echo": True,
+                "temperature": 0, "ignore_eos": True}
+        return (await http.post("/v1/completions", json=body)).json()
+
+    r = _run(engine, fn)
+    prompt_text = engine.tokenizer.decode([40, 41, 42])
+    assert len(r["choices"]) == 2 and all(c["text"].startswith(prompt_text) for c in r["choices"])
+    assert r["choices"][0]["text"] == r["choices"][1]["text"]  # greedy

@@ -282,11 +282,15 @@ def generate_logprobs(token_ids: list[int], logprobs: list[float],
                       top: list[list[tuple[int, float]]] | None = None, k: int = 0) -> dict:
     """vLLM's generate logprobs: each token with its rank (when alternatives were computed and
     it is among them) and `top_logprobs`: the sampled token, then the best others, max(k, 1) in all."""
+    if top is None:  # the rollouts' case: no alternatives computed
+        return {"content": [{"token_id": t, "logprob": lp, "rank": None,
+                             "top_logprobs": [{"token_id": t, "logprob": lp, "rank": None}]}
+                            for t, lp in zip(token_ids, logprobs)]}
     content = []
     for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
         rank = None
         entries = [{"token_id": t, "logprob": lp, "rank": None}]
-        if top is not None and top[i]:
+        if top[i]:
             ranks = {tid: r for r, (tid, _) in enumerate(top[i], 1)}
             rank = entries[0]["rank"] = ranks.get(t)
             entries += [{"token_id": tid, "logprob": v, "rank": r}
