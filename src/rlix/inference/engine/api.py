@@ -65,14 +65,15 @@ class GenerationOutput:
     """The state of one request, cumulative: every yield carries all tokens so far.
 
     `weight_versions` lists (start index into token_ids, weight version) spans, so a caller
-    knows exactly which weights sampled each token. With `n` > 1 one request yields the outputs
-    of its `n` samples, each cumulative, told apart by `index`; `request_id` is then the
-    sample's own (`<id>-<index>`), which `abort` takes as well as the request's.
-    `top_logprobs[i]` holds output token i's alternatives (when asked for); `prompt_logprobs`
-    and `prompt_top_logprobs` the prompt's, the first token's None / [] (nothing precedes it). `stop_reason` says what ended a "stop"
+    knows exactly which weights sampled each token. `stop_reason` says what ended a "stop"
     finish: the stop string or the stop token id (None for end-of-sequence), as vLLM reports it;
     token_ids keep every sampled token (a matched stop string's tokens included), so a text
     front end truncates the decoded text at that string.
+
+    With `n` > 1 one request yields the outputs of its `n` samples, each cumulative, told apart
+    by `index`; `request_id` is then the sample's own (`<id>-<index>`), and `abort` takes either.
+    `top_logprobs[i]` holds output token i's alternatives (when asked for); `prompt_logprobs` and
+    `prompt_top_logprobs` the prompt's, the first token's None / [] (nothing precedes it).
     """
 
     request_id: str

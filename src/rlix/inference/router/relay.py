@@ -51,7 +51,8 @@ CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "seed", "stop", "s
 
 def requested_n(path: str, body: dict) -> int:
     """How many samples a request asks for (1 when it says nothing sensible: the shard judges)."""
-    n = body.get("sampling_params", {}).get("n") if path == GENERATE else body.get("n")
+    holder = body.get("sampling_params") if path == GENERATE else body
+    n = holder.get("n") if isinstance(holder, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
@@ -582,8 +583,8 @@ class Relay:
                 if isinstance(opened[0], int):
                     await queue.put(_sse(opened[1]))  # type: ignore[arg-type]
                     return
-                async for piece in self._stream(lane, opened, session, set(exclude), ident,  # type: ignore[arg-type]
-                                                tail=False):
+                pieces = self._stream(lane, opened, session, set(exclude), ident, tail=False)  # type: ignore[arg-type]
+                async for piece in pieces:
                     await queue.put(piece)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report it in the stream
                 await queue.put(_sse(S.error_body(f"sample {lane.index}: {exc}", "InternalServerError", 500)))
