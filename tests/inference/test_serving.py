@@ -169,3 +169,24 @@ def test_completion_echo_with_n_and_a_token_prompt(engine):
     prompt_text = engine.tokenizer.decode([40, 41, 42])
     assert len(r["choices"]) == 2 and all(c["text"].startswith(prompt_text) for c in r["choices"])
     assert r["choices"][0]["text"] == r["choices"][1]["text"]  # greedy
+
+
+def test_a_stop_string_ends_each_of_n_choices_on_its_own(engine):
+    async def fn(http):
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        full = (await http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        stop = full[10:13]
+        cut = (await http.post("/v1/completions", json={**body, "n": 3, "stop": [stop]})).json()
+        streamed = _sse((await http.post("/v1/completions", json={**body, "n": 3, "stop": stop,
+                                                                  "stream": True})).text)
+        return full, stop, cut, streamed
+
+    full, stop, cut, streamed = _run(engine, fn)
+    expected = full[:full.find(stop)]
+    assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in cut["choices"]] == [(expected, "stop", stop)] * 3
+    texts, finishes = {}, {}
+    for chunk in streamed:
+        c = chunk["choices"][0]
+        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        finishes.setdefault(c["index"], []).extend([c["finish_reason"]] if c["finish_reason"] else [])
+    assert texts == {0: expected, 1: expected, 2: expected} and finishes == {i: ["stop"] for i in range(3)}
