@@ -65,7 +65,7 @@ INERT: dict[str, Callable[[Any], bool]] = {
     "bad_words": _unset, "structured_outputs": _unset, "guided_json": _unset,
     "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
     "guided_decoding_backend": _unset, "kv_transfer_params": _unset, "vllm_xargs": _unset,
-    "mm_processor_kwargs": _unset, "thinking_token_budget": _unset,
+    "mm_processor_kwargs": _unset, "thinking_token_budget": _unset, "logits_processors": _unset,
 }
 #: ... the chat endpoint's own
 CHAT_INERT: dict[str, Callable[[Any], bool]] = {
@@ -74,6 +74,7 @@ CHAT_INERT: dict[str, Callable[[Any], bool]] = {
     "audio": _unset, "prediction": _unset, "web_search_options": _unset, "functions": _unset,
     "function_call": _unset, "reasoning_effort": _unset, "verbosity": _unset,
     "echo": _is(False), "chat_template": _unset, "documents": _unset, "include_reasoning": _any,
+    "add_special_tokens": _is(False),  # vLLM's chat default: the template adds what it needs
 }
 #: ... the completions endpoint's own (best_of is checked against n by the server)
 COMPLETION_INERT: dict[str, Callable[[Any], bool]] = {
