@@ -67,6 +67,10 @@ class SchedulerConfig(_Strict):
 
     dwell_s: float = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
     aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve the scheduler's Prometheus "
+                                                                       "metrics on 127.0.0.1 at this port "
+                                                                       "(0: a free one, named in the run "
+                                                                       "log); null: not served")
 
 
 class RolloutConfig(_Strict):
