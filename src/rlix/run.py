@@ -171,7 +171,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
                                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                 setup_timeout_s=cfg.setup_timeout_s,
                                 all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
-                                role_log_from=role_log_from)
+                                role_log_from=role_log_from, experiment_log=cfg.logging)
         supervisor.start_all()
         supervisor.wait_setup()
         if first_plan_held:
