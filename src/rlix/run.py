@@ -132,8 +132,10 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
-            scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda")
+            scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
+                                        metrics_port=cfg.scheduler.metrics_port)
             ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
+            _say_metrics_endpoint(scheduler, cfg, say)
         return follow(cfg, config_path, mode=mode, run_dir=run_dir, say=say, devices=devices,
                       scheduler=scheduler, all_gpus=list(range(topology.num_gpus)), resume=resume,
                       t_start=t_start, first_plan_held=scheduler is not None)
@@ -141,6 +143,17 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
         if scheduler is not None:
             ray.kill(scheduler)
         reservation.release()
+
+
+def _say_metrics_endpoint(scheduler, cfg: RlixConfig, say: RunLog) -> None:
+    """The scheduler's Prometheus URL to the run log; a port it could not listen on ends the run."""
+    if cfg.scheduler.metrics_port is None:
+        return
+    endpoint = ray.get(scheduler.metrics_endpoint.remote())
+    if endpoint["error"]:
+        raise ConfigError(f"scheduler.metrics_port: {endpoint['error']}")
+    if endpoint["url"]:
+        say(f"scheduler metrics (Prometheus): {endpoint['url']}")
 
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
@@ -158,7 +171,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
                                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                 setup_timeout_s=cfg.setup_timeout_s,
                                 all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
-                                role_log_from=role_log_from)
+                                role_log_from=role_log_from, experiment_log=cfg.logging)
         supervisor.start_all()
         supervisor.wait_setup()
         if first_plan_held:

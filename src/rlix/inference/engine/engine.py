@@ -153,6 +153,13 @@ class TorchEngine:
     def num_waiting(self) -> int:
         return len(self._core.waiting) + self._pending_adds
 
+    def kv_cache_usage(self) -> float:
+        """Of the KV cache's room (a row of max_model_len positions per sequence slot), the
+        fraction the running sequences fill now: vLLM's kv_cache_usage_perc for a slot cache."""
+        rows = self._core.max_num_seqs * self.max_model_len
+        used = sum(max(0, s.cached_len) for s in list(self._core.running))
+        return min(1.0, used / rows) if rows else 0.0
+
     # -- the worker ----------------------------------------------------------------------
     def _submit(self, fn: Callable[[], Any], fut: asyncio.Future[Any] | None = None,
                 answer_first: bool = False) -> None:
@@ -306,7 +313,7 @@ class TorchEngine:
                     raise error
                 yield GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
                                        list(out.logprobs), out.finish_reason,
-                                       list(out.weight_versions), out.stop_reason)
+                                       list(out.weight_versions), out.stop_reason, out.first_token_at)
                 if out.finished:
                     return
         finally:
@@ -415,6 +422,8 @@ def _merge(out: GenerationOutput, delta: Delta) -> BaseException | None:
     out.token_ids.extend(delta.token_ids)
     out.logprobs.extend(delta.logprobs)
     out.weight_versions.extend(delta.weight_versions)
+    if out.first_token_at is None:
+        out.first_token_at = delta.first_token_at
     if delta.finish_reason is not None:
         out.finish_reason = delta.finish_reason
         out.stop_reason = delta.stop_reason
@@ -430,6 +439,8 @@ def _fold(into: Delta | None, delta: Delta) -> Delta:
     into.weight_versions.extend(delta.weight_versions)
     into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
     into.error = delta.error
+    if into.first_token_at is None:
+        into.first_token_at = delta.first_token_at
     return into
 
 

@@ -21,6 +21,7 @@ from rlix.errors import InvalidRequestError, ModelNotFoundError, RlixError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.engine.api import EngineAPI, GenerationOutput, SamplingParams
 from rlix.inference.server.generation_log import GenerationLog
+from rlix.inference.server.metrics import EngineMetrics
 from rlix.inference.server.tool_calls import ToolCall, check_tools, parse_tool_calls, template_messages
 
 
@@ -97,9 +98,10 @@ class OpenAIServing:
     """Validates requests, runs them on the engine and shapes vLLM-compatible answers."""
 
     def __init__(self, engine: EngineAPI, tokenizer: Any, model_name: str, model_root: str = "",
-                 generation_log: GenerationLog | None = None) -> None:
+                 generation_log: GenerationLog | None = None, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.generation_log = generation_log
+        self.metrics = metrics  # tokens, time to first token, latency of every request
         self.tok = tokenizer
         self.model_name = model_name
         self.model_root = model_root or model_name
@@ -216,10 +218,12 @@ class OpenAIServing:
         """Engine outputs -> Steps; a stop string ends the request (the engine is told to abort)."""
         # nothing to send or check before the end: the engine wakes this loop once, not per step
         final_only = not job.stream and not job.params.stop
+        started = time.monotonic()
         agen = self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
-        seen, done = 0, False
+        seen, done, finish, first_at = 0, False, None, None
         try:
             async for out in agen:
+                first_at = out.first_token_at
                 finish, stop_reason = out.finish_reason, None
                 delta = ""
                 if text is not None and (job.stream or text.stop or finish):
@@ -232,6 +236,8 @@ class OpenAIServing:
                 if finish == "stop" and stop_reason is None:
                     stop_reason = out.stop_reason
                 new_ids, new_lps = out.token_ids[seen:], out.logprobs[seen:]
+                if self.metrics is not None and new_ids:  # the prompt counts once prefilled
+                    self.metrics.tokens(0 if seen else len(job.prompt_ids), len(new_ids))
                 seen = len(out.token_ids)
                 done = finish is not None
                 if new_ids or done:
@@ -239,6 +245,11 @@ class OpenAIServing:
                 if done:
                     return
         finally:
+            if self.metrics is not None:
+                self.metrics.request_done(prompt_tokens=len(job.prompt_ids), generation_tokens=seen,
+                                          finish_reason=finish if done else None,
+                                          ttft_s=None if first_at is None else first_at - started,
+                                          e2e_s=time.monotonic() - started)
             if not done:
                 self._abort_later(job.rid)
             aclose = getattr(agen, "aclose", None)
