@@ -38,7 +38,7 @@ def gpu_account(tl: Timeline, digits: int | None = None) -> dict[str, Any]:
         pipelines[p] = row
     return {"gpus": len(tl.gpus), "span_s": r(tl.span_s), "gpu_s": r(len(tl.gpus) * tl.span_s),
             "idle_s": r(math.fsum(free["idle"])), "lost_s": r(math.fsum(free["lost"])),
-            "pipelines": pipelines}
+            "pipelines": pipelines, "role_changes": len(tl.changes)}
 
 
 def account_lines(account: dict[str, Any]) -> list[str]:
@@ -57,4 +57,7 @@ def account_lines(account: dict[str, Any]) -> list[str]:
     lines = [f"GPU time (s) over {account['gpus']} GPU(s) x {account['span_s']:.1f} s = "
              f"{account['gpu_s']:.1f} GPU-s:"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if not account.get("role_changes"):
+        lines.append("  (no GPU role changes: without the scheduler, e.g. standalone, who held which "
+                     "GPU is not known)")
     return lines
