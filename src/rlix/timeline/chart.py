@@ -14,6 +14,7 @@ HATCHES = {"switch": "////", "sync": "xxxx", "waiting": "...."}
 #: how a step's phases other than generate and train are hatched (as the GPU parts they are)
 PHASE_HATCH = {**PHASE_CATEGORY, "wait GPUs": "waiting", "sync": "sync"}
 ROW = 0.8  # bar height (rows are 1 apart)
+STEP_ROW = 0.6  # a pipeline's steps: room above for its version labels
 
 
 def _mix(rgb: tuple[float, ...], towards: float, amount: float) -> tuple[float, float, float]:
@@ -83,21 +84,21 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
     # pipelines: one row each, phases in the pipeline's shades, versions as ticks
     for i, p in enumerate(tl.pipelines):
         y = n_pipe - 1 - i
-        bx.axhspan(y - ROW / 2, y + ROW / 2, color=(0.95, 0.95, 0.95), lw=0, zorder=0)
+        bx.axhspan(y - STEP_ROW / 2, y + STEP_ROW / 2, color=(0.95, 0.95, 0.95), lw=0, zorder=0)
         for s in tl.phases.get(p, []):
             if s.name in ("generate", "train"):
                 face, hatch = shade(colours[p], s.name), None
             else:  # the step's other phases, hatched as the GPUs' parts are
                 face, hatch = _mix(colours[p], 1.0, 0.8), HATCHES[PHASE_HATCH.get(s.name, "waiting")]
-            bx.broken_barh([(s.start - t0, s.end - s.start)], (y - ROW / 2, ROW), facecolors=face,
+            bx.broken_barh([(s.start - t0, s.end - s.start)], (y - STEP_ROW / 2, STEP_ROW), facecolors=face,
                            hatch=hatch, edgecolor=(0, 0, 0, 0.45), lw=0, zorder=1)
         versions = [v for v in tl.instants.get(p, []) if v.cat == "version"]
         gap = max(tl.span_s, 1e-6) * 0.02  # labels closer than this (~2 label widths) are skipped
         last = None
         for k, v in enumerate(versions):
-            bx.plot([v.at - t0] * 2, [y - ROW / 2, y + ROW / 2], color="black", lw=1.0, zorder=3)
+            bx.plot([v.at - t0] * 2, [y - STEP_ROW / 2, y + STEP_ROW / 2], color="black", lw=1.0, zorder=3)
             if last is None or v.at - last >= gap or k == len(versions) - 1 and v.at - last >= gap / 2:
-                bx.text(v.at - t0, y + ROW / 2 + 0.02, v.name, fontsize=7, ha="center", va="bottom",
+                bx.text(v.at - t0, y + STEP_ROW / 2 + 0.02, v.name, fontsize=7, ha="center", va="bottom",
                         zorder=4)
                 last = v.at
     bx.set_yticks(list(range(n_pipe - 1, -1, -1)), [f"{p} steps" for p in tl.pipelines])
