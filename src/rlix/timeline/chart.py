@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlix.timeline.account import LABELS
 from rlix.timeline.model import PHASE_CATEGORY, Timeline
 
 HATCHES = {"switch": "////", "sync": "xxxx", "waiting": "...."}
+LEGEND = {"switch": "sleep/wake: shard start, wake, sleep; trainer reload, offload",
+          "sync": "sync: weights to shards, cache build", "waiting": "waiting: held, not used"}
 #: how a step's phases other than generate and train are hatched (as the GPU parts they are)
 PHASE_HATCH = {**PHASE_CATEGORY, "wait GPUs": "waiting", "sync": "sync"}
 ROW = 0.8  # bar height (rows are 1 apart)
@@ -111,10 +112,8 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
         handles.append(Patch(facecolor=shade(colours[p], "train"), label=f"{p}: train"))
         handles.append(Patch(facecolor=shade(colours[p], "generate"), label=f"{p}: generate"))
     for cat, hatch in HATCHES.items():
-        what = {"switch": "sleep/wake/start, reload/offload", "sync": "weight sync / cache",
-                "waiting": "held, waiting"}[cat]
         handles.append(Patch(facecolor="white", edgecolor=(0, 0, 0, 0.6), hatch=hatch,
-                             label=f"{LABELS[cat]}: {what}" if cat != "switch" else what))
+                             label=LEGEND[cat]))
     handles.append(Patch(facecolor=(0.95, 0.95, 0.95), label="idle"))
     if any(h.kind == "lost" for hs in tl.holdings.values() for h in hs):
         handles.append(Patch(facecolor=(0.35, 0.35, 0.35), hatch="xx", label="lost"))

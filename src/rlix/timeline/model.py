@@ -362,7 +362,9 @@ def build_timeline(summary: Mapping[str, Any]) -> Timeline:
         reason, since, prev, out = "", start, "", []
         for c in own:
             t = min(max(_num(c["at"]), start), end)
-            after = "lost" if c["reason"] == "lost" or state == "lost" and c["after"] == "idle" else c["after"]
+            # a lost GPU stays lost (its holdings leave the ledger as "idle")
+            lost = c["reason"] == "lost" or (state == "lost" and c["after"] == "idle")
+            after = "lost" if lost else c["after"]
             if t > since:
                 out.append(classify(g, since, t, state, reason, prev))
                 since, prev = t, state

@@ -66,7 +66,8 @@ def chrome_trace(tl: Timeline, title: str = "") -> dict[str, Any]:
         meta("process_sort_index", unknown, None, {"sort_index": unknown})
     for g in tl.gpus:
         node = tl.node_of.get(g)
-        pid, tid = pid_of.get(node, unknown) if node is not None else unknown, g + 1
+        pid = unknown if node is None else pid_of[node]
+        tid = g + 1
         meta("thread_name", pid, tid, {"name": f"GPU {g}"})
         meta("thread_sort_index", pid, tid, {"sort_index": tid})
         for h in tl.holdings[g]:
@@ -81,7 +82,7 @@ def chrome_trace(tl: Timeline, title: str = "") -> dict[str, Any]:
         if g not in tl.node_of:
             continue
         node = tl.node_of[g]
-        pid = pid_of.get(node, unknown) if node is not None else unknown
+        pid = unknown if node is None else pid_of[node]
         instant(pid, g + 1, c["reason"], "role change", float(c["at"]),
                 {"gpu": g, "before": c["before"], "after": c["after"], "seq": c.get("seq")})
 
