@@ -63,8 +63,8 @@ def load_summary(run_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{run_dir}: no such run directory")
     path = run_dir / "summary.json"
     if not path.is_file():
-        raise ConfigError(f"{path}: not found (a run dir gets it when `rlix run` ends, "
-                          f"or `rlix sim --out` writes one per policy)")
+        raise ConfigError(f"{path}: not found (rlix run writes it when a run ends; rlix sim --out, "
+                          f"one per policy)")
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
