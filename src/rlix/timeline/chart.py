@@ -52,27 +52,34 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
                                  gridspec_kw={"height_ratios": [max(n_gpu, 1), max(n_pipe, 1) * 0.9]})
     t0 = tl.start
 
-    # GPUs: row i from the top
+    # GPUs: row i from the top; one bar collection per row and style (a long run has many)
     labels = []
     for i, g in enumerate(tl.gpus):
         y = n_gpu - 1 - i
         node = tl.node_of.get(g)
         labels.append((y, f"node {node} · GPU {g}" if node is not None else f"GPU {g}"))
         ax.axhspan(y - ROW / 2, y + ROW / 2, color=(0.95, 0.95, 0.95), lw=0, zorder=0)
+        bars: dict[tuple, list[tuple[float, float]]] = {}
+        hatched: dict[str, list[tuple[float, float]]] = {}
         for h in tl.holdings[g]:
+            if h.kind == "lost":
+                bars.setdefault(("lost",), []).append((h.start - t0, h.end - h.start))
             if h.pipeline is None:
-                if h.kind == "lost":
-                    ax.broken_barh([(h.start - t0, h.end - h.start)], (y - ROW / 2, ROW),
-                                   facecolors=(0.35, 0.35, 0.35), hatch="xx", edgecolor="white", lw=0)
                 continue
-            ax.broken_barh([(h.start - t0, h.end - h.start)], (y - ROW / 2, ROW),
-                           facecolors=shade(colours[h.pipeline], h.kind), edgecolor="white", lw=0.8,
-                           zorder=1)
+            bars.setdefault((h.pipeline, h.kind), []).append((h.start - t0, h.end - h.start))
             for part in h.parts:
                 if part.category in HATCHES:
-                    ax.broken_barh([(part.start - t0, part.end - part.start)], (y - ROW / 2, ROW),
-                                   facecolors="none", hatch=HATCHES[part.category],
-                                   edgecolor=(0, 0, 0, 0.45), lw=0, zorder=2)
+                    hatched.setdefault(part.category, []).append((part.start - t0, part.end - part.start))
+        for key, xs in bars.items():
+            if key == ("lost",):
+                ax.broken_barh(xs, (y - ROW / 2, ROW), facecolors=(0.35, 0.35, 0.35), hatch="xx",
+                               edgecolor="white", lw=0, zorder=1)
+            else:
+                ax.broken_barh(xs, (y - ROW / 2, ROW), facecolors=shade(colours[key[0]], key[1]),
+                               edgecolor="white", lw=0.8, zorder=1)
+        for cat, xs in hatched.items():
+            ax.broken_barh(xs, (y - ROW / 2, ROW), facecolors="none", hatch=HATCHES[cat],
+                           edgecolor=(0, 0, 0, 0.45), lw=0, zorder=2)
     nodes = [tl.node_of.get(g) for g in tl.gpus]
     for i in range(1, n_gpu):
         if nodes[i] != nodes[i - 1]:
@@ -86,13 +93,16 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
     for i, p in enumerate(tl.pipelines):
         y = n_pipe - 1 - i
         bx.axhspan(y - STEP_ROW / 2, y + STEP_ROW / 2, color=(0.95, 0.95, 0.95), lw=0, zorder=0)
+        styles: dict[str, list[tuple[float, float]]] = {}
         for s in tl.phases.get(p, []):
-            if s.name in ("generate", "train"):
-                face, hatch = shade(colours[p], s.name), None
+            styles.setdefault(s.name, []).append((s.start - t0, s.end - s.start))
+        for name, xs in styles.items():
+            if name in ("generate", "train"):
+                face, hatch = shade(colours[p], name), None
             else:  # the step's other phases, hatched as the GPUs' parts are
-                face, hatch = _mix(colours[p], 1.0, 0.8), HATCHES[PHASE_HATCH.get(s.name, "waiting")]
-            bx.broken_barh([(s.start - t0, s.end - s.start)], (y - STEP_ROW / 2, STEP_ROW), facecolors=face,
-                           hatch=hatch, edgecolor=(0, 0, 0, 0.45), lw=0, zorder=1)
+                face, hatch = _mix(colours[p], 1.0, 0.8), HATCHES[PHASE_HATCH.get(name, "waiting")]
+            bx.broken_barh(xs, (y - STEP_ROW / 2, STEP_ROW), facecolors=face, hatch=hatch,
+                           edgecolor=(0, 0, 0, 0.45), lw=0, zorder=1)
         versions = [v for v in tl.instants.get(p, []) if v.cat == "version"]
         gap = max(tl.span_s, 1e-6) * 0.02  # labels closer than this (~2 label widths) are skipped
         last = None
