@@ -36,20 +36,18 @@ def shade(rgb: tuple[float, float, float], kind: str) -> tuple[float, float, flo
 
 
 def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
-    # deferred: matplotlib takes most of a second to import; only drawing needs it
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    # deferred: after choosing the backend
-    import matplotlib.pyplot as plt
-    # deferred: with pyplot
+    # deferred: matplotlib takes most of a second to import; only drawing needs it. A Figure
+    # of its own (no pyplot): no backend or global state of the caller's is touched
+    from matplotlib.figure import Figure
+    # deferred: as above
     from matplotlib.patches import Patch
 
     colours = pipeline_colours(tl.pipelines)
     n_gpu, n_pipe = len(tl.gpus), len(tl.pipelines)
     height = 1.9 + 0.34 * (n_gpu + n_pipe) + 0.3 * (1 + (2 * n_pipe + 4) // 6)
-    fig, (ax, bx) = plt.subplots(2, 1, sharex=True, figsize=(13, max(4.0, height)), dpi=110,
-                                 gridspec_kw={"height_ratios": [max(n_gpu, 1), max(n_pipe, 1) * 0.9]})
+    fig = Figure(figsize=(13, max(4.0, height)), dpi=110)
+    ax, bx = fig.subplots(2, 1, sharex=True,
+                          gridspec_kw={"height_ratios": [max(n_gpu, 1), max(n_pipe, 1) * 0.9]})
     t0 = tl.start
 
     # GPUs: row i from the top; one bar collection per row and style (a long run has many)
@@ -133,5 +131,4 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
     fig.tight_layout(rect=(0, 0.045 * rows * 4.5 / max(4.0, height), 1, 1))
     path = Path(path)
     fig.savefig(path)
-    plt.close(fig)
     return path
