@@ -370,3 +370,11 @@ def test_a_run_that_ended_before_anything_ran_still_gets_its_summary(tmp_path):
     result = _write_summary("cfg.yaml", "rlix", tmp_path, None, "failed: boom", 3.0, said.append)
     assert result["gpu_account"]["gpu_s"] == 0 and (tmp_path / TRACE_FILE).exists()
     assert any("who held which GPU is not known" in line for line in said)
+
+
+def test_records_without_times_and_short_events_are_taken_as_they_come():
+    summary = synthetic()
+    summary["pipelines"]["a"]["records"].append({"step": 2, "train_s": 1.0})  # no finished_at
+    summary["pipelines"]["b"]["events"].append([T0 + 5.0, "activate", [0]])  # no version, seconds
+    account = check_trace_reconciles(summary)
+    assert account["span_s"] == 100.0 and account["pipelines"]["a"]["train"] == pytest.approx(10.0)

@@ -154,8 +154,9 @@ def run_span(summary: Mapping[str, Any]) -> tuple[float, float]:
     stamps += [_num(n.get("at")) for n in summary.get("lost_nodes", []) if n.get("at") is not None]
     for p in summary.get("pipelines", {}).values():
         for r in p.get("records", []):
-            end = _num(r.get("finished_at"))
-            stamps += [end - _num(r.get("step_s")), end]
+            if r.get("finished_at") is not None:
+                end = _num(r["finished_at"])
+                stamps += [end - _num(r.get("step_s")), end]
         for e in p.get("events", []):
             stamps += [_num(e[0]) - _num(e[4] if len(e) > 4 else 0), _num(e[0])]
     run = summary.get("run") or {}
@@ -227,7 +228,8 @@ def step_phases(records: list[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any
     one ended), with the time its version was published (the end of its cache build)."""
     out = []
     prev_end = -math.inf
-    for r in sorted(records, key=lambda r: _num(r.get("finished_at"))):
+    for r in sorted((r for r in records if r.get("finished_at") is not None),
+                    key=lambda r: _num(r["finished_at"])):
         finished = _num(r.get("finished_at"))
         t = max(finished - _num(r.get("step_s")), prev_end)
         spans = []
