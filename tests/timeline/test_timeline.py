@@ -378,3 +378,12 @@ def test_records_without_times_and_short_events_are_taken_as_they_come():
     summary["pipelines"]["b"]["events"].append([T0 + 5.0, "activate", [0]])  # no version, seconds
     account = check_trace_reconciles(summary)
     assert account["span_s"] == 100.0 and account["pipelines"]["a"]["train"] == pytest.approx(10.0)
+
+
+def test_the_chart_leaves_out_a_long_setup_with_no_gpu_held():
+    from rlix.timeline.chart import setup_cut  # deferred: imports matplotlib's colour maps
+
+    real = build_timeline(real_summary())  # the first GPU is granted 20.6 s into 72.9 s
+    first = min(h.start for hs in real.holdings.values() for h in hs if h.pipeline) - real.start
+    assert 0 < setup_cut(real) < first and first - setup_cut(real) < 2.0
+    assert setup_cut(build_timeline(synthetic())) == 0.0  # held from 1 s of 100: all drawn

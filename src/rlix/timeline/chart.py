@@ -35,6 +35,17 @@ def shade(rgb: tuple[float, float, float], kind: str) -> tuple[float, float, flo
     return _mix(rgb, 0.0, 0.25) if kind == "train" else _mix(rgb, 1.0, 0.5)
 
 
+def setup_cut(tl: Timeline) -> float:
+    """Seconds at the start left out of the chart: a run's setup (Ray, processes, models) can
+    take most of a short run with no GPU held; drawn, it would squeeze the run into a corner."""
+    starts = [h.start for hs in tl.holdings.values() for h in hs if h.pipeline is not None]
+    starts += [s.start for spans in (*tl.phases.values(), *tl.shard_spans.values()) for s in spans]
+    lead = min(starts, default=tl.start) - tl.start
+    if lead <= 0.15 * tl.span_s:
+        return 0.0
+    return max(0.0, lead - 0.03 * (tl.span_s - lead))
+
+
 def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
     # deferred: matplotlib takes most of a second to import; only drawing needs it. A Figure
     # of its own (no pyplot): no backend or global state of the caller's is touched
@@ -112,8 +123,10 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
                 last = v.at
     bx.set_yticks(list(range(n_pipe - 1, -1, -1)), [f"{p} steps" for p in tl.pipelines])
     bx.set_ylim(-0.6, n_pipe - 0.2)
-    bx.set_xlim(0, max(tl.span_s, 1e-6))
-    bx.set_xlabel("seconds since the run started")
+    left = setup_cut(tl)
+    bx.set_xlim(left, max(tl.span_s, 1e-6))
+    bx.set_xlabel("seconds since the run started" + (
+        f" (the first {left:.0f} s, setting up with no GPU held, not drawn)" if left else ""))
 
     handles = []
     for p in tl.pipelines:
