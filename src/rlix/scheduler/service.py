@@ -200,7 +200,7 @@ class AsyncScheduler:
         """A pipeline's coordinator is dead: drop it without calling it, free its GPUs."""
         if name not in self.core.pipelines:
             return
-        gone = self.core.unregister(name)
+        gone = self.core.unregister(name, "failure")
         self._coordinators.pop(name, None)
         self.failures.append({"pipeline": name, "reason": reason, "at": self.core.clock(),
                               "freed_gpus": gone.freed_gpus})
