@@ -174,6 +174,8 @@ CASES = [
     Case("CLI", "submit a config that fails its check", lambda tmp: ["submit", config(tmp, p_steps=0)], r"pipelines\[0\]\.steps: .*greater than or equal to 1"),
     Case("CLI", "submit with no cluster up", lambda tmp: ["submit", config(tmp), "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),
     Case("CLI", "cancel with no cluster up", lambda tmp: ["cancel", "job", "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),
+    Case("CLI", "timeline of a missing run dir", lambda tmp: ["timeline", str(tmp / "none")], r"none: no such run directory"),
+    Case("CLI", "timeline of a run dir without summary.json", lambda tmp: ["timeline", str(tmp)], r"summary\.json: not found"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""`rlix` command line: run, sim, check, status, serve, router; and for a shared cluster up,
-submit, jobs, cancel, logs, down.
+"""`rlix` command line: run, sim, check, status, timeline, serve, router; and for a shared
+cluster up, submit, jobs, cancel, logs, down.
 
 Every error is printed as one line and exits 2 (Ctrl-C: 130); `--debug` shows the traceback
 instead.
@@ -21,7 +21,23 @@ from rlix.errors import ConfigError, RlixError, SchedulerError
 def _cmd_sim(args: argparse.Namespace) -> int:
     from rlix.sim import cli_sim  # deferred: see _cmd_run
 
-    return cli_sim(args.scenario, args.json)
+    return cli_sim(args.scenario, args.json, out=args.out)
+
+
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from rlix.timeline import (  # deferred: see _cmd_run
+        CHART_FILE,
+        TRACE_FILE,
+        account_lines,
+        load_summary,
+        write_timeline,
+    )
+
+    account = write_timeline(args.run_dir, load_summary(args.run_dir))
+    print("\n".join(account_lines(account)))
+    print(f"wrote {os.path.join(args.run_dir, TRACE_FILE)} (open in ui.perfetto.dev) and "
+          f"{os.path.join(args.run_dir, CHART_FILE)}")
+    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -205,7 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="simulate a cluster scenario under three scheduling policies")
     sim.add_argument("scenario", help="scenario YAML (see examples/sim/)")
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    sim.add_argument("--out", default=None, metavar="DIR",
+                     help="write each policy's timeline (DIR/POLICY/: summary.json, timeline.json, timeline.png)")
     sim.set_defaults(func=_cmd_sim)
+
+    timeline = sub.add_parser("timeline", help="redraw a run's timeline.json (Chrome/Perfetto trace) "
+                                               "and timeline.png from its summary.json")
+    timeline.add_argument("run_dir", help="the run's run_dir (where summary.json is)")
+    timeline.set_defaults(func=_cmd_timeline)
 
     check = sub.add_parser("check", help="validate a run config without starting anything")
     check.add_argument("config", help="run config YAML")

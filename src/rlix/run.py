@@ -33,6 +33,7 @@ from rlix.placement import GpuReservation
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.supervise import Supervisor
+from rlix.timeline import account_lines, run_fields, write_timeline
 
 
 class RunLog:
@@ -132,8 +133,10 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
-            scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda")
+            scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
+                                        metrics_port=cfg.scheduler.metrics_port)
             ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
+            _say_metrics_endpoint(scheduler, cfg, say)
         return follow(cfg, config_path, mode=mode, run_dir=run_dir, say=say, devices=devices,
                       scheduler=scheduler, all_gpus=list(range(topology.num_gpus)), resume=resume,
                       t_start=t_start, first_plan_held=scheduler is not None)
@@ -141,6 +144,17 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
         if scheduler is not None:
             ray.kill(scheduler)
         reservation.release()
+
+
+def _say_metrics_endpoint(scheduler, cfg: RlixConfig, say: RunLog) -> None:
+    """The scheduler's Prometheus URL to the run log; a port it could not listen on ends the run."""
+    if cfg.scheduler.metrics_port is None:
+        return
+    endpoint = ray.get(scheduler.metrics_endpoint.remote())
+    if endpoint["error"]:
+        raise ConfigError(f"scheduler.metrics_port: {endpoint['error']}")
+    if endpoint["url"]:
+        say(f"scheduler metrics (Prometheus): {endpoint['url']}")
 
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
@@ -158,7 +172,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
                                 heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                 setup_timeout_s=cfg.setup_timeout_s,
                                 all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
-                                role_log_from=role_log_from)
+                                role_log_from=role_log_from, experiment_log=cfg.logging)
         supervisor.start_all()
         supervisor.wait_setup()
         if first_plan_held:
@@ -180,7 +194,8 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
                 say(f"scheduler ledger at the end of the run: {audit['error']}")
         say(f"stopped in {time.perf_counter() - t_stop:.1f}s")
         result = _write_summary(config_path, mode, run_dir, supervisor, ending,
-                                round(time.perf_counter() - t_start, 1), say)
+                                round(time.perf_counter() - t_start, 1), say,
+                                gpu_nodes=_gpu_nodes(devices, all_gpus))
     failed = {n: s["error"] for n, s in result["pipelines"].items() if s.get("state") == "failed"}
     if failed and len(failed) == len(result["pipelines"]):
         raise PipelineFailedError("; ".join(f"{n}: {e}" for n, e in failed.items()))
@@ -188,19 +203,42 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
 
 
 def _write_summary(config_path: str, mode: str, run_dir: Path, supervisor: Supervisor | None,
-                   ending: str, wall_s: float, say: RunLog) -> dict:
-    """summary.json and gpu_memory.json, whatever the ending; the summary table to the log."""
+                   ending: str, wall_s: float, say: RunLog, gpu_nodes: list[int] | None = None) -> dict:
+    """summary.json, gpu_memory.json and the timeline, whatever the ending; the summary table
+    and the GPU-time account to the log."""
     summaries = supervisor.summaries() if supervisor is not None else {}
     result = {"config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
               "pipelines": summaries,
               "role_changes": supervisor.role_changes if supervisor is not None else [],
               "lost_nodes": supervisor.lost_nodes if supervisor is not None else [],
               "ledger_audits": supervisor.ledger_audits if supervisor is not None else []}
+    _timeline(run_dir, result, wall_s, gpu_nodes, say)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     (run_dir / "gpu_memory.json").write_text(json.dumps(memory_ledger(summaries), indent=1))
     for line in summary_table(result):
         say(line)
+    for line in account_lines(result["gpu_account"]) if result.get("gpu_account") else []:
+        say(line)
     return result
+
+
+def _gpu_nodes(devices: DevicePlan, gpus: list[int]) -> list[int] | None:
+    """The node (index) of each of the run's GPUs, for the timeline; None when not placed."""
+    if devices.reservation is None:
+        return None
+    return [devices.reservation.slot(g).node for g in gpus]
+
+
+def _timeline(run_dir: Path, result: dict, wall_s: float, gpu_nodes: list[int] | None,
+              say: RunLog) -> None:
+    """The summary's `run` span and `gpu_account`; RUN_DIR/timeline.json and timeline.png
+    (rlix.timeline). A timeline that cannot be drawn is said, and the run's ending stands."""
+    ended = time.time()
+    result["run"] = run_fields(ended - wall_s, ended, gpu_nodes or [])
+    try:
+        result["gpu_account"] = write_timeline(run_dir, result)
+    except Exception as exc:  # noqa: BLE001 - the summary matters more than its chart
+        say(f"timeline not written: {one_line(exc)}")
 
 
 def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:

@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlix.config.models import PipelineConfig
+from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.errors import PipelineHungError, SchedulerError, one_line
 from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.runner import DevicePlan, read_metrics
@@ -72,8 +72,10 @@ class Supervisor:
     def __init__(self, pipelines: list[PipelineConfig], *, mode: str, run_dir: Path, api_key: str,
                  devices: DevicePlan, scheduler: Any, say: Callable[[str], None],
                  heartbeat_timeout_s: float, setup_timeout_s: float, all_gpus: list[int],
-                 resume: bool = False, vllm_python: str | None = None, role_log_from: int = 0) -> None:
+                 resume: bool = False, vllm_python: str | None = None, role_log_from: int = 0,
+                 experiment_log: LoggingConfig | None = None) -> None:
         self.slots = {p.name: PipelineSlot(p) for p in pipelines}
+        self.experiment_log = experiment_log  # the run's `logging:`, for every pipeline
         self.vllm_python = vllm_python
         self.mode, self.run_dir, self.api_key, self.devices = mode, run_dir, api_key, devices
         self.scheduler, self.say = scheduler, say
@@ -98,7 +100,9 @@ class Supervisor:
         gpus = slot.cfg.gpus if slot.cfg.gpus is not None else self.all_gpus
         slot.actor = PipelineActor.options(**on_this_node()).remote(slot.cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir),
                                           api_key=self.api_key, gpus=gpus, resume=resume,
-                                          devices=self.devices, vllm_python=self.vllm_python)
+                                          devices=self.devices, vllm_python=self.vllm_python,
+                                          experiment_log=None if self.experiment_log is None
+                                          else self.experiment_log.model_dump())
         slot.setup_ref, slot.run_ref, slot.progress_ref = slot.actor.setup.remote(), None, None
         slot.state, slot.summary = "setup", None
         slot.started = slot.progress_sent = time.monotonic()

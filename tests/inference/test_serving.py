@@ -190,3 +190,21 @@ def test_a_stop_string_ends_each_of_n_choices_on_its_own(engine):
         texts[c["index"]] = texts.get(c["index"], "") + c["text"]
         finishes.setdefault(c["index"], []).extend([c["finish_reason"]] if c["finish_reason"] else [])
     assert texts == {0: expected, 1: expected, 2: expected} and finishes == {i: ["stop"] for i in range(3)}
+
+
+def test_metrics_count_a_shared_prefill_once_and_each_sample_as_a_request(engine):
+    """n = 3 samples: the prompt's tokens once (one prefill), 3 finished requests, 3 x output."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def values(text):
+        return {(s.name, s.labels.get("finished_reason")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    async def fn(http):
+        body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 5, "n": 3, "ignore_eos": True}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        return (await http.get("/metrics")).text
+
+    v = values(_run(engine, fn))
+    assert v[("vllm:prompt_tokens_total", None)] == 4 and v[("vllm:generation_tokens_total", None)] == 15
+    assert v[("vllm:request_success_total", "length")] == 3

@@ -20,6 +20,7 @@ import ray
 import yaml
 
 from rlix.run import run
+from rlix.scheduler.core import ROLE_REASONS
 
 MAX_AGE = 1
 
@@ -83,6 +84,22 @@ def test_time_sharing_run_moves_gpus_and_keeps_its_guarantees(tmp_path, fresh_ra
         # woken shards were synced before serving: some shard moved past version 0
         assert any(len(h) > 1 for h in p["shard_history"].values())
         check_placement(p)
+    check_timeline(tmp_path / "ts", summary)
+
+
+def check_timeline(run_dir, summary: dict) -> None:
+    """The run's timeline: every role change says why, the trace and the chart are written, and
+    the GPU-time account adds up to GPUs x span (tests/timeline checks the trace's format)."""
+    assert {c["reason"] for c in summary["role_changes"]} <= set(ROLE_REASONS)
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    assert any(e["ph"] == "X" and e["cat"] == "gpu" for e in trace["traceEvents"])
+    assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    account = summary["gpu_account"]
+    assert account["gpus"] == 2 and account["role_changes"] == len(summary["role_changes"])
+    total = account["idle_s"] + account["lost_s"] + sum(r["held"] for r in account["pipelines"].values())
+    assert abs(total - account["gpu_s"]) < 0.01, account
+    for name, row in account["pipelines"].items():
+        assert row["train"] > 0 and row["generate"] > 0, (name, row)
 
 
 def check_placement(p: dict) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from rlix.errors import SchedulerError, UnknownPipelineError
 from rlix.scheduler import planner
-from rlix.scheduler.core import SchedulerCore
+from rlix.scheduler.core import ROLE_REASONS, SchedulerCore
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.types import (
     Grant,
@@ -218,3 +218,48 @@ def test_role_log_numbers_every_gpu_change_including_ones_a_poller_would_miss():
     core.unregister("b")
     gone = core.role_changes(later[-1]["seq"])
     assert [(c["gpu"], c["after"]) for c in gone] == [(g, "idle") for g in b_gpus]
+
+
+def test_every_role_change_says_why():
+    """grant, expand, preemption (a plan's, told apart by what the GPU became), release,
+    unregister, failure, lost: the timeline's reasons."""
+    core, _ = make(PipelineSpec("a", train_gpus=1, max_shards=2), PipelineSpec("b", max_shards=2),
+                   PipelineSpec("c", max_shards=1), nodes=2, per_node=2)
+    core.replan("start")
+    assert {c["reason"] for c in core.role_changes()} == {"expand"}
+    seen = core.role_changes()[-1]["seq"]
+
+    core.submit_request("a", Stage.TRAIN, 1)
+    core.replan("request")
+    granted = core.role_changes(seen)
+    assert [c["reason"] for c in granted if c["after"] == "a/train"] == ["grant"]
+    for c in granted:
+        want = "grant" if c["after"].endswith("/train") else "expand" if "/generate#" in c["after"] \
+            else "preemption"
+        assert c["reason"] == want, c
+    seen = granted[-1]["seq"]
+
+    core.release("a", "train")
+    assert [c["reason"] for c in core.role_changes(seen)] == ["release"]
+    seen = core.role_changes()[-1]["seq"]
+    core.replan("after release")
+    seen = core.role_changes()[-1]["seq"] if core.role_changes(seen) else seen
+
+    held_b = [g for g, r in core._roles.items() if r.startswith("b/")]
+    core.unregister("b", "failure")
+    failed = core.role_changes(seen)
+    assert sorted(c["gpu"] for c in failed) == sorted(held_b)
+    assert {c["reason"] for c in failed} == {"failure"}
+    seen = failed[-1]["seq"]
+
+    held_c = [g for g, r in core._roles.items() if r.startswith("c/")]
+    core.unregister("c")
+    assert {c["reason"] for c in core.role_changes(seen)} == {"unregister"}
+    seen = core.role_changes()[-1]["seq"]
+
+    held = sorted(g for g in core._roles if g in (2, 3))
+    core.gpus_lost([2, 3])
+    lost = core.role_changes(seen)
+    assert sorted(c["gpu"] for c in lost) == held and {c["reason"] for c in lost} <= {"lost"}
+    assert {c["reason"] for c in core.role_log} <= set(ROLE_REASONS)
+    assert held_c  # c had its shard

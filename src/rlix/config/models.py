@@ -67,6 +67,10 @@ class SchedulerConfig(_Strict):
 
     dwell_s: float = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
     aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve the scheduler's Prometheus "
+                                                                       "metrics on 127.0.0.1 at this port "
+                                                                       "(0: a free one, named in the run "
+                                                                       "log); null: not served")
 
 
 class RolloutConfig(_Strict):
@@ -178,6 +182,26 @@ class PipelineConfig(_Strict):
         )
 
 
+class WandbConfig(_Strict):
+    """Per-step metrics to Weights & Biases (needs `pip install wandb`, or the `wandb` extra)."""
+
+    project: str = Field("rlix", min_length=1, description="wandb project")
+    entity: str | None = Field(None, description="wandb entity (user or team); null: wandb's default")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline: written under run_dir/<pipeline>/wandb/ without a network (upload "
+                               "later with `wandb sync`); online: sent as it runs; disabled: nothing")
+    group: str | None = Field(None, description="groups the run's pipelines (default: run_dir's folder name)")
+    tags: list[str] = Field(default_factory=list, description="tags of every pipeline's wandb run")
+
+
+class LoggingConfig(_Strict):
+    """Experiment logging: every pipeline's per-step metrics (the rows of metrics.jsonl) to trackers."""
+
+    tensorboard: bool = Field(False, description="TensorBoard event files in run_dir/<pipeline>/tensorboard/")
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases, one wandb run per pipeline "
+                                                        "(null: off)")
+
+
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 
@@ -207,6 +231,8 @@ class RlixConfig(_Strict):
     vllm_python: str | None = Field(None, description="Python of an environment with vLLM, for pipelines "
                                                       "with engine: vllm (default: RLIX_VLLM_PYTHON, else "
                                                       "the one scripts/setup-vllm.sh linked into the venv)")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="per-step metrics to "
+                                                                              "TensorBoard and wandb")
     pipelines: list[PipelineConfig] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -10,6 +10,7 @@ worker; `run_dir` stays relative to where `rlix run` is started (outputs go wher
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 from pathlib import Path
@@ -69,6 +70,19 @@ def problems(cfg: RlixConfig) -> list[str]:
     problem = _vllm_python(cfg.vllm_python) if users else None
     if problem:
         found.append(f"vllm_python: {problem} (needed by {', '.join(users)}: engine: vllm)")
+    found += _loggers(cfg)
+    return found
+
+
+def _loggers(cfg: RlixConfig) -> list[str]:
+    """The experiment trackers chosen in `logging:` are installed (found, not imported: slow)."""
+    found = []
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        found.append("logging.tensorboard: the tensorboard package is not installed (pip install tensorboard)")
+    wandb = cfg.logging.wandb
+    if wandb is not None and wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        found.append("logging.wandb: the wandb package is not installed (pip install wandb, or "
+                     "pip install 'rlix[wandb]'; or remove the section)")
     return found
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import ray
 
-from rlix.config.models import PipelineConfig
+from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.pipeline.hooks import ColocatedHooks, RLixHooks
 from rlix.pipeline.runner import DevicePlan, PipelineRunner
 from rlix.pipeline.scheduler_hooks import SchedulerHooks
@@ -32,13 +32,15 @@ def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any) -> 
 class PipelineActor:
     def __init__(self, cfg: dict, *, mode: str, run_dir: str, api_key: str, gpus: list[int],
                  resume: bool = False, devices: DevicePlan | None = None,
-                 vllm_python: str | None = None) -> None:
+                 vllm_python: str | None = None, experiment_log: dict | None = None) -> None:
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         config = PipelineConfig.model_validate(cfg)
         hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor)
         self.runner = PipelineRunner(config, hooks, run_dir=run_dir, api_key=api_key, resume=resume,
-                                     devices=devices, vllm_python=vllm_python)
+                                     devices=devices, vllm_python=vllm_python,
+                                     experiment_log=LoggingConfig.model_validate(experiment_log)
+                                     if experiment_log is not None else None)
 
     async def setup(self) -> dict:
         return await self.runner.setup()

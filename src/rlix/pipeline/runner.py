@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from rlix import env
 from rlix.agents.environment import PipelineEnvironment
-from rlix.config.models import PipelineConfig
+from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.envs import make_task
 from rlix.errors import ConfigError, TrainerDiedError, one_line
 from rlix.inference.fleet.api import EngineBackend
@@ -41,6 +41,7 @@ from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
+from rlix.pipeline.experiment_log import ExperimentLog, open_experiment_log
 from rlix.pipeline.hooks import RLixHooks
 from rlix.pipeline.weight_routes import WeightRoutes
 from rlix.placement import GpuReservation
@@ -114,8 +115,10 @@ class DevicePlan:
 class PipelineRunner:
     def __init__(self, cfg: PipelineConfig, hooks: RLixHooks, *, run_dir: str | Path, api_key: str,
                  resume: bool = False, devices: DevicePlan | None = None,
-                 vllm_python: str | None = None) -> None:
+                 vllm_python: str | None = None, experiment_log: LoggingConfig | None = None) -> None:
         self.cfg, self.hooks, self.api_key, self.resume = cfg, hooks, api_key, resume
+        self.logging_cfg = experiment_log  # the run's `logging:` (TensorBoard, wandb); None: off
+        self.experiment_log: ExperimentLog | None = None  # opened at setup, once start_step is known
         self.vllm_python = vllm_python  # engine: vllm; None: rlix.env's default
         self.devices = devices or DevicePlan()
         self.ready = asyncio.Event()  # set once the coordinator can take the scheduler's calls
@@ -154,6 +157,9 @@ class PipelineRunner:
         # the scheduler may place shards from now on
         train_gpus = await self.hooks.reserve(self.cfg, frees_memory=self.backend.supports_sleep)
         await self._start_trainer(str(path), train_gpus)
+        self.experiment_log = await asyncio.to_thread(
+            open_experiment_log, self.logging_cfg, pipeline=self.cfg.name, pipeline_dir=self.dir,
+            start_step=self.start_step, config=self.cfg.model_dump(mode="json"))
         ranks = await self._start_shards(str(path))
         await self._start_collector(str(path))
         await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
@@ -394,6 +400,8 @@ class PipelineRunner:
         self.history.append(row)
         with (self.dir / "metrics.jsonl").open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+        if self.experiment_log:
+            self.experiment_log.log(row)
         log.info("%s step %d reward %.3f (%.2fs)", self.cfg.name, record.step, record.reward, record.step_s)
 
     @property
@@ -526,4 +534,6 @@ class PipelineRunner:
             await timed("weight replicas", self.weight_routes.close())
         if self.trainer is not None:
             await timed("trainer", self.trainer.close())
+        if self.experiment_log:
+            await timed("experiment log", asyncio.to_thread(self.experiment_log.close))
         return took

@@ -34,6 +34,11 @@ log = logging.getLogger("rlix.scheduler")
 #: how many departed pipelines the core remembers (what a repeated unregister answers)
 DEPARTED_KEPT = 16
 
+#: why a GPU's role changed, as each role-log entry says (`reason`). A plan's changes are told
+#: apart by what the GPU became: a training stage granted, a shard woken on it (expand), or a
+#: shard taken off it (preemption: the planner shrank it); the other calls name their own.
+ROLE_REASONS = ("grant", "expand", "preemption", "release", "unregister", "failure", "lost")
+
 PlanFn = Callable[[Ledger, list[GpuRequest], dict[str, Progress], float, PlannerParams], Plan]
 
 
@@ -104,8 +109,9 @@ class SchedulerCore:
                  spec.name, spec.priority, spec.train_gpus, spec.tp, spec.min_shards,
                  spec.max_shards)
 
-    def unregister(self, name: str) -> Unregistered:
-        """Forget a pipeline: its GPUs become idle and its pending request is cancelled."""
+    def unregister(self, name: str, reason: str = "unregister") -> Unregistered:
+        """Forget a pipeline: its GPUs become idle and its pending request is cancelled.
+        `reason` goes into the role log: "unregister" (it left) or "failure" (it died)."""
         self.require(name)
         shards = [ShardMove(name, rank, h.gpus)
                   for rank, h in sorted(self.ledger.shards_of(name).items())]
@@ -117,7 +123,7 @@ class SchedulerCore:
         while len(self.departed) > DEPARTED_KEPT:
             self.departed.popitem(last=False)
         self.last_release.pop(name, None)
-        self._note_roles()
+        self._note_roles(reason)
         cancelled = [r for r in self.pending.values() if r.pipeline == name]
         for r in cancelled:
             del self.pending[r.id]
@@ -129,7 +135,7 @@ class SchedulerCore:
         """GPUs whose node left the cluster: the holdings on them are dropped, and pipelines
         whose training home was there can never train again (the caller fails them)."""
         dropped = self.ledger.mark_lost(gpus)
-        self._note_roles()
+        self._note_roles("lost")
         lost = set(self.ledger.lost)
         homeless = sorted(n for n, home in self.ledger.train_home.items() if home & lost)
         shards = [ShardMove(h.pipeline, h.dp_rank, h.gpus) for h in dropped if h.role is Role.GENERATE]
@@ -195,7 +201,7 @@ class SchedulerCore:
         if self.ledger.stage_holding(pipeline, stage) is None:
             raise SchedulerError(f"{pipeline}: holds no GPUs for {stage.name.lower()}")
         freed = self.ledger.release(pipeline, stage)
-        self._note_roles()
+        self._note_roles("release")
         self.last_release[pipeline] = {"stage": stage.name.lower(), "freed": list(freed)}
         return freed
 
@@ -222,7 +228,7 @@ class SchedulerCore:
         try:
             self._check_grants(plan)
             self.ledger.apply(plan, now)
-            self._note_roles()
+            self._note_roles(None)
         except (LedgerError, SchedulerError) as exc:
             self.last_error = f"plan rejected ({reason}): {exc}; plan was: {plan.summary()}"
             log.error("%s", self.last_error)
@@ -253,7 +259,9 @@ class SchedulerCore:
         """dp rank -> GPUs of the pipeline's shards the ledger counts as active."""
         return {rank: h.gpus for rank, h in sorted(self.ledger.shards_of(pipeline).items())}
 
-    def _note_roles(self) -> None:
+    def _note_roles(self, reason: str | None) -> None:
+        """Log every GPU whose role changed, with why (`ROLE_REASONS`); None: a plan's change,
+        named by what the GPU became (see `plan_reason`)."""
         roles = gpu_roles(self.ledger.snapshot())
         now = self.clock()
         for gpu in sorted(set(roles) | set(self._roles)):
@@ -261,7 +269,8 @@ class SchedulerCore:
             if before != after:
                 self.role_seq += 1
                 self.role_log.append({"seq": self.role_seq, "at": now, "gpu": gpu,
-                                      "before": before, "after": after})
+                                      "before": before, "after": after,
+                                      "reason": reason or plan_reason(after)})
         self._roles = roles
 
     def resync_roles(self) -> None:
@@ -305,6 +314,14 @@ def parse_stage(stage: Stage | str | int) -> Stage:
         return Stage.parse(stage)
     except ValueError as exc:
         raise SchedulerError(str(exc)) from exc
+
+
+def plan_reason(after: str) -> str:
+    """Why a plan changed a GPU's role, from the role it gave it: a training stage is a grant,
+    a shard an expand (a wake), nothing a preemption (its shard was shrunk)."""
+    if after == "idle":
+        return "preemption"
+    return "grant" if after.endswith("/train") else "expand"
 
 
 def gpu_roles(snapshot: dict) -> dict[int, str]:

@@ -32,6 +32,7 @@ from rlix import env
 from rlix.errors import SchedulerError, SchedulerStateError, UnknownPipelineError
 from rlix.scheduler.core import LostGpus, PlanFn, SchedulerCore, parse_stage
 from rlix.scheduler.executor import PlanExecutor, ReassertFn, ResizeFn, ray_reassert, ray_resize
+from rlix.scheduler.metrics import SchedulerMetrics
 from rlix.scheduler.persistence import SchedulerPersistence, ServiceState
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.types import (
@@ -68,6 +69,8 @@ class AsyncScheduler:
                  call_timeout_s: float | None = None, min_timer_s: float = 0.05,
                  real_gpus: bool = False, persistence: SchedulerPersistence | None = None) -> None:
         self.core = SchedulerCore(topology, params, clock=clock, plan_fn=plan_fn)
+        self.metrics = SchedulerMetrics(clock=self.core.clock)  # Prometheus; refreshed at every change
+        self.metrics.refresh(self.core)
         # saved at every change (`_save`); None: the state lives in this process only
         self.persistence = persistence
         # real GPUs: a GPU is handed on only once its holder's memory is free, so a pipeline
@@ -120,6 +123,7 @@ class AsyncScheduler:
         self._retry_releases = {n: dict(r) for n, r in self.core.last_release.items()}
         self._retry_unregisters = {n: list(d["freed"]) for n, d in self.core.departed.items()}
         self._save()
+        self.metrics.refresh(self.core)
         return True
 
     def attach(self, name: str, resize: ResizeFn) -> None:
@@ -196,7 +200,7 @@ class AsyncScheduler:
         """A pipeline's coordinator is dead: drop it without calling it, free its GPUs."""
         if name not in self.core.pipelines:
             return
-        gone = self.core.unregister(name)
+        gone = self.core.unregister(name, "failure")
         self._coordinators.pop(name, None)
         self.failures.append({"pipeline": name, "reason": reason, "at": self.core.clock(),
                               "freed_gpus": gone.freed_gpus})
@@ -327,12 +331,13 @@ class AsyncScheduler:
             self._plan(reason)
         finally:
             self._save()
+            self.metrics.refresh(self.core)
 
     def _plan(self, reason: str) -> None:
         if self.holding:
             return
         try:
-            plan = self.core.replan(reason)
+            plan = self.metrics.replan(self.core, reason)
         except SchedulerError as exc:  # rejected by the ledger; core logged it
             self._record_error(reason, exc)
             return
@@ -484,7 +489,8 @@ class SchedulerService:
 
     def __init__(self, topology: Topology, params: PlannerParams | None = None,
                  liveness_interval_s: float = 2.0, ping_timeout_s: float = 3.0,
-                 call_timeout_s: float | None = None, real_gpus: bool = False) -> None:
+                 call_timeout_s: float | None = None, real_gpus: bool = False,
+                 metrics_port: int | None = None) -> None:
         if not log.handlers and log.level == logging.NOTSET:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -508,11 +514,27 @@ class SchedulerService:
         self._liveness: asyncio.Task | None = None
         self._broken: str | None = None  # a restart whose state could not be read
         self._to_reconcile = False
+        self._metrics = self._serve_metrics(metrics_port)
         if reconstructed:
             self._recover()
         else:
             store.delete_prefix(STATE_PREFIX)  # a scheduler that died for good left its state
             self._sched._save()  # from now on a restart finds a state, even an empty one
+
+    def _serve_metrics(self, port: int | None) -> dict:
+        """The Prometheus registry over HTTP on 127.0.0.1 (a thread of this process); port 0
+        picks a free one. A port it cannot listen on is reported, not raised: the scheduler works
+        without its metrics, and `rlix run` says so and stops."""
+        if port is None:
+            return {"url": None, "error": None}
+        try:
+            bound = self._sched.metrics.serve(port)
+        except OSError as exc:
+            log.error("scheduler metrics: cannot listen on 127.0.0.1:%d: %s", port, exc.strerror or exc)
+            return {"url": None, "error": f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"}
+        url = f"http://127.0.0.1:{bound}/metrics"
+        log.info("scheduler metrics at %s", url)
+        return {"url": url, "error": None}
 
     # ------------------------------------------------------------------ restart
     def _recover(self) -> None:
@@ -573,6 +595,10 @@ class SchedulerService:
     async def ping(self) -> dict:
         self._start()
         return {"gpus_per_node": list(self._sched.core.ledger.topology.gpus_per_node)}
+
+    async def metrics_endpoint(self) -> dict:
+        """{"url", "error"} of the Prometheus endpoint (url None: not served; error: why not)."""
+        return dict(self._metrics)
 
     async def pid(self) -> int:
         """The worker process's PID (what a fault test kills)."""
@@ -728,9 +754,12 @@ def topology_from_ray() -> Topology:
 
 def start_scheduler(topology: Topology | str | None = None, params: PlannerParams | None = None,
                     *, detached: bool = False, liveness_interval_s: float = 2.0,
-                    call_timeout_s: float | None = None, real_gpus: bool = False):
+                    call_timeout_s: float | None = None, real_gpus: bool = False,
+                    metrics_port: int | None = None):
     """Start the scheduler actor, or get the running one; returns its handle once ready.
-    `real_gpus`: the GPUs are real (not fake ones on CPU), see AsyncScheduler.
+    `real_gpus`: the GPUs are real (not fake ones on CPU), see AsyncScheduler. `metrics_port`:
+    serve its Prometheus metrics on 127.0.0.1 there (0: a free port; `metrics_endpoint()` says
+    which); None: not served.
 
     `topology` None or "auto" reads it from Ray. An existing scheduler with another topology
     is an error, not silently reused.
@@ -751,7 +780,7 @@ def start_scheduler(topology: Topology | str | None = None, params: PlannerParam
             ray.get_runtime_context().get_node_id(), soft=False)
     handle = SchedulerService.options(**options).remote(
         topology, params, liveness_interval_s=liveness_interval_s, call_timeout_s=call_timeout_s,
-        real_gpus=real_gpus)
+        real_gpus=real_gpus, metrics_port=metrics_port)
     info = ray.get(handle.ping.remote())
     if tuple(info["gpus_per_node"]) != topology.gpus_per_node:
         raise SchedulerError(f"a scheduler is already running with topology "

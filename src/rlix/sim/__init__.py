@@ -2,9 +2,11 @@
 
 `run_scenario` simulates a scenario under the three policies (exclusive-queue,
 exclusive-partition, rlix) on one identical seeded workload and returns the report as a
-JSON-ready dict; `cli_sim` is what `rlix sim SCENARIO.yaml [--json]` calls.
+JSON-ready dict; `cli_sim` is what `rlix sim SCENARIO.yaml [--json] [--out DIR]` calls.
 Modules: scenario (YAML models), workload (seeded trajectories), shard (decode/prefill model),
-pipeline (async loop + router), engine (event loop + planner domains), policies, report.
+pipeline (async loop + router), engine (event loop + planner domains), policies, report,
+trace (a run recorded for rlix.timeline: with `out`, DIR/POLICY/ gets summary.json,
+timeline.json and timeline.png).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 from rlix.sim.policies import POLICIES, RunResult, simulate
 from rlix.sim.report import build_report, render
 from rlix.sim.scenario import Scenario, load_scenario
+from rlix.sim.trace import SimTrace
 from rlix.sim.workload import generate
+from rlix.timeline import write_timeline
 
 __all__ = ["POLICIES", "Scenario", "cli_sim", "load_scenario", "run_scenario", "simulate"]
 
@@ -31,11 +35,13 @@ def total_steps(scenario: Scenario) -> int:
 
 
 def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = POLICIES,
-                 on_run: Callable[[str, int], Callable[[str], None] | None] | None = None) -> dict:
+                 on_run: Callable[[str, int], Callable[[str], None] | None] | None = None,
+                 out: str | Path | None = None) -> dict:
     """Simulate every policy on one workload and build the report dict.
 
     `on_run(label, steps)` is called before each simulation and may return a per-step
-    callback (used for progress bars).
+    callback (used for progress bars). With `out`, each policy's run is recorded and
+    out/POLICY/ gets its summary.json, timeline.json and timeline.png.
     """
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
@@ -44,8 +50,11 @@ def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = PO
     order = sorted(policies, key=lambda p: (p != "exclusive-queue", POLICIES.index(p)))
     runs: dict[str, RunResult] = {}
     for policy in order:
+        trace = SimTrace() if out is not None else None
         runs[policy] = simulate(scenario, workloads, policy,
-                                on_step=hook(policy, total_steps(scenario)))
+                                on_step=hook(policy, total_steps(scenario)), trace=trace)
+        if trace is not None:
+            write_run(Path(out) / policy, scenario, policy, trace, runs[policy].makespan)
     # "Alone" makespans: reuse an exclusive-queue run that had the whole cluster to itself.
     alone: dict[str, float] = {}
     source: dict[str, str] = {}
@@ -64,8 +73,19 @@ def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = PO
     return build_report(scenario, workloads, ordered, alone, source)
 
 
-def cli_sim(path: str, as_json: bool) -> int:
-    """`rlix sim`: JSON on stdout, or rich tables; a progress bar on stderr only on a terminal."""
+def write_run(run_dir: Path, scenario: Scenario, policy: str, trace: SimTrace, end: float) -> None:
+    """One policy's recorded run as a run dir: summary.json (the shape `rlix timeline` reads)
+    and its timeline, with the GPU-time account in the summary."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = trace.summary(scenario.name, policy, end, scenario.topology.node_of(),
+                            [p.name for p in scenario.pipelines])
+    summary["gpu_account"] = write_timeline(run_dir, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def cli_sim(path: str, as_json: bool, out: str | None = None) -> int:
+    """`rlix sim`: JSON on stdout, or rich tables; a progress bar on stderr only on a terminal;
+    with `out`, each policy's timeline under out/POLICY/."""
     scenario = load_scenario(path)
     started = time.perf_counter()
     if sys.stderr.isatty():
@@ -74,9 +94,9 @@ def cli_sim(path: str, as_json: bool) -> int:
                 task = bar.add_task(label, total=steps)
                 return lambda name: bar.advance(task)
 
-            report = run_scenario(scenario, on_run=on_run)
+            report = run_scenario(scenario, on_run=on_run, out=out)
     else:
-        report = run_scenario(scenario)
+        report = run_scenario(scenario, out=out)
     wall = time.perf_counter() - started
     if as_json:
         print(json.dumps(report, indent=2))

@@ -19,6 +19,7 @@ from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Progress, Stage, Topology
 
 from rlix.sim.pipeline import PipelineRun
+from rlix.sim.trace import SimTrace
 
 
 class Clock:
@@ -69,7 +70,8 @@ class Domain:
 
     def __init__(self, clock: Clock, topology: Topology, params: PlannerParams,
                  gpu_ids: list[int] | None = None,
-                 on_finish: Callable[[PipelineRun], None] | None = None) -> None:
+                 on_finish: Callable[[PipelineRun], None] | None = None,
+                 trace: SimTrace | None = None) -> None:
         self.clock = clock
         self.ledger = Ledger(topology)
         self.params = params
@@ -83,6 +85,7 @@ class Domain:
         self._wakes: set[float] = set()
         self.plan_calls = 0
         self.transition_gpu_s = 0.0  # sleep + wake + sync GPU-seconds
+        self.trace = trace  # records the run for its timeline (rlix sim --out)
 
     # ------------------------------------------------------------------ pipelines' calls
     def add(self, run: PipelineRun) -> None:
@@ -100,6 +103,7 @@ class Domain:
 
     def release(self, run: PipelineRun, stage: Stage) -> None:
         self.ledger.release(run.name, stage)
+        self._note("release")
         self.clock.mark_dirty(self)
 
     def report(self, progress: Progress) -> None:
@@ -109,11 +113,20 @@ class Domain:
     def unregister(self, run: PipelineRun) -> None:
         """A finished pipeline exits: its processes end and its GPUs are free at once."""
         self.ledger.unregister(run.name)
+        self._note("unregister")
         self.progress.pop(run.name, None)
         del self.runs[run.name]
         self.clock.mark_dirty(self)
         if self.on_finish is not None:
             self.on_finish(run)
+
+    def _note(self, reason: str | None) -> None:
+        if self.trace is not None:
+            self.trace.note_roles(self.ledger, self.gpu_ids, self.clock.now, reason)
+
+    def _event(self, run: PipelineRun, at: float, kind: str, rank: int, seconds: float) -> None:
+        if self.trace is not None:
+            self.trace.event(run.name, at, kind, [rank], seconds)
 
     # ------------------------------------------------------------------ planning
     def _ready_at(self, gpus: tuple[int, ...]) -> float:
@@ -128,6 +141,7 @@ class Domain:
                                 now, self.params)
         if not plan.is_empty():
             self.ledger.apply(plan, now)
+            self._note(None)
             touched: dict[str, PipelineRun] = {}
             # Canonical order: the planner's lists may follow set iteration (string hashes
             # differ per process), and the order turns are re-queued in must not.
@@ -140,6 +154,7 @@ class Domain:
                 for g in move.gpus:
                     self.busy_until[g] = free_at
                 self.transition_gpu_s += sleep * len(move.gpus)
+                self._event(run, free_at, "sleep", move.dp_rank, sleep)
                 touched[run.name] = run
             for grant in sorted(plan.grants, key=lambda g: g.request_id):
                 del self.pending[grant.request_id]
@@ -155,6 +170,8 @@ class Domain:
                 for g in move.gpus:
                     self.busy_until[g] = ready
                 self.transition_gpu_s += cost * len(move.gpus)
+                self._event(run, ready - run.transitions.sync_s, "wake", move.dp_rank, run.transitions.wake_s)
+                self._event(run, ready, "sync", move.dp_rank, run.transitions.sync_s)
                 run.on_expand(move.dp_rank, move.gpus, ready)
                 touched[run.name] = run
             for run in touched.values():

@@ -86,6 +86,7 @@ class PipelineRun:
         self.train_gpu_s = 0.0
         self.train_waits: list[float] = []  # request -> training starts (GPUs granted and free)
         self.requested_at = 0.0
+        self.granted_at = 0.0
         self.expands = 0
         self.turns_dispatched = 0
         self.queue_area = 0.0  # integral of queued turns over time (turn-seconds waiting)
@@ -206,6 +207,7 @@ class PipelineRun:
         self.request_id = None
         self.training = True
         self.train_waits.append(start_at - self.requested_at)
+        self.granted_at = start_at
         self.clock.at(start_at + self.train_s, self._train_end)
 
     def _train_end(self) -> None:
@@ -216,6 +218,14 @@ class PipelineRun:
         self.step_ends.append(self.clock.now)
         if self.on_step is not None:
             self.on_step(self.name)
+        trace = self.domain.trace
+        if trace is not None:
+            now, sync = self.clock.now, self.transitions.sync_s
+            trace.step(self.name, self.version, self.started_at, self.requested_at, self.granted_at,
+                       self.train_s, now)
+            active = [r for r, s in self.shards.items() if s.state == ACTIVE]
+            if active and sync > 0 and self.version < self.steps:  # after the last, it ends
+                trace.event(self.name, now + sync, "refit", active, sync, self.version)
         for rank in sorted(self.shards):
             self.shards[rank].pause(self.transitions.sync_s)
         if len(self.step_ends) == self.steps:
@@ -247,4 +257,6 @@ class PipelineRun:
         if shard.state != WAKING:
             return
         shard.activate()
+        if self.domain.trace is not None:
+            self.domain.trace.event(self.name, self.clock.now, "activate", [shard.dp_rank])
         self.dispatch()

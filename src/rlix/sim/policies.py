@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from rlix.errors import ScenarioError
 from rlix.sim.engine import Clock, Domain
 from rlix.sim.pipeline import PipelineRun
+from rlix.sim.trace import SimTrace
 from rlix.sim.scenario import PipelineSetup, Scenario
 from rlix.sim.workload import Workload
 from rlix.scheduler.types import PipelineSpec, Topology
@@ -78,7 +79,7 @@ class _Sim:
     """Collects domains and runs the clock to the end."""
 
     def __init__(self, scenario: Scenario, workloads: dict[str, Workload], policy: str,
-                 on_step=None) -> None:
+                 on_step=None, trace: SimTrace | None = None) -> None:
         self.scenario = scenario
         self.workloads = workloads
         self.policy = policy
@@ -86,9 +87,10 @@ class _Sim:
         self.domains: list[Domain] = []
         self.runs: list[PipelineRun] = []
         self.on_step = on_step
+        self.trace = trace
 
     def domain(self, topology: Topology, gpu_ids: list[int], on_finish=None) -> Domain:
-        d = Domain(self.clock, topology, self.scenario.params, gpu_ids, on_finish)
+        d = Domain(self.clock, topology, self.scenario.params, gpu_ids, on_finish, self.trace)
         self.domains.append(d)
         return d
 
@@ -225,9 +227,10 @@ def run_queue(sim: _Sim) -> None:
 
 
 def simulate(scenario: Scenario, workloads: dict[str, Workload], policy: str,
-             only: str | None = None, on_step=None) -> RunResult:
-    """Run one policy (or `alone` with `only` = a pipeline name) to the end."""
-    sim = _Sim(scenario, workloads, policy, on_step)
+             only: str | None = None, on_step=None, trace: SimTrace | None = None) -> RunResult:
+    """Run one policy (or `alone` with `only` = a pipeline name) to the end; `trace` records
+    it for its timeline."""
+    sim = _Sim(scenario, workloads, policy, on_step, trace)
     if policy == "rlix":
         run_rlix(sim)
     elif policy == "exclusive-partition":

@@ -68,7 +68,8 @@ class GenerationOutput:
     knows exactly which weights sampled each token. `stop_reason` says what ended a "stop"
     finish: the stop string or the stop token id (None for end-of-sequence), as vLLM reports it;
     token_ids keep every sampled token (a matched stop string's tokens included), so a text
-    front end truncates the decoded text at that string.
+    front end truncates the decoded text at that string. `first_token_at` times the first token
+    (the server's time-to-first-token metric).
 
     With `n` > 1 one request yields the outputs of its `n` samples, each cumulative, told apart
     by `index`; `request_id` is then the sample's own (`<id>-<index>`), and `abort` takes either.
@@ -83,6 +84,8 @@ class GenerationOutput:
     finish_reason: FinishReason | None = None
     weight_versions: list[tuple[int, int]] = field(default_factory=list)
     stop_reason: int | str | None = None
+    #: when its first token was sampled (time.monotonic() of the engine's process), None before
+    first_token_at: float | None = None
     index: int = 0
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None

@@ -163,6 +163,13 @@ class TorchEngine:
     def num_waiting(self) -> int:
         return len(self._core.waiting) + self._pending_adds
 
+    def kv_cache_usage(self) -> float:
+        """Of the KV cache's room (a row of max_model_len positions per sequence slot), the
+        fraction the running sequences fill now: vLLM's kv_cache_usage_perc for a slot cache."""
+        rows = self._core.max_num_seqs * self.max_model_len
+        used = sum(max(0, s.cached_len) for s in list(self._core.running))
+        return min(1.0, used / rows) if rows else 0.0
+
     # -- the worker ----------------------------------------------------------------------
     def _submit(self, fn: Callable[[], Any], fut: asyncio.Future[Any] | None = None,
                 answer_first: bool = False) -> None:
@@ -495,7 +502,7 @@ def _copy(out: GenerationOutput) -> GenerationOutput:
     """A snapshot of a cumulative output (the caller may keep it while more tokens come)."""
     return GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
                             list(out.logprobs), out.finish_reason, list(out.weight_versions),
-                            out.stop_reason, out.index, list(out.top_logprobs),
+                            out.stop_reason, out.first_token_at, out.index, list(out.top_logprobs),
                             out.prompt_logprobs, out.prompt_top_logprobs)
 
 
@@ -503,6 +510,8 @@ def _merge(out: GenerationOutput, delta: Delta) -> BaseException | None:
     out.token_ids.extend(delta.token_ids)
     out.logprobs.extend(delta.logprobs)
     out.weight_versions.extend(delta.weight_versions)
+    if out.first_token_at is None:
+        out.first_token_at = delta.first_token_at
     if delta.top_logprobs:
         out.top_logprobs.extend(delta.top_logprobs)
     if delta.prompt_logprobs is not None:
@@ -525,6 +534,8 @@ def _fold(into: Delta | None, delta: Delta) -> Delta:
         into.prompt_logprobs, into.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
     into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
     into.error = delta.error
+    if into.first_token_at is None:
+        into.first_token_at = delta.first_token_at
     return into
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: BaseException | None = None
+    first_token_at: float | None = None  # set on the delta that carries the first token
     index: int = 0  # the sample's index within its request (n > 1)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None  # in the first delta, when asked for
@@ -96,6 +98,8 @@ class Sequence:
                detokenizer: Detokenizer | None, top: TopLogprobs | None = None) -> None:
         """Record one sampled token (under weight `version`) and decide whether the request ends."""
         index = len(self.output_ids)
+        if index == 0:
+            self.pending.first_token_at = time.monotonic()
         if not self.weight_versions or self.weight_versions[-1][1] != version:
             self.weight_versions.append((index, version))
             self.pending.weight_versions.append((index, version))

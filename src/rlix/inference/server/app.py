@@ -21,8 +21,7 @@ from fastapi import FastAPI, Query, Request
 from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
                          WeightUpdateError)
@@ -38,33 +37,13 @@ from rlix.inference.server.control_schema import parse_body
 from rlix.inference.server.paths import (CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES,
                                         RESPONSES)
 from rlix.inference.server.generation_log import GenerationLog
+from rlix.inference.server.metrics import EngineMetrics
 from rlix.inference.server.serving import OpenAIServing
 from rlix.models.presets import resolve_model
 from rlix.threads import favour_control_latency
 
 log = logging.getLogger("rlix.server")
 
-
-
-class _EngineGauges:
-    """Scrape-time gauges under vLLM's names, so tools that watch vLLM watch us too."""
-
-    def __init__(self, engine: EngineAPI, model_name: str) -> None:
-        self.engine, self.labels = engine, ["0", model_name]
-
-    def collect(self):  # noqa: ANN201 - prometheus_client collector protocol
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             self.engine.num_running()),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             self.engine.num_waiting()),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["engine", "model_name"])
-            g.add_metric(self.labels, float(value))
-            yield g
-        g = GaugeMetricFamily("rlix:weight_version", "Weight version being served.", labels=["engine", "model_name"])
-        g.add_metric(self.labels, float(self.engine.weight_version))
-        yield g
 
 
 def _err(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
@@ -183,10 +162,9 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
                max_body: int = MAX_BODY_BYTES, generation_log: GenerationLog | None = None) -> FastAPI:
     """The app for one engine. `close_engine` closes it when the app shuts down; a request body
     over `max_body` bytes gets 413; `generation_log` records every token-level generate."""
-    serving = OpenAIServing(engine, tokenizer, model_name, model_root, generation_log)
+    metrics = EngineMetrics(engine, model_name)  # GET /metrics, vLLM's names
+    serving = OpenAIServing(engine, tokenizer, model_name, model_root, generation_log, metrics)
     control = ControlPlane(engine)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineGauges(engine, model_name))
     expected = f"Bearer {api_key}".encode()
 
     @asynccontextmanager
@@ -271,8 +249,8 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         return JSONResponse(await serving.generate(job))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_page() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------ control plane
     @app.post("/pause")

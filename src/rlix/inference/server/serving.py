@@ -25,6 +25,7 @@ from rlix.inference.server import openai_schema as S
 from rlix.inference.engine.api import (MAX_TOP_LOGPROBS, EngineAPI, GenerationOutput, SamplingParams,
                                       TopLogprobs)
 from rlix.inference.server.generation_log import GenerationLog
+from rlix.inference.server.metrics import EngineMetrics
 from rlix.inference.server.tool_calls import ToolCall, check_tools, parse_tool_calls, template_messages
 
 
@@ -81,6 +82,7 @@ class Job:
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
     created: int = field(default_factory=lambda: int(time.time()))
+    started: float = 0.0  # time.monotonic() when the engine took it (metrics)
 
     @property
     def n(self) -> int:
@@ -112,9 +114,10 @@ class OpenAIServing:
     """Validates requests, runs them on the engine and shapes vLLM-compatible answers."""
 
     def __init__(self, engine: EngineAPI, tokenizer: Any, model_name: str, model_root: str = "",
-                 generation_log: GenerationLog | None = None) -> None:
+                 generation_log: GenerationLog | None = None, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.generation_log = generation_log
+        self.metrics = metrics  # tokens, time to first token, latency of every request
         self.tok = tokenizer
         self.model_name = model_name
         self.model_root = model_root or model_name
@@ -278,23 +281,29 @@ class OpenAIServing:
         """Hand the request to the engine, which validates it now (before a stream's 200)."""
         # nothing to send or check before the end: the engine wakes this loop once, not per step
         final_only = not job.stream and not job.params.stop
+        job.started = time.monotonic()
         return self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
 
     async def run(self, job: Job, texts: list[TextStream | None],
                   agen: AsyncIterator[GenerationOutput] | None = None) -> AsyncIterator[Step]:
         """Engine outputs -> Steps (one per output that added something to a choice); a stop
         string ends its choice (the engine is told to abort that sample). `agen`: the request
-        as `start` handed it over (else it is started here)."""
+        as `start` handed it over (else it is started here). Metrics: the prompt counts once
+        (its samples share one prefill), each sample is a request of its own when it ends."""
         if agen is None:
             agen = self.start(job)
-        seen = [0] * job.n
-        closed: set[int] = set()  # choices whose finish went out
-        done = False
+        n = job.n
+        seen = [0] * n
+        finishes: list[str | None] = [None] * n  # choices whose finish went out
+        first_at: list[float | None] = [None] * n
+        closed = 0
+        prompt_counted = False
         try:
             async for out in agen:
                 i = out.index
-                if i in closed:
+                if finishes[i] is not None:
                     continue  # a sample still running after its stop string: being aborted
+                first_at[i] = out.first_token_at
                 text = texts[i]
                 finish, stop_reason = out.finish_reason, None
                 delta = ""
@@ -310,16 +319,26 @@ class OpenAIServing:
                 k = seen[i]
                 new_ids, new_lps = out.token_ids[k:], out.logprobs[k:]
                 new_top = out.top_logprobs[k:] if out.top_logprobs else []
+                if self.metrics is not None and new_ids:  # the prompt counts once prefilled
+                    self.metrics.tokens(0 if prompt_counted else len(job.prompt_ids), len(new_ids))
+                    prompt_counted = True
                 seen[i] = len(out.token_ids)
                 if finish is not None:
-                    closed.add(i)
+                    finishes[i] = finish
+                    closed += 1
                 if new_ids or finish is not None:
                     yield Step(out, new_ids, new_lps, delta, finish, stop_reason, i, new_top)
-                if len(closed) == job.n:
-                    done = True
+                if closed == n:
                     return
         finally:
-            if not done:
+            if self.metrics is not None:
+                now = time.monotonic()
+                for i in range(n):
+                    self.metrics.request_done(prompt_tokens=len(job.prompt_ids), generation_tokens=seen[i],
+                                              finish_reason=finishes[i],
+                                              ttft_s=None if first_at[i] is None else first_at[i] - job.started,
+                                              e2e_s=now - job.started)
+            if closed < n:
                 self._abort_later(job.rid)
             aclose = getattr(agen, "aclose", None)
             if aclose is not None:
