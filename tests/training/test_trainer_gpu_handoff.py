@@ -4,6 +4,8 @@ is free again."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -20,6 +22,10 @@ def batch() -> list[TrainSample]:
 
 
 def test_reload_waits_for_measured_free_memory_and_names_the_gpu(tiny_model_dir):
+    # what this process holds already (an earlier GPU test in the same pytest run; it may be
+    # freed meanwhile, so the trainer's offload must leave at most this): not the trainer's
+    gc.collect()
+    baseline = torch.cuda.memory_allocated()
     trainer = PolicyTrainer(tiny_model_dir, device="cuda", offloaded=True, lr=0.01)
     assert not trainer.on_device
     free, _ = torch.cuda.mem_get_info()
@@ -34,7 +40,7 @@ def test_reload_waits_for_measured_free_memory_and_names_the_gpu(tiny_model_dir)
     before = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     report = trainer.offload()
     assert report.reserved <= RELEASE_SLACK_BYTES and report.device_free is not None
-    assert report.allocated == 0, report  # no tensor of the trainer is left on the GPU
+    assert report.allocated <= baseline, report  # no tensor of the trainer is left on the GPU
     assert all(p.device.type == "cpu" and p.is_pinned() for p in trainer.model.parameters())
     trainer.reload(timeout_s=5, gpu="0")
     after = {n: p.detach().cpu() for n, p in trainer.model.named_parameters()}
