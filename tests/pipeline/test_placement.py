@@ -24,7 +24,7 @@ from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
 from rlix.inference.router.router import Router
 from rlix.placement import GpuReservation
-from rlix.scheduler.service import AsyncScheduler
+from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.types import PipelineSpec, Progress, Topology
 
 KEY = "placement-test"

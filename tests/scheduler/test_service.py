@@ -14,8 +14,8 @@ import ray
 
 from rlix.errors import SchedulerError, UnknownPipelineError
 from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.service import (
-    AsyncScheduler,
     get_scheduler,
     start_scheduler,
     topology_from_ray,
