@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import sys
+import time
 from typing import NoReturn
 
 from rlix import __version__, env
@@ -72,12 +73,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import ray  # deferred: see _cmd_run
 
-    from rlix.cluster.commands import jobs_table, reachable, read_state  # deferred: see _cmd_run
-    from rlix.scheduler.core import gpu_roles  # deferred: see _cmd_run
-    from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
+    from rlix.cluster.commands import reachable, read_state  # deferred: see _cmd_run
 
     state = read_state()
     address = args.address or env.ray_address() or (state["address"] if state else "auto")
+    if args.interval <= 0:
+        raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
     reachable(address)
     try:
         ray.init(address=address, namespace="rlix", logging_level="ERROR", log_to_driver=False)
@@ -85,26 +86,67 @@ def _cmd_status(args: argparse.Namespace) -> int:
         raise SchedulerError("no Ray cluster is running here (start one with `rlix up`, or give "
                              "--address host:port / RAY_ADDRESS)") from None
     try:
-        snap = ray.get(get_scheduler().snapshot.remote())
-        try:
-            from rlix.cluster.registry import get_registry  # deferred: see _cmd_run
-
-            rows = ray.get(get_registry().jobs.remote())
-        except ConfigError:  # a cluster of `rlix run`: no job registry
-            rows = None
+        return _show_status(args, address)
     finally:
         ray.shutdown()
+
+
+def _fetch_status(address: str):  # type: ignore[no-untyped-def]
+    """The scheduler's snapshot and, on a shared cluster, its jobs (None on a cluster of `rlix run`)."""
+    import ray  # deferred: see _cmd_run
+
+    from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
+
+    snap = ray.get(get_scheduler().snapshot.remote(), timeout=30)
+    try:
+        from rlix.cluster.registry import get_registry  # deferred: see _cmd_run
+
+        rows = ray.get(get_registry().jobs.remote(), timeout=30)
+    except ConfigError:  # a cluster of `rlix run`: no job registry
+        rows = None
+    return snap, rows
+
+
+def _show_status(args: argparse.Namespace, address: str) -> int:
+    """Once (--once, or not a terminal), or a table refreshed every --interval seconds until
+    Ctrl-C (--watch, the default on a terminal; off a terminal each refresh is printed in turn)."""
+    from rich.console import Console  # deferred: see _cmd_run
+    from rich.live import Live  # deferred: see _cmd_run
+
+    from rlix.cluster.commands import jobs_table  # deferred: see _cmd_run
+    from rlix.cluster.status_view import build_view, render  # deferred: see _cmd_run
+
+    def frame():  # type: ignore[no-untyped-def]
+        snap, rows = _fetch_status(address)
+        return snap, rows, render(build_view(snap, address), jobs_table(rows) if rows else None)
+
     if args.json:
+        snap, rows = _fetch_status(address)
         print(json.dumps({"scheduler": snap, "jobs": rows}, indent=2, default=str))
         return 0
-    roles = gpu_roles(snap)
-    gpus = sum(snap["ledger"]["nodes"]) if "ledger" in snap else len(roles)
-    print(f"rlix cluster at {address}: {gpus} GPU(s), {len(snap.get('pipelines', {}))} pipeline(s) registered")
-    for gpu in range(gpus):
-        print(f"  gpu {gpu}: {roles.get(gpu, 'idle')}")
-    if rows is not None:
-        for line in jobs_table(rows):
-            print(line)
+    console = Console()
+    watch = args.watch or (not args.once and console.is_terminal)
+    if not watch:
+        console.print(frame()[2])
+        return 0
+    frames = 0
+    try:
+        if console.is_terminal:
+            with Live(frame()[2], console=console, refresh_per_second=4) as live:
+                frames = 1
+                while args.count is None or frames < args.count:
+                    time.sleep(args.interval)
+                    live.update(frame()[2])
+                    frames += 1
+        else:
+            while args.count is None or frames < args.count:
+                if frames:
+                    time.sleep(args.interval)
+                console.print(f"--- rlix status at {time.strftime('%H:%M:%S')}")
+                console.print(frame()[2])
+                frames += 1
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -238,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default=None,
                         help="Ray address (default: RAY_ADDRESS, else the `rlix up` cluster, else auto)")
     status.add_argument("--json", action="store_true", help="the scheduler's whole snapshot and the jobs, as JSON")
+    mode = status.add_mutually_exclusive_group()
+    mode.add_argument("--watch", action="store_true",
+                      help="refresh the table until Ctrl-C (the default on a terminal)")
+    mode.add_argument("--once", action="store_true", help="print the table once (the default off a terminal)")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    status.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
     status.set_defaults(func=_cmd_status)
 
     up = sub.add_parser("up", help="start a shared cluster: Ray, the scheduler and the job registry, left running")
