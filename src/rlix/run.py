@@ -33,26 +33,8 @@ from rlix.placement import GpuReservation
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.supervise import Supervisor
+from rlix.run_log import RunLog
 from rlix.timeline import account_lines, run_fields, write_timeline
-
-
-class RunLog:
-    """Prints to the console and appends to run.log."""
-
-    def __init__(self, path: Path, out: TextIO = sys.stdout) -> None:
-        self.fh = path.open("a")
-        self.out = out
-        self.t0 = time.time()
-
-    def __call__(self, line: str) -> None:
-        stamped = f"[{time.time() - self.t0:7.1f}s] {line}"
-        print(stamped, file=self.out, flush=True)
-        self.fh.write(stamped + "\n")
-        self.fh.flush()
-
-    def close(self) -> None:
-        self.fh.close()
-
 
 
 def prepare_run_dir(cfg: RlixConfig, config_path: str) -> Path:
@@ -169,7 +151,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
     try:
         supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=env.api_key() or
                                 secrets.token_urlsafe(24), devices=devices, scheduler=scheduler, say=say,
-                                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                                on_step=say.step, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                 setup_timeout_s=cfg.setup_timeout_s,
                                 all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
                                 role_log_from=role_log_from, experiment_log=cfg.logging)

@@ -67,13 +67,16 @@ class PipelineSlot:
 
 
 class Supervisor:
-    """See module doc. `say` prints a line to the run's log."""
+    """See module doc. `say` prints a line to the run's log; `on_step(pipeline, step, steps,
+    reward)` is told of each finished step (the run's progress bars)."""
 
     def __init__(self, pipelines: list[PipelineConfig], *, mode: str, run_dir: Path, api_key: str,
                  devices: DevicePlan, scheduler: Any, say: Callable[[str], None],
                  heartbeat_timeout_s: float, setup_timeout_s: float, all_gpus: list[int],
                  resume: bool = False, vllm_python: str | None = None, role_log_from: int = 0,
-                 experiment_log: LoggingConfig | None = None) -> None:
+                 experiment_log: LoggingConfig | None = None,
+                 on_step: Callable[[str, int, int, float | None], None] | None = None) -> None:
+        self.on_step = on_step
         self.slots = {p.name: PipelineSlot(p) for p in pipelines}
         self.experiment_log = experiment_log  # the run's `logging:`, for every pipeline
         self.vllm_python = vllm_python
@@ -244,6 +247,8 @@ class Supervisor:
             share = self.gpu_seconds.get(slot.name, 0.0)
             self.say(f"{slot.name}: step {prog['step']}/{prog['steps']} reward {prog['reward']:.3f} "
                      f"active shards {prog['active_shards']} gpu-s {share:.0f}")
+            if self.on_step is not None:
+                self.on_step(slot.name, prog["step"], prog["steps"], prog["reward"])
         if prog.get("shard_deaths", 0) > slot.seen_deaths:
             slot.seen_deaths = prog["shard_deaths"]
             replaced = prog.get("shard_replacements") or []

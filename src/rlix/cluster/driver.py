@@ -24,7 +24,8 @@ import ray
 from rlix.cluster.registry import get_registry
 from rlix.config import load_config
 from rlix.errors import one_line
-from rlix.run import RunLog, device_plan, follow, prepare_run_dir
+from rlix.run import device_plan, follow, prepare_run_dir
+from rlix.run_log import RunLog
 
 #: how often the driver looks for a cancel of its job
 CANCEL_POLL_S = 0.5

@@ -1,0 +1,33 @@
+"""RunLog: lines go to the console and run.log alike; on a terminal each pipeline gets a bar."""
+
+from __future__ import annotations
+
+import io
+
+from rlix.run_log import RunLog
+
+
+def test_off_a_terminal_only_stamped_lines(tmp_path):
+    out = io.StringIO()
+    say = RunLog(tmp_path / "run.log", out)
+    say("a: ready")
+    say.step("a", 1, 4, 0.25)
+    say.close()
+    printed = out.getvalue().splitlines()
+    assert len(printed) == 1 and printed[0].endswith("] a: ready")
+    assert (tmp_path / "run.log").read_text().splitlines() == printed
+
+
+def test_on_a_terminal_bars_show_each_pipelines_steps(tmp_path):
+    out = io.StringIO()
+    say = RunLog(tmp_path / "run.log", out, force_terminal=True)
+    say("a: ready")
+    say.step("a", 1, 4, 0.25)
+    say.step("b", 2, 8, None)
+    say.step("a", 3, 4, 0.5)
+    say.close()
+    screen = out.getvalue()
+    assert "a: ready" in screen
+    assert "3/4" in screen and "reward 0.500" in screen and "2/8" in screen
+    # the file gets the lines only, never the bars
+    assert [line.split("] ", 1)[1] for line in (tmp_path / "run.log").read_text().splitlines()] == ["a: ready"]
