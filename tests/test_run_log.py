@@ -25,9 +25,10 @@ def test_on_a_terminal_bars_show_each_pipelines_steps(tmp_path):
     say.step("a", 1, 4, 0.25)
     say.step("b", 2, 8, None)
     say.step("a", 3, 4, 0.5)
+    say.step("a", 4, 4, None)  # finished: the last reward stays
     say.close()
     screen = out.getvalue()
     assert "a: ready" in screen
-    assert "3/4" in screen and "reward 0.500" in screen and "2/8" in screen
+    assert "4/4 reward 0.500" in screen and "2/8" in screen
     # the file gets the lines only, never the bars
     assert [line.split("] ", 1)[1] for line in (tmp_path / "run.log").read_text().splitlines()] == ["a: ready"]

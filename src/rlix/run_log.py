@@ -48,15 +48,16 @@ class RunLog:
         self.fh.flush()
 
     def step(self, pipeline: str, step: int, steps: int, reward: float | None) -> None:
-        """A pipeline finished `step` of `steps` (a no-op off a terminal: the lines say it)."""
+        """A pipeline finished `step` of `steps` (a no-op off a terminal: the lines say it); a
+        reward of None keeps the last one shown."""
         if self.bars is None:
             return
         if not self._tasks:
             self.bars.start()
         if pipeline not in self._tasks:
             self._tasks[pipeline] = self.bars.add_task(pipeline, total=steps, info="")
-        info = "" if reward is None else f"reward {reward:.3f}"
-        self.bars.update(self._tasks[pipeline], completed=step, total=steps, info=info)
+        fields = {} if reward is None else {"info": f"reward {reward:.3f}"}  # None keeps the last
+        self.bars.update(self._tasks[pipeline], completed=step, total=steps, **fields)
 
     def close(self) -> None:
         if self.bars is not None and self._tasks:

@@ -192,6 +192,9 @@ class Supervisor:
                 continue
             slot.state = "done"
             self.say(f"{slot.name}: finished {slot.summary.get('steps')} step(s)")
+            steps = slot.summary.get("steps")
+            if self.on_step is not None and isinstance(steps, int):
+                self.on_step(slot.name, steps, max(steps, slot.cfg.steps), None)
             self._end(slot)
 
     def _poll_scheduler(self) -> None:
