@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 from rlix.run_log import RunLog
 
@@ -27,7 +28,7 @@ def test_on_a_terminal_bars_show_each_pipelines_steps(tmp_path):
     say.step("a", 3, 4, 0.5)
     say.step("a", 4, 4, None)  # finished: the last reward stays
     say.close()
-    screen = out.getvalue()
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # colours and cursor moves off
     assert "a: ready" in screen
     assert "4/4 reward 0.500" in screen and "2/8" in screen
     # the file gets the lines only, never the bars
