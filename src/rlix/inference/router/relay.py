@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,10 +279,11 @@ class Relay:
             return await self._unary_n(path, body, session, n)
         return await self._unary(Progress(path, body, bool(body.get("return_token_ids"))), session, set())
 
-    async def _unary(self, prog: Progress, session: str | None, exclude: set[int]
-                     ) -> tuple[int, dict | bytes]:
-        path = prog.path
-        raw_ok = path == GENERATE or prog.wants_ids  # nothing to blank in the common case
+    async def _send(self, prog: Progress, session: str | None, exclude: set[int],
+                    answer: Callable[[Shard, str, bytes], Any]) -> tuple[int, Any]:
+        """Send prog's request to shards until one answers for good: (status, error body) for a
+        refusal, else (200, `answer(shard, upstream path, raw body)`). An unreachable or preempted
+        shard, or `answer` raising ShardPreemptedError, sends it again elsewhere."""
         while True:
             shard = await self._acquire(session, exclude, prog)
             up_path, up_body = prog.upstream()
@@ -298,26 +299,36 @@ class Relay:
                         raise ShardPreemptedError(f"shard {shard.rank} answered {status}")
                     done = True
                     return status, _json_or_error(raw, status)
-                if raw_ok and prog.fresh and b'"abort"' not in raw:
-                    done = True
-                    return 200, raw  # the hot path: no parse, no re-serialisation
-                data = json.loads(raw)
-                choice = data["choices"][0]
-                prog.see_prompt(data, choice)
-                if self._cut(shard, 200, choice.get("finish_reason")):
-                    prog.add(up_path, choice)
-                    raise ShardPreemptedError(f"shard {shard.rank} preempted mid-request")
+                result = answer(shard, up_path, raw)
                 done = True
-                if prog.fresh:  # the common case: one attempt
-                    if not prog.wants_ids:
-                        _blank_ids(data, choice, path)
-                    return 200, data
-                prog.add(up_path, choice)
-                return 200, self._merged(prog, data, choice)
+                return 200, result
             except ShardPreemptedError:
                 self._redispatch(shard, exclude)
             finally:
                 self.table.release(shard, done)
+
+    async def _unary(self, prog: Progress, session: str | None, exclude: set[int]
+                     ) -> tuple[int, dict | bytes]:
+        path = prog.path
+        raw_ok = path == GENERATE or prog.wants_ids  # nothing to blank in the common case
+
+        def answer(shard: Shard, up_path: str, raw: bytes) -> dict | bytes:
+            if raw_ok and prog.fresh and b'"abort"' not in raw:
+                return raw  # the hot path: no parse, no re-serialisation
+            data = json.loads(raw)
+            choice = data["choices"][0]
+            prog.see_prompt(data, choice)
+            if self._cut(shard, 200, choice.get("finish_reason")):
+                prog.add(up_path, choice)
+                raise ShardPreemptedError(f"shard {shard.rank} preempted mid-request")
+            if prog.fresh:  # the common case: one attempt
+                if not prog.wants_ids:
+                    _blank_ids(data, choice, path)
+                return data
+            prog.add(up_path, choice)
+            return self._merged(prog, data, choice)
+
+        return await self._send(prog, session, exclude, answer)
 
     def _merged_choice(self, prog: Progress, choice: dict) -> dict:
         """One choice of all attempts joined; `choice` is the last attempt's."""
@@ -356,35 +367,22 @@ class Relay:
         wants_ids = bool(body.get("return_token_ids"))
         first = Progress(path, body, wants_ids)
         exclude: set[int] = set()
-        while True:
-            shard = await self._acquire(session, exclude, first)
-            up_path, up_body = first.upstream()
-            done = False
-            try:
-                try:
-                    status, raw = await self.pool.post_json(shard.url, up_path, up_body, self.headers)
-                except UpstreamError as exc:
-                    self._unreachable(shard, exc, first)
-                    raise ShardPreemptedError(f"shard {shard.rank}: {exc}") from None
-                if status != 200:
-                    if self._cut(shard, status):
-                        raise ShardPreemptedError(f"shard {shard.rank} answered {status}")
-                    done = True
-                    return status, _json_or_error(raw, status)
-                data = json.loads(raw)
-                cut = {c["index"] for c in data["choices"] if self._cut(shard, 200, c.get("finish_reason"))}
-                done = True
-                break
-            except ShardPreemptedError:
-                self._redispatch(shard, exclude)
-            finally:
-                self.table.release(shard, done)
+
+        def answer(shard: Shard, up_path: str, raw: bytes) -> tuple[dict, set[int], int]:
+            data = json.loads(raw)
+            cut = {c["index"] for c in data["choices"] if self._cut(shard, 200, c.get("finish_reason"))}
+            return data, cut, shard.rank
+
+        status, got = await self._send(first, session, exclude, answer)
+        if status != 200:
+            return status, got
+        data, cut, rank = got
         choices = data["choices"]
         pids = body.get("token_ids") if path == GENERATE else (
             data.get("prompt_token_ids") or choices[0].get("prompt_token_ids"))
         n_out = sum(len(c.get("token_ids") or []) for c in choices if c["index"] not in cut)
         if cut:
-            exclude.add(shard.rank)
+            exclude.add(rank)
             self.redispatched += len(cut)  # each cut sample is re-dispatched on its own
             lanes = []
             for c in choices:
