@@ -18,6 +18,7 @@ from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Progress, Stage, Topology
 
+from rlix.sim.account import HoldAccount
 from rlix.sim.pipeline import PipelineRun
 from rlix.sim.trace import SimTrace
 
@@ -86,6 +87,7 @@ class Domain:
         self.plan_calls = 0
         self.transition_gpu_s = 0.0  # sleep + wake + sync GPU-seconds
         self.trace = trace  # records the run for its timeline (rlix sim --out)
+        self.account = HoldAccount()  # GPU-seconds held per pipeline and role
 
     # ------------------------------------------------------------------ pipelines' calls
     def add(self, run: PipelineRun) -> None:
@@ -102,7 +104,9 @@ class Domain:
         return rid
 
     def release(self, run: PipelineRun, stage: Stage) -> None:
+        self.account.advance(self.clock.now)
         self.ledger.release(run.name, stage)
+        self._changed()
         self._note("release")
         self.clock.mark_dirty(self)
 
@@ -112,13 +116,21 @@ class Domain:
 
     def unregister(self, run: PipelineRun) -> None:
         """A finished pipeline exits: its processes end and its GPUs are free at once."""
+        self.account.advance(self.clock.now)
         self.ledger.unregister(run.name)
+        del self.runs[run.name]
+        self._changed()
         self._note("unregister")
         self.progress.pop(run.name, None)
-        del self.runs[run.name]
         self.clock.mark_dirty(self)
         if self.on_finish is not None:
             self.on_finish(run)
+
+    def _changed(self) -> None:
+        """After a ledger change: recount the holdings, and who now waits without a shard."""
+        self.account.recount(self.ledger)
+        for run in self.runs.values():
+            run.track_shardless()
 
     def _note(self, reason: str | None) -> None:
         if self.trace is not None:
@@ -140,7 +152,9 @@ class Domain:
         plan = planner_mod.plan(self.ledger, list(self.pending.values()), dict(self.progress),
                                 now, self.params)
         if not plan.is_empty():
+            self.account.advance(now)
             self.ledger.apply(plan, now)
+            self._changed()
             self._note(None)
             touched: dict[str, PipelineRun] = {}
             # Canonical order: the planner's lists may follow set iteration (string hashes

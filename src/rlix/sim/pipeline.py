@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from rlix.sim.account import ShardlessClock
 from rlix.sim.shard import ACTIVE, WAKING, Shard
 from rlix.sim.workload import TrajectorySpec, Workload
 from rlix.scheduler.types import PipelineSpec, Progress, Stage
@@ -91,6 +92,7 @@ class PipelineRun:
         self.turns_dispatched = 0
         self.queue_area = 0.0  # integral of queued turns over time (turn-seconds waiting)
         self._q_last = clock.now
+        self.shardless = ShardlessClock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -100,11 +102,18 @@ class PipelineRun:
 
     def _finish(self) -> None:
         self.finished_at = self.clock.now
+        self.shardless.close(self.clock.now)
         for rank in sorted(self.shards):
             shard = self.shards.pop(rank)
             shard.abort_all()
             self.retired.append(shard)
         self.domain.unregister(self)
+
+    def track_shardless(self) -> None:
+        """Call whenever its pending work or the ledger's shards of it may have changed."""
+        waiting = self.remaining > 0 and self.finished_at is None \
+            and not self.domain.ledger.shards_of(self.name)
+        self.shardless.update(self.clock.now, waiting)
 
     def all_shards(self) -> list[Shard]:
         return self.retired + list(self.shards.values())
@@ -120,6 +129,7 @@ class PipelineRun:
                 self._enqueue(traj)
             self.remaining += len(batch)
             self.released += 1
+        self.track_shardless()
         self.dispatch()
 
     def _queue_touch(self) -> None:
@@ -166,6 +176,8 @@ class PipelineRun:
         self.finish_events += 1
         self.batch_left[traj.batch] -= 1
         self.remaining -= 1
+        if self.remaining == 0:
+            self.track_shardless()
         self._report()
         if self.batch_left[traj.batch] == 0:
             self._maybe_train()

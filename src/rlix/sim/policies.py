@@ -15,64 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass, field
 
 from rlix.errors import ScenarioError
 from rlix.sim.engine import Clock, Domain
 from rlix.sim.pipeline import PipelineRun
+from rlix.sim.results import NotApplicable, PipelineResult, RunResult
 from rlix.sim.trace import SimTrace
 from rlix.sim.scenario import PipelineSetup, Scenario
-from rlix.sim.workload import Workload
+from rlix.sim.workload import Workload, gpu_work
 from rlix.scheduler.types import PipelineSpec, Topology
 
 POLICIES = ("exclusive-queue", "exclusive-partition", "rlix")
-
-
-@dataclass
-class PipelineResult:
-    name: str
-    priority: int
-    started_at: float
-    finished_at: float
-    step_ends: list[float]
-    trajectories: int
-    tokens: float
-    prefill_tokens: float
-    preempted_turns: int
-    aborted_turns: int
-    kept_tokens: float
-    train_gpu_s: float
-    shard_busy_gpu_s: float
-    decode_s: float
-    seq_s: float
-    whole_cluster: bool  # ran on a domain equal to the whole cluster, alone
-    traj_finish_times: list  # per released trajectory, None if it never finished
-    train_waits: list
-    expands: int
-    turns: int
-    queue_turn_s: float
-
-    @property
-    def makespan(self) -> float:
-        return self.finished_at
-
-    @property
-    def duration(self) -> float:
-        return self.finished_at - self.started_at
-
-
-@dataclass
-class RunResult:
-    policy: str
-    gpus: int
-    pipelines: dict[str, PipelineResult] = field(default_factory=dict)
-    plan_calls: int = 0
-    transition_gpu_s: float = 0.0
-    events: int = 0
-
-    @property
-    def makespan(self) -> float:
-        return max(p.finished_at for p in self.pipelines.values())
 
 
 class _Sim:
@@ -126,7 +79,11 @@ class _Sim:
                                ("alone", "exclusive-queue")),
                 traj_finish_times=[t.finished_at for batch in r.trajs for t in batch],
                 train_waits=list(r.train_waits), expands=r.expands, turns=r.turns_dispatched,
-                queue_turn_s=r.queue_area)
+                queue_turn_s=r.queue_area,
+                gpu_seconds=dict(sorted(r.domain.account.gpu_s.get(r.name, {}).items())),
+                demand_gpu_s=gpu_work(r.setup, r.workload).total,
+                longest_shardless_wait_s=r.shardless.longest, shardless_s=r.shardless.total)
+        out.fill_shares()
         return out
 
 
@@ -186,12 +143,27 @@ def run_rlix(sim: _Sim) -> None:
         sim.launch(domain, setup, setup.spec)
 
 
-def run_partition(sim: _Sim) -> None:
-    scenario = sim.scenario
+def applicable(scenario: Scenario, policy: str) -> NotApplicable | None:
+    """Why `policy` cannot run `scenario` at all, or None. Checked before any simulation so
+    one inapplicable policy does not abort the others."""
+    if policy == "exclusive-partition":
+        total, count = scenario.gpus, len(scenario.pipelines)
+        if count > total:
+            return NotApplicable(policy, f"{count} pipelines cannot each get one of the {total} GPUs")
+        try:
+            partition(scenario)
+        except ScenarioError as exc:
+            return NotApplicable(policy, str(exc).removeprefix(f"{scenario.source}: "))
+    return None
+
+
+def partition(scenario: Scenario) -> list[tuple[PipelineSetup, list[int], Topology, PipelineSpec]]:
+    """Equal contiguous slices, one per pipeline, each spec clipped to its slice."""
     total, count = scenario.gpus, len(scenario.pipelines)
     if count > total:
         raise ScenarioError(f"{scenario.source}: pipelines: {count} pipelines cannot each get a GPU "
                             f"of the {total} under exclusive-partition")
+    out = []
     offset = 0
     for setup in scenario.pipelines:
         size = total // count + (1 if setup.index < total % count else 0)
@@ -199,6 +171,12 @@ def run_partition(sim: _Sim) -> None:
         offset += size
         topo = sub_topology(scenario.topology, ids)
         spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+        out.append((setup, ids, topo, spec))
+    return out
+
+
+def run_partition(sim: _Sim) -> None:
+    for setup, ids, topo, spec in partition(sim.scenario):
         sim.launch(sim.domain(topo, ids), setup, spec)
 
 
