@@ -10,14 +10,12 @@ a pipeline that is down (not arrived, crashed, finished) is not waiting for a sh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rlix.scheduler.state import Ledger
-from rlix.scheduler.types import Role
+from rlix.scheduler.types import Role, Stage
 
 ROLLOUT = "rollout"
-
-
-def role_name(role: Role, stage) -> str:
-    return ROLLOUT if role is Role.GENERATE else stage.name.lower()
 
 
 class HoldAccount:
@@ -38,12 +36,18 @@ class HoldAccount:
                     acc[role] = acc.get(role, 0.0) + n * dt
         self.t_last = max(self.t_last, now)
 
-    def recount(self, ledger: Ledger) -> None:
-        """Re-read the holdings; call after every ledger change."""
+    def recount(self, ledger: Ledger, stage_label: Callable[[str], str]) -> None:
+        """Re-read the holdings; call after every ledger change. `stage_label(pipeline)` names
+        an extra stage it holds (its scenario name: "reference", "logprob"...)."""
         counts: dict[str, dict[str, int]] = {}
         for h in ledger.holdings.values():
             roles = counts.setdefault(h.pipeline, {})
-            role = role_name(h.role, h.stage)
+            if h.role is Role.GENERATE:
+                role = ROLLOUT
+            elif h.stage is Stage.LOGPROB:
+                role = stage_label(h.pipeline)
+            else:
+                role = h.stage.name.lower()
             roles[role] = roles.get(role, 0) + len(h.gpus)
         self.counts = counts
 

@@ -48,6 +48,10 @@ class _Sim:
         return d
 
     def launch(self, domain: Domain, setup: PipelineSetup, spec: PipelineSpec) -> None:
+        """Start a pipeline now, or at its arrival if that is later."""
+        if setup.arrive_s > self.clock.now:
+            self.clock.at(setup.arrive_s, self.launch, domain, setup, spec)
+            return
         run = PipelineRun(self.clock, domain, setup, spec, self.workloads[setup.name])
         if self.on_step is not None:
             run.on_step = self.on_step
@@ -79,7 +83,7 @@ class _Sim:
                                ("alone", "exclusive-queue")),
                 traj_finish_times=[t.finished_at for batch in r.trajs for t in batch],
                 train_waits=list(r.train_waits), expands=r.expands, turns=r.turns_dispatched,
-                queue_turn_s=r.queue_area,
+                queue_turn_s=r.queue_area, arrived_at=r.setup.arrive_s, crashes=r.crashes,
                 gpu_seconds=dict(sorted(r.domain.account.gpu_s.get(r.name, {}).items())),
                 demand_gpu_s=gpu_work(r.setup, r.workload).total,
                 longest_shardless_wait_s=r.shardless.longest, shardless_s=r.shardless.total)
@@ -118,7 +122,7 @@ def config_gpus(spec: PipelineSpec, total: int) -> int:
     return min(need, total)
 
 
-def clip_spec(spec: PipelineSpec, topology: Topology, where: str) -> PipelineSpec:
+def clip_spec(spec: PipelineSpec, topology: Topology, where: str, min_train_gpus: int = 1) -> PipelineSpec:
     """Fit a pipeline's spec into a smaller set of GPUs."""
     size = topology.num_gpus
     capacity = sum(n // spec.tp for n in topology.gpus_per_node)
@@ -131,6 +135,9 @@ def clip_spec(spec: PipelineSpec, topology: Topology, where: str) -> PipelineSpe
         if train < 1:
             raise ScenarioError(f"{where}.train_gpus: no room to train beside a shard in a slice of "
                                 f"{size} GPUs without partial_overlap (exclusive-partition)")
+    if train < min_train_gpus:
+        raise ScenarioError(f"{where}.min_train_gpus: its train step needs {min_train_gpus} GPUs; "
+                            f"a slice of {size} leaves it {train}")
     max_shards = min(spec.max_shards, capacity)
     return dataclasses.replace(spec, train_gpus=train, max_shards=max_shards,
                                min_shards=min(spec.min_shards, max_shards))
@@ -154,6 +161,15 @@ def applicable(scenario: Scenario, policy: str) -> NotApplicable | None:
             partition(scenario)
         except ScenarioError as exc:
             return NotApplicable(policy, str(exc).removeprefix(f"{scenario.source}: "))
+    if policy == "exclusive-queue":
+        everything = set(range(scenario.gpus))
+        for setup in scenario.pipelines:
+            ids = pick_gpus(scenario.topology, everything, config_gpus(setup.spec, scenario.gpus))
+            try:
+                clip_spec(setup.spec, sub_topology(scenario.topology, ids), f"pipeline {setup.name}",
+                          setup.min_train_gpus)
+            except ScenarioError as exc:
+                return NotApplicable(policy, str(exc))
     return None
 
 
@@ -170,7 +186,8 @@ def partition(scenario: Scenario) -> list[tuple[PipelineSetup, list[int], Topolo
         ids = list(range(offset, offset + size))
         offset += size
         topo = sub_topology(scenario.topology, ids)
-        spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+        spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}",
+                         setup.min_train_gpus)
         out.append((setup, ids, topo, spec))
     return out
 
@@ -183,7 +200,8 @@ def run_partition(sim: _Sim) -> None:
 def run_queue(sim: _Sim) -> None:
     scenario = sim.scenario
     free = set(range(scenario.gpus))
-    waiting = deque(scenario.pipelines)
+    waiting = deque(p for p in scenario.pipelines if p.arrive_s <= 0)  # FIFO by arrival
+    later = [p for p in scenario.pipelines if p.arrive_s > 0]
 
     def admit() -> None:
         while waiting:
@@ -194,13 +212,20 @@ def run_queue(sim: _Sim) -> None:
             waiting.popleft()
             free.difference_update(ids)
             topo = sub_topology(scenario.topology, ids)
-            spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+            spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}",
+                         setup.min_train_gpus)
             sim.launch(sim.domain(topo, ids, on_finish=done), setup, spec)
 
     def done(run: PipelineRun) -> None:
         free.update(run.domain.gpu_ids)
         admit()
 
+    def arrive(setup: PipelineSetup) -> None:
+        waiting.append(setup)
+        admit()
+
+    for setup in sorted(later, key=lambda p: (p.arrive_s, p.index)):
+        sim.clock.at(setup.arrive_s, arrive, setup)
     admit()
 
 

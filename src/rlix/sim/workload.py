@@ -95,10 +95,11 @@ class GpuWork:
     train: float
     decode: float
     prefill: float
+    stages: float = 0.0  # the extra non-rollout stages (logprob...)
 
     @property
     def total(self) -> float:
-        return self.train + self.decode + self.prefill
+        return self.train + self.decode + self.prefill + self.stages
 
 
 def gpu_work(setup: PipelineSetup, workload: Workload) -> GpuWork:
@@ -106,7 +107,8 @@ def gpu_work(setup: PipelineSetup, workload: Workload) -> GpuWork:
     best_step_s = (e.decode_base_ms + e.decode_per_seq_ms * e.max_seqs) / 1000.0
     return GpuWork(train=setup.steps * setup.train_gpu_seconds,
                    decode=workload.tokens * best_step_s / e.max_seqs * tp,
-                   prefill=workload.min_prefill_tokens() / e.prefill_tokens_per_s * tp)
+                   prefill=workload.min_prefill_tokens() / e.prefill_tokens_per_s * tp,
+                   stages=setup.steps * sum(st.gpu_seconds for st in setup.stages))
 
 
 def generate(scenario: Scenario) -> dict[str, Workload]:
