@@ -116,7 +116,10 @@ class PipelineRun:
             if f.kind == "crash":
                 self.clock.at(self.started_at + f.at_s, self._crash, f.restart_after_s)
             else:
-                self.clock.at(self.started_at + f.from_s, self._report_fault, f.kind, True)
+                if f.from_s <= 0:  # already on for its first report
+                    self._set_report_fault(f.kind, True)
+                else:
+                    self.clock.at(self.started_at + f.from_s, self._report_fault, f.kind, True)
                 self.clock.at(self.started_at + f.to_s, self._report_fault, f.kind, False)
         self._release_batches()
         self._report(force=True)
@@ -160,11 +163,14 @@ class PipelineRun:
         self._release_batches()
         self._report(force=True)
 
-    def _report_fault(self, kind: str, on: bool) -> None:
+    def _set_report_fault(self, kind: str, on: bool) -> None:
         if kind == "mute_reports":
             self.muted = on
         else:
             self.stale = on
+
+    def _report_fault(self, kind: str, on: bool) -> None:
+        self._set_report_fault(kind, on)
         if not self.down and self.finished_at is None:
             self._report(force=True)  # a muted one says 0 now; at the end, the truth again
 
