@@ -98,3 +98,29 @@ def test_console_says_which_policy_does_not_apply(tmp_path):
     text = out.getvalue()
     assert "exclusive-partition: not applicable: 3 pipelines cannot each get one of the 2 GPUs" in text
     assert "rlix: per pipeline" in text and "exclusive-queue: per pipeline" in text
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "sim"
+
+
+@pytest.mark.parametrize("name", ["bursty.yaml", "crowded.yaml", "out-of-phase.yaml"])
+def test_new_examples_load_with_their_features(name):
+    from rlix.sim import load_scenario
+
+    sc = load_scenario(EXAMPLES / name)
+    if name == "bursty.yaml":
+        assert {p.arrive_s for p in sc.pipelines} == {0.0, 3600.0} and all(p.stages for p in sc.pipelines)
+    if name == "crowded.yaml":
+        assert len(sc.pipelines) > sc.gpus and any(p.faults for p in sc.pipelines)
+    if name == "out-of-phase.yaml":
+        assert sc.topology.gpus_per_node == (8, 4)
+
+
+def test_crowded_example_runs_queue_and_rlix_and_says_partition_does_not_apply():
+    from rlix.sim import load_scenario
+
+    report = run_scenario(load_scenario(EXAMPLES / "crowded.yaml"))
+    assert report["policies"]["exclusive-partition"]["applicable"] is False
+    rl = report["policies"]["rlix"]
+    assert rl["pipelines"]["small-2"]["crashes"] == 1
+    assert all(f["train_steps"] == 10 for f in rl["pipelines"].values())

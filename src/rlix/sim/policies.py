@@ -69,7 +69,7 @@ class _Sim:
         for d in self.domains:
             out.plan_calls += d.plan_calls
             out.transition_gpu_s += d.transition_gpu_s
-        for r in self.runs:
+        for r in sorted(self.runs, key=lambda r: r.setup.index):  # scenario order
             shards = r.all_shards()
             out.pipelines[r.name] = PipelineResult(
                 name=r.name, priority=r.spec.priority, started_at=r.started_at,
