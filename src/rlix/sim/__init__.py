@@ -2,11 +2,14 @@
 
 `run_scenario` simulates a scenario under the three policies (exclusive-queue,
 exclusive-partition, rlix) on one identical seeded workload and returns the report as a
-JSON-ready dict; `cli_sim` is what `rlix sim SCENARIO.yaml [--json] [--out DIR]` calls.
-Modules: scenario (YAML models), workload (seeded trajectories), shard (decode/prefill model),
-pipeline (async loop + router), engine (event loop + planner domains), policies, report,
-trace (a run recorded for rlix.timeline: with `out`, DIR/POLICY/ gets summary.json,
-timeline.json and timeline.png).
+JSON-ready dict; `run_policies` returns the typed results (`RunResult`, with each pipeline's
+`PipelineResult`) instead; `cli_sim` is what `rlix sim SCENARIO.yaml [--json] [--out DIR]` calls.
+A policy that cannot run the scenario is reported as not applicable; the others still run.
+Modules: scenario (YAML models), workload (seeded trajectories, GPU work), shard
+(decode/prefill model), pipeline (async loop + router + faults), engine (event loop + planner
+domains), account (GPU-seconds held, no-shard waits), policies, results, report, trace (a run
+recorded for rlix.timeline: with `out`, DIR/POLICY/ gets summary.json, timeline.json and
+timeline.png).
 """
 
 from __future__ import annotations
