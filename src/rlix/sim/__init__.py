@@ -2,11 +2,14 @@
 
 `run_scenario` simulates a scenario under the three policies (exclusive-queue,
 exclusive-partition, rlix) on one identical seeded workload and returns the report as a
-JSON-ready dict; `cli_sim` is what `rlix sim SCENARIO.yaml [--json] [--out DIR]` calls.
-Modules: scenario (YAML models), workload (seeded trajectories), shard (decode/prefill model),
-pipeline (async loop + router), engine (event loop + planner domains), policies, report,
-trace (a run recorded for rlix.timeline: with `out`, DIR/POLICY/ gets summary.json,
-timeline.json and timeline.png).
+JSON-ready dict; `run_policies` returns the typed results (`RunResult`, with each pipeline's
+`PipelineResult`) instead; `cli_sim` is what `rlix sim SCENARIO.yaml [--json] [--out DIR]` calls.
+A policy that cannot run the scenario is reported as not applicable; the others still run.
+Modules: scenario (YAML models), workload (seeded trajectories, GPU work), shard
+(decode/prefill model), pipeline (async loop + router + faults), engine (event loop + planner
+domains), account (GPU-seconds held, no-shard waits), policies, results, report, trace (a run
+recorded for rlix.timeline: with `out`, DIR/POLICY/ gets summary.json, timeline.json and
+timeline.png).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from rich.progress import Progress
 from collections.abc import Callable
 from pathlib import Path
 
-from rlix.sim.policies import POLICIES, RunResult, simulate
+from rlix.sim.policies import POLICIES, applicable, simulate
+from rlix.sim.results import NotApplicable, PipelineResult, RunResult
 from rlix.sim.report import build_report, render
 from rlix.sim.scenario import Scenario, load_scenario
 from rlix.sim.trace import SimTrace
 from rlix.sim.workload import generate
 from rlix.timeline import write_timeline
 
-__all__ = ["POLICIES", "Scenario", "cli_sim", "load_scenario", "run_scenario", "simulate"]
+__all__ = ["POLICIES", "NotApplicable", "PipelineResult", "RunResult", "Scenario", "cli_sim",
+           "load_scenario", "run_scenario", "run_policies", "simulate"]
 
 
 def total_steps(scenario: Scenario) -> int:
@@ -46,16 +51,32 @@ def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = PO
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     workloads = generate(scenario)
+    runs, skipped, alone, source = run_policies(scenario, workloads, policies, on_run, out)
+    return build_report(scenario, workloads, runs, alone, source, skipped)
+
+
+def run_policies(scenario: Scenario, workloads: dict, policies: tuple[str, ...] = POLICIES,
+                 on_run: Callable[[str, int], Callable[[str], None] | None] | None = None,
+                 out: str | Path | None = None
+                 ) -> tuple[dict[str, RunResult], dict[str, NotApplicable], dict[str, float], dict[str, str]]:
+    """The typed runs: (results by policy, policies that do not apply, alone completion time
+    per pipeline, where each alone time came from). Every result's pipelines carry their
+    `slowdown` against the alone time."""
     hook = on_run or (lambda label, steps: None)
     order = sorted(policies, key=lambda p: (p != "exclusive-queue", POLICIES.index(p)))
     runs: dict[str, RunResult] = {}
+    skipped: dict[str, NotApplicable] = {}
     for policy in order:
+        why = applicable(scenario, policy)
+        if why is not None:
+            skipped[policy] = why
+            continue
         trace = SimTrace() if out is not None else None
         runs[policy] = simulate(scenario, workloads, policy,
                                 on_step=hook(policy, total_steps(scenario)), trace=trace)
         if trace is not None:
             write_run(Path(out) / policy, scenario, policy, trace, runs[policy].makespan)
-    # "Alone" makespans: reuse an exclusive-queue run that had the whole cluster to itself.
+    # "Alone" times: reuse an exclusive-queue run that had the whole cluster to itself.
     alone: dict[str, float] = {}
     source: dict[str, str] = {}
     queue = runs.get("exclusive-queue")
@@ -69,8 +90,11 @@ def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = PO
                             on_step=hook(f"alone {setup.name}", setup.steps))
             alone[setup.name] = solo.pipelines[setup.name].duration
             source[setup.name] = "alone run"
+    for res in runs.values():
+        for name, p in res.pipelines.items():
+            p.slowdown = p.completion_s / alone[name] if alone[name] > 0 else None
     ordered = {p: runs[p] for p in POLICIES if p in runs}
-    return build_report(scenario, workloads, ordered, alone, source)
+    return ordered, skipped, alone, source
 
 
 def write_run(run_dir: Path, scenario: Scenario, policy: str, trace: SimTrace, end: float) -> None:
