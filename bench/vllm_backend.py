@@ -38,7 +38,7 @@ from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.models.presets import build_preset
 from rlix.weights.cache import BucketCache
 from rlix.weights.sync import WeightSync
-from rlix.weights.vllm_endpoint import VllmShardEndpoint
+from rlix.weights.vllm.endpoint import VllmShardEndpoint
 
 KEY = "bench-token"
 

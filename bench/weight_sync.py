@@ -25,7 +25,7 @@ Cross-node (with the CPU part, not with --skip-cpu; alone with --only cross_node
 Ray cluster simulated on this host (ray.cluster_utils.Cluster), a --cross-mib cache of bf16
 buckets on node A:
   cross_node_sync_vs_socket       NodeCacheActor.ensure on node B (the version streamed over TCP
-                                  by rlix.weights.relay into B's replica cache) vs a plain socket
+                                  by rlix.weights.nodes.relay into B's replica cache) vs a plain socket
                                   copy of the same bytes between an actor on A and one on B
                                   (sendall from one buffer, recv_into one buffer, 1-byte ack).
                                   Medians of --cross-reps runs, the three ways alternating, each
@@ -328,7 +328,7 @@ def _cross_node_actors():  # type: ignore[no-untyped-def]
     """The bench's actors, defined on first use so that the CPU/GPU parts never import Ray."""
     import ray
 
-    from rlix.weights import relay
+    from rlix.weights.nodes import relay
 
     @ray.remote(num_cpus=0)
     class CacheHolder:
@@ -417,7 +417,7 @@ def cross_node_figures(args: argparse.Namespace) -> dict:  # type: ignore[type-a
     import ray
     from ray.cluster_utils import Cluster
 
-    from rlix.weights.node_cache import NodeCacheActor
+    from rlix.weights.nodes.node_cache import NodeCacheActor
 
     total = args.cross_mib << 20
     store = 3 * total + (64 << 20)

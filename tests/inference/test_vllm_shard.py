@@ -27,8 +27,8 @@ from rlix.inference.router.router import Router
 from rlix.weights.cache import BucketCache
 from rlix.weights.sync import WeightSync
 from rlix.weights.transport import make_transport
-from rlix.weights.vllm_endpoint import VllmShardEndpoint
-from rlix.weights.vllm_names import compare_digests, vllm_digests
+from rlix.weights.vllm.endpoint import VllmShardEndpoint
+from rlix.weights.vllm.names import compare_digests, vllm_digests
 from rlix.weights.wire import reap_orphaned_segments
 
 pytestmark = pytest.mark.vllm

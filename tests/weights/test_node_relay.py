@@ -13,7 +13,7 @@ import torch
 
 from rlix.errors import WeightCacheError, WeightChecksumError, WeightLayoutError, WeightTransferError
 from rlix.weights.cache import BucketCache
-from rlix.weights.relay import OK, RelayReceiver, encode_header, send_version
+from rlix.weights.nodes.relay import OK, RelayReceiver, encode_header, send_version
 from rlix.weights.wire import bucket_checksum
 
 
@@ -246,7 +246,7 @@ def test_a_node_cache_on_another_node_holds_the_trainers_bytes(two_nodes, tiny_m
 
     from rlix.config.models import TrainConfig
     from rlix.training.actor import TrainerActor
-    from rlix.weights.node_cache import NodeCacheActor
+    from rlix.weights.nodes.node_cache import NodeCacheActor
 
     from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
     from rlix.inference.fleet.shard_process import ShardProcess

@@ -14,7 +14,7 @@ import torch
 from rlix.inference.fleet.backends import EXTENSION_PACKAGE, staged_extension
 from rlix.weights.cache import BucketCache
 from rlix.weights.transport import make_transport
-from rlix.weights.vllm_names import vllm_named
+from rlix.weights.vllm.names import vllm_named
 from rlix.weights.vllm_worker import RlixWorkerExtension
 from rlix.weights.wire import ReceiveError
 
@@ -122,7 +122,7 @@ def test_weights_vllm_packed_away_are_not_mismatches_but_not_all_of_them():
     """vLLM's CPU backend may drop a linear layer's weight after packing it for oneDNN; its
     /weight_checker digest is then that of zero bytes: not comparable, not a mismatch. The rest
     is still compared, and a server with nothing comparable is a problem."""
-    from rlix.weights.vllm_names import PACKED_AWAY_DIGEST, compare_digests, packed_away
+    from rlix.weights.vllm.names import PACKED_AWAY_DIGEST, compare_digests, packed_away
 
     want = {"a.weight": "1", "b.weight": "2", "norm.weight": "3"}
     got = {"a.weight": PACKED_AWAY_DIGEST, "b.weight": PACKED_AWAY_DIGEST, "norm.weight": "3"}

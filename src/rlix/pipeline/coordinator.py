@@ -35,7 +35,7 @@ from typing import Any
 from rlix.errors import GpuMemoryError, RlixError, ShardDiedError
 from rlix.inference.fleet.fleet import ShardFleet
 from rlix.weights.api import SyncReport
-from rlix.weights.vllm_names import PACKED_AWAY_DIGEST
+from rlix.weights.vllm.names import PACKED_AWAY_DIGEST
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -80,7 +80,7 @@ UNOBSERVABLE = "unobservable"
 
 async def vllm_checksums(fleet: ShardFleet, ranks: list[int]) -> dict[int, dict]:
     """A vLLM server: its own /weight_checker digests, by its names, without the worker prefix;
-    weights its CPU backend packed away (vllm_names.packed_away) are UNOBSERVABLE."""
+    weights its CPU backend packed away (vllm.names.packed_away) are UNOBSERVABLE."""
     answers = await fleet.client.fan_out("POST", "/weight_checker", ranks, json={"action": "checksum"})
     out = {}
     for r in ranks:

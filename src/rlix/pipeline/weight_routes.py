@@ -2,7 +2,7 @@
 
 The trainer's cache lives in shared memory on the trainer's node, so shards there map it
 directly (the trainer syncs them). Shards on any other node are synced from that node's replica
-of the cache (rlix.weights.node_cache): filled once per version over the network from the
+of the cache (rlix.weights.nodes.node_cache): filled once per version over the network from the
 trainer, then read through shared memory by every shard of that node. One copy per node that
 has shards, not one per shard; each node's group of shards moves concurrently with the others.
 """
@@ -71,7 +71,7 @@ class WeightRoutes:
             raise
 
     def _replica(self, node: str) -> Any:
-        from rlix.weights.node_cache import NodeCacheActor  # a Ray actor class: imported where used
+        from rlix.weights.nodes.node_cache import NodeCacheActor  # a Ray actor class: imported where used
 
         replica = self.replicas.get(node)
         if replica is None:

@@ -28,13 +28,13 @@ from rlix.errors import WeightCacheError
 from rlix.threads import yield_cores_to_control
 from rlix.training.trainer import PolicyTrainer
 from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
-from rlix.weights import relay
+from rlix.weights.nodes import relay
 from rlix.weights.api import SyncReport
 from rlix.weights.buckets import tensor_checksums
 from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.push import ShardWeightPusher
-from rlix.weights.vllm_endpoint import VllmShardEndpoint
-from rlix.weights.vllm_names import vllm_digests
+from rlix.weights.vllm.endpoint import VllmShardEndpoint
+from rlix.weights.vllm.names import vllm_digests
 
 
 def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSample]:
@@ -130,7 +130,7 @@ class TrainerActor:
 
     def send_version(self, version: int, host: str, port: int) -> float:
         """Stream cached `version` to a replica on another node (a NodeCacheActor listening at
-        host:port, rlix.weights.relay), where this cache's shared memory cannot be mapped;
+        host:port, rlix.weights.nodes.relay), where this cache's shared memory cannot be mapped;
         returns the seconds it took. The version is leased meanwhile, so no build overwrites it."""
         if self.trainer.cache is None:
             raise WeightCacheError("no weight cache yet: publish a version first")

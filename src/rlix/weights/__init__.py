@@ -7,8 +7,10 @@ buckets.py        layout (computed once) and packing           wire.py   the wir
 cache.py          versioned host cache (latest + active)       transport/  local, shm, cuda_ipc, nccl
 sync.py           WeightSync: selective sync to a set of DP ranks (the driver)
 push.py           the driver in the trainer's process, over HTTP
-relay.py          a cached version streamed over TCP into another node's replica
-node_cache.py     NodeCacheActor: a pipeline's cache replica on one node, and its syncs
+nodes/            other nodes: relay.py (a version streamed over TCP into a node's replica),
+                  node_cache.py (NodeCacheActor: a pipeline's replica on one node, and its syncs)
+vllm/             rlix's side of vLLM shards (endpoint, fused names); vllm_worker.py is the
+                  extension inside vLLM, staged with wire.py as a package of its own
 http_endpoint.py  the one HTTP client of a shard's weight endpoints
 shard_updater.py  a shard's end: buckets in, the engine's update protocol out
 """

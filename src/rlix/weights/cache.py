@@ -143,7 +143,7 @@ class BucketCache:
                       checksums: list[int] | None = None) -> None:
         """Fill `version`'s slot by calling `fill(buckets)` on its empty bucket views, then make it
         latest. What build_latest does with packing, for a fill from raw bytes (a node's replica
-        filled from the network, rlix.weights.relay). The slot is picked exactly as a build picks
+        filled from the network, rlix.weights.nodes.relay). The slot is picked exactly as a build picks
         it, so the active version and leased slots are never overwritten; if `fill` raises, the
         version is left absent and the other versions untouched. `checksums`: the buckets'
         checksums when the caller already verified them (kept, not recomputed)."""

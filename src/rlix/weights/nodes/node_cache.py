@@ -25,8 +25,8 @@ from rlix.weights.api import SyncReport
 from rlix.weights.cache import BucketCache, HostMemory
 from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.push import ShardWeightPusher
-from rlix.weights.relay import DEFAULT_TIMEOUT_S, RelayReceiver
-from rlix.weights.vllm_endpoint import VllmShardEndpoint
+from rlix.weights.nodes.relay import DEFAULT_TIMEOUT_S, RelayReceiver
+from rlix.weights.vllm.endpoint import VllmShardEndpoint
 from rlix.weights.wire import Layout
 
 
