@@ -33,3 +33,13 @@ def tiny_model_dir(tmp_path_factory):
     from rlix.models.presets import build_preset
 
     return build_preset("tiny", tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture()
+def fresh_ray():
+    """No Ray connection before or after the test: the code under test starts (and ends) its own."""
+    import ray
+
+    ray.shutdown()
+    yield
+    ray.shutdown()

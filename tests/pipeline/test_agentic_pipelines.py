@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
 from rlix.inference.server.generation_log import read_generations
@@ -27,13 +26,6 @@ from rlix.run import run
 
 pytestmark = pytest.mark.slow  # whole runs: ~4 and ~2 min on 2 cores (CI's slow step)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agentic_two_pipelines.yaml"
-
-
-@pytest.fixture()
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 def example(tmp_path: Path, steps: int, **env: object) -> tuple[str, dict]:

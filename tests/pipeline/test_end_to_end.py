@@ -55,13 +55,6 @@ def check_guarantees(summary: dict) -> None:
         assert all(reason for reason in acc["dropped"]), acc
 
 
-@pytest.fixture()
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
-
-
 def test_time_sharing_run_moves_gpus_and_keeps_its_guarantees(tmp_path, fresh_ray):
     # pb runs on after pa is done, so a GPU that pa held must pass to pb. (With equal demands
     # each pipeline may keep the GPU it started on for a whole short run: not an owner change.)

@@ -29,13 +29,6 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "two_nodes.yaml"
 
 
-@pytest.fixture()
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
-
-
 def config(tmp_path: Path, steps: int, **changes) -> str:
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["run_dir"] = str(tmp_path / "run")

@@ -26,13 +26,6 @@ from rlix.run import run
 PA_STEPS, PB_STEPS, KILL_AT_STEP = 8, 8, 3
 
 
-@pytest.fixture()
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
-
-
 def fault_config(tmp_path: Path, **pb: object) -> str:
     pipe = {"model": "tiny", "train_gpus": 1, "min_shards": 1, "max_shards": 2, "max_staleness": 1,
             "checkpoint_every": 2, "task": {"name": "pattern", "patterns": ["a"]},

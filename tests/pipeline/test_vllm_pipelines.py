@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
@@ -20,13 +19,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "two_pipelines_vllm
 # dropped by design: too old for max_staleness, or in flight / buffered when the run ended (a
 # trajectory lost to a preemption would be a failed group: counted under another reason)
 BY_DESIGN = {"stale", "shutdown", "unused at shutdown"}
-
-
-@pytest.fixture
-def fresh_ray():
-    ray.shutdown()
-    yield
-    ray.shutdown()
 
 
 def test_two_vllm_pipelines_time_share_learn_and_serve_the_trainers_weights(tmp_path, fresh_ray):
