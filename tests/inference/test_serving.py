@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from rlix.inference.server.serving import TextStream
+from rlix.inference.server.text_stream import TextStream
 from rlix.inference.server.app import create_app
 
 KEY = "k"

@@ -9,7 +9,8 @@ import pytest
 
 from rlix.errors import InvalidRequestError
 from rlix.inference.server import openai_schema as S
-from rlix.inference.server.serving import Job, OpenAIServing
+from rlix.inference.server.requests import Job
+from rlix.inference.server.serving import OpenAIServing
 from rlix.inference.server.tool_calls import check_tools, parse_tool_calls, template_messages
 
 

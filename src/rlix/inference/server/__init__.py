@@ -1,6 +1,7 @@
 """The engine server: one engine behind vLLM's HTTP API.
 
-app.py (the FastAPI app and its ASGI fast paths), serving.py (data plane), control.py (control
+app.py (the FastAPI app and its ASGI fast paths), requests.py (requests -> validated Jobs), serving.py (data plane:
+Jobs on the engine, answers whole or streamed), text_stream.py (detokenising as samples grow), control.py (control
 plane), openai_schema.py (data-plane wire shapes), control_schema.py (control-plane bodies),
 paths.py (the routes other layers name).
 """

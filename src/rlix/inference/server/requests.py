@@ -1,0 +1,207 @@
+"""OpenAI/vLLM requests -> validated `Job`s for the engine, checked the way vLLM 0.32 checks them.
+
+Pure (a tokenizer and the engine's context length), so every refusal is tested without a server:
+max_tokens is capped to the context left after the prompt, a prompt that fills the context is a
+400, a field the server would ignore is refused (openai_schema.refuse_unsupported), as are
+several prompts in one request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlix.errors import InvalidRequestError, ModelNotFoundError
+from rlix.inference.engine.api import MAX_TOP_LOGPROBS, SamplingParams
+from rlix.inference.server import openai_schema as S
+from rlix.inference.server.tool_calls import check_tools, template_messages
+
+
+@dataclass
+class Job:
+    """One validated request, ready for the engine."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token shown, in the endpoint's meaning
+    parse_tools: bool = False  # chat with tools: the answer's <tool_call> blocks become tool_calls
+    echo: str | None = None  # completions `echo`: the prompt's text, ahead of each choice's
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = 0.0  # time.monotonic() when the engine took it (metrics)
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+
+class RequestBuilder:
+    """Validates requests and turns them into Jobs; `max_model_len()` is the engine's context."""
+
+    def __init__(self, tokenizer: Any, model_name: str, model_root: str, max_model_len) -> None:  # type: ignore[no-untyped-def]
+        self.tok = tokenizer
+        self.model_name = model_name
+        self.model_root = model_root
+        self.max_model_len = max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model and model not in (self.model_name, self.model_root):
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist. Valid aliases: {self.model_name}.", param="model")
+
+    def _params(self, req: Any, prompt_len: int, max_tokens: int | None, default_max: int | None,
+                logprobs: bool, top: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {req.n}", param="n")
+        limit = self.max_model_len()
+        if prompt_len >= limit and isinstance(req, S.GenerateSamplingParams):
+            raise InvalidRequestError(
+                f"The decoder prompt (length {prompt_len}) is longer than the maximum model length "
+                f"of {limit}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {prompt_len} input tokens, which leaves no room for output tokens. "
+                f"Please reduce the length of the input prompt.", param="input_tokens")
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        room = limit - prompt_len
+        wanted = max_tokens if max_tokens is not None else (default_max or room)
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_p = 1.0 if req.top_p is None else req.top_p
+        top_k = req.top_k if req.top_k and req.top_k > 0 else 0
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise InvalidRequestError("temperature must be >= 0 and top_p in (0, 1]", param="temperature")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        return SamplingParams(max_tokens=min(wanted, room), temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=req.seed, stop=stop,
+                              stop_token_ids=tuple(req.stop_token_ids or ()),
+                              ignore_eos=req.ignore_eos, logprobs=logprobs, n=req.n,
+                              top_logprobs=top, prompt_logprobs=prompt_logprobs,
+                              presence_penalty=req.presence_penalty or 0.0,
+                              frequency_penalty=req.frequency_penalty or 0.0,
+                              repetition_penalty=(1.0 if req.repetition_penalty is None
+                                                  else req.repetition_penalty),
+                              logit_bias=_logit_bias(req.logit_bias))
+
+    @staticmethod
+    def _check_top(k: int | None, name: str) -> None:
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}", param=name)
+
+    def check_ids(self, ids: list[int], what: str) -> None:
+        vocab = len(self.tok)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{what} holds token ids outside the vocabulary (size {vocab}): "
+                                      f"{bad[:5]}", param=what)
+
+    @staticmethod
+    def _one_prompt(prompt: Any) -> Any:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return prompt[0]
+        return prompt
+
+    def _encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        prompt = self._one_prompt(prompt)
+        if isinstance(prompt, str):
+            return self.tok(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            self.check_ids(prompt, "prompt")
+            return list(prompt)
+        raise InvalidRequestError("one prompt per request: a string or a list of token ids", param="prompt")
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
+        try:
+            text = self.tok.apply_chat_template(
+                template_messages(messages), tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # jinja errors: bad roles, missing content...
+            raise InvalidRequestError(f"cannot apply the chat template to these messages: {exc}",
+                                      param="messages") from None
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prepare_completion(self, req: S.CompletionRequest) -> Job:
+        self.check_model(req.model)
+        S.refuse_unsupported(req, S.COMPLETION_INERT)
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError("best_of other than n is not supported (every sample is "
+                                      "returned: ask for n)", param="best_of")
+        self._check_top(req.logprobs, "logprobs")
+        ids = self._encode_prompt(req.prompt, req.add_special_tokens)
+        k = req.logprobs
+        params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
+                              prompt_logprobs=k if req.echo else None)
+        job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
+        if req.echo:
+            prompt = self._one_prompt(req.prompt)
+            job.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
+        return job
+
+    def prepare_chat(self, req: S.ChatCompletionRequest) -> Job:
+        self.check_model(req.model)
+        S.refuse_unsupported(req, S.CHAT_INERT)
+        self._check_top(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
+                                      param="top_logprobs")
+        parse_tools = check_tools(req.tools, req.tool_choice)
+        ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                               req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top)
+        job = self._job("chatcmpl", ids, params, req, logprobs=bool(req.logprobs), top=top)
+        job.parse_tools = parse_tools
+        return job
+
+    def prepare_generate(self, req: S.GenerateRequest) -> Job:
+        self.check_model(req.model)
+        sp = req.sampling_params
+        S.refuse_unsupported(req, S.GENERATE_REQUEST_INERT)
+        S.refuse_unsupported(sp, S.GENERATE_INERT, "sampling_params.")
+        self._check_top(sp.logprobs, "sampling_params.logprobs")
+        self.check_ids(req.token_ids, "token_ids")
+        k = sp.logprobs
+        # vLLM's shape: the sampled token then the best others, max(k, 1) entries: k >= 2 needs
+        # the k best (the sampled one may be among them); 0 and 1 need none
+        params = self._params(sp, len(req.token_ids), sp.max_tokens, 16, k is not None,
+                              top=k if k and k >= 2 else 0)
+        job = self._job("", req.token_ids, params, req, logprobs=k is not None, top=k or 0)
+        job.rid = f"generate-tokens-{req.request_id}"
+        return job
+
+    def _job(self, prefix: str, ids: list[int], params: SamplingParams, req: Any, *,
+             logprobs: bool, top: int = 0) -> Job:
+        opts = req.stream_options
+        return Job(rid=S.new_id(prefix) if prefix else "", prompt_ids=ids, params=params,
+                   stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
+                   return_token_ids=bool(req.return_token_ids), logprobs=logprobs, top_logprobs=top,
+                   skip_special_tokens=getattr(req, "skip_special_tokens", True),
+                   tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False)))
+
+
+def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs (the engine checks ids and ranges)."""
+    out = []
+    for key, bias in (raw or {}).items():
+        try:
+            out.append((int(key), float(bias)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                      param="logit_bias") from None
+    return tuple(out)
