@@ -28,162 +28,19 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlix.errors import NoActiveShardError, ShardPreemptedError
 from rlix.inference.server import openai_schema as S
-from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
+from rlix.inference.server.paths import CHAT, GENERATE
 from rlix.inference.server.tool_calls import parse_tool_calls
+from rlix.inference.router.attempts import Attempts, chat_items, requested_n
 from rlix.inference.router.shard_table import Shard, ShardState, ShardTable
 from rlix.httpkit import HttpPool, UpstreamError, UpstreamResponse, bearer
 
 MAX_ATTEMPTS = 64
 #: how often a DOWN shard's /health is tried (it goes back to its state when it answers)
 REVIVE_S = 1.0
-#: what a continuation (token-level, through /v1/completions for a chat) carries over of a
-#: chat or completions request, besides prompt, max_tokens and logprobs
-CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "stream", "stream_options", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "logit_bias", "skip_special_tokens",
-                    "return_tokens_as_token_ids")
-
-
-def requested_n(path: str, body: dict) -> int:
-    """How many samples a request asks for (1 when it says nothing sensible: the shard judges)."""
-    holder = body.get("sampling_params") if path == GENERATE else body
-    n = holder.get("n") if isinstance(holder, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-
-
-def _chat_items(lp: dict, k: int) -> list[dict]:
-    """Completions logprobs (a continued chat's) as chat logprob items with k alternatives."""
-    tops = lp.get("top_logprobs") or [None] * len(lp.get("tokens", []))
-    out = []
-    for tok, value, top in zip(lp.get("tokens", []), lp.get("token_logprobs", []), tops):
-        best = sorted((top or {}).items(), key=lambda kv: -kv[1])[:k]
-        out.append(S.chat_logprob_item(tok, value, best))
-    return out
-
-
-@dataclass
-class Progress:
-    """What all attempts of one request produced so far."""
-
-    path: str
-    body: dict
-    wants_ids: bool
-    prompt_ids: list[int] | None = None
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    lp_tokens: list[str] = field(default_factory=list)  # completions logprobs
-    lp_values: list[float | None] = field(default_factory=list)
-    lp_top: list[dict | None] = field(default_factory=list)
-    lp_items: list[dict] = field(default_factory=list)  # chat logprobs
-    gen_logprobs: list[dict] = field(default_factory=list)
-    spans: list[dict] = field(default_factory=list)
-    base: int = 0  # len(ids) when the current attempt began: its spans start there
-    attempts: int = 0
-    down_cuts: int = 0  # attempts cut because their shard could not be reached
-    last_down: str = ""
-    index: int = 0  # the choice this is (a sample of an n > 1 request continued on its own)
-    seeded: bool = False  # its first attempt was the whole request's: it only continues
-
-    @classmethod
-    def lane(cls, path: str, body: dict, wants_ids: bool, index: int) -> Progress:
-        """Sample `index` of an n > 1 request, as a request of its own (n = 1, seed + index)."""
-        drop = ("n", "best_of")
-        if path == GENERATE:
-            sp = {k: v for k, v in body.get("sampling_params", {}).items() if k not in drop}
-            if isinstance(sp.get("seed"), int):
-                sp["seed"] += index
-            lane_body = {**body, "sampling_params": sp}
-        else:
-            lane_body = {k: v for k, v in body.items() if k not in drop}
-            if isinstance(lane_body.get("seed"), int):
-                lane_body["seed"] += index
-        return cls(path, lane_body, wants_ids, index=index, seeded=True)
-
-    @property
-    def fresh(self) -> bool:
-        """The first attempt of a request of its own (nothing to join)."""
-        return self.attempts == 1 and not self.seeded
-
-    @property
-    def chat_top(self) -> int:
-        return (self.body.get("top_logprobs") or 0) if self.body.get("logprobs") else 0
-
-    @property
-    def max_tokens(self) -> int | None:
-        if self.path == GENERATE:
-            return self.body.get("sampling_params", {}).get("max_tokens", 16)
-        if self.path == CHAT:
-            mt = self.body.get("max_completion_tokens")
-            return mt if mt is not None else self.body.get("max_tokens")
-        return self.body.get("max_tokens", 16)
-
-    def upstream(self) -> tuple[str, dict]:
-        """Path and body for the next attempt."""
-        self.base = len(self.ids)
-        if self.prompt_ids is None:  # nothing came back yet: send the request as it was
-            if self.path == GENERATE:  # output ids always come back; the prompt is in the body
-                return self.path, self.body
-            return self.path, {**self.body, "return_token_ids": True}
-        left = None if self.max_tokens is None else self.max_tokens - len(self.ids)
-        if self.path == GENERATE:
-            sp = {**self.body.get("sampling_params", {}), "max_tokens": left}
-            return GENERATE, {**self.body, "token_ids": self.prompt_ids + self.ids, "sampling_params": sp,
-                              "return_token_ids": True}
-        keep = {k: v for k, v in self.body.items() if k in CONTINUED_FIELDS}
-        body = {**keep, "prompt": self.prompt_ids + self.ids, "return_token_ids": True}
-        if left is not None:
-            body["max_tokens"] = left
-        if self.path == CHAT and self.body.get("logprobs"):
-            body["logprobs"] = self.chat_top
-        elif self.path == COMPLETIONS and self.body.get("logprobs") is not None:
-            body["logprobs"] = self.body["logprobs"]
-        return COMPLETIONS, body
-
-    def see_prompt(self, resp: dict, choice: dict) -> None:
-        if self.prompt_ids is None:
-            pids = self.body.get("token_ids") if self.path == GENERATE else (
-                resp.get("prompt_token_ids") or choice.get("prompt_token_ids"))
-            if pids is not None:
-                self.prompt_ids = list(pids)
-
-    def add(self, path: str, choice: dict) -> None:
-        """Take an attempt's output (whole or one chunk) into the running total."""
-        self.ids.extend(choice.get("token_ids") or [])
-        self.text += choice.get("text") or (choice.get("message") or {}).get("content") or \
-            (choice.get("delta") or {}).get("content") or ""
-        lp = choice.get("logprobs")
-        if lp and path == COMPLETIONS and self.path == CHAT:  # a chat continued as a completion
-            self.lp_items += _chat_items(lp, self.chat_top)
-        elif lp and path == COMPLETIONS:
-            tokens = lp.get("tokens", [])
-            self.lp_tokens += tokens
-            self.lp_values += lp.get("token_logprobs", [])
-            self.lp_top += lp.get("top_logprobs") or [None] * len(tokens)
-        elif lp and path == CHAT:
-            self.lp_items += lp.get("content") or []
-        elif lp and path == GENERATE:
-            self.gen_logprobs += lp.get("content") or []
-        spans = choice.get("weight_versions")
-        if spans:
-            b = self.base
-            self.spans += [{**s, "start": s["start"] + b, "end": s["end"] + b} for s in spans]
-
-    def close_attempt_without_spans(self) -> None:
-        """A generate stream died before its final chunk: its tokens' versions are unknown."""
-        if self.path == GENERATE and len(self.ids) > self.base:
-            covered = self.spans[-1]["end"] if self.spans else 0
-            if covered < len(self.ids):
-                self.spans.append({"version": "unknown", "start": covered, "end": len(self.ids)})
-
-    def n_prompt(self) -> int:
-        return len(self.prompt_ids or [])
-
-
 def _blank_ids(resp: dict, choice: dict, path: str) -> None:
     """Undo the router's `return_token_ids` (generate always returns output ids)."""
     for obj in (resp, choice):
@@ -226,7 +83,7 @@ class Relay:
             return shard.state is not ShardState.ACTIVE
         return finish == "abort" and self.table.is_preempted(shard.rank)
 
-    async def _acquire(self, session: str | None, exclude: set[int], prog: Progress) -> Shard:
+    async def _acquire(self, session: str | None, exclude: set[int], prog: Attempts) -> Shard:
         prog.attempts += 1
         if prog.attempts > MAX_ATTEMPTS:
             cuts = MAX_ATTEMPTS - prog.down_cuts
@@ -235,7 +92,7 @@ class Relay:
                                      f"giving up")
         return await self.table.acquire(session, self.hold_timeout_s, frozenset(exclude))
 
-    def _unreachable(self, shard: Shard, exc: Exception, prog: Progress) -> None:
+    def _unreachable(self, shard: Shard, exc: Exception, prog: Attempts) -> None:
         """A connection to `shard` failed: unless it is being preempted (then it is a preemption
         cut), it is DOWN until its /health answers again or the fleet replaces it."""
         if shard.state is ShardState.PREEMPTED:
@@ -277,9 +134,9 @@ class Relay:
         n = requested_n(path, body)
         if n > 1:
             return await self._unary_n(path, body, session, n)
-        return await self._unary(Progress(path, body, bool(body.get("return_token_ids"))), session, set())
+        return await self._unary(Attempts(path, body, bool(body.get("return_token_ids"))), session, set())
 
-    async def _send(self, prog: Progress, session: str | None, exclude: set[int],
+    async def _send(self, prog: Attempts, session: str | None, exclude: set[int],
                     answer: Callable[[Shard, str, bytes], Any]) -> tuple[int, Any]:
         """Send prog's request to shards until one answers for good: (status, error body) for a
         refusal, else (200, `answer(shard, upstream path, raw body)`). An unreachable or preempted
@@ -307,7 +164,7 @@ class Relay:
             finally:
                 self.table.release(shard, done)
 
-    async def _unary(self, prog: Progress, session: str | None, exclude: set[int]
+    async def _unary(self, prog: Attempts, session: str | None, exclude: set[int]
                      ) -> tuple[int, dict | bytes]:
         path = prog.path
         raw_ok = path == GENERATE or prog.wants_ids  # nothing to blank in the common case
@@ -330,7 +187,7 @@ class Relay:
 
         return await self._send(prog, session, exclude, answer)
 
-    def _merged_choice(self, prog: Progress, choice: dict) -> dict:
+    def _merged_choice(self, prog: Attempts, choice: dict) -> dict:
         """One choice of all attempts joined; `choice` is the last attempt's."""
         finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
         ids = prog.ids if prog.wants_ids else None
@@ -350,7 +207,7 @@ class Relay:
         return S.completion_choice(prog.index, prog.text, lp, finish, stop_reason, ids,
                                    prog.prompt_ids if prog.wants_ids else None)
 
-    def _merged(self, prog: Progress, last: dict, choice: dict) -> dict:
+    def _merged(self, prog: Attempts, last: dict, choice: dict) -> dict:
         rid = last.get("id") or last.get("request_id") or ""
         model = last.get("model") or prog.body.get("model") or ""
         merged = self._merged_choice(prog, choice)
@@ -365,7 +222,7 @@ class Relay:
     async def _unary_n(self, path: str, body: dict, session: str | None, n: int) -> tuple[int, dict | bytes]:
         """n samples: the whole request on one shard; the samples it cut continue on their own."""
         wants_ids = bool(body.get("return_token_ids"))
-        first = Progress(path, body, wants_ids)
+        first = Attempts(path, body, wants_ids)
         exclude: set[int] = set()
 
         def answer(shard: Shard, up_path: str, raw: bytes) -> tuple[dict, set[int], int]:
@@ -387,7 +244,7 @@ class Relay:
             lanes = []
             for c in choices:
                 if c["index"] in cut:
-                    lane = Progress.lane(path, body, wants_ids, c["index"])
+                    lane = Attempts.lane(path, body, wants_ids, c["index"])
                     lane.prompt_ids = list(pids) if pids is not None else None
                     lane.add(path, c)
                     lanes.append(lane)
@@ -407,7 +264,7 @@ class Relay:
         return 200, data
 
     # ------------------------------------------------------------ streaming
-    async def _connect(self, prog: Progress, session: str | None, exclude: set[int]
+    async def _connect(self, prog: Attempts, session: str | None, exclude: set[int]
                        ) -> tuple[Shard, str, UpstreamResponse] | tuple[int, dict]:
         """Open the next attempt's stream, skipping shards that are going away."""
         while True:
@@ -433,7 +290,7 @@ class Relay:
                           ) -> tuple[int, dict] | AsyncIterator[str]:
         """Either an error answer to pass on (status, body) or the SSE text to stream back."""
         self.requests += 1
-        prog = Progress(path, body, bool(body.get("return_token_ids")))
+        prog = Attempts(path, body, bool(body.get("return_token_ids")))
         exclude: set[int] = set()
         opened = await self._connect(prog, session, exclude)
         if isinstance(opened[0], int):
@@ -443,7 +300,7 @@ class Relay:
             return self._stream_n(prog, n, opened, session, exclude)  # type: ignore[arg-type]
         return self._stream(prog, opened, session, exclude)  # type: ignore[arg-type]
 
-    async def _stream(self, prog: Progress, opened: tuple[Shard, str, UpstreamResponse],
+    async def _stream(self, prog: Attempts, opened: tuple[Shard, str, UpstreamResponse],
                       session: str | None, exclude: set[int], ident: dict[str, Any] | None = None,
                       tail: bool = True) -> AsyncIterator[str]:
         """One choice's stream over as many attempts as it takes; `tail`: end with the usage
@@ -504,14 +361,14 @@ class Relay:
         if tail:
             yield "data: [DONE]\n\n"
 
-    async def _stream_n(self, first: Progress, n: int, opened: tuple[Shard, str, UpstreamResponse],
+    async def _stream_n(self, first: Attempts, n: int, opened: tuple[Shard, str, UpstreamResponse],
                         session: str | None, exclude: set[int]) -> AsyncIterator[str]:
         """n samples: the whole request's stream from one shard; if it is cut, the samples it
         cut continue each on its own (concurrently), their chunks under their index."""
         path, body = first.path, first.body
         opts = body.get("stream_options")
         wants_usage = bool(opts and opts.get("include_usage", True))
-        lanes = [Progress.lane(path, body, first.wants_ids, i) for i in range(n)]
+        lanes = [Attempts.lane(path, body, first.wants_ids, i) for i in range(n)]
         pids = body.get("token_ids") if path == GENERATE else None
         ident: dict[str, Any] = {}
         finished: set[int] = set()
@@ -567,12 +424,12 @@ class Relay:
             yield self._usage(path, ident, len(pids or []), sum(len(lane.ids) for lane in lanes))
         yield "data: [DONE]\n\n"
 
-    async def _merge_lanes(self, lanes: list[Progress], session: str | None, exclude: set[int],
+    async def _merge_lanes(self, lanes: list[Attempts], session: str | None, exclude: set[int],
                            ident: dict[str, Any]) -> AsyncIterator[str]:
         """The continued samples' streams, concurrently, as their chunks come."""
         queue: asyncio.Queue[str | None] = asyncio.Queue()
 
-        async def run(lane: Progress) -> None:
+        async def run(lane: Attempts) -> None:
             try:
                 try:
                     opened = await self._connect(lane, session, set(exclude))
@@ -603,7 +460,7 @@ class Relay:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _rechunk(self, prog: Progress, chunk: dict, choice: dict, up_path: str, ident: dict,
+    def _rechunk(self, prog: Attempts, chunk: dict, choice: dict, up_path: str, ident: dict,
                  wants_usage: bool) -> str:
         """An upstream chunk in the caller's format, under the first attempt's id."""
         finish = choice.get("finish_reason")
@@ -623,7 +480,7 @@ class Relay:
         # a chat request continued through /v1/completions
         lp = None
         if prog.body.get("logprobs") and choice.get("logprobs"):
-            lp = {"content": _chat_items(choice["logprobs"], prog.chat_top)}
+            lp = {"content": chat_items(choice["logprobs"], prog.chat_top)}
         ids = choice.get("token_ids") if prog.wants_ids else None
         return _sse(S.chat_chunk(ident.get("id", ""), ident.get("model", ""), ident.get("created", 0),
                                  choice.get("text", ""), finish, choice.get("stop_reason"), lp, ids,
