@@ -144,9 +144,8 @@ def test_dashboard_in_chromium_shows_both_pipelines_and_gpus_moving(tmp_path):
                 "return Math.min(...Array.from(document.querySelectorAll('#timeline rect.segment'))"
                 ".map(r => Number(r.getAttribute('x'))))") > 400:
             time.sleep(1)
-        height = driver.execute_script("return document.body.scrollHeight")
-        driver.set_window_size(1280, height + 40)
-        driver.save_screenshot(str(tmp_path / "dashboard.png"))
+        # the page's own box (its content, not the rest of the window)
+        driver.find_element("tag name", "html").screenshot(str(tmp_path / "dashboard.png"))
         print(f"screenshot: {tmp_path / 'dashboard.png'}")
     finally:
         if driver is not None:
