@@ -292,8 +292,12 @@ class DashboardFeed:
             new.append(dict(c))
         self._changes.extend(reversed(new))
         self._seq = max(self._seq, core.role_seq)
+        dropped = 0
         while self._changes and self._changes[0]["at"] < now - self.keep_s:
             self._changes.popleft()
+            dropped += 1
+        # copied for the frame only when they changed (a refresh per progress report is common)
+        changes = tuple(self._changes) if new or dropped or not self._frame.changes else self._frame.changes
         for name in core.pipelines:
             self._order.setdefault(name, len(self._order))
         rows = pipeline_rows(core, self._order, now)
@@ -317,7 +321,7 @@ class DashboardFeed:
             at=now, rows=tuple(rows + gone),
             pending_since={r.pipeline: r.submitted_at for r in core.pending.values()},
             roles=gpu_roles(core.ledger.snapshot()), lost=frozenset(core.ledger.lost),
-            node_of=tuple(core.ledger.topology.node_of()), changes=tuple(self._changes),
+            node_of=tuple(core.ledger.topology.node_of()), changes=changes,
             role_seq=core.role_seq, plans=len(core.plan_log), restarts=restarts)
 
     def state(self, window_s: float = DEFAULT_WINDOW_S) -> DashboardState:
