@@ -322,3 +322,17 @@ def test_config_field_is_checked_by_rlix_check(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "scheduler.dashboard_port" in lines[0] and "metrics_port" in lines[0]
+
+
+def test_rlix_up_checks_its_port_flags_before_starting_anything(tmp_path, monkeypatch):
+    from rlix.cluster.commands import up  # deferred: the shared cluster's commands import Ray
+    from rlix.errors import ConfigError
+
+    monkeypatch.setenv("RLIX_CACHE_DIR", str(tmp_path / "cache"))
+    base = dict(num_gpus=1, num_cpus=1, gpu_slices=1, quotas=[], default_quota=None, address=None,
+                dwell_s=0.0, aging_s=1.0)
+    with pytest.raises(ConfigError, match="--dashboard-port 70000"):
+        up(**base, dashboard_port=70000)
+    with pytest.raises(ConfigError, match="--metrics-port and --dashboard-port are both 9100"):
+        up(**base, metrics_port=9100, dashboard_port=9100)
+    assert not (tmp_path / "cache" / "cluster").exists()  # nothing was started
