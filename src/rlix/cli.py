@@ -154,7 +154,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rlix.cluster.commands import up  # deferred: see _cmd_run
 
     up(num_gpus=args.num_gpus, num_cpus=args.num_cpus, gpu_slices=args.gpu_slices, quotas=args.quota,
-       default_quota=args.default_quota, address=args.address, dwell_s=args.dwell_s, aging_s=args.aging_s)
+       default_quota=args.default_quota, address=args.address, dwell_s=args.dwell_s, aging_s=args.aging_s,
+       metrics_port=args.metrics_port, dashboard_port=args.dashboard_port)
     return 0
 
 
@@ -298,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--default-quota", type=int, default=None, help="the cap for users not named (default: none)")
     up.add_argument("--dwell-s", type=float, default=30.0, help="scheduler: a woken shard is kept this long")
     up.add_argument("--aging-s", type=float, default=60.0, help="scheduler: a request waiting this long goes first")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="serve the scheduler's Prometheus metrics on 127.0.0.1 here (0: a free port)")
+    up.add_argument("--dashboard-port", type=int, default=None,
+                    help="serve the live dashboard on 127.0.0.1 here (0: a free port; the URL is printed)")
     up.set_defaults(func=_cmd_up)
 
     down = sub.add_parser("down", help="stop the shared cluster (its jobs are cancelled: checkpoints saved)")

@@ -116,9 +116,13 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
         if mode == "rlix":
             params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
-                                        metrics_port=cfg.scheduler.metrics_port)
+                                        metrics_port=cfg.scheduler.metrics_port,
+                                        dashboard_port=cfg.scheduler.dashboard_port)
             ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is registered
             _say_metrics_endpoint(scheduler, cfg, say)
+            _say_dashboard(scheduler, cfg, say)
+        elif cfg.scheduler.dashboard_port is not None:
+            say("scheduler.dashboard_port: no dashboard in standalone mode (there is no scheduler)")
         return follow(cfg, config_path, mode=mode, run_dir=run_dir, say=say, devices=devices,
                       scheduler=scheduler, all_gpus=list(range(topology.num_gpus)), resume=resume,
                       t_start=t_start, first_plan_held=scheduler is not None)
@@ -137,6 +141,17 @@ def _say_metrics_endpoint(scheduler, cfg: RlixConfig, say: RunLog) -> None:
         raise ConfigError(f"scheduler.metrics_port: {endpoint['error']}")
     if endpoint["url"]:
         say(f"scheduler metrics (Prometheus): {endpoint['url']}")
+
+
+def _say_dashboard(scheduler, cfg: RlixConfig, say: RunLog) -> None:
+    """The dashboard's URL to the console and run log; a port it could not listen on ends the run."""
+    if cfg.scheduler.dashboard_port is None:
+        return
+    endpoint = ray.get(scheduler.dashboard_endpoint.remote())
+    if endpoint["error"]:
+        raise ConfigError(f"scheduler.dashboard_port: {endpoint['error']}")
+    if endpoint["url"]:
+        say(f"dashboard: {endpoint['url']}")
 
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -82,9 +83,10 @@ def write_job(tmp: Path, name: str, model: Path, max_shards: int) -> str:
 def test_researchers_share_a_cluster_through_submit_cancel_and_the_queue(tmp_path, tiny_model_dir):
     cli = Cli(tmp_path)
     up = cli("up", "--num-gpus", "3", "--num-cpus", "12", "--quota", "carol=2", "--dwell-s", "0.2",
-             "--aging-s", "5")
+             "--aging-s", "5", "--dashboard-port", "0")
     assert "rlix cluster up at" in up and "3 GPU(s)" in up
     state = json.loads((tmp_path / "cache" / "cluster" / "state.json").read_text())
+    assert f"dashboard: {state['dashboard']}" in up and state["dashboard"].startswith("http://127.0.0.1:")
     head = int(state["pid"])
     drivers: list[int] = []
     try:
@@ -99,6 +101,10 @@ def test_researchers_share_a_cluster_through_submit_cancel_and_the_queue(tmp_pat
         both = wait_until("ja and jb to hold GPUs",
                           lambda: (h := holders(cli.status())) and h.get("ja") and h.get("jb") and h)
         assert set(both) == {"ja", "jb"}
+        # the head's scheduler serves the dashboard: every job's pipelines in one table
+        shown = wait_until("the dashboard to list ja and jb", lambda: {p["name"] for p in httpx.get(
+            state["dashboard"] + "api/pipelines", timeout=10).json()} >= {"ja", "jb"})
+        assert shown
         # `rlix status` shows who holds which GPU (it changes by the second: read until it shows both)
         table = wait_until("status to show ja and jb", lambda: (t := cli("status")) and "ja/" in t and "jb/" in t and t)
         assert "running" in table and "3 GPU(s)" in table

@@ -95,18 +95,24 @@ def connect(address: str | None = None) -> str:
 # ---------------------------------------------------------------------- up / down
 def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str],
        default_quota: int | None, address: str | None, dwell_s: float, aging_s: float,
+       metrics_port: int | None = None, dashboard_port: int | None = None,
        out: Callable[[str], None] = print) -> dict:
     """Start the head process (or say where the running one is); returns the cluster's state."""
     state = read_state()
     if state is not None:
         out(f"rlix cluster already up at {state['address']} (head pid {state['pid']}): "
-            f"{state['gpus']} GPU(s)")
+            f"{state['gpus']} GPU(s)" + (f"; dashboard {state['dashboard']}" if state.get("dashboard") else ""))
         return state
     if address is None and num_gpus is None:
         raise ConfigError("rlix up: give --num-gpus N for a local cluster, or --address of a Ray cluster")
     parse_quotas(quotas, default_quota)  # a bad --quota fails here, not in the head's log
     if gpu_slices < 1:
         raise ConfigError(f"rlix up: --gpu-slices {gpu_slices}: give 1 or more")
+    for flag, port in (("--metrics-port", metrics_port), ("--dashboard-port", dashboard_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"rlix up: {flag} {port}: give a port in 0..65535")
+    if metrics_port and metrics_port == dashboard_port:
+        raise ConfigError(f"rlix up: --metrics-port and --dashboard-port are both {metrics_port}; give each its own")
     cluster_dir().mkdir(parents=True, exist_ok=True)
     state_path().unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),
@@ -117,6 +123,9 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
         cmd += ["--quota", q]
     if default_quota is not None:
         cmd += ["--default-quota", str(default_quota)]
+    for flag, port in (("--metrics-port", metrics_port), ("--dashboard-port", dashboard_port)):
+        if port is not None:
+            cmd += [flag, str(port)]
     log = cluster_dir() / "head.log"
     with log.open("ab") as fh:
         head = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -128,6 +137,9 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
             out(f"rlix cluster up at {state['address']} (head pid {state['pid']}): {state['gpus']} GPU(s)"
                 f"{' as ' + str(state['scheduled_gpus']) + ' slices' if state['gpu_slices'] > 1 else ''}; "
                 f"log {log}")
+            for what in ("metrics", "dashboard"):
+                if state.get(what):
+                    out(f"{what}: {state[what]}")
             return state
         if head.poll() is not None:
             raise ConfigError(f"rlix up: the head exited with code {head.returncode}: "

@@ -8,6 +8,7 @@ stop them (each saves a checkpoint), and takes everything down, its Ray cluster 
 
     python -m rlix.cluster.head --state FILE [--num-gpus N] [--num-cpus N] [--gpu-slices K]
                                 [--quota USER=N ...] [--default-quota N] [--address ADDR]
+                                [--metrics-port N] [--dashboard-port N]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-quota", type=int, default=None)
     ap.add_argument("--dwell-s", type=float, default=30.0)
     ap.add_argument("--aging-s", type=float, default=60.0)
+    ap.add_argument("--metrics-port", type=int, default=None)
+    ap.add_argument("--dashboard-port", type=int, default=None)
     args = ap.parse_args(argv)
     quotas = parse_quotas(args.quota, args.default_quota)
     state = Path(args.state)
@@ -60,7 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     reservation = GpuReservation.reserve(gpus, slices=args.gpu_slices)
     topology = gpus.sliced(args.gpu_slices)
     params = PlannerParams(dwell_s=args.dwell_s, aging_s=args.aging_s)
-    scheduler = start_scheduler(topology, params, detached=True, real_gpus=reservation.has_cuda)
+    scheduler = start_scheduler(topology, params, detached=True, real_gpus=reservation.has_cuda,
+                                metrics_port=args.metrics_port, dashboard_port=args.dashboard_port)
+    urls = _endpoints(scheduler)
+    if isinstance(urls, str):  # a port it cannot listen on: `rlix up` shows this last line
+        ray.kill(scheduler, no_restart=True)
+        reservation.release()
+        ray.shutdown()
+        print(f"rlix head: {urls}", flush=True)
+        return 2
     address = ray.get_runtime_context().gcs_address
     info = ClusterInfo(address=address, reservation=reservation, topology=topology,
                        gpu_slices=args.gpu_slices, params=params, started_at=time.time())
@@ -70,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "gpus": gpus.num_gpus,
                                "scheduled_gpus": topology.num_gpus, "gpu_slices": args.gpu_slices,
                                "cuda": reservation.has_cuda, "started_at": info.started_at,
-                               "quotas": {"users": quotas.users, "default": quotas.default}}))
+                               "quotas": {"users": quotas.users, "default": quotas.default}, **urls}))
     tmp.replace(state)
     print(f"rlix head: up at {address}, {gpus.num_gpus} GPU(s)"
           f"{f' as {topology.num_gpus} slices' if args.gpu_slices > 1 else ''}", flush=True)
+    for what, url in urls.items():
+        if url:
+            print(f"rlix head: {what} at {url}", flush=True)
     try:
         while not stop.wait(1.0):
             pass
@@ -103,6 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         print("rlix head: down", flush=True)
     return 0
+
+
+def _endpoints(scheduler) -> dict | str:
+    """{"metrics": url, "dashboard": url} the scheduler serves (None: not asked for), or the
+    one-line problem of a port it could not listen on."""
+    urls = {}
+    for what, field in (("metrics", "--metrics-port"), ("dashboard", "--dashboard-port")):
+        endpoint = ray.get(getattr(scheduler, f"{what}_endpoint").remote())
+        if endpoint["error"]:
+            return f"{field}: {endpoint['error']}"
+        urls[what] = endpoint["url"]
+    return urls
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlix.envs.agent_config import EnvConfig
 from rlix.envs.config import TaskConfig
@@ -71,6 +71,19 @@ class SchedulerConfig(_Strict):
                                                                        "metrics on 127.0.0.1 at this port "
                                                                        "(0: a free one, named in the run "
                                                                        "log); null: not served")
+    dashboard_port: int | None = Field(None, ge=0, le=65535, description="serve the live dashboard (GPU "
+                                                                         "timeline, pipelines table) on "
+                                                                         "127.0.0.1 at this port (0: a "
+                                                                         "free one, printed by rlix run); "
+                                                                         "null: not served")
+
+    @field_validator("dashboard_port")
+    @classmethod
+    def _own_port(cls, port: int | None, info: ValidationInfo) -> int | None:
+        """Two servers cannot share one port (0 picks a free one for each)."""
+        if port and port == info.data.get("metrics_port"):
+            raise ValueError("the same port as scheduler.metrics_port; give each its own (or 0)")
+        return port
 
 
 class RolloutConfig(_Strict):

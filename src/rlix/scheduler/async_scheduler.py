@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 from rlix.errors import SchedulerError, UnknownPipelineError
 from rlix.scheduler.core import LostGpus, PlanFn, SchedulerCore, parse_stage
+from rlix.scheduler.dashboard import DashboardFeed
 from rlix.scheduler.executor import PlanExecutor, ReassertFn, ResizeFn
 from rlix.scheduler.metrics import SchedulerMetrics
 from rlix.scheduler.persistence import SchedulerPersistence, ServiceState
@@ -48,6 +49,8 @@ class AsyncScheduler:
         self.core = SchedulerCore(topology, params, clock=clock, plan_fn=plan_fn)
         self.metrics = SchedulerMetrics(clock=self.core.clock)  # Prometheus; refreshed at every change
         self.metrics.refresh(self.core)
+        # the dashboard's frame; off (free) until the service serves the page
+        self.dashboard = DashboardFeed(clock=self.core.clock)
         # saved at every change (`_save`); None: the state lives in this process only
         self.persistence = persistence
         # real GPUs: a GPU is handed on only once its holder's memory is free, so a pipeline
@@ -101,6 +104,7 @@ class AsyncScheduler:
         self._retry_unregisters = {n: list(d["freed"]) for n, d in self.core.departed.items()}
         self._save()
         self.metrics.refresh(self.core)
+        self.dashboard.refresh(self.core, self.failures, self.restarts)
         return True
 
     def attach(self, name: str, resize: ResizeFn) -> None:
@@ -309,6 +313,7 @@ class AsyncScheduler:
         finally:
             self._save()
             self.metrics.refresh(self.core)
+            self.dashboard.refresh(self.core, self.failures, self.restarts)
 
     def _plan(self, reason: str) -> None:
         if self.holding:

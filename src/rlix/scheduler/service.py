@@ -1,7 +1,7 @@
 """The scheduler as a Ray service: `SchedulerService` ("rlix:scheduler" in namespace "rlix") is
 the thin actor around `rlix.scheduler.async_scheduler.AsyncScheduler`; it adds Ray handles, the
-coordinator liveness check and the metrics endpoint. `start_scheduler` / `get_scheduler` are how
-the rest of rlix reaches it.
+coordinator liveness check, the metrics endpoint and the dashboard page (rlix.scheduler.dashboard).
+`start_scheduler` / `get_scheduler` are how the rest of rlix reaches it.
 
 Surviving its own death: the state is saved (rlix.scheduler.persistence) to Ray's GCS key-value
 store at every change, before any coordinator call or answer that depends on it goes out. Ray
@@ -28,6 +28,7 @@ from rlix import env
 from rlix.errors import SchedulerError, SchedulerStateError
 from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.core import LostGpus
+from rlix.scheduler.dashboard import DashboardServer
 from rlix.scheduler.executor import ray_reassert, ray_resize
 from rlix.scheduler.persistence import SchedulerPersistence
 from rlix.scheduler.planner import PlannerParams
@@ -77,7 +78,7 @@ class SchedulerService:
     def __init__(self, topology: Topology, params: PlannerParams | None = None,
                  liveness_interval_s: float = 2.0, ping_timeout_s: float = 3.0,
                  call_timeout_s: float | None = None, real_gpus: bool = False,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, dashboard_port: int | None = None) -> None:
         if not log.handlers and log.level == logging.NOTSET:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -102,11 +103,13 @@ class SchedulerService:
         self._broken: str | None = None  # a restart whose state could not be read
         self._to_reconcile = False
         self._metrics = self._serve_metrics(metrics_port)
+        self._dashboard_server = DashboardServer(self._sched.dashboard.state)
         if reconstructed:
             self._recover()
         else:
             store.delete_prefix(STATE_PREFIX)  # a scheduler that died for good left its state
             self._sched._save()  # from now on a restart finds a state, even an empty one
+        self._dashboard = self._serve_dashboard(dashboard_port)  # after a restore: its state shown
 
     def _serve_metrics(self, port: int | None) -> dict:
         """The Prometheus registry over HTTP on 127.0.0.1 (a thread of this process); port 0
@@ -121,6 +124,22 @@ class SchedulerService:
             return {"url": None, "error": f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"}
         url = f"http://127.0.0.1:{bound}/metrics"
         log.info("scheduler metrics at %s", url)
+        return {"url": url, "error": None}
+
+    def _serve_dashboard(self, port: int | None) -> dict:
+        """The dashboard page and its JSON on 127.0.0.1 (a thread of this process), as the
+        metrics are: port 0 picks a free one; a port it cannot listen on is reported."""
+        if port is None:
+            return {"url": None, "error": None}
+        sched = self._sched
+        sched.dashboard.start(sched.core, sched.failures, sched.restarts)
+        try:
+            bound = self._dashboard_server.serve(port)
+        except OSError as exc:
+            log.error("scheduler dashboard: cannot listen on 127.0.0.1:%d: %s", port, exc.strerror or exc)
+            return {"url": None, "error": f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"}
+        url = f"http://127.0.0.1:{bound}/"
+        log.info("scheduler dashboard at %s", url)
         return {"url": url, "error": None}
 
     # ------------------------------------------------------------------ restart
@@ -186,6 +205,10 @@ class SchedulerService:
     async def metrics_endpoint(self) -> dict:
         """{"url", "error"} of the Prometheus endpoint (url None: not served; error: why not)."""
         return dict(self._metrics)
+
+    async def dashboard_endpoint(self) -> dict:
+        """{"url", "error"} of the dashboard page (url None: not served; error: why not)."""
+        return dict(self._dashboard)
 
     async def pid(self) -> int:
         """The worker process's PID (what a fault test kills)."""
@@ -342,11 +365,12 @@ def topology_from_ray() -> Topology:
 def start_scheduler(topology: Topology | str | None = None, params: PlannerParams | None = None,
                     *, detached: bool = False, liveness_interval_s: float = 2.0,
                     call_timeout_s: float | None = None, real_gpus: bool = False,
-                    metrics_port: int | None = None):
+                    metrics_port: int | None = None, dashboard_port: int | None = None):
     """Start the scheduler actor, or get the running one; returns its handle once ready.
     `real_gpus`: the GPUs are real (not fake ones on CPU), see AsyncScheduler. `metrics_port`:
     serve its Prometheus metrics on 127.0.0.1 there (0: a free port; `metrics_endpoint()` says
-    which); None: not served.
+    which); None: not served. `dashboard_port`: the same for the dashboard page
+    (`dashboard_endpoint()`).
 
     `topology` None or "auto" reads it from Ray. An existing scheduler with another topology
     is an error, not silently reused.
@@ -367,7 +391,7 @@ def start_scheduler(topology: Topology | str | None = None, params: PlannerParam
             ray.get_runtime_context().get_node_id(), soft=False)
     handle = SchedulerService.options(**options).remote(
         topology, params, liveness_interval_s=liveness_interval_s, call_timeout_s=call_timeout_s,
-        real_gpus=real_gpus, metrics_port=metrics_port)
+        real_gpus=real_gpus, metrics_port=metrics_port, dashboard_port=dashboard_port)
     info = ray.get(handle.ping.remote())
     if tuple(info["gpus_per_node"]) != topology.gpus_per_node:
         raise SchedulerError(f"a scheduler is already running with topology "

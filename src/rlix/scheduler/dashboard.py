@@ -1,0 +1,443 @@
+"""The scheduler's live dashboard: a page and its JSON, served from the scheduler's process.
+
+`DashboardFeed` is bookkeeping fed by whoever drives a `SchedulerCore` (the service's
+`AsyncScheduler` refreshes it after every change, beside the metrics): it keeps the pipelines
+table and the recent GPU role changes in a frame replaced whole, because the HTTP server answers
+from its own thread while the scheduler's loop changes the ledger. What depends on the time (a
+pending request's wait, the timeline's right edge) is computed when asked, on the core's clock.
+
+`DashboardServer` serves, on 127.0.0.1 only:
+  GET /               the page (dashboard.html, shipped with the package: plain JS and SVG, no
+                      build step, nothing fetched from elsewhere); it polls /api/state every second
+  GET /api/state      `DashboardState`: the pipelines table and every GPU's segments over the last
+                      `window_s` seconds (query `?window_s=N`, default 300, at most KEEP_S)
+  GET /api/pipelines  the table alone;  GET /api/gpus  the GPU rows alone
+
+Times in the JSON are seconds relative to the answer (`start_s` <= `end_s` <= 0), so the page
+needs no clock of its own. Pipelines are coloured as the run's PNG chart colours them
+(rlix.timeline.chart: matplotlib's tab10 then Dark2, in order of first appearance; train darker,
+generate lighter).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Literal
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import BaseModel
+
+from rlix.scheduler.core import SchedulerCore, gpu_roles
+from rlix.scheduler.planner import rollout_demand
+from rlix.scheduler.types import Role
+
+log = logging.getLogger("rlix.scheduler")
+
+#: matplotlib's tab10 then Dark2, as hex: rlix.timeline.chart.pipeline_colours' palette (a test
+#: keeps the two equal; the scheduler's layer cannot import the timeline's, nor needs matplotlib)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02",
+           "#a6761d", "#666666")
+#: how far back the timeline can be asked for (older role changes are dropped)
+KEEP_S = 3600.0
+#: role changes kept at most (a busy cluster's hour could be more: the oldest go first)
+KEEP_CHANGES = 20000
+#: pipelines that left, still shown (with state left or failed), newest kept
+DEPARTED_SHOWN = 16
+DEFAULT_WINDOW_S = 300.0
+
+RoleName = Literal["train", "generate", "idle", "lost"]
+PipelineState = Literal["waiting", "init", "train", "logprob", "generating", "idle", "left", "failed"]
+
+
+class RoleColours(BaseModel):
+    """A pipeline's two shades (CSS colours), as the PNG chart draws its roles."""
+
+    train: str
+    generate: str
+
+
+class PipelineRow(BaseModel):
+    """One row of the pipelines table."""
+
+    name: str
+    priority: int | None
+    weight: float | None
+    state: PipelineState
+    #: GPUs held now, by role (train: a non-rollout stage; generate: its shards)
+    train_gpus: list[int]
+    generate_gpus: list[int]
+    shards: int
+    max_shards: int | None
+    #: shards the planner would give it now (rollout demand); None once it has left
+    demand_shards: int | None
+    #: the step and rollout counts of its last progress report (None: none yet)
+    step: int | None
+    remaining: int | None
+    target: int | None
+    #: its pending non-rollout request: the stage, GPUs asked for, seconds waited so far
+    waiting_for: str | None
+    waiting_gpus: int | None
+    waiting_s: float | None
+    #: why it failed (state failed)
+    error: str | None
+    colours: RoleColours
+
+
+class Segment(BaseModel):
+    """A stretch of time one GPU had one holder in one role; seconds relative to the answer."""
+
+    start_s: float
+    end_s: float
+    pipeline: str | None
+    role: RoleName
+    rank: int | None
+    #: why this stretch began (the role log's reason: grant, expand, preemption, release,
+    #: unregister, failure, lost); None when it began before the window or the kept log
+    reason: str | None
+
+
+class GpuRow(BaseModel):
+    """One GPU: who holds it now and its segments over the window, oldest first."""
+
+    gpu: int
+    node: int
+    pipeline: str | None
+    role: RoleName
+    rank: int | None
+    segments: list[Segment]
+
+
+class DashboardState(BaseModel):
+    """Everything the page draws, in one answer."""
+
+    #: wall-clock time of this answer (unix seconds)
+    at: float
+    window_s: float
+    gpus_total: int
+    gpus_idle: int
+    gpus_lost: int
+    #: number of the last GPU role change (grows with every move)
+    role_seq: int
+    plans: int
+    restarts: int
+    pipelines: list[PipelineRow]
+    gpus: list[GpuRow]
+
+
+def colours(index: int) -> RoleColours:
+    """The chart's shades of the `index`th pipeline's colour: train mixed 25% towards black,
+    generate 50% towards white (rlix.timeline.chart.shade)."""
+    base = PALETTE[index % len(PALETTE)]
+    rgb = [int(base[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+
+    def mix(towards: float, amount: float) -> str:
+        return "#" + "".join(f"{round((c + (towards - c) * amount) * 255):02x}" for c in rgb)
+
+    return RoleColours(train=mix(0.0, 0.25), generate=mix(1.0, 0.5))
+
+
+def parse_role(role: str) -> tuple[str | None, RoleName, int | None]:
+    """A role-log role ("idle", "P/train", "P/generate#R") as (pipeline, role, dp rank)."""
+    if role == "idle" or "/" not in role:
+        return None, "idle", None
+    pipeline, what = role.rsplit("/", 1)
+    if what.startswith("generate#"):
+        return pipeline, "generate", int(what.split("#", 1)[1])
+    return pipeline, "train", None
+
+
+def pipeline_rows(core: SchedulerCore, order: Mapping[str, int], now: float) -> list[PipelineRow]:
+    """The registered pipelines as table rows (waits measured at `now`, the core's clock);
+    `order`: pipeline -> colour index."""
+    held: dict[str, dict[Role, list[int]]] = {}
+    shards: dict[str, int] = {}
+    stage_of: dict[str, str] = {}
+    for h in core.ledger.holdings.values():
+        held.setdefault(h.pipeline, {}).setdefault(h.role, []).extend(h.gpus)
+        if h.role is Role.GENERATE:
+            shards[h.pipeline] = shards.get(h.pipeline, 0) + 1
+        else:
+            stage_of[h.pipeline] = h.stage.name.lower()
+    pending = {r.pipeline: r for r in core.pending.values()}
+    rows = []
+    for name, spec in core.pipelines.items():
+        progress = core.progress.get(name)
+        req = pending.get(name)
+        mine = held.get(name, {})
+        if req is not None:
+            state: PipelineState = "waiting"
+        elif name in stage_of:
+            state = stage_of[name]  # type: ignore[assignment]
+        elif shards.get(name):
+            state = "generating"
+        else:
+            state = "idle"
+        rows.append(PipelineRow(
+            name=name, priority=spec.priority, weight=spec.weight, state=state,
+            train_gpus=sorted(mine.get(Role.TRAIN, [])), generate_gpus=sorted(mine.get(Role.GENERATE, [])),
+            shards=shards.get(name, 0), max_shards=spec.max_shards,
+            demand_shards=rollout_demand(spec, progress),
+            step=progress.step if progress else None, remaining=progress.remaining if progress else None,
+            target=progress.target if progress else None,
+            waiting_for=req.stage.name.lower() if req else None, waiting_gpus=req.gpus if req else None,
+            waiting_s=round(max(0.0, now - req.submitted_at), 3) if req else None,
+            error=None, colours=colours(order.get(name, 0))))
+    return rows
+
+
+def departed_row(last: PipelineRow, failure: Mapping | None) -> PipelineRow:
+    """A pipeline that left, as its last row: nothing held, nothing asked for."""
+    return last.model_copy(update={
+        "state": "failed" if failure else "left", "train_gpus": [], "generate_gpus": [], "shards": 0,
+        "demand_shards": None, "waiting_for": None, "waiting_gpus": None, "waiting_s": None,
+        "error": str(failure.get("reason")) if failure else None})
+
+
+def gpu_rows(changes: Iterable[Mapping], roles: Mapping[int, str], lost: Iterable[int],
+             node_of: list[int], now: float, window_s: float) -> list[GpuRow]:
+    """Every GPU's segments over [now - window_s, now] from the role changes (oldest first,
+    `at` on the same clock as `now`) and the roles now. A GPU's role before its first kept
+    change is that change's `before`; a GPU with no change kept had its role now all along."""
+    start = now - window_s
+    per_gpu: dict[int, list[Mapping]] = {}
+    for c in changes:
+        per_gpu.setdefault(int(c["gpu"]), []).append(c)
+    lost = set(lost)
+    rows = []
+    for gpu, node in enumerate(node_of):
+        segments: list[Segment] = []
+        t, reason = float("-inf"), None
+        current = roles.get(gpu, "idle")
+        for c in per_gpu.get(gpu, []):
+            _add(segments, t, float(c["at"]), str(c["before"]), reason, start, now)
+            t, reason = float(c["at"]), str(c["reason"])
+        _add(segments, t, now, current, reason, start, now)
+        pipeline, role, rank = parse_role(current)
+        if gpu in lost:
+            role = "lost"
+            if segments and segments[-1].role == "idle":
+                segments[-1] = segments[-1].model_copy(update={"role": "lost"})
+        rows.append(GpuRow(gpu=gpu, node=node, pipeline=pipeline, role=role, rank=rank, segments=segments))
+    return rows
+
+
+def _add(segments: list[Segment], begin: float, end: float, role: str, reason: str | None,
+         start: float, now: float) -> None:
+    """A segment clipped to the window (dropped if outside it); `lost` is kept as its role."""
+    lo, hi = max(begin, start), min(end, now)
+    if hi <= lo:
+        return
+    pipeline, name, rank = parse_role(role)
+    if reason == "lost" and name == "idle":
+        name = "lost"
+    segments.append(Segment(start_s=round(lo - now, 3), end_s=round(hi - now, 3), pipeline=pipeline,
+                            role=name, rank=rank, reason=reason if begin >= start else None))
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """The scheduler as of the last refresh (replaced whole, never changed)."""
+
+    at: float = 0.0  # the core's clock at the refresh
+    rows: tuple[PipelineRow, ...] = ()
+    pending_since: dict[str, float] = field(default_factory=dict)  # pipeline -> its request's time
+    roles: dict[int, str] = field(default_factory=dict)
+    lost: frozenset[int] = frozenset()
+    node_of: tuple[int, ...] = ()
+    changes: tuple[dict, ...] = ()
+    role_seq: int = 0
+    plans: int = 0
+    restarts: int = 0
+
+
+class DashboardFeed:
+    """See module doc. Off until `start()` (the service starts it when it serves the page):
+    then every `refresh(core)` keeps a frame for the server's thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, keep_s: float = KEEP_S,
+                 keep_changes: int = KEEP_CHANGES) -> None:
+        self.clock = clock
+        self.keep_s = keep_s
+        self.active = False
+        self._frame = _Frame()
+        self._changes: deque[dict] = deque(maxlen=keep_changes)
+        self._seq = 0  # the last role change taken
+        self._order: dict[str, int] = {}  # pipeline -> colour index, in order of first appearance
+        self._last_rows: dict[str, PipelineRow] = {}  # every pipeline's last row (a leaver's stays)
+        self._departed: deque[str] = deque()
+        self._seen_at: dict[str, float] = {}  # pipeline -> the last refresh that found it registered
+
+    def start(self, core: SchedulerCore, failures: Iterable[Mapping] = (), restarts: int = 0) -> None:
+        self.active = True
+        self.refresh(core, failures, restarts)
+
+    def refresh(self, core: SchedulerCore, failures: Iterable[Mapping] = (), restarts: int = 0) -> None:
+        """Take the core's state now (on the thread that changes it)."""
+        if not self.active:
+            return
+        now = core.clock()
+        new = []
+        for c in reversed(core.role_log):  # the newest are at the end: read back to the last taken
+            if c["seq"] <= self._seq:
+                break
+            new.append(dict(c))
+        self._changes.extend(reversed(new))
+        self._seq = max(self._seq, core.role_seq)
+        dropped = 0
+        while self._changes and self._changes[0]["at"] < now - self.keep_s:
+            self._changes.popleft()
+            dropped += 1
+        # copied for the frame only when they changed (a refresh per progress report is common)
+        changes = tuple(self._changes) if new or dropped or not self._frame.changes else self._frame.changes
+        for name in core.pipelines:
+            self._order.setdefault(name, len(self._order))
+        rows = pipeline_rows(core, self._order, now)
+        # a failure counts for a leaver if it came after the pipeline was last seen registered
+        # (one that failed, came back and then left in peace has left)
+        failed = {f["pipeline"]: f for f in failures
+                  if f.get("at", now) >= self._seen_at.get(f["pipeline"], float("-inf"))}
+        for name in [n for n in self._last_rows if n not in core.pipelines and n not in self._departed]:
+            self._departed.append(name)
+        for name in [n for n in self._departed if n in core.pipelines]:
+            self._departed.remove(name)  # registered again
+        while len(self._departed) > DEPARTED_SHOWN:
+            name = self._departed.popleft()
+            self._last_rows.pop(name, None)
+            self._seen_at.pop(name, None)
+        for row in rows:
+            self._last_rows[row.name] = row
+            self._seen_at[row.name] = now
+        gone = [departed_row(self._last_rows[n], failed.get(n)) for n in self._departed]
+        self._frame = _Frame(
+            at=now, rows=tuple(rows + gone),
+            pending_since={r.pipeline: r.submitted_at for r in core.pending.values()},
+            roles=gpu_roles(core.ledger.snapshot()), lost=frozenset(core.ledger.lost),
+            node_of=tuple(core.ledger.topology.node_of()), changes=changes,
+            role_seq=core.role_seq, plans=len(core.plan_log), restarts=restarts)
+
+    def state(self, window_s: float = DEFAULT_WINDOW_S) -> DashboardState:
+        """The page's data now (any thread)."""
+        frame, now = self._frame, self.clock()
+        window_s = min(max(float(window_s), 1.0), self.keep_s)
+        rows = [r.model_copy(update={"waiting_s": round(max(0.0, now - frame.pending_since[r.name]), 3)})
+                if r.name in frame.pending_since else r for r in frame.rows]
+        gpus = gpu_rows(frame.changes, frame.roles, frame.lost, list(frame.node_of), now, window_s)
+        return DashboardState(
+            at=time.time(), window_s=window_s, gpus_total=len(frame.node_of),
+            gpus_idle=sum(1 for g in gpus if g.role == "idle"), gpus_lost=len(frame.lost),
+            role_seq=frame.role_seq, plans=frame.plans, restarts=frame.restarts, pipelines=rows, gpus=gpus)
+
+
+# ---------------------------------------------------------------------- HTTP
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: status, content type, body."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+
+def page() -> bytes:
+    """The dashboard page (package data beside this module)."""
+    return resources.files("rlix.scheduler").joinpath("dashboard.html").read_bytes()
+
+
+def _json(status: int, payload) -> Answer:
+    return Answer(status, "application/json", json.dumps(payload).encode())
+
+
+def route(target: str, state: Callable[[float], DashboardState]) -> Answer:
+    """What a GET of `target` (path and query) answers; `state(window_s)` gives the data."""
+    url = urlsplit(target)
+    if url.path in ("/", "/index.html"):
+        return Answer(200, "text/html; charset=utf-8", page())
+    if url.path not in ("/api/state", "/api/pipelines", "/api/gpus"):
+        return _json(404, {"error": f"no such page: {url.path}",
+                           "pages": ["/", "/api/state", "/api/pipelines", "/api/gpus"]})
+    raw = parse_qs(url.query).get("window_s", [str(DEFAULT_WINDOW_S)])[-1]
+    try:
+        window_s = float(raw)
+        if not window_s > 0 or window_s == float("inf"):
+            raise ValueError
+    except ValueError:
+        return _json(400, {"error": f"window_s must be a positive number of seconds, got {raw!r}"})
+    data = state(window_s)
+    if url.path == "/api/pipelines":
+        body = "[" + ",".join(r.model_dump_json() for r in data.pipelines) + "]"
+    elif url.path == "/api/gpus":
+        body = "[" + ",".join(g.model_dump_json() for g in data.gpus) + "]"
+    else:
+        body = data.model_dump_json()
+    return Answer(200, "application/json", body.encode())
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Thin: every GET goes to `route`."""
+
+    server: "_Server"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        try:
+            answer = route(self.path, self.server.state)
+        except Exception as exc:  # noqa: BLE001 - a bug here must answer, not hang the page
+            log.exception("dashboard: %s failed", self.path)
+            answer = _json(500, {"error": f"{type(exc).__name__}: {exc}"})
+        self.send_response(answer.status)
+        self.send_header("Content-Type", answer.content_type)
+        self.send_header("Content-Length", str(len(answer.body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(answer.body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - http.server's signature
+        pass  # one line per poll would drown the scheduler's log
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    state: Callable[[float], DashboardState]
+
+
+class DashboardServer:
+    """The page and its JSON over HTTP, on a thread of this process."""
+
+    def __init__(self, state: Callable[[float], DashboardState]) -> None:
+        self.state = state
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start serving; returns the port (0: a free one is chosen). OSError if it cannot
+        listen there (a port taken by another program, one below 1024 without the right)."""
+        self.close()
+        server = _Server((host, port), _Handler)
+        server.state = self.state
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="rlix-dashboard", daemon=True)
+        self._thread.start()
+        return int(server.server_port)
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else int(self._server.server_port)
+
+    def close(self) -> None:
+        """Stop serving (if it was) and free the port."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
