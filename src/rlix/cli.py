@@ -91,13 +91,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
         ray.shutdown()
 
 
-def _fetch_status(address: str):  # type: ignore[no-untyped-def]
-    """The scheduler's snapshot and, on a shared cluster, its jobs (None on a cluster of `rlix run`)."""
+def _fetch_status(address: str, whole: bool = False):  # type: ignore[no-untyped-def]
+    """The scheduler's view (whole: its snapshot) and, on a shared cluster, its jobs (None on a
+    cluster of `rlix run`)."""
     import ray  # deferred: see _cmd_run
 
     from rlix.scheduler.service import get_scheduler  # deferred: see _cmd_run
 
-    snap = ray.get(get_scheduler().snapshot.remote(), timeout=30)
+    scheduler = get_scheduler()
+    snap = ray.get((scheduler.snapshot if whole else scheduler.view).remote(), timeout=30)
     try:
         from rlix.cluster.registry import get_registry  # deferred: see _cmd_run
 
@@ -114,14 +116,14 @@ def _show_status(args: argparse.Namespace, address: str) -> int:
     from rich.live import Live  # deferred: see _cmd_run
 
     from rlix.cluster.commands import jobs_table  # deferred: see _cmd_run
-    from rlix.cluster.status_view import build_view, render  # deferred: see _cmd_run
+    from rlix.cluster.status_view import render  # deferred: see _cmd_run
 
     def frame():  # type: ignore[no-untyped-def]
-        snap, rows = _fetch_status(address)
-        return snap, rows, render(build_view(snap, address), jobs_table(rows) if rows else None)
+        view, rows = _fetch_status(address)
+        return view, rows, render(view, address, jobs_table(rows) if rows else None)
 
     if args.json:
-        snap, rows = _fetch_status(address)
+        snap, rows = _fetch_status(address, whole=True)
         print(json.dumps({"scheduler": snap, "jobs": rows}, indent=2, default=str))
         return 0
     console = Console()

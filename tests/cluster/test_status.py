@@ -4,6 +4,7 @@ running cluster (a real Ray cluster and scheduler, `rlix status` as a subprocess
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
@@ -13,8 +14,11 @@ import time
 import pytest
 import ray
 
-from rlix.cluster.status_view import build_view, render
+from rich.console import Console
+
+from rlix.cluster.status_view import render
 from rlix.scheduler.core import SchedulerCore
+from rlix.scheduler.dashboard import DashboardFeed
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.scheduler.types import PipelineSpec, Progress, Stage, Topology
@@ -22,32 +26,46 @@ from rlix.scheduler.types import PipelineSpec, Progress, Stage, Topology
 PARAMS = PlannerParams(dwell_s=0.0, aging_s=60.0)
 
 
-def test_rows_follow_the_ledger_and_the_reports():
+def test_tables_show_the_ledger_and_the_reports():
     now = [100.0]
     core = SchedulerCore(Topology((2, 2)), PARAMS, clock=lambda: now[0])
+    feed = DashboardFeed(clock=lambda: now[0])
     core.register(PipelineSpec("alpha", priority=1, max_shards=2))
     core.register(PipelineSpec("beta", max_shards=2))
     core.report_progress(Progress("alpha", remaining=12, target=16, step=3))
     core.replan("test")
+    feed.start(core)
     now[0] = 104.0
     core.submit_request("alpha", Stage.TRAIN, 1)
-    view = build_view(core.snapshot(), "127.0.0.1:1")
+    feed.refresh(core)
+    now[0] = 105.0
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(render(feed.state(60), "127.0.0.1:1", ["job  user"]))
+    screen = console.export_text()
+    rows = table_rows(screen)
+    held = {g for gs in core.shard_gpus("alpha").values() for g in gs}
+    assert {int(r[0]) for r in rows if r[2] == "alpha" and r[3].startswith("generate")} == held
+    assert all(r[4] == "5.0s" for r in rows if r[2] in ("alpha", "beta") and len(r) == 5)
+    assert [r[1] for r in rows if len(r) == 5 and r[0].isdigit()] == ["0", "0", "1", "1"]
+    alpha = next(r for r in rows if r[0] == "alpha")
+    assert alpha[1] == "waiting" and alpha[6] == "3" and alpha[7] == "12"
+    assert alpha[8] == "train 1 GPU for 1.0s"  # not planned yet: it waits, and for what
+    beta = next(r for r in rows if r[0] == "beta")
+    assert beta[6] == "-" and beta[8] == "-"
+    assert "job  user" in screen
 
-    held = {g.gpu: g for g in view.gpus if g.holder}
-    shards = core.shard_gpus("alpha")
-    assert {g for gs in core.shard_gpus("alpha").values() for g in gs} == {
-        g.gpu for g in view.gpus if g.holder == "alpha" and g.role.startswith("generate")}
-    assert all(row.held_s == pytest.approx(4.0) for row in held.values())
-    assert [g.node for g in view.gpus] == [0, 0, 1, 1]
-    rows = {p.name: p for p in view.pipelines}
-    assert rows["alpha"].shards == len(shards) and rows["alpha"].remaining == 12
-    assert rows["alpha"].step == 3 and rows["alpha"].report_age_s == pytest.approx(4.0)
-    assert rows["beta"].remaining is None and rows["beta"].report_age_s is None
-    assert rows["alpha"].waiting == "train 1 GPU for 0.0s"  # not planned yet: it waits
-    assert rows["beta"].waiting == "-"
     core.replan("train")
-    assert "train" in {g.role for g in build_view(core.snapshot(), "x").gpus}
-    render(view, ["job  user"])  # renders without error
+    feed.refresh(core)
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(render(feed.state(60), "x"))
+    rows = table_rows(console.export_text())
+    assert any(r[2] == "alpha" and r[3] == "train" for r in rows)
+
+
+def table_rows(screen: str) -> list[list[str]]:
+    """The cells of every body row of the rich tables on a screen."""
+    return [[c.strip() for c in line.strip().strip("│").split("│")]
+            for line in screen.splitlines() if line.startswith("│")]
 
 
 @ray.remote(num_cpus=0)

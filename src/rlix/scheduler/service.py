@@ -28,7 +28,7 @@ from rlix import env
 from rlix.errors import SchedulerError, SchedulerStateError
 from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.core import LostGpus
-from rlix.scheduler.dashboard import DashboardServer
+from rlix.scheduler.dashboard import DashboardServer, DashboardState
 from rlix.scheduler.executor import ray_reassert, ray_resize
 from rlix.scheduler.persistence import SchedulerPersistence
 from rlix.scheduler.planner import PlannerParams
@@ -209,6 +209,14 @@ class SchedulerService:
     async def dashboard_endpoint(self) -> dict:
         """{"url", "error"} of the dashboard page (url None: not served; error: why not)."""
         return dict(self._dashboard)
+
+    async def view(self, window_s: float = 60.0) -> DashboardState:
+        """The dashboard's pipelines table and GPU rows now (what `rlix status` shows); the
+        dashboard's bookkeeping starts at the first call when no page is served."""
+        sched = self._sched
+        if not sched.dashboard.active:
+            sched.dashboard.start(sched.core, sched.failures, sched.restarts)
+        return sched.dashboard.state(window_s)
 
     async def pid(self) -> int:
         """The worker process's PID (what a fault test kills)."""
