@@ -9,8 +9,8 @@ On CPU with 3 fake GPUs; every process is found and checked by its PID.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from rlix.cluster.reaper import session_members
 
 pytestmark = pytest.mark.slow  # ~3 min on 2 cores
 
@@ -76,6 +78,31 @@ def wait_until(what: str, check, timeout: float = 240.0, every: float = 1.0):  #
             return value
         time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_sigkilled_head_leaves_no_process_behind(tmp_path):
+    """The head killed outright: its reaper ends what Ray leaves in the session (its agents live
+    on otherwise) and removes the state file, so the next command says no cluster is up."""
+    cli = Cli(tmp_path)
+    assert "rlix cluster up at" in cli("up", "--num-gpus", "1", "--num-cpus", "2")
+    state = json.loads((tmp_path / "cache" / "cluster" / "state.json").read_text())
+    head, session = int(state["pid"]), int(state["session"])
+    members = session_members(session, os.getpid())
+    try:
+        assert head in members and len(members) >= 4  # reaper, head, GCS, raylet, ...
+        os.kill(head, signal.SIGKILL)
+        wait_until("the head's session to be empty", lambda: not session_members(session, os.getpid()),
+                   timeout=30, every=0.5)
+        assert not (tmp_path / "cache" / "cluster" / "state.json").exists()
+        out = subprocess.run([sys.executable, "-m", "rlix.cli", "status"], capture_output=True, text=True,
+                             env=cli.env, timeout=60)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    finally:
+        for pid in session_members(session, os.getpid()):  # only what is still in its session
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def write_job(tmp: Path, name: str, model: Path, max_shards: int) -> str:
@@ -153,6 +180,7 @@ def test_researchers_share_a_cluster_through_submit_cancel_and_the_queue(tmp_pat
         assert not _alive(head)
         assert [pid for pid in drivers if _alive(pid)] == []
         assert not (tmp_path / "cache" / "cluster" / "state.json").exists()
+        assert session_members(int(state["session"]), os.getpid()) == []  # Ray's processes too
         for name in ("jb", "jd"):  # stopped the way Ctrl-C stops a run: summary written
             summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
             assert summary["ending"] == "interrupted", summary["ending"]

@@ -21,6 +21,7 @@ import ray
 
 from rlix import env
 from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, parse_quotas
+from rlix.cluster.reaper import GRACE_S, session_members
 from rlix.cluster.registry import get_registry
 from rlix.config import load_config
 from rlix.config.preflight import preflight
@@ -115,7 +116,9 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
         raise ConfigError(f"rlix up: --metrics-port and --dashboard-port are both {metrics_port}; give each its own")
     cluster_dir().mkdir(parents=True, exist_ok=True)
     state_path().unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),
+    # the head runs under a reaper that ends whatever it leaves in its session when it dies
+    cmd = [sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state_path()), "--",
+           sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),
            "--num-cpus", str(num_cpus), "--gpu-slices", str(gpu_slices),
            "--dwell-s", str(dwell_s), "--aging-s", str(aging_s)]
     cmd += ["--address", address] if address else ["--num-gpus", str(num_gpus)]
@@ -163,6 +166,9 @@ def down(out: Callable[[str], None] = print) -> None:
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
         raise ConfigError(f"rlix down: the head (pid {pid}) did not stop within {DOWN_TIMEOUT_S:g} s; killed it")
+    session = state.get("session")
+    while session and session_members(int(session), os.getpid()) and time.monotonic() < deadline + GRACE_S:
+        time.sleep(0.2)  # the head's reaper ends what the head left, then itself
     out(f"rlix cluster at {state['address']} is down")
 
 

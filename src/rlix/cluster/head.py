@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     registry = start_registry(info, quotas)
     ray.get(registry.jobs.remote())  # up and answering
     tmp = state.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "gpus": gpus.num_gpus,
+    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "session": os.getsid(0),
+                               "gpus": gpus.num_gpus,
                                "scheduled_gpus": topology.num_gpus, "gpu_slices": args.gpu_slices,
                                "cuda": reservation.has_cuda, "started_at": info.started_at,
                                "quotas": {"users": quotas.users, "default": quotas.default}, **urls}))

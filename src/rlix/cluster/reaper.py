@@ -1,0 +1,82 @@
+"""`python -m rlix.cluster.reaper -- CMD...`: run the cluster's head (CMD) and, once it has
+exited for any reason, end every process left in this session.
+
+Why: the head starts Ray's processes (GCS, raylet, their agents, actor workers) in the session
+`rlix up` gives it. When the head is SIGKILLed, Ray ends most of them, but some agents are
+re-parented to init and live on (seen: DashboardAgent and RuntimeEnvAgent). The reaper is the
+session's leader, so whatever the head leaves behind shares its session id; it sends those
+SIGTERM, then SIGKILL after a grace period, and removes the state file the dead head wrote. A
+SIGTERM to the reaper (as `rlix down` would send the head) is passed on to the head. Linux only
+(/proc); standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRACE_S = 5.0
+
+
+def session_members(sid: int, exclude: int) -> list[int]:
+    """PIDs of live processes in session `sid`, but `exclude` (from /proc; [] off Linux)."""
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit() or int(entry.name) == exclude:
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rsplit(") ", 1)[1].split()
+        # fields after the name: state ppid pgrp session ...
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(entry.name))
+    return out
+
+
+def end_session(sid: int, me: int, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM every other process of the session, SIGKILL what is left after `grace_s`; returns
+    the PIDs found at first."""
+    found = session_members(sid, me)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        for pid in session_members(sid, me):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and session_members(sid, me):
+            time.sleep(0.1)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlix.cluster.reaper")
+    parser.add_argument("--state", default=None, help="the head's state file, removed if the head died")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("give the command to run after --")
+    head = subprocess.Popen(cmd)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: head.send_signal(signum))
+    code = head.wait()
+    me = os.getpid()
+    left = end_session(os.getsid(0), me)
+    if code < 0 or left:  # killed, or it left processes behind: say so in the head's log
+        print(f"rlix reaper: the head exited with {code}; ended {len(left)} process(es) it left",
+              file=sys.stderr, flush=True)
+    if code != 0 and args.state:
+        Path(args.state).unlink(missing_ok=True)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The head's reaper: whatever the head leaves in its session is ended once the head is gone,
+whether it exits or is SIGKILLed; a SIGTERM to the reaper reaches the head."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlix.cluster.reaper import session_members
+
+# a stand-in head: starts a child that outlives it (as Ray's agents do), writes both PIDs, waits
+HEAD = """
+import os, subprocess, sys, time, signal
+ready = sys.argv[1] + ".ready"
+child = subprocess.Popen([sys.executable, "-c", "import sys, time, signal; signal.signal(signal.SIGTERM, "
+                          "signal.SIG_IGN); open(sys.argv[1], 'w').close(); time.sleep(120)", ready])
+while not os.path.exists(ready):
+    time.sleep(0.01)
+open(sys.argv[1], "w").write(f"{os.getpid()} {child.pid}")
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def start(tmp_path: Path, head_s: float) -> tuple[subprocess.Popen, int, int, Path]:
+    pids, state = tmp_path / "pids", tmp_path / "state.json"
+    state.write_text("{}")
+    reaper = subprocess.Popen([sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state), "--",
+                               sys.executable, "-c", HEAD, str(pids), str(head_s)],
+                              start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    head, child = map(int, pids.read_text().split())
+    return reaper, head, child, state
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="the reaper reads /proc")
+def test_a_sigkilled_heads_leftovers_are_ended(tmp_path):
+    reaper, head, child, state = start(tmp_path, 120)
+    try:
+        assert set(session_members(reaper.pid, reaper.pid)) >= {head, child}
+        os.kill(head, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert reaper.wait(timeout=30) == 128 + signal.SIGKILL
+        assert not alive(child)  # it ignored SIGTERM: the reaper's SIGKILL ended it
+        assert time.monotonic() - t0 >= 4.0  # after the grace period, not before
+        assert not state.exists()  # the dead head's state file is not left to mislead `rlix status`
+        assert "ended 1 process(es)" in reaper.stderr.read()
+    finally:
+        for pid in (head, child, reaper.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="the reaper reads /proc")
+def test_a_sigterm_reaches_the_head_which_exits_cleanly(tmp_path):
+    reaper, head, child, state = start(tmp_path, 120)
+    try:
+        reaper.send_signal(signal.SIGTERM)
+        assert reaper.wait(timeout=30) == 0
+        assert not alive(head) and not alive(child)
+        assert state.exists()  # a clean exit: the head owns its state file
+    finally:
+        for pid in (head, child, reaper.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
