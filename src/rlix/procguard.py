@@ -25,6 +25,21 @@ GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def pid_alive(pid: int) -> bool:
+    """A process with this PID runs on this machine (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:  # no /proc (not Linux): kill(0) said it exists
+        return True
+
+
 def parent_gone(parent: int) -> bool:
     """The parent we were started by has exited (we were re-parented, to init or a subreaper)."""
     return os.getppid() != parent

@@ -88,3 +88,20 @@ def test_cancel_of_a_queued_job_ends_it_and_jobs_are_found_by_pipeline_name():
     rows = book.rows()
     assert [(r["name"], r["state"], r["queue_position"]) for r in rows] == [("a", "admitted", None),
                                                                           ("two", "cancelled", None)]
+
+
+def test_a_job_whose_driver_died_is_failed_and_its_place_goes_to_the_queue():
+    book = JobBook(2)
+    book.submit(job("a", max_shards=2))
+    book.submit(job("b", max_shards=2))
+    book.submit(job("c", max_shards=2))
+    assert book.get("c").state == "queued"
+    for name, pid in (("a", 101), ("b", 102)):
+        book.get(name).driver_pid, book.get(name).driver_host = pid, "here"
+    book.get("c").driver_pid, book.get("c").driver_host = 103, "elsewhere"  # not ours to judge
+    dead = {101, 103}
+    lost = book.lost_drivers(lambda pid: pid not in dead, "here")
+    assert lost == ["a"]
+    book.set_state("a", "failed", "its driver died")
+    assert book.get("c").state == "admitted"  # a's floor went to the queue
+    assert book.lost_drivers(lambda pid: pid not in dead, "here") == []  # failed jobs are not live

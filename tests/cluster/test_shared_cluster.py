@@ -190,3 +190,30 @@ def test_researchers_share_a_cluster_through_submit_cancel_and_the_queue(tmp_pat
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_sigkilled_driver_fails_its_job_and_frees_its_gpus(tmp_path, tiny_model_dir):
+    cli = Cli(tmp_path)
+    assert "rlix cluster up at" in cli("up", "--num-gpus", "2", "--num-cpus", "8", "--dwell-s", "0.2")
+    state = json.loads((tmp_path / "cache" / "cluster" / "state.json").read_text())
+    session = int(state["session"])
+    driver = None
+    try:
+        assert "admitted" in cli("submit", write_job(tmp_path, "ja", tiny_model_dir, 2))
+        wait_until("ja to hold GPUs", lambda: holders(cli.status()).get("ja"))
+        driver = {r["name"]: r for r in json.loads(cli("jobs", "--json"))}["ja"]["driver_pid"]
+        assert driver and _alive(driver)
+        os.kill(driver, signal.SIGKILL)
+        t0 = time.monotonic()
+        row = wait_until("ja to be failed", lambda: (r := {r["name"]: r for r in json.loads(
+            cli("jobs", "--json"))}["ja"]) and r["state"] == "failed" and r, timeout=30, every=0.5)
+        assert f"its driver (pid {driver}) died" in row["reason"]
+        wait_until("ja's GPUs to return", lambda: "ja" not in holders(cli.status()), timeout=30, every=0.5)
+        assert time.monotonic() - t0 <= 30
+        assert "is down" in cli("down", timeout=200)
+    finally:
+        for pid in [*session_members(session, os.getpid()), *([driver] if driver else [])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

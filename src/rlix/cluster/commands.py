@@ -27,6 +27,7 @@ from rlix.config import load_config
 from rlix.config.preflight import preflight
 from rlix.errors import ConfigError
 from rlix.httpkit import check_ray_address
+from rlix.procguard import pid_alive
 
 #: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
 UP_TIMEOUT_S = 120.0
@@ -42,20 +43,6 @@ def state_path() -> Path:
     return cluster_dir() / "state.json"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return True
-
-
 def read_state() -> dict | None:
     """The running head's state, or None (no file, or its head process is gone)."""
     path = state_path()
@@ -63,7 +50,7 @@ def read_state() -> dict | None:
         state = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return state if _alive(int(state.get("pid", 0))) else None
+    return state if pid_alive(int(state.get("pid", 0))) else None
 
 
 def cluster_address(address: str | None = None) -> str:
@@ -161,9 +148,9 @@ def down(out: Callable[[str], None] = print) -> None:
     pid = int(state["pid"])
     os.kill(pid, signal.SIGTERM)  # the head cancels the jobs, waits for them, ends Ray
     deadline = time.monotonic() + DOWN_TIMEOUT_S
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _alive(pid):
+    if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
         raise ConfigError(f"rlix down: the head (pid {pid}) did not stop within {DOWN_TIMEOUT_S:g} s; killed it")
     session = state.get("session")

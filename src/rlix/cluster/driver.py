@@ -15,6 +15,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import os
+import socket
 import sys
 import threading
 import time
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=args.address, namespace="rlix", log_to_driver=False, logging_level="ERROR")
     registry = get_registry()
     name = args.job
-    ray.get(registry.attach_driver.remote(name, os.getpid()))
+    ray.get(registry.attach_driver.remote(name, os.getpid(), socket.gethostname()))
     if not wait_for_admission(registry, name, say):
         return 0
     info = ray.get(registry.cluster_info.remote())

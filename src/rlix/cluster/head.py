@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                        gpu_slices=args.gpu_slices, params=params, started_at=time.time())
     registry = start_registry(info, quotas)
     ray.get(registry.jobs.remote())  # up and answering
+    registry.watch_drivers.remote()  # for as long as the registry lives
     tmp = state.with_suffix(".tmp")
     tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "session": os.getsid(0),
                                "gpus": gpus.num_gpus,

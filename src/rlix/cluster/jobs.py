@@ -16,6 +16,7 @@ user that is still waiting (its order is kept), but a job that fits may pass one
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rlix.errors import ConfigError
@@ -59,6 +60,7 @@ class Job:
     state: str = "queued"
     reason: str = ""  # why it waits, or how it ended
     driver_pid: int | None = None
+    driver_host: str | None = None  # the machine its driver runs on (its PID means something there)
     submitted_at: float = field(default_factory=time.time)
     started_at: float | None = None
     ended_at: float | None = None
@@ -172,6 +174,13 @@ class JobBook:
             return self.set_state(job.name, "cancelled", "cancelled while queued")
         job.cancel_requested = True
         return job
+
+    def lost_drivers(self, alive: Callable[[int], bool], host: str) -> list[str]:
+        """Live jobs whose driver ran on `host` and is gone without saying how its job ended
+        (SIGKILLed, OOM-killed): nothing else would ever end them, and their promised floors
+        would hold the queue for good."""
+        return [j.name for j in self.live() if j.driver_pid is not None and j.driver_host == host
+                and not alive(j.driver_pid)]
 
     # ------------------------------------------------------------------ reading
     def get(self, name: str) -> Job:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,13 @@ from ray.experimental import internal_kv
 from rlix.cluster.jobs import FINAL, Job, JobBook, Quotas
 from rlix.errors import ConfigError
 from rlix.placement import GpuReservation
+from rlix.procguard import pid_alive
 from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.types import Topology
 
 REGISTRY_NAME = "rlix:jobs"
+#: how often the registry looks for jobs whose driver died
+DRIVER_CHECK_S = 1.0
 NAMESPACE = "rlix"
 _KV_KEY = b"rlix:jobs:book"
 
@@ -67,11 +71,12 @@ class JobRegistry:
     def submit(self, job: Job) -> dict:
         return self.book.row(self._after(lambda: self.book.submit(job)).name)
 
-    def attach_driver(self, name: str, pid: int) -> dict:
-        """The job's driver process is up (its PID: `rlix down` ends it if it will not stop)."""
+    def attach_driver(self, name: str, pid: int, host: str | None = None) -> dict:
+        """The job's driver process is up (its PID on `host`: `rlix down` ends it if it will not
+        stop, `watch_drivers` fails its job if it dies)."""
         def change() -> Job:
             job = self.book.get(name)
-            job.driver_pid = pid
+            job.driver_pid, job.driver_host = pid, host
             return job
         return self.book.row(self._after(change).name)
 
@@ -96,6 +101,22 @@ class JobRegistry:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
+
+    async def watch_drivers(self, every_s: float = DRIVER_CHECK_S) -> None:
+        """Runs until the actor ends: a live job whose driver (on this machine) died is failed,
+        so its place in the cluster's floors goes to the queue. The driver's pipelines went
+        with it (Ray ends a dead driver's actors); the scheduler takes their GPUs back."""
+        host = socket.gethostname()
+        while True:
+            lost = self.book.lost_drivers(pid_alive, host)
+            if lost:
+                def change() -> None:
+                    for name in lost:
+                        pid = self.book.get(name).driver_pid
+                        self.book.set_state(name, "failed", f"its driver (pid {pid}) died; its "
+                                                            "pipelines ended with it")
+                self._after(change)
+            await asyncio.sleep(every_s)
 
     def forget(self) -> None:
         """The cluster goes down: its saved book goes with it."""
