@@ -1,12 +1,16 @@
 """CUDA graphs of the decode step: one replay instead of hundreds of kernel launches.
 
-A transformers forward launches every kernel from Python; on a GPU a 24-layer decode step then
-costs ~28 ms whatever the batch (measured on an H100 for the 0.5B shape, 5 ms as a graph). So on
-CUDA the decode forward is captured once per batch-size bucket over static input buffers: the
-batch is padded to its bucket with dummy rows (token 0 at position 0 of cache rows no running
-sequence owns, which prefill overwrites before use), keys are read over the cache's whole
-capacity (the mask hides the rest), and the logits of the real rows are sliced out. Graphs hold
-raw pointers, so they are dropped and lazily re-captured whenever the KV cache or the parameter
+A forward launched op by op from Python is launch-bound on a GPU (transformers' 24-layer decode
+step cost ~28 ms on an H100 for the 0.5B shape whatever the batch). So on CUDA the decode step
+is captured once per (batch bucket, key-span bucket) over static input buffers and replayed.
+The batch is padded to its bucket with dummy rows (token 0 at position 0 of cache rows no running
+sequence owns, which prefill overwrites before use); keys are read over the span bucket
+(128, 256, 512, ... positions: the power of two above the longest row, so attention reads about
+the live tokens, not the whole capacity); the mask hides each row's positions past its own.
+The graph also samples (temperature / greedy rows, `sampling.sample_plain`) and packs tokens and
+logprobs into one small buffer, so a step costs one host->device copy of its inputs (tokens,
+positions, uniforms, temperatures), one replay and one device->host read. Graphs hold raw
+pointers, so they are dropped and lazily re-captured whenever the KV cache or the parameter
 storage moves (sleep, wake, reload after a level-2 sleep); in-place weight updates keep them.
 """
 
@@ -17,26 +21,44 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlix.inference.engine.sampling import sample_plain
+
 if TYPE_CHECKING:
     from rlix.inference.engine.model_runner import ModelRunner
 
+#: smallest key span a graph reads (shorter spans would only add graphs, not speed)
+MIN_KV_SPAN = 128
+
 
 def batch_buckets(max_rows: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_rows (always included)."""
-    sizes = {1, 2, 4, 8, *range(16, max_rows + 1, 8), max_rows}
+    """1, 2, 4, 8, every 8 to 64, every 16 to 128, every 32 beyond, and max_rows: padding a
+    batch costs little (a decode step reads the weights once whatever its size), graphs do."""
+    sizes = {1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16), *range(160, max_rows + 1, 32),
+             max_rows}
     return sorted(b for b in sizes if b <= max_rows)
 
 
+def kv_span(length: int, capacity: int) -> int:
+    """The key span a step whose longest row needs `length` positions reads."""
+    span = MIN_KV_SPAN
+    while span < length:
+        span *= 2
+    return min(span, capacity)
+
+
 class DecodeGraphs:
-    """Captured decode forwards of one ModelRunner, keyed by padded batch size."""
+    """Captured decode steps of one ModelRunner, keyed by (padded batch, key span)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.buckets = batch_buckets(runner.cache.num_rows)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._key: tuple[int, int, int] | None = None
         self._pool = None
-        self._ids = self._pos = self._rows = self._span = None
+        self._inputs: torch.Tensor | None = None  # [4, rows] float64: ids, positions, u, temp
+        self._host: torch.Tensor | None = None  # its pinned host twin
+        self._rows: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None  # the last copy out of _host
         self.capture_s = 0.0  # every capture so far (each wake recaptures the sizes it uses)
         self.captures = 0
 
@@ -53,50 +75,61 @@ class DecodeGraphs:
             return
         self.release()
         device, rows = self.runner.device, cache.num_rows
-        self._ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self._pos = torch.zeros(rows, dtype=torch.long, device=device)
+        self._inputs = torch.zeros(4, rows, dtype=torch.float64, device=device)
+        if self._host is None:
+            self._host = torch.zeros(4, rows, dtype=torch.float64, pin_memory=True)
         self._rows = torch.arange(rows, device=device)
-        self._span = torch.arange(cache.capacity, device=device)
         self._pool = torch.cuda.graph_pool_handle()
         self._key = key
 
-    def _forward(self, size: int) -> torch.Tensor:
-        runner, cache = self.runner, self.runner.cache
-        pos = self._pos[:size]
-        keep = self._span[None, :] <= pos[:, None]
-        mask = torch.zeros(keep.shape, dtype=runner.dtype, device=runner.device)
-        mask = mask.masked_fill(~keep, runner.mask_min)[:, None, None, :]
-        cache.set_decode(pos, cache.capacity, row_index=self._rows[:size])
-        hidden = runner.hidden(self._ids[:size], pos[:, None], mask)
-        return runner.lm_head(hidden[:, 0])
+    def _forward(self, size: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._inputs is not None and self._rows is not None
+        inputs = self._inputs[:, :size]
+        ids, pos = inputs[0].long(), inputs[1].long()
+        logits = self.runner.decode_logits(ids, pos, span, self._rows[:size])
+        tokens, logprobs = sample_plain(logits, inputs[2].float(), inputs[3].float())
+        return logits, torch.stack((tokens.double(), logprobs.double()))
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.runner.device)
-        side.wait_stream(torch.cuda.current_stream(self.runner.device))
+        device = self.runner.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the graph, as capture requires
             for _ in range(2):
-                self._forward(size)
-        torch.cuda.current_stream(self.runner.device).wait_stream(side)
+                self._forward(size, span)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(size)
-        self._graphs[size] = (graph, logits)
-        torch.cuda.current_stream(self.runner.device).synchronize()
+            logits, picks = self._forward(size, span)
+        self._graphs[(size, span)] = (graph, logits, picks)
+        torch.cuda.current_stream(device).synchronize()
         self.capture_s += time.perf_counter() - t0
         self.captures += 1
-        return graph, logits
+        return graph, logits, picks
 
     @torch.inference_mode()
-    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """Logits [n, V] for one token per running row, through the bucket's graph."""
+    def decode(self, tokens: list[int], positions: list[int],
+               uniforms: list[float] | None = None, temperatures: list[float] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for rows 0..n-1: (logits [n, V], picks [2, n] = tokens and raw
+        logprobs sampled in the graph from `uniforms` / `temperatures`; greedy when not given).
+        Nothing is synchronised: read the picks (one device->host copy) or the logits."""
         self._refresh()
+        assert self._host is not None and self._inputs is not None
         n = len(tokens)
         size = next(b for b in self.buckets if b >= n)
-        self._ids[:size].zero_()
-        self._pos[:size].zero_()
-        self._ids[:n, 0].copy_(torch.tensor(tokens, dtype=torch.long))
-        self._pos[:n].copy_(torch.tensor(positions, dtype=torch.long))
-        graph, logits = self._graphs.get(size) or self._capture(size)
+        span = kv_span(max(positions) + 1, self.runner.cache.capacity)
+        host = self._host
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        host[:, :n] = torch.tensor([tokens, positions, uniforms or [0.5] * n,
+                                    temperatures or [0.0] * n], dtype=torch.float64)
+        if size > n:  # dummy rows: token 0 at position 0, greedy
+            host[:, n:size] = torch.tensor([[0.0], [0.0], [0.5], [0.0]], dtype=torch.float64)
+        self._inputs[:, :size].copy_(host[:, :size], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        graph, logits, picks = self._graphs.get((size, span)) or self._capture(size, span)
         graph.replay()
-        return logits[:n]
+        return logits[:n], picks[:, :n]

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
 from typing import Any
@@ -25,6 +26,7 @@ from rlix.inference.engine.api import MAX_TOP_LOGPROBS, GenerationOutput, PauseM
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.profile import StepProfile
 from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
 from rlix.inference.engine.weights import WeightStaging
 from rlix.models.presets import resolve_model
@@ -63,7 +65,7 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fused: bool | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -75,7 +77,8 @@ class TorchEngine:
             raise ConfigError("max_num_seqs must be >= 1")
         runner = ModelRunner(model, device=self.device, num_rows=max_num_seqs,
                              max_model_len=self.max_model_len,
-                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs)
+                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs,
+                             fused=fused)
         self.vocab_size = runner.vocab_size
         self._weights = runner.weights
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
@@ -137,6 +140,11 @@ class TorchEngine:
         return {"sleep_phases_ms": dict(self._core.last_sleep_phases_ms),
                 "graph_captures": graphs.captures if graphs is not None else 0,
                 "graph_capture_ms": round(graphs.capture_s * 1000, 1) if graphs is not None else 0.0}
+
+    @property
+    def profile(self) -> StepProfile:
+        """Per-phase step times (profile.py); read or reset it while the engine is idle."""
+        return self._core.profile
 
     @property
     def last_sleep_freed_bytes(self) -> int:
@@ -208,7 +216,11 @@ class TorchEngine:
                 results = []
             if core.has_work():
                 core.step()
-            self._deliver(results)
+                started = time.perf_counter()
+                self._deliver(results)
+                core.profile.add("deliver", time.perf_counter() - started)
+            else:
+                self._deliver(results)
 
     def _deliver(self, results: list[tuple[asyncio.Future[Any] | None, Any, Exception | None, bool]]
                  ) -> None:
@@ -335,7 +347,7 @@ class TorchEngine:
         if request_id in self._live_ids:
             raise InvalidRequestError(f"request {request_id!r} is already running")
         sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
-        seq = Sequence(request_id, prompt, params, sink=sink)
+        seq = Sequence(request_id, prompt, params, sink=sink, fold=final_only)
         out = GenerationOutput(request_id=request_id, prompt_token_ids=prompt)
         self._live_ids.add(request_id)
         with self._cv:
@@ -377,8 +389,8 @@ class TorchEngine:
             raise InvalidRequestError(f"request {request_id!r} is already running")
         sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
         group = PromptGroup(request_id)
-        group.members = [Sequence(ids[i], prompt, params, sink=sink, index=i, group=group)
-                         for i in range(n)]
+        group.members = [Sequence(ids[i], prompt, params, sink=sink, index=i, group=group,
+                                  fold=final_only) for i in range(n)]
         outs = [GenerationOutput(request_id=ids[i], prompt_token_ids=prompt, index=i)
                 for i in range(n)]
         self._live_ids.update((request_id, *ids))
