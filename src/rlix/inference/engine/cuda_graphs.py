@@ -133,3 +133,107 @@ class DecodeGraphs:
         graph, logits, picks = self._graphs.get((size, span)) or self._capture(size, span)
         graph.replay()
         return logits[:n], picks[:, :n]
+
+
+#: a prefill larger than this many padded tokens runs eagerly (compute-bound: a graph saves
+#: little and would hold large activations)
+MAX_GRAPHED_PREFILL_TOKENS = 2048
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    size = floor
+    while size < n:
+        size *= 2
+    return size
+
+
+class PrefillGraphs:
+    """Captured fused prefills, keyed by (padded prompts, padded width): an eager prefill of
+    the 0.5B shape launches ~400 kernels from Python (2-3 ms) for a few dozen tokens. Inputs:
+    token ids [P, W] (right-padded with 0), each prompt's cache row and length; output: each
+    prompt's last-position logits. Padding prompts write row `num_rows` - 1... no: they write
+    the rows after the real ones, which no running sequence owns (see `fits`)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._key: tuple[int, int, int] | None = None
+        self._pool = None
+        self._ids: torch.Tensor | None = None  # [rows, W max] long
+        self._meta: torch.Tensor | None = None  # [2, rows] long: cache row, length
+        self.captures = 0
+        self.capture_s = 0.0
+
+    def release(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+        self._key = None
+
+    def shape(self, prompts: int, width: int, first_row: int) -> tuple[int, int] | None:
+        """The graph (P, W) that serves this prefill, or None to run it eagerly (too large,
+        or its padding prompts would reach past the cache's rows)."""
+        size = _pow2_at_least(prompts, 1)
+        span = _pow2_at_least(width, 16)
+        if (size * span > MAX_GRAPHED_PREFILL_TOKENS or first_row + size > self.runner.cache.num_rows
+                or span > self.runner.cache.capacity):
+            return None
+        return size, span
+
+    def _refresh(self) -> None:
+        cache = self.runner.cache
+        key = (cache.storage_version, self.runner.weights.storage_version, cache.capacity)
+        if key == self._key:
+            return
+        self.release()
+        device = self.runner.device
+        self._ids = torch.zeros(cache.num_rows, MAX_GRAPHED_PREFILL_TOKENS, dtype=torch.long,
+                                device=device)
+        self._meta = torch.zeros(2, cache.num_rows, dtype=torch.long, device=device)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._key = key
+
+    def _forward(self, size: int, span: int) -> torch.Tensor:
+        assert self._ids is not None and self._meta is not None
+        fused = self.runner.fused
+        assert fused is not None
+        rows, lengths = self._meta[0, :size], self._meta[1, :size]
+        hidden = fused.prefill(self._ids[:size, :span], rows)
+        last = hidden[torch.arange(size, device=hidden.device), lengths - 1]
+        return fused.logits(last)
+
+    def _capture(self, size: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        t0 = time.perf_counter()
+        device = self.runner.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._forward(size, span)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(size, span)
+        self._graphs[(size, span)] = (graph, logits)
+        torch.cuda.current_stream(device).synchronize()
+        self.capture_s += time.perf_counter() - t0
+        self.captures += 1
+        return graph, logits
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], first_row: int, shape: tuple[int, int]
+                ) -> torch.Tensor:
+        """Last-position logits [P, V] of `prompts`, run into rows first_row.. (shape from
+        `shape()`)."""
+        self._refresh()
+        assert self._ids is not None and self._meta is not None
+        size, span = shape
+        n = len(prompts)
+        ids = torch.zeros(size, span, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        lengths = [len(p) for p in prompts] + [1] * (size - n)
+        meta = torch.tensor([list(range(first_row, first_row + size)), lengths], dtype=torch.long)
+        self._ids[:size, :span].copy_(ids)
+        self._meta[:, :size].copy_(meta)
+        graph, logits = self._graphs.get((size, span)) or self._capture(size, span)
+        graph.replay()
+        return logits[:n]

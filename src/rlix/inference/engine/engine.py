@@ -136,10 +136,11 @@ class TorchEngine:
     def sleep_report(self) -> dict:
         """What the last sleep took (ms per phase) and the CUDA graph captures so far: the
         part of a wake's cost paid later, in the first decode steps."""
-        graphs = self._core.runner.graphs
+        graphs = [g for g in (self._core.runner.graphs, self._core.runner.prefill_graphs)
+                  if g is not None]
         return {"sleep_phases_ms": dict(self._core.last_sleep_phases_ms),
-                "graph_captures": graphs.captures if graphs is not None else 0,
-                "graph_capture_ms": round(graphs.capture_s * 1000, 1) if graphs is not None else 0.0}
+                "graph_captures": sum(g.captures for g in graphs),
+                "graph_capture_ms": round(sum(g.capture_s for g in graphs) * 1000, 1)}
 
     @property
     def profile(self) -> StepProfile:

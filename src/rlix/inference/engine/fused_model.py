@@ -247,16 +247,18 @@ class FusedDecoder:
             x = self.decode_mlp(i, self.decode_attention(i, x, step))
         return self.logits(self.final(x))
 
-    def prefill(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
-        """Run right-padded prompts ids [P, W] into cache rows first_row..; return the final
-        normalised hidden states [P, W, H] (padding positions hold garbage)."""
+    def prefill(self, ids: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ids [P, W] into cache rows `rows` (the first of P
+        consecutive rows, or a device tensor [P] of rows: what a CUDA graph captures); return
+        the final normalised hidden states [P, W, H] (padding positions hold garbage)."""
         assert self._cos is not None and self._sin is not None
-        rows, width = ids.shape
+        rows_index, (rows, width) = rows, ids.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk_heads = heads + kv_heads
         x = F.embedding(ids, self.decoder.embed_tokens.weight).view(rows * width, -1)
         cos, sin = self._cos[:width][None, :, None, :], self._sin[:width][None, :, None, :]
-        span = slice(first_row, first_row + rows)
+        span = rows_index if isinstance(rows_index, torch.Tensor) else slice(
+            rows_index, rows_index + rows)
         for i, layer in enumerate(self.layers):
             qkv = self._qkv(layer, x).view(rows, width, qk_heads + kv_heads, dim)
             qk = self._rotate(qkv[:, :, :qk_heads], cos, sin)

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
-from rlix.inference.engine.cuda_graphs import DecodeGraphs
+from rlix.inference.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from rlix.inference.engine.fused_model import FusedDecoder, unsupported_reason
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.memory import release_memory
@@ -96,6 +96,7 @@ class ModelRunner:
         self.fused = (FusedDecoder(model, self.weights, self.cache)
                       if fused is not False and why_not is None else None)
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self) if use_graphs and self.fused is not None else None
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -119,6 +120,12 @@ class ModelRunner:
         `every_position` (their prompt logprobs); the LM head runs on those positions only."""
         lengths = [len(p) for p in prompts]
         width = max(lengths)
+        if self.prefill_graphs is not None and not every_position:
+            shape = self.prefill_graphs.shape(len(prompts), width, first_row)
+            if shape is not None:
+                assert self.fused is not None
+                self.fused.refresh()
+                return self.prefill_graphs.prefill(prompts, first_row, shape), {}
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
@@ -143,6 +150,8 @@ class ModelRunner:
         """Drop the CUDA graphs and the fused weight buffers (before the storage goes)."""
         if self.graphs is not None:
             self.graphs.release()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
         if self.fused is not None:
             self.fused.release()
 

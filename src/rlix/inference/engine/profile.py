@@ -59,12 +59,12 @@ class StepProfile:
     def end(self, prefilled: bool) -> None:
         self.steps.append((time.perf_counter() - self._start, self.batch, prefilled, self.live))
 
-    def summary(self) -> dict:
-        """ms per phase per step, and the median decode-only step at each batch size seen."""
+    def summary(self, batches: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 192, 256)) -> dict:
+        """ms per phase per step, and the median decode-only step at each of `batches`."""
         count = max(1, len(self.steps))
         by_batch: dict[int, list[float]] = {}
         for seconds, batch, prefilled, _ in self.steps:
-            if not prefilled:
+            if not prefilled and batch in batches:
                 by_batch.setdefault(batch, []).append(seconds)
         return {
             "steps": len(self.steps),
