@@ -136,9 +136,13 @@ def gpu_extras(engine: TorchEngine, model, profiles: dict) -> dict:  # type: ign
 
     device = engine.device
     out: dict = {"profile_c32": profiles.get(32), "profile_c256": profiles.get(256)}
-    bw = memory_bandwidth(device)
+    try:
+        bw = memory_bandwidth(device)
+    except Exception as exc:
+        print(f"bandwidth failed: {exc!r}", flush=True)
+        bw = {"copy_GBps": 0.0, "read_GBps": 0.0}
     out["bandwidth"] = bw
-    gbps = max(bw["copy_GBps"], bw["read_GBps"])
+    gbps = max(bw["copy_GBps"], bw["read_GBps"]) or float("nan")
     step = profiles.get("decode_step_c32")
     if step is not None:
         ms, live = step
@@ -147,6 +151,7 @@ def gpu_extras(engine: TorchEngine, model, profiles: dict) -> dict:  # type: ign
         out.update(decode_step_ms_c32=round(ms, 4), decode_live_tokens_c32=live,
                    decode_bound_ms_c32=round(bound_ms, 4),
                    decode_step_vs_bound_c32=round(ms / bound_ms, 2))
+    print(json.dumps(out), flush=True)  # what is known so far, should the rest fail
     try:
         out["gpu_breakdown_c32"] = gpu_breakdown(engine._core.runner, 32, 256)
     except Exception as exc:  # a figure missing, not the run lost

@@ -286,8 +286,8 @@ class EngineCore:
         prof.batch, prof.live = len(running), sum(positions) + len(running)
         prof.mark("schedule")
         picks = self.runner.decode_sample([s.last_token for s in running], positions,
-                                          [s.sampling for s in running])
-        self.profile.mark("decode")
+                                          [s.sampling for s in running], prof)
+        prof.mark("wait")
         self._append(running, picks)
         self.profile.mark("append")
 

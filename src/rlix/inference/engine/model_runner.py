@@ -20,6 +20,7 @@ from rlix.inference.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 from rlix.inference.engine.fused_model import FusedDecoder, unsupported_reason
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.memory import release_memory
+from rlix.inference.engine.profile import StepProfile
 from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample
 from rlix.inference.engine.weights import ServedWeights
 
@@ -170,13 +171,15 @@ class ModelRunner:
         return self.lm_head(hidden[:, 0])
 
     @torch.inference_mode()
-    def decode_sample(self, tokens: list[int], positions: list[int],
-                      rows: list[RowSampling]) -> Sampled:
+    def decode_sample(self, tokens: list[int], positions: list[int], rows: list[RowSampling],
+                      profile: StepProfile | None = None) -> Sampled:
         """One decode step for rows 0..n-1 and its picks. Rows that only use temperature are
         sampled inside the CUDA graph; a batch with any other row samples the logits here."""
         if self.graphs is not None and all(r.plain for r in rows):
             uniforms, temperatures = plain_inputs(rows)
             _, picks = self.graphs.decode(tokens, positions, uniforms, temperatures)
+            if profile is not None:
+                profile.mark("decode")
             picked, logprobs = picks.tolist()
             return Sampled([int(t) for t in picked], logprobs)
         return sample(self.decode(tokens, positions), rows)

@@ -2,7 +2,8 @@
 
 `StepProfile` (kept by EngineCore, a few perf_counter calls a step): seconds per phase of every
 step (schedule: admission and planning; prefill: prefill forwards and their first tokens;
-decode: the decode forward, its sampling and the read of the picks, i.e. mostly GPU time;
+decode: preparing and launching the decode forward (and its sampling); wait: until its picks
+are read back, i.e. the GPU time not hidden behind the host's;
 append: the per-row Python that records tokens and checks stops; retire: compaction; deliver:
 handing deltas to the callers' loops) and each step's duration with its batch size, so that a
 benchmark can report a decode step's time at a given batch.
@@ -26,7 +27,7 @@ from rlix.inference.engine.sampling import sample_plain
 if TYPE_CHECKING:
     from rlix.inference.engine.model_runner import ModelRunner
 
-PHASES = ("schedule", "prefill", "decode", "append", "retire", "deliver")
+PHASES = ("schedule", "prefill", "decode", "wait", "append", "retire", "deliver")
 
 
 class StepProfile:
