@@ -191,7 +191,8 @@ class EngineCore:
             leaders, forks = _leaders(admitted)
             lengths = [len(s.prompt_token_ids) for s in leaders]
             groups = plan_prefill_groups(lengths, self.max_prefill_padding,
-                                         2 * self.max_prefill_tokens)
+                                         self.runner.prefill_group_tokens
+                                         or 2 * self.max_prefill_tokens)
             prof.mark("schedule")
             for group in groups:
                 self._prefill([leaders[i] for i in group], forks)

@@ -82,6 +82,24 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         self._key = key
 
+    def _span(self, length: int) -> int:
+        capacity = self.runner.cache.capacity
+        return capacity if self.runner.reads_live_keys else kv_span(length, capacity)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every (batch bucket, key span) now. Only while no row is running: the
+        capture's warm-up forwards write position 0 of rows 0..bucket-1."""
+        self._refresh()
+        spans = sorted({self._span(n) for n in range(1, self.runner.cache.capacity + 1, 64)}
+                       | {self._span(self.runner.cache.capacity)})
+        assert self._inputs is not None
+        self._inputs.zero_()
+        for size in self.buckets:
+            for span in spans:
+                if (size, span) not in self._graphs:
+                    self._capture(size, span)
+
     def _forward(self, size: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._inputs is not None and self._rows is not None
         inputs = self._inputs[:, :size]
@@ -119,7 +137,7 @@ class DecodeGraphs:
         assert self._host is not None and self._inputs is not None
         n = len(tokens)
         size = next(b for b in self.buckets if b >= n)
-        span = kv_span(max(positions) + 1, self.runner.cache.capacity)
+        span = self._span(max(positions) + 1)
         host = self._host
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffer
@@ -137,14 +155,23 @@ class DecodeGraphs:
 
 #: a prefill larger than this many padded tokens runs eagerly (compute-bound: a graph saves
 #: little and would hold large activations)
-MAX_GRAPHED_PREFILL_TOKENS = 2048
+MAX_GRAPHED_PREFILL_TOKENS = 4096
+#: on CUDA the engine cuts prefills into groups of at most this many padded tokens, so that
+#: each fits a graph after rounding up to its buckets (at most 1.5x per dimension)
+PREFILL_GROUP_TOKENS = 1536
+#: the prefill graphs `capture_all` makes up front: up to this many prompts, this width
+CAPTURE_PROMPTS, CAPTURE_WIDTH = 64, 128
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
+def prefill_bucket(n: int, floor: int) -> int:
+    """The smallest of floor * (1, 1.5, 2, 3, 4, 6, 8, ...) that holds n."""
     size = floor
-    while size < n:
+    while True:
+        if size >= n:
+            return size
+        if size * 3 // 2 >= n and (size * 3) % 2 == 0:
+            return size * 3 // 2
         size *= 2
-    return size
 
 
 class PrefillGraphs:
@@ -172,12 +199,27 @@ class PrefillGraphs:
     def shape(self, prompts: int, width: int, first_row: int) -> tuple[int, int] | None:
         """The graph (P, W) that serves this prefill, or None to run it eagerly (too large,
         or its padding prompts would reach past the cache's rows)."""
-        size = _pow2_at_least(prompts, 1)
-        span = _pow2_at_least(width, 16)
+        size = prefill_bucket(prompts, 1)
+        span = prefill_bucket(width, 16)
         if (size * span > MAX_GRAPHED_PREFILL_TOKENS or first_row + size > self.runner.cache.num_rows
                 or span > self.runner.cache.capacity):
             return None
         return size, span
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture the common shapes now (up to CAPTURE_PROMPTS x CAPTURE_WIDTH); only while no
+        row is running: the captures write garbage into rows from 0."""
+        self._refresh()
+        assert self._ids is not None and self._meta is not None
+        self._ids.zero_()
+        self._meta.zero_()
+        self._meta[1].fill_(1)
+        shapes = {self.shape(p, w, 0) for p in range(1, CAPTURE_PROMPTS + 1)
+                  for w in range(1, CAPTURE_WIDTH + 1)}
+        for shape in sorted(s for s in shapes if s is not None):
+            if shape not in self._graphs:
+                self._capture(*shape)
 
     def _refresh(self) -> None:
         cache = self.runner.cache

@@ -142,6 +142,14 @@ class TorchEngine:
                 "graph_captures": sum(g.captures for g in graphs),
                 "graph_capture_ms": round(sum(g.capture_s for g in graphs) * 1000, 1)}
 
+    async def capture_graphs(self) -> None:
+        """Capture the CUDA graphs now rather than during the first steps (idle engine only)."""
+        def capture() -> None:
+            if self._core.running:
+                raise EngineStateError("capture_graphs needs an idle engine")
+            self._core.runner.capture_graphs()
+        await self._call(capture)
+
     @property
     def profile(self) -> StepProfile:
         """Per-phase step times (profile.py); read or reset it while the engine is idle."""

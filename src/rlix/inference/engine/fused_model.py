@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rlix.inference.engine import triton_ops
 from rlix.inference.engine.kv_cache import SlotKVCache
 from rlix.inference.engine.weights import ServedWeights
 
@@ -121,8 +122,11 @@ def _fused_modules(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 class FusedDecoder:
     """Prefill and decode forwards of one model over a SlotKVCache (see module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, weights: ServedWeights, cache: SlotKVCache) -> None:
+    def __init__(self, model: torch.nn.Module, weights: ServedWeights, cache: SlotKVCache,
+                 kernels: bool | None = None) -> None:
         config = model.config
+        #: decode through triton_ops (CUDA with Triton by default); else torch ops
+        self.kernels = triton_ops.available(weights.device) if kernels is None else kernels
         self.model = model
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -240,12 +244,47 @@ class FusedDecoder:
     def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
                rows: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] for token ids[i] at position pos[i] of cache row rows[i] (= i); keys
-        are read over [0, kv_len) of each row, positions past a row's own masked. Safe to
-        capture in a CUDA graph (no host syncs, shapes fixed by B and kv_len)."""
+        are read over [0, kv_len) of each row, positions past a row's own masked (with the
+        Triton kernels: over each row's own 0..pos[i] whatever kv_len). Safe to capture in a
+        CUDA graph (no host syncs, shapes fixed by B and kv_len)."""
+        if self.kernels:
+            x, h = self.kernel_start(ids)
+            for i in range(len(self.layers)):
+                h = self.kernel_mlp(i, x, self.kernel_attention(i, x, h, pos))
+            return self.logits(h)
         x, step = self.decode_context(ids, pos, kv_len, rows)
         for i in range(len(self.layers)):
             x = self.decode_mlp(i, self.decode_attention(i, x, step))
         return self.logits(self.final(x))
+
+    # -- the decode step through triton_ops: x is the residual stream (updated in place), h the
+    # -- normalised input of the next half
+    def kernel_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = F.embedding(ids, self.decoder.embed_tokens.weight)
+        first = self.layers[0]
+        return x, triton_ops.add_rms_norm(x, None, first.ln1, first.eps1)
+
+    def kernel_attention(self, i: int, x: torch.Tensor, h: torch.Tensor,
+                         pos: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention half; returns the MLP's normalised input."""
+        layer = self.layers[i]
+        keys, values = self.cache.keys[i], self.cache.values[i]
+        qkv = (torch.addmm(layer.qkv_b, h, layer.qkv_w.t()) if layer.qkv_b is not None
+               else torch.mm(h, layer.qkv_w.t()))
+        q = triton_ops.rope_kv_write(qkv, pos, self._cos, self._sin, keys, values,
+                                     self.num_heads, self.num_kv_heads, self.head_dim)
+        attn = triton_ops.decode_attention(q, keys, values, pos, self.scale)
+        return triton_ops.add_rms_norm(x, torch.mm(attn, layer.o_w.t()), layer.ln2, layer.eps2)
+
+    def kernel_mlp(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP half; returns the next layer's (or the final) normalised input."""
+        layer = self.layers[i]
+        down = torch.mm(triton_ops.silu_mul(torch.mm(h, layer.gate_up_w.t())), layer.down_w.t())
+        if i + 1 < len(self.layers):
+            nxt = self.layers[i + 1]
+            return triton_ops.add_rms_norm(x, down, nxt.ln1, nxt.eps1)
+        norm = self.decoder.norm
+        return triton_ops.add_rms_norm(x, down, norm.weight, _eps(norm))
 
     def prefill(self, ids: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ids [P, W] into cache rows `rows` (the first of P

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
-from rlix.inference.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from rlix.inference.engine.cuda_graphs import PREFILL_GROUP_TOKENS, DecodeGraphs, PrefillGraphs
 from rlix.inference.engine.fused_model import FusedDecoder, unsupported_reason
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.memory import release_memory
@@ -98,6 +98,20 @@ class ModelRunner:
                       if fused is not False and why_not is None else None)
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self) if use_graphs and self.fused is not None else None
+        #: decode attention reads each row's own keys only (no key-span buckets needed)
+        self.reads_live_keys = self.fused is not None and self.fused.kernels
+        #: cap on a prefill group's padded tokens (None: the engine's prefill budget decides)
+        self.prefill_group_tokens = PREFILL_GROUP_TOKENS if self.prefill_graphs is not None else None
+
+    def capture_graphs(self) -> None:
+        """Capture the decode and common prefill CUDA graphs now instead of at first use (a
+        benchmark's or a server's start). Only while no sequence is running."""
+        if self.fused is not None:
+            self.fused.refresh()
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all()
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

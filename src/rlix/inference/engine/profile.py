@@ -118,18 +118,26 @@ def gpu_breakdown(runner: ModelRunner, batch: int, kv_len: int, iters: int = 200
 
     def attention() -> None:
         x = x0
+        if fused.kernels:
+            for i in layers:
+                fused.kernel_attention(i, x, x, pos)
+            return
         for i in layers:
             x = fused.decode_attention(i, x, step)
 
     def mlp() -> None:
         x = x0
+        if fused.kernels:
+            for i in layers:
+                fused.kernel_mlp(i, x, x)
+            return
         for i in layers:
             x = fused.decode_mlp(i, x)
 
     def head() -> None:
         sample_plain(fused.logits(fused.final(x0)), uniforms, temps)
 
-    return {"batch": batch, "kv_len": kv_len,
+    return {"batch": batch, "kv_len": kv_len, "kernels": fused.kernels,
             "step_ms": round(_timed_graph(whole, iters), 4),
             "attention_ms": round(_timed_graph(attention, iters), 4),
             "mlp_ms": round(_timed_graph(mlp, iters), 4),
