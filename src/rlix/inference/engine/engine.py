@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -22,10 +21,11 @@ from typing import Any
 import torch
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
-from rlix.inference.engine.api import MAX_TOP_LOGPROBS, GenerationOutput, PauseMode, SamplingParams
+from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
 from rlix.inference.engine.profile import StepProfile
 from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
 from rlix.inference.engine.weights import WeightStaging
@@ -243,7 +243,7 @@ class TorchEngine:
         for seq, delta in self._core.collect():
             sink = seq.sink
             if sink.final_only:
-                sink.folded[delta.index] = delta = _fold(sink.folded.get(delta.index), delta)
+                sink.folded[delta.index] = delta = fold_delta(sink.folded.get(delta.index), delta)
                 if delta.finish_reason is None and delta.error is None:
                     continue
             by_loop.setdefault(sink.loop, []).append((sink, delta))
@@ -289,67 +289,17 @@ class TorchEngine:
         (client gone) aborts the request. With `params.n` > 1 the items of the n samples come
         interleaved, told apart by `index`, until every sample has finished.
         """
-        prompt = self._validate(request_id, prompt_token_ids, params)
+        prompt = validate_request(request_id, prompt_token_ids, params, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len,
+                                  max_num_seqs=self._core.max_num_seqs)
+        if request_id in self._live_ids:
+            raise InvalidRequestError(f"request {request_id!r} is already running")
         if self._closed:
             raise EngineStateError("the engine is closed")
         self._core.check_can_generate()
         if params.n > 1:
             return self._stream_group(request_id, prompt, params, final_only)
         return self._stream(request_id, prompt, params, final_only)
-
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string")
-        if request_id in self._live_ids:
-            raise InvalidRequestError(f"request {request_id!r} is already running")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError("prompt_token_ids must be a list of integers") from exc
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if params.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}")
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise InvalidRequestError("temperature must be a finite number >= 0")
-        if not 0.0 < params.top_p <= 1.0:
-            raise InvalidRequestError("top_p must lie in (0, 1]")
-        if any(not isinstance(s, str) or not s for s in params.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
-        self._validate_extras(params)
-        return ids
-
-    def _validate_extras(self, params: SamplingParams) -> None:
-        """n, logprob counts, penalties and bias (what the common request leaves at defaults)."""
-        if not 1 <= params.n <= self._core.max_num_seqs:
-            raise InvalidRequestError(f"n must lie in [1, {self._core.max_num_seqs}] (this engine's "
-                                      f"max_num_seqs: the samples of a request run together)", param="n")
-        for name in ("top_logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}", param=name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(params, name)
-            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise InvalidRequestError(f"{name} must lie in [-2, 2], got {value}", param=name)
-        if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
-            raise InvalidRequestError("repetition_penalty must be a finite number > 0",
-                                      param="repetition_penalty")
-        for token, bias in params.logit_bias:
-            if not 0 <= token < self.vocab_size:
-                raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary "
-                                          f"[0, {self.vocab_size})", param="logit_bias")
-            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise InvalidRequestError(f"logit_bias values must lie in [-100, 100], got {bias}",
-                                          param="logit_bias")
 
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                       final_only: bool = False) -> AsyncIterator[GenerationOutput]:
@@ -365,12 +315,12 @@ class TorchEngine:
             self._submit(lambda: self._add(seq))
             while True:
                 delta = await sink.queue.get()
-                error = _merge(out, delta)
+                error = merge_delta(out, delta)
                 while error is None and not out.finished and not sink.queue.empty():
-                    error = _merge(out, sink.queue.get_nowait())  # catch up on a slow reader
+                    error = merge_delta(out, sink.queue.get_nowait())  # catch up on a slow reader
                 if error is not None:
                     raise error
-                yield _copy(out)
+                yield copy_output(out)
                 if out.finished:
                     return
         finally:
@@ -411,11 +361,11 @@ class TorchEngine:
             while done < n:
                 delta = await sink.queue.get()
                 out = outs[delta.index]
-                error = _merge(out, delta)
+                error = merge_delta(out, delta)
                 if error is not None:
                     raise error
                 done += out.finished
-                yield _copy(out)
+                yield copy_output(out)
         finally:
             self._live_ids.difference_update((request_id, *ids))
             if done < n and not self._closed:
@@ -517,47 +467,6 @@ class TorchEngine:
             if self._staging is not None:
                 log.info("weight update to version %d aborted: %s", self._staging.version, reason)
             self._staging, self._staging_failure = None, None
-
-
-def _copy(out: GenerationOutput) -> GenerationOutput:
-    """A snapshot of a cumulative output (the caller may keep it while more tokens come)."""
-    return GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
-                            list(out.logprobs), out.finish_reason, list(out.weight_versions),
-                            out.stop_reason, out.first_token_at, out.index, list(out.top_logprobs),
-                            out.prompt_logprobs, out.prompt_top_logprobs)
-
-
-def _merge(out: GenerationOutput, delta: Delta) -> BaseException | None:
-    out.token_ids.extend(delta.token_ids)
-    out.logprobs.extend(delta.logprobs)
-    out.weight_versions.extend(delta.weight_versions)
-    if out.first_token_at is None:
-        out.first_token_at = delta.first_token_at
-    if delta.top_logprobs:
-        out.top_logprobs.extend(delta.top_logprobs)
-    if delta.prompt_logprobs is not None:
-        out.prompt_logprobs, out.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
-    if delta.finish_reason is not None:
-        out.finish_reason = delta.finish_reason
-        out.stop_reason = delta.stop_reason
-    return delta.error
-
-
-def _fold(into: Delta | None, delta: Delta) -> Delta:
-    """`delta` appended to the deltas folded so far (worker thread)."""
-    if into is None:
-        return delta
-    into.token_ids.extend(delta.token_ids)
-    into.logprobs.extend(delta.logprobs)
-    into.weight_versions.extend(delta.weight_versions)
-    into.top_logprobs.extend(delta.top_logprobs)
-    if delta.prompt_logprobs is not None:
-        into.prompt_logprobs, into.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
-    into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
-    into.error = delta.error
-    if into.first_token_at is None:
-        into.first_token_at = delta.first_token_at
-    return into
 
 
 def _put_all(items: list[tuple[_Stream, Delta]]) -> None:
