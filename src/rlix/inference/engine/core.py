@@ -21,7 +21,8 @@ from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.memory import release_memory, used_bytes
 from rlix.inference.engine.model_runner import ModelRunner
-from rlix.inference.engine.sampling import sample, top_alternatives
+from rlix.inference.engine.profile import StepProfile
+from rlix.inference.engine.sampling import Sampled, sample, top_alternatives
 from rlix.inference.engine.sequence import Delta, Sequence
 from rlix.inference.engine.weights import WeightStaging
 
@@ -91,6 +92,7 @@ class EngineCore:
         self._touched: dict[Sequence, None] = {}
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
         self.forked_rows = 0  # samples that copied another's prefill instead of running their own
+        self.profile = StepProfile()
         runner.cache.allocate()
 
     # -- queries -------------------------------------------------------------------------
@@ -182,17 +184,26 @@ class EngineCore:
     def step(self) -> None:
         self._step_count += 1
         admitted: list[Sequence] = []
+        prof = self.profile
         try:
+            prof.begin()
             admitted = self._admit()
             leaders, forks = _leaders(admitted)
             lengths = [len(s.prompt_token_ids) for s in leaders]
-            for group in plan_prefill_groups(lengths, self.max_prefill_padding,
-                                             2 * self.max_prefill_tokens):
+            groups = plan_prefill_groups(lengths, self.max_prefill_padding,
+                                         self.runner.prefill_group_tokens
+                                         or 2 * self.max_prefill_tokens)
+            prof.mark("schedule")
+            for group in groups:
                 self._prefill([leaders[i] for i in group], forks)
+            if groups:
+                prof.mark("prefill")
             self._retire_finished()
             if self.running:
                 self._decode()
             self._retire_finished()
+            prof.mark("retire")
+            prof.end(prefilled=bool(groups))
         except Exception as exc:  # a failed forward fails the batch, not the engine
             log.exception("engine step failed; failing the running requests")
             for seq in dict.fromkeys([*self.running, *admitted]):
@@ -265,33 +276,48 @@ class EngineCore:
             rows += [i] * len(followers)
         if len(seqs) > len(group):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        self._append(seqs, logits)
+        self._append(seqs, sample(logits, [s.sampling for s in seqs]))
 
     def _decode(self) -> None:
-        positions = [s.cached_len for s in self.running]
-        self.runner.cache.ensure_capacity(max(positions) + 1, live_rows=len(self.running),
-                                          live_len=max(positions))
-        logits = self.runner.decode([s.last_token for s in self.running], positions)
-        self._append(self.running, logits)
+        running = self.running
+        positions = [s.cached_len for s in running]
+        longest = max(positions)
+        self.runner.cache.ensure_capacity(longest + 1, live_rows=len(running), live_len=longest)
+        prof = self.profile
+        prof.batch, prof.live = len(running), sum(positions) + len(running)
+        prof.mark("schedule")
+        picks = self.runner.decode_sample([s.last_token for s in running], positions,
+                                          [s.sampling for s in running], prof)
+        prof.mark("wait")
+        self._append(running, picks)
+        self.profile.mark("append")
 
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, logprobs, top = sample(logits, [s.sampling for s in seqs])
+    def _append(self, seqs: list[Sequence], picks: Sampled) -> None:
+        tokens, logprobs, top = picks
+        version, eos, detok, touched = self.weight_version, self.eos_ids, self.detokenizer, self._touched
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
-            seq.append(token, logprob, self.weight_version, self.eos_ids, self.detokenizer,
-                       top[i] if top is not None else None)
-            self._touched[seq] = None
+            seq.append(token, logprob, version, eos, detok, top[i] if top is not None else None)
+            if not seq.fold or seq.finish_reason is not None:
+                touched[seq] = None
 
     def _retire_finished(self) -> None:
-        """Remove finished rows, moving the last running row into each hole (descending order)."""
-        for row in range(len(self.running) - 1, -1, -1):
-            if not self.running[row].finished:
+        """Remove finished rows, moving the last running row into each hole (descending order);
+        the cache rows move in one batched copy."""
+        running = self.running
+        if not any(s.finish_reason is not None for s in running):
+            return
+        origin = {id(s): row for row, s in enumerate(running)}
+        for row in range(len(running) - 1, -1, -1):
+            if running[row].finish_reason is None:
                 continue
-            last = len(self.running) - 1
+            last = len(running) - 1
             if row != last:
-                moved = self.running[last]
-                self.runner.cache.move_row(last, row, moved.cached_len)
-                self.running[row] = moved
-            self.running.pop()
+                running[row] = running[last]
+            running.pop()
+        moves = [(origin[id(s)], row) for row, s in enumerate(running) if origin[id(s)] != row]
+        if moves:
+            length = max(running[dst].cached_len for _, dst in moves)
+            self.runner.cache.move_rows([m[0] for m in moves], [m[1] for m in moves], length)
 
     # -- sleep ---------------------------------------------------------------------------
     def sleep(self, level: int) -> int:

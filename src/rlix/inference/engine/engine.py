@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
 from typing import Any
@@ -21,10 +21,12 @@ from typing import Any
 import torch
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
-from rlix.inference.engine.api import MAX_TOP_LOGPROBS, GenerationOutput, PauseMode, SamplingParams
+from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
+from rlix.inference.engine.profile import StepProfile
 from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
 from rlix.inference.engine.weights import WeightStaging
 from rlix.models.presets import resolve_model
@@ -63,7 +65,7 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fused: bool | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -75,7 +77,8 @@ class TorchEngine:
             raise ConfigError("max_num_seqs must be >= 1")
         runner = ModelRunner(model, device=self.device, num_rows=max_num_seqs,
                              max_model_len=self.max_model_len,
-                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs)
+                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs,
+                             fused=fused)
         self.vocab_size = runner.vocab_size
         self._weights = runner.weights
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
@@ -133,10 +136,24 @@ class TorchEngine:
     def sleep_report(self) -> dict:
         """What the last sleep took (ms per phase) and the CUDA graph captures so far: the
         part of a wake's cost paid later, in the first decode steps."""
-        graphs = self._core.runner.graphs
+        graphs = [g for g in (self._core.runner.graphs, self._core.runner.prefill_graphs)
+                  if g is not None]
         return {"sleep_phases_ms": dict(self._core.last_sleep_phases_ms),
-                "graph_captures": graphs.captures if graphs is not None else 0,
-                "graph_capture_ms": round(graphs.capture_s * 1000, 1) if graphs is not None else 0.0}
+                "graph_captures": sum(g.captures for g in graphs),
+                "graph_capture_ms": round(sum(g.capture_s for g in graphs) * 1000, 1)}
+
+    async def capture_graphs(self) -> None:
+        """Capture the CUDA graphs now rather than during the first steps (idle engine only)."""
+        def capture() -> None:
+            if self._core.running:
+                raise EngineStateError("capture_graphs needs an idle engine")
+            self._core.runner.capture_graphs()
+        await self._call(capture)
+
+    @property
+    def profile(self) -> StepProfile:
+        """Per-phase step times (profile.py); read or reset it while the engine is idle."""
+        return self._core.profile
 
     @property
     def last_sleep_freed_bytes(self) -> int:
@@ -208,7 +225,11 @@ class TorchEngine:
                 results = []
             if core.has_work():
                 core.step()
-            self._deliver(results)
+                started = time.perf_counter()
+                self._deliver(results)
+                core.profile.add("deliver", time.perf_counter() - started)
+            else:
+                self._deliver(results)
 
     def _deliver(self, results: list[tuple[asyncio.Future[Any] | None, Any, Exception | None, bool]]
                  ) -> None:
@@ -222,7 +243,7 @@ class TorchEngine:
         for seq, delta in self._core.collect():
             sink = seq.sink
             if sink.final_only:
-                sink.folded[delta.index] = delta = _fold(sink.folded.get(delta.index), delta)
+                sink.folded[delta.index] = delta = fold_delta(sink.folded.get(delta.index), delta)
                 if delta.finish_reason is None and delta.error is None:
                     continue
             by_loop.setdefault(sink.loop, []).append((sink, delta))
@@ -268,7 +289,11 @@ class TorchEngine:
         (client gone) aborts the request. With `params.n` > 1 the items of the n samples come
         interleaved, told apart by `index`, until every sample has finished.
         """
-        prompt = self._validate(request_id, prompt_token_ids, params)
+        prompt = validate_request(request_id, prompt_token_ids, params, vocab_size=self.vocab_size,
+                                  max_model_len=self.max_model_len,
+                                  max_num_seqs=self._core.max_num_seqs)
+        if request_id in self._live_ids:
+            raise InvalidRequestError(f"request {request_id!r} is already running")
         if self._closed:
             raise EngineStateError("the engine is closed")
         self._core.check_can_generate()
@@ -276,66 +301,12 @@ class TorchEngine:
             return self._stream_group(request_id, prompt, params, final_only)
         return self._stream(request_id, prompt, params, final_only)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string")
-        if request_id in self._live_ids:
-            raise InvalidRequestError(f"request {request_id!r} is already running")
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError("prompt_token_ids must be a list of integers") from exc
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if params.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}")
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise InvalidRequestError("temperature must be a finite number >= 0")
-        if not 0.0 < params.top_p <= 1.0:
-            raise InvalidRequestError("top_p must lie in (0, 1]")
-        if any(not isinstance(s, str) or not s for s in params.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
-        self._validate_extras(params)
-        return ids
-
-    def _validate_extras(self, params: SamplingParams) -> None:
-        """n, logprob counts, penalties and bias (what the common request leaves at defaults)."""
-        if not 1 <= params.n <= self._core.max_num_seqs:
-            raise InvalidRequestError(f"n must lie in [1, {self._core.max_num_seqs}] (this engine's "
-                                      f"max_num_seqs: the samples of a request run together)", param="n")
-        for name in ("top_logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}], got {k}", param=name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(params, name)
-            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-                raise InvalidRequestError(f"{name} must lie in [-2, 2], got {value}", param=name)
-        if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
-            raise InvalidRequestError("repetition_penalty must be a finite number > 0",
-                                      param="repetition_penalty")
-        for token, bias in params.logit_bias:
-            if not 0 <= token < self.vocab_size:
-                raise InvalidRequestError(f"logit_bias token id {token} is outside the vocabulary "
-                                          f"[0, {self.vocab_size})", param="logit_bias")
-            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise InvalidRequestError(f"logit_bias values must lie in [-100, 100], got {bias}",
-                                          param="logit_bias")
-
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                       final_only: bool = False) -> AsyncIterator[GenerationOutput]:
         if request_id in self._live_ids:
             raise InvalidRequestError(f"request {request_id!r} is already running")
         sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
-        seq = Sequence(request_id, prompt, params, sink=sink)
+        seq = Sequence(request_id, prompt, params, sink=sink, fold=final_only)
         out = GenerationOutput(request_id=request_id, prompt_token_ids=prompt)
         self._live_ids.add(request_id)
         with self._cv:
@@ -344,12 +315,12 @@ class TorchEngine:
             self._submit(lambda: self._add(seq))
             while True:
                 delta = await sink.queue.get()
-                error = _merge(out, delta)
+                error = merge_delta(out, delta)
                 while error is None and not out.finished and not sink.queue.empty():
-                    error = _merge(out, sink.queue.get_nowait())  # catch up on a slow reader
+                    error = merge_delta(out, sink.queue.get_nowait())  # catch up on a slow reader
                 if error is not None:
                     raise error
-                yield _copy(out)
+                yield copy_output(out)
                 if out.finished:
                     return
         finally:
@@ -377,8 +348,8 @@ class TorchEngine:
             raise InvalidRequestError(f"request {request_id!r} is already running")
         sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
         group = PromptGroup(request_id)
-        group.members = [Sequence(ids[i], prompt, params, sink=sink, index=i, group=group)
-                         for i in range(n)]
+        group.members = [Sequence(ids[i], prompt, params, sink=sink, index=i, group=group,
+                                  fold=final_only) for i in range(n)]
         outs = [GenerationOutput(request_id=ids[i], prompt_token_ids=prompt, index=i)
                 for i in range(n)]
         self._live_ids.update((request_id, *ids))
@@ -390,11 +361,11 @@ class TorchEngine:
             while done < n:
                 delta = await sink.queue.get()
                 out = outs[delta.index]
-                error = _merge(out, delta)
+                error = merge_delta(out, delta)
                 if error is not None:
                     raise error
                 done += out.finished
-                yield _copy(out)
+                yield copy_output(out)
         finally:
             self._live_ids.difference_update((request_id, *ids))
             if done < n and not self._closed:
@@ -496,47 +467,6 @@ class TorchEngine:
             if self._staging is not None:
                 log.info("weight update to version %d aborted: %s", self._staging.version, reason)
             self._staging, self._staging_failure = None, None
-
-
-def _copy(out: GenerationOutput) -> GenerationOutput:
-    """A snapshot of a cumulative output (the caller may keep it while more tokens come)."""
-    return GenerationOutput(out.request_id, out.prompt_token_ids, list(out.token_ids),
-                            list(out.logprobs), out.finish_reason, list(out.weight_versions),
-                            out.stop_reason, out.first_token_at, out.index, list(out.top_logprobs),
-                            out.prompt_logprobs, out.prompt_top_logprobs)
-
-
-def _merge(out: GenerationOutput, delta: Delta) -> BaseException | None:
-    out.token_ids.extend(delta.token_ids)
-    out.logprobs.extend(delta.logprobs)
-    out.weight_versions.extend(delta.weight_versions)
-    if out.first_token_at is None:
-        out.first_token_at = delta.first_token_at
-    if delta.top_logprobs:
-        out.top_logprobs.extend(delta.top_logprobs)
-    if delta.prompt_logprobs is not None:
-        out.prompt_logprobs, out.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
-    if delta.finish_reason is not None:
-        out.finish_reason = delta.finish_reason
-        out.stop_reason = delta.stop_reason
-    return delta.error
-
-
-def _fold(into: Delta | None, delta: Delta) -> Delta:
-    """`delta` appended to the deltas folded so far (worker thread)."""
-    if into is None:
-        return delta
-    into.token_ids.extend(delta.token_ids)
-    into.logprobs.extend(delta.logprobs)
-    into.weight_versions.extend(delta.weight_versions)
-    into.top_logprobs.extend(delta.top_logprobs)
-    if delta.prompt_logprobs is not None:
-        into.prompt_logprobs, into.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
-    into.finish_reason, into.stop_reason = delta.finish_reason, delta.stop_reason
-    into.error = delta.error
-    if into.first_token_at is None:
-        into.first_token_at = delta.first_token_at
-    return into
 
 
 def _put_all(items: list[tuple[_Stream, Delta]]) -> None:

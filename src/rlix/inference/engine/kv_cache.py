@@ -6,6 +6,9 @@ every running sequence owns one *row* of a preallocated [rows, kv_heads, capacit
 tensor per layer; rows 0..n-1 are always the running sequences, in batch order (a leaving
 sequence's row is filled by moving the last row into it), so the keys of a decode step are a
 plain view `k[:n, :, :L]` and an additive mask hides each row's positions past its own length.
+All layers' K and V live in one [layers, 2, rows, kv_heads, capacity, head_dim] tensor, so
+moving or copying rows (retirement, the n samples of one prompt) is one copy for every layer,
+not 2 x layers small ones launched from Python.
 
 Transformers calls `update(key_states, value_states, layer_idx)` from every attention layer; the
 engine sets the step's geometry (`set_prefill` / `set_decode`) before each forward.
@@ -39,7 +42,8 @@ class SlotKVCache:
         self.initial_capacity = max(1, min(initial_capacity, max_len))
         self.capacity = 0
         self.storage_version = 0  # bumped whenever the storage moves (CUDA graphs hold pointers)
-        self.keys: list[torch.Tensor] = []
+        self.kv: torch.Tensor | None = None  # [layers, 2, rows, kv_heads, capacity, head_dim]
+        self.keys: list[torch.Tensor] = []  # views of kv, one per layer
         self.values: list[torch.Tensor] = []
         # Geometry of the forward in progress (see set_prefill / set_decode).
         self._mode = "none"
@@ -57,22 +61,21 @@ class SlotKVCache:
     def allocate(self, capacity: int | None = None) -> None:
         """(Re)allocate zeroed storage; zeros so that host RSS / device memory really hold it."""
         capacity = min(self.max_len, capacity or self.initial_capacity)
-        shape = (self.num_rows, self.num_kv_heads, capacity, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                     for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                       for _ in range(self.num_layers)]
+        shape = (self.num_layers, 2, self.num_rows, self.num_kv_heads, capacity, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.keys = [self.kv[i, 0] for i in range(self.num_layers)]
+        self.values = [self.kv[i, 1] for i in range(self.num_layers)]
         self.capacity = capacity
         self.storage_version += 1
 
     def free(self) -> None:
         """Drop the storage (the caller then trims host memory / empties the CUDA cache)."""
-        self.keys, self.values = [], []
+        self.kv, self.keys, self.values = None, [], []
         self.capacity = 0
         self.storage_version += 1
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
 
     def ensure_capacity(self, length: int, live_rows: int, live_len: int) -> None:
         """Grow (doubling, capped at max_len) so positions < length fit; copies live data."""
@@ -87,22 +90,34 @@ class SlotKVCache:
         while new_capacity < length:
             new_capacity *= 2
         new_capacity = min(new_capacity, self.max_len)
-        old_keys, old_values = self.keys, self.values
+        old = self.kv
+        assert old is not None
         self.allocate(new_capacity)
-        for old, new in zip((*old_keys, *old_values), (*self.keys, *self.values)):
-            new[:live_rows, :, :live_len].copy_(old[:live_rows, :, :live_len])
+        assert self.kv is not None
+        self.kv[:, :, :live_rows, :, :live_len].copy_(old[:, :, :live_rows, :, :live_len])
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row `src`'s first `length` positions into row `dst` (batch compaction)."""
-        for t in (*self.keys, *self.values):
-            t[dst, :, :length].copy_(t[src, :, :length])
+        self.move_rows([src], [dst], length)
+
+    def move_rows(self, srcs: list[int], dsts: list[int], length: int) -> None:
+        """Row srcs[i] -> row dsts[i], first `length` positions, all layers in one copy; the
+        two sets must not overlap (retirement moves tail rows into holes below them)."""
+        if not srcs or self.kv is None:
+            return
+        if len(srcs) == 1:
+            self.kv[:, :, dsts[0], :, :length].copy_(self.kv[:, :, srcs[0], :, :length])
+            return
+        src = torch.tensor(srcs, device=self.device)
+        dst = torch.tensor(dsts, device=self.device)
+        self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
 
     def copy_rows(self, src: int, dsts: list[int], length: int) -> None:
         """Copy row `src`'s first `length` positions into each row of `dsts` (the samples of one
-        prompt after its single prefill: one copy per layer tensor, whatever their number)."""
+        prompt after its single prefill: one copy for all layers, whatever their number)."""
+        assert self.kv is not None
         index = torch.tensor(dsts, device=self.device)
-        for t in (*self.keys, *self.values):
-            t[index, :, :length] = t[src, :, :length]
+        self.kv[:, :, index, :, :length] = self.kv[:, :, src: src + 1, :, :length]
 
     # -- step geometry -------------------------------------------------------------------
     def set_prefill(self, first_row: int, num_rows: int) -> None:

@@ -1,11 +1,11 @@
 """The two forwards the engine needs, prefill and batched decode, over a transformers model.
 
-The model's own modules do the maths (so any checkpoint of a supported architecture runs as
-transformers runs it); rlix only supplies the KV cache (`SlotKVCache`), the positions and an
-explicit mask per layer type, and applies the LM head to just the rows it samples from.
-Supported: decoder-only models whose attention layers call `past_key_values.update(k, v, layer)`
-and take their mask from a per-layer-type dict (Qwen2, Llama, Mistral... in transformers 5),
-with full attention in every layer.
+Qwen2 / Llama / Mistral-style models run through `FusedDecoder` (fused_model.py: the same
+maths over the same parameters, with a few kernels per layer instead of ~30). Other models run
+through their own transformers modules: rlix then only supplies the KV cache (`SlotKVCache`), the
+positions and an explicit mask per layer type (models whose attention layers call
+`past_key_values.update(k, v, layer)` and take their mask from a per-layer-type dict). Either way
+only full attention is supported, and the LM head runs on just the rows sampled from.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
-from rlix.inference.engine.cuda_graphs import DecodeGraphs
+from rlix.inference.engine.cuda_graphs import PREFILL_GROUP_TOKENS, DecodeGraphs, PrefillGraphs
+from rlix.inference.engine.fused_model import FusedDecoder, unsupported_reason
 from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.memory import release_memory
+from rlix.inference.engine.profile import StepProfile
+from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample
 from rlix.inference.engine.weights import ServedWeights
 
 
@@ -57,11 +60,12 @@ class ModelRunner:
 
     On CUDA (unless cuda_graphs=False) decode runs through captured graphs (cuda_graphs.py);
     the KV cache is then allocated at full max_model_len capacity so it never moves.
+    `fused` None: FusedDecoder whenever the model is supported; False: transformers' modules.
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, num_rows: int,
                  max_model_len: int, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fused: bool | None = None) -> None:
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
@@ -87,7 +91,27 @@ class ModelRunner:
             head_dim=head_dim, max_len=max_model_len, dtype=self.dtype, device=device,
             initial_capacity=kv_initial_capacity)
         self.mask_min = torch.finfo(self.dtype).min
+        why_not = unsupported_reason(model)
+        if fused and why_not:
+            raise ConfigError(f"{type(model).__name__}: the fused decoder does not support {why_not}")
+        self.fused = (FusedDecoder(model, self.weights, self.cache)
+                      if fused is not False and why_not is None else None)
         self.graphs = DecodeGraphs(self) if use_graphs else None
+        self.prefill_graphs = PrefillGraphs(self) if use_graphs and self.fused is not None else None
+        #: decode attention reads each row's own keys only (no key-span buckets needed)
+        self.reads_live_keys = self.fused is not None and self.fused.kernels
+        #: cap on a prefill group's padded tokens (None: the engine's prefill budget decides)
+        self.prefill_group_tokens = PREFILL_GROUP_TOKENS if self.prefill_graphs is not None else None
+
+    def capture_graphs(self) -> None:
+        """Capture the decode and common prefill CUDA graphs now instead of at first use (a
+        benchmark's or a server's start). Only while no sequence is running."""
+        if self.fused is not None:
+            self.fused.refresh()
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all()
 
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -111,36 +135,75 @@ class ModelRunner:
         `every_position` (their prompt logprobs); the LM head runs on those positions only."""
         lengths = [len(p) for p in prompts]
         width = max(lengths)
+        if self.prefill_graphs is not None and not every_position:
+            shape = self.prefill_graphs.shape(len(prompts), width, first_row)
+            if shape is not None:
+                assert self.fused is not None
+                self.fused.refresh()
+                return self.prefill_graphs.prefill(prompts, first_row, shape), {}
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        ids = ids.to(self.device)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        self.cache.set_prefill(first_row, len(prompts))
+        ids = ids.to(self.device, non_blocking=True)
         # No mask: plain causal attention is exact for every valid (non-padding) query, and the
         # padding's keys land past each row's length, where decode overwrites them before use.
-        hidden = self.hidden(ids, positions, None)
+        if self.fused is not None:
+            self.fused.refresh()
+            hidden = self.fused.prefill(ids, first_row)
+            head = self.fused.logits
+        else:
+            positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+            self.cache.set_prefill(first_row, len(prompts))
+            hidden = self.hidden(ids, positions, None)
+            head = self.lm_head
         last = torch.tensor(lengths, device=self.device) - 1
         rows = torch.arange(len(prompts), device=self.device)
-        full = {i: self.lm_head(hidden[i, : lengths[i]]) for i in sorted(every_position)}
-        return self.lm_head(hidden[rows, last]), full
+        full = {i: head(hidden[i, : lengths[i]]) for i in sorted(every_position)}
+        return head(hidden[rows, last]), full
 
     def release_graphs(self) -> None:
+        """Drop the CUDA graphs and the fused weight buffers (before the storage goes)."""
         if self.graphs is not None:
             self.graphs.release()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.release()
+        if self.fused is not None:
+            self.fused.release()
+
+    def decode_logits(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one decode step over device tensors, keys read over [0, kv_len):
+        what a decode CUDA graph captures."""
+        if self.fused is not None:
+            self.fused.refresh()
+            return self.fused.decode(ids, pos, kv_len, rows)
+        keep = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]
+        mask = torch.zeros(keep.shape, dtype=self.dtype, device=self.device)
+        mask = mask.masked_fill(~keep, self.mask_min)[:, None, None, :]
+        self.cache.set_decode(pos, kv_len, row_index=rows)
+        hidden = self.hidden(ids[:, None], pos[:, None], mask)
+        return self.lm_head(hidden[:, 0])
+
+    @torch.inference_mode()
+    def decode_sample(self, tokens: list[int], positions: list[int], rows: list[RowSampling],
+                      profile: StepProfile | None = None) -> Sampled:
+        """One decode step for rows 0..n-1 and its picks. Rows that only use temperature are
+        sampled inside the CUDA graph; a batch with any other row samples the logits here."""
+        if self.graphs is not None and all(r.plain for r in rows):
+            uniforms, temperatures = plain_inputs(rows)
+            _, picks = self.graphs.decode(tokens, positions, uniforms, temperatures)
+            if profile is not None:
+                profile.mark("decode")
+            picked, logprobs = picks.tolist()
+            return Sampled([int(t) for t in picked], logprobs)
+        return sample(self.decode(tokens, positions), rows)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of rows 0..n-1 at its own position; return logits [n, V]."""
         if self.graphs is not None:
-            return self.graphs.decode(tokens, positions)
-        n = len(tokens)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device)
-        kv_len = max(positions) + 1
-        keep = torch.arange(kv_len, device=self.device)[None, :] <= pos[:, None]
-        mask = torch.zeros(n, 1, 1, kv_len, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~keep[:, None, None, :], self.mask_min)
-        ids = torch.tensor(tokens, dtype=torch.long).to(self.device)[:, None]
-        self.cache.set_decode(pos, kv_len)
-        hidden = self.hidden(ids, pos[:, None], mask)
-        return self.lm_head(hidden[:, 0])
+            return self.graphs.decode(tokens, positions)[0]
+        both = torch.tensor([tokens, positions], dtype=torch.long).to(self.device)
+        ids, pos = both[0], both[1]
+        return self.decode_logits(ids, pos, max(positions) + 1,
+                                  torch.arange(len(tokens), device=self.device))

@@ -94,10 +94,36 @@ class RowSampling:
     rng: random.Random
     top_logprobs: int = 0  # alternatives to report per token (0: none)
     shaping: LogitShaping | None = None
+    #: temperature (or greedy) only: sampled by `sample_plain`, inside a decode CUDA graph
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = (self.shaping is None and not self.top_logprobs and self.top_k <= 0
+                      and self.top_p >= 1.0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+def plain_inputs(rows: list[RowSampling]) -> tuple[list[float], list[float]]:
+    """The uniforms (one draw per sampled row, none for greedy rows: 0.5 stands in) and the
+    temperatures (0: greedy) that `sample_plain` takes."""
+    return ([0.5 if r.temperature <= 0.0 else max(r.rng.random(), 1e-12) for r in rows],
+            [max(r.temperature, 0.0) for r in rows])
+
+
+def sample_plain(logits: torch.Tensor, uniforms: torch.Tensor, temperatures: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and raw logprobs for rows that use temperature only (0: greedy), on the device
+    and without a host sync (it runs inside the decode graph): the same picks as `sample`."""
+    logits = logits.float()
+    greedy = temperatures <= 0.0
+    temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    sampled = _inverse_cdf(torch.softmax(logits / temps[:, None], dim=-1), uniforms)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    raw = torch.log_softmax(logits, dim=-1)
+    return tokens, raw.gather(1, tokens[:, None])[:, 0]
 
 
 class Sampled(NamedTuple):
@@ -111,6 +137,13 @@ class Sampled(NamedTuple):
 
 def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
     """Pick one token per row of `logits` [B, V]; return the picks and their raw logprobs."""
+    if all(r.plain for r in rows):
+        uniforms, temps = plain_inputs(rows)
+        device = logits.device
+        tokens, logprobs = sample_plain(logits, torch.tensor(uniforms, device=device),
+                                        torch.tensor(temps, device=device))
+        picked, values = torch.stack((tokens.double(), logprobs.double())).tolist()
+        return Sampled([int(t) for t in picked], values)
     logits = logits.float()
     batch, vocab = logits.shape
     device = logits.device

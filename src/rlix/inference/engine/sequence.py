@@ -57,6 +57,8 @@ class Sequence:
     group: PromptGroup | None = None  # n > 1: the request's samples, sharing one prefill
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[TopLogprobs] | None = None
+    #: deliver one delta, at the end (final_only callers): no per-step delta is cut
+    fold: bool = False
     sampling: RowSampling = field(init=False)
     pending: Delta = field(init=False)
     _text_checked: int = 0  # length of the output text already searched for stop strings
@@ -142,8 +144,11 @@ class Sequence:
             self.pending.stop_reason = stop_reason
 
     def take_delta(self) -> Delta | None:
-        """The changes since the last call, or None if nothing changed."""
+        """The changes since the last call, or None if nothing changed (for a folding sequence:
+        None until it has finished, then everything at once)."""
         delta = self.pending
+        if self.fold and delta.finish_reason is None and delta.error is None:
+            return None
         if not (delta.token_ids or delta.finish_reason or delta.error or delta.weight_versions):
             return None
         self.pending = Delta(index=self.index)

@@ -1,0 +1,313 @@
+"""The decoder's forward written directly over the model's parameters, with few kernels a layer.
+
+Why: on a GPU a decode step of a small model is bound by kernel launches and memory traffic, not
+by FLOPs, and transformers' Qwen2 layer launches ~30 kernels (RMSNorm as six, rotary as ten, the
+KV heads repeated 7x before attention). Here a layer is: RMSNorm, one QKV matmul, rotary on q
+and k together, the new K/V written into the slot cache, attention, o_proj with the residual add
+fused into the matmul, RMSNorm, one gate-up matmul, SiLU x up, down_proj with the residual fused.
+Decode attention is two batched matmuls per layer over each KV head's span [0, kv_len) (the
+query heads of a group share one read of their KV head; rows' own lengths are masked); prefill
+attention is SDPA, causal, over the right-padded prompts.
+
+The q/k/v and gate/up weights are fused into one buffer each and the model's parameters become
+views of it, so in-place weight updates land in the fused buffer; whenever the parameter storage
+moves (wake, reload) the fusion is redone (`refresh`). Supported: Qwen2 / Llama / Mistral-style
+layers (q/k/v/o and gate/up/down projections, RMSNorm, SiLU, rotary without dynamic rescaling);
+`unsupported_reason` says why another model falls back to transformers' modules.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from rlix.inference.engine import triton_ops
+from rlix.inference.engine.kv_cache import SlotKVCache
+from rlix.inference.engine.weights import ServedWeights
+
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None when FusedDecoder can run `model`, else why not."""
+    config = model.config
+    decoder = model.get_decoder()
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r}"
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module"
+    if getattr(rotary, "rope_type", "default") in _DYNAMIC_ROPE:
+        return f"rope type {rotary.rope_type!r}"
+    for attr in ("embed_tokens", "layers", "norm"):
+        if not hasattr(decoder, attr):
+            return f"decoder has no {attr}"
+    for layer in decoder.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return "layer without self_attn / mlp"
+        if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "attention without q/k/v/o projections"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return "q/k norms"
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "MLP without gate/up/down projections"
+        if any(getattr(m, "bias", None) is not None
+               for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "biases on o/gate/up/down projections"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if _eps(norm) is None or getattr(norm, "bias", None) is not None:
+                return "a norm that is not RMSNorm"
+    if _eps(decoder.norm) is None:
+        return "a final norm that is not RMSNorm"
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        return "an LM head with a bias"
+    return None
+
+
+def _eps(norm: torch.nn.Module) -> float | None:
+    value = getattr(norm, "variance_epsilon", None)
+    if value is None:
+        value = getattr(norm, "eps", None)
+    return float(value) if value is not None else None
+
+
+def _fuse(modules: list[torch.nn.Module], attr: str) -> torch.Tensor | None:
+    """Concatenate the modules' `attr` (weight or bias) into one buffer and make each parameter
+    a view of its slice; None when the modules have no such parameter."""
+    params = [getattr(m, attr) for m in modules]
+    if any(p is None for p in params):
+        return None
+    fused = torch.cat([p.data for p in params])
+    start = 0
+    for p in params:
+        p.data = fused[start: start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+class _Step(NamedTuple):
+    """What every layer of one decode step shares."""
+
+    pos: torch.Tensor
+    rows: torch.Tensor
+    kv_len: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B * kv_heads, 1, kv_len], additive
+
+
+class _Layer:
+    """One layer's tensors, fused where the matmuls can share a launch."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv_w = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+        self.qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias")
+        self.o_w = attn.o_proj.weight
+        self.gate_up_w = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+        self.down_w = mlp.down_proj.weight
+        self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps1, self.eps2 = _eps(layer.input_layernorm), _eps(layer.post_attention_layernorm)
+
+
+def _fused_modules(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+
+
+class FusedDecoder:
+    """Prefill and decode forwards of one model over a SlotKVCache (see module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, weights: ServedWeights, cache: SlotKVCache,
+                 kernels: bool | None = None) -> None:
+        config = model.config
+        #: decode through triton_ops (CUDA with Triton by default); else torch ops
+        self.kernels = triton_ops.available(weights.device) if kernels is None else kernels
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.weights = weights
+        self.cache = cache
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.intermediate = config.intermediate_size
+        attn = self.decoder.layers[0].self_attn
+        self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.layers: list[_Layer] = []
+        self._version: int | None = None
+        self._cos = self._sin = None
+        self._span: torch.Tensor | None = None
+
+    def release(self) -> None:
+        """Drop every reference to the fused buffers (before a sleep lets the parameters go)."""
+        self.layers = []
+        self._version = None
+
+    def refresh(self) -> None:
+        """(Re)fuse after the parameter storage moved; build the rotary tables once."""
+        if self._version == self.weights.storage_version and self.layers:
+            return
+        self.layers = []
+        for layer in self.decoder.layers:  # layer by layer: the old tensors go as we go
+            self.layers.append(_Layer(layer))
+        fused = {id(p) for layer in self.decoder.layers for m in _fused_modules(layer)
+                 for p in (m.weight, getattr(m, "bias", None)) if p is not None}
+        for param in self.weights.params.values():
+            # After a reload the other parameters are views of the staging buffers, which would
+            # otherwise stay allocated for the q/k/v and gate/up slices that were fused away.
+            data = param.data
+            if id(param) not in fused and data.untyped_storage().nbytes() > data.nbytes:
+                param.data = data.clone()
+        self._version = self.weights.storage_version
+        if self._cos is None or self._cos.device != self.weights.device:
+            self._tables()
+
+    def _tables(self) -> None:
+        """cos and sign-folded sin per position, computed as transformers computes them."""
+        rotary = self.decoder.rotary_emb
+        device, dtype = self.weights.device, self.head.weight.dtype
+        positions = torch.arange(self.cache.max_len, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        half = self.head_dim // 2
+        sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
+        self._cos = (emb.cos() * scaling).to(dtype)
+        self._sin = ((emb.sin() * scaling).to(dtype) * sign.to(dtype))
+        self._span = torch.arange(self.cache.max_len, device=device)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, with rotate_half as a roll and sin's sign folded in."""
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
+        gate_up = torch.mm(h, layer.gate_up_w.t())
+        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
+        return torch.addmm(x, act, layer.down_w.t())
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x, (x.shape[-1],), layer.ln1, layer.eps1)
+        if layer.qkv_b is not None:
+            return torch.addmm(layer.qkv_b, h, layer.qkv_w.t())
+        return torch.mm(h, layer.qkv_w.t())
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.decoder.norm
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head over already-normalised hidden states."""
+        return torch.mm(hidden, self.head.weight.t())
+
+    def decode_context(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
+                       rows: torch.Tensor) -> tuple[torch.Tensor, _Step]:
+        """The embedded tokens and what every layer of this decode step shares."""
+        assert self._cos is not None and self._sin is not None and self._span is not None
+        batch, kv_heads = ids.shape[0], self.num_kv_heads
+        x = F.embedding(ids, self.decoder.embed_tokens.weight)
+        keep = self._span[None, :kv_len] <= pos[:, None]
+        mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill_(
+            ~keep, torch.finfo(x.dtype).min)
+        mask = mask[:, None, None, :].expand(batch, kv_heads, 1, kv_len).reshape(
+            batch * kv_heads, 1, kv_len)
+        return x, _Step(pos, rows, kv_len, self._cos[pos][:, None, :], self._sin[pos][:, None, :],
+                        mask)
+
+    def decode_attention(self, i: int, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Layer i's attention half of a decode step (norm .. o_proj + residual)."""
+        layer = self.layers[i]
+        batch, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qk_heads, kv_len = heads + kv_heads, step.kv_len
+        qkv = self._qkv(layer, x)
+        qk = self._rotate(qkv[:, : qk_heads * dim].view(batch, qk_heads, dim), step.cos, step.sin)
+        keys, values = self.cache.keys[i], self.cache.values[i]
+        keys[step.rows, :, step.pos] = qk[:, heads:]
+        values[step.rows, :, step.pos] = qkv[:, qk_heads * dim:].view(batch, kv_heads, dim)
+        q = qk[:, :heads].reshape(batch * kv_heads, self.group, dim)
+        k = keys[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
+        v = values[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
+        probs = torch.softmax(torch.baddbmm(step.mask, q, k.transpose(1, 2), alpha=self.scale), -1)
+        attn = torch.bmm(probs, v).view(batch, heads * dim)
+        return torch.addmm(x, attn, layer.o_w.t())
+
+    def decode_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP half (norm .. down_proj + residual)."""
+        return self._mlp(self.layers[i], x)
+
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
+               rows: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] for token ids[i] at position pos[i] of cache row rows[i] (= i); keys
+        are read over [0, kv_len) of each row, positions past a row's own masked (with the
+        Triton kernels: over each row's own 0..pos[i] whatever kv_len). Safe to capture in a
+        CUDA graph (no host syncs, shapes fixed by B and kv_len)."""
+        if self.kernels:
+            x, h = self.kernel_start(ids)
+            for i in range(len(self.layers)):
+                h = self.kernel_mlp(i, x, self.kernel_attention(i, x, h, pos))
+            return self.logits(h)
+        x, step = self.decode_context(ids, pos, kv_len, rows)
+        for i in range(len(self.layers)):
+            x = self.decode_mlp(i, self.decode_attention(i, x, step))
+        return self.logits(self.final(x))
+
+    # -- the decode step through triton_ops: x is the residual stream (updated in place), h the
+    # -- normalised input of the next half
+    def kernel_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = F.embedding(ids, self.decoder.embed_tokens.weight)
+        first = self.layers[0]
+        return x, triton_ops.add_rms_norm(x, None, first.ln1, first.eps1)
+
+    def kernel_attention(self, i: int, x: torch.Tensor, h: torch.Tensor,
+                         pos: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention half; returns the MLP's normalised input."""
+        layer = self.layers[i]
+        keys, values = self.cache.keys[i], self.cache.values[i]
+        qkv = (torch.addmm(layer.qkv_b, h, layer.qkv_w.t()) if layer.qkv_b is not None
+               else torch.mm(h, layer.qkv_w.t()))
+        q = triton_ops.rope_kv_write(qkv, pos, self._cos, self._sin, keys, values,
+                                     self.num_heads, self.num_kv_heads, self.head_dim)
+        attn = triton_ops.decode_attention(q, keys, values, pos, self.scale)
+        return triton_ops.add_rms_norm(x, torch.mm(attn, layer.o_w.t()), layer.ln2, layer.eps2)
+
+    def kernel_mlp(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP half; returns the next layer's (or the final) normalised input."""
+        layer = self.layers[i]
+        down = torch.mm(triton_ops.silu_mul(torch.mm(h, layer.gate_up_w.t())), layer.down_w.t())
+        if i + 1 < len(self.layers):
+            nxt = self.layers[i + 1]
+            return triton_ops.add_rms_norm(x, down, nxt.ln1, nxt.eps1)
+        norm = self.decoder.norm
+        return triton_ops.add_rms_norm(x, down, norm.weight, _eps(norm))
+
+    def prefill(self, ids: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
+        """Run right-padded prompts ids [P, W] into cache rows `rows` (the first of P
+        consecutive rows, or a device tensor [P] of rows: what a CUDA graph captures); return
+        the final normalised hidden states [P, W, H] (padding positions hold garbage)."""
+        assert self._cos is not None and self._sin is not None
+        rows_index, (rows, width) = rows, ids.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_heads = heads + kv_heads
+        x = F.embedding(ids, self.decoder.embed_tokens.weight).view(rows * width, -1)
+        cos, sin = self._cos[:width][None, :, None, :], self._sin[:width][None, :, None, :]
+        span = rows_index if isinstance(rows_index, torch.Tensor) else slice(
+            rows_index, rows_index + rows)
+        for i, layer in enumerate(self.layers):
+            qkv = self._qkv(layer, x).view(rows, width, qk_heads + kv_heads, dim)
+            qk = self._rotate(qkv[:, :, :qk_heads], cos, sin)
+            q = qk[:, :, :heads].transpose(1, 2)
+            k = qk[:, :, heads:].transpose(1, 2)
+            v = qkv[:, :, qk_heads:].transpose(1, 2)
+            self.cache.keys[i][span, :, :width] = k
+            self.cache.values[i][span, :, :width] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                 enable_gqa=self.group > 1)
+            attn = out.transpose(1, 2).reshape(rows * width, heads * dim)
+            x = self._mlp(layer, torch.addmm(x, attn, layer.o_w.t()))
+        return self.final(x).view(rows, width, -1)
