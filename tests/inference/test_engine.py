@@ -41,12 +41,22 @@ def test_greedy_equals_generate_while_requests_join_and_leave(make_engine, hf_mo
 
     async def one(i: int, delay: float):
         await asyncio.sleep(delay)
-        seen_running.append(engine.num_running())
         params = SamplingParams(max_tokens=specs[i][1], **GREEDY)
         return await h.collect(engine, f"r{i}", prompts[i], params)
 
+    async def watch(done: asyncio.Event):  # how many rows ran together, seen throughout
+        while not done.is_set():
+            seen_running.append(engine.num_running())
+            await asyncio.sleep(0.001)
+
     async def main():
-        return await asyncio.gather(*(one(i, 0.015 * i) for i in range(len(specs))))
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        try:
+            return await asyncio.gather(*(one(i, 0.015 * i) for i in range(len(specs))))
+        finally:
+            done.set()
+            await watcher
 
     outs = asyncio.run(main())
     for i, out in enumerate(outs):
