@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
 from pipelines_cpu import one_run  # noqa: E402
 
 
@@ -93,11 +94,14 @@ def main() -> None:
 
     t0 = time.perf_counter()
     raw: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory(prefix="rlix-bench-agentic-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlix-bench-agentic-") as tmp, \
+            Bench("agentic_cpu", total=len(modes)) as bench:
         for label, mode, pipelines in modes:
-            print(f"agentic_cpu: {label} ({mode}, {len(pipelines)} pipeline(s))", file=sys.stderr)
-            raw[label] = [one_run(dict(cfg, pipelines=pipelines), mode, Path(tmp) / label)]
-            ray.shutdown()
+            bench.phase(f"{label} ({mode}, {len(pipelines)} pipeline(s))")
+            with bench.aside():  # the run draws its own bars
+                raw[label] = [one_run(dict(cfg, pipelines=pipelines), mode, Path(tmp) / label)]
+                ray.shutdown()
+            bench.advance()
     if args.keep:
         Path(args.keep).write_text(json.dumps(raw, default=str))
     runs = {label: span(rs[0], args.warmup) for label, rs in raw.items()}

@@ -33,6 +33,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
+
 STEPS, KILL_AT = 8, 3
 
 
@@ -131,15 +134,19 @@ def main() -> None:
     import ray
 
     samples: dict[str, list[float]] = {}
-    for r in range(args.rounds):
-        for kind in ("shard", "trainer", "pipeline"):
-            with tempfile.TemporaryDirectory(prefix=f"rlix-faults-{kind}-") as d:
-                figures = one(kind, Path(d))
-                ray.shutdown()
-            print(f"round {r + 1} {kind}: {figures}", file=sys.stderr)
-            for k, v in figures.items():
-                if v is not None:
-                    samples.setdefault(k, []).append(float(v))
+    kinds = ("shard", "trainer", "pipeline")
+    with Bench("faults", total=len(kinds) * args.rounds) as bench:
+        for r in range(args.rounds):
+            for kind in kinds:
+                bench.phase(f"round {r + 1}: kill the {kind}")
+                with bench.aside(), tempfile.TemporaryDirectory(prefix=f"rlix-faults-{kind}-") as d:
+                    figures = one(kind, Path(d))  # the run draws its own bars
+                    ray.shutdown()
+                bench.log(f"round {r + 1} {kind}: {figures}")
+                bench.advance()
+                for k, v in figures.items():
+                    if v is not None:
+                        samples.setdefault(k, []).append(float(v))
     result = {k: round(statistics.median(v), 2) for k, v in samples.items()}
     result["other_pipeline_complete"] = sum(samples["other_pipeline_complete"])
     result["runs"] = 3 * args.rounds

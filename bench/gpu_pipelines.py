@@ -34,6 +34,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gpu_two_pipelines.yaml"
 
@@ -68,8 +71,11 @@ class BusySampler:
         return sum(vals) / len(vals) / 100 if vals else 0.0
 
 
-def run_config(cfg: dict, name: str, out: Path) -> tuple[dict, str]:
-    """`rlix run` of one config through the CLI; returns the summary and the console output."""
+def run_config(cfg: dict, name: str, out: Path, bench: Bench) -> tuple[dict, str]:
+    """`rlix run` of one config through the CLI; returns the summary and the console output
+    (captured, so the bench's bar stays on screen: each run is one of its rounds)."""
+    steps = ", ".join(f"{p['name']}: {p.get('steps', '?')} steps" for p in cfg["pipelines"])
+    bench.phase(f"rlix run {name} ({steps})")
     path = out / f"{name}.yaml"
     cfg = dict(cfg, run_dir=str(out / name))
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -78,6 +84,7 @@ def run_config(cfg: dict, name: str, out: Path) -> tuple[dict, str]:
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: rlix run exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    bench.advance()
     return json.loads((out / name / "summary.json").read_text()), proc.stdout
 
 
@@ -93,7 +100,7 @@ def span(summary: dict, warmup: int) -> tuple[float, float, int]:
     return min(starts), max(ends), n
 
 
-def gate1(base: dict, steps: int, warmup: int, out: Path, sampler: BusySampler,
+def gate1(base: dict, steps: int, warmup: int, out: Path, sampler: BusySampler, bench: Bench,
           tokens: int | None = None) -> dict:
     """`tokens`: max_new_tokens of the rollouts (default: the example's); the fixed costs of a
     step (sleep, reload, offload, wake) weigh less as generation grows."""
@@ -102,7 +109,7 @@ def gate1(base: dict, steps: int, warmup: int, out: Path, sampler: BusySampler,
     if tokens is not None:
         p["rollout"] = dict(p["rollout"], max_new_tokens=tokens, max_model_len=max(256, 2 * tokens))
     cfg = dict(base, pipelines=[p])
-    summary, _ = run_config(cfg, name, out)
+    summary, _ = run_config(cfg, name, out, bench)
     s = summary["pipelines"][name]
     recs = s["records"]
     # the shard's wake + sync runs in the scheduler's expand after each release, on the next
@@ -155,10 +162,11 @@ def gate1(base: dict, steps: int, warmup: int, out: Path, sampler: BusySampler,
     }
 
 
-def gate2(base: dict, steps: int | None, warmup: int, out: Path, sampler: BusySampler) -> dict:
+def gate2(base: dict, steps: int | None, warmup: int, out: Path, sampler: BusySampler,
+          bench: Bench) -> dict:
     steps = steps or base["pipelines"][0]["steps"]
     shared_cfg = dict(base, pipelines=[dict(p, steps=steps) for p in base["pipelines"]])
-    summary, console = run_config(shared_cfg, "shared", out)
+    summary, console = run_config(shared_cfg, "shared", out, bench)
     t0, t1, n_shared = span(summary, warmup)
     shared_rate = n_shared / (t1 - t0) * 3600
     shared_busy = sampler.mean_util(t0, t1)
@@ -166,7 +174,7 @@ def gate2(base: dict, steps: int | None, warmup: int, out: Path, sampler: BusySa
     all_steps = all(s["steps"] == steps for s in summary["pipelines"].values())
     queue_time, queue_steps, busy = 0.0, 0, []
     for p in base["pipelines"]:
-        solo, _ = run_config(dict(base, pipelines=[dict(p, steps=steps)]), f"queue-{p['name']}", out)
+        solo, _ = run_config(dict(base, pipelines=[dict(p, steps=steps)]), f"queue-{p['name']}", out, bench)
         a, b, n = span(solo, warmup)
         queue_time += b - a
         queue_steps += n
@@ -201,18 +209,21 @@ def main() -> None:
     base = yaml.safe_load(EXAMPLE.read_text())
     gates = set(args.gates.split(","))
     figures: dict = {}
-    with BusySampler() as sampler:
+    solo_tokens = list(filter(None, args.solo_tokens.split(",")))
+    runs = ((1 + len(base["pipelines"])) * bool(gates & {"2", "4"})  # shared, then each queued
+            + ("1" in gates) * (int(not args.only_solo_tokens) + len(solo_tokens)))
+    with BusySampler() as sampler, Bench("gpu_pipelines", total=runs) as bench:
         if gates & {"2", "4"}:
-            figures.update(gate2(base, args.gate2_steps, args.warmup, out, sampler))
-            print(json.dumps({"gate2": figures}, default=str), file=sys.stderr, flush=True)
+            figures.update(gate2(base, args.gate2_steps, args.warmup, out, sampler, bench))
+            bench.log(json.dumps({"gate2": figures}, default=str))
         if "1" in gates and not args.only_solo_tokens:
-            figures.update(gate1(base, args.steps, args.warmup, out, sampler))
-            print(json.dumps({"gate1": figures}, default=str), file=sys.stderr, flush=True)
+            figures.update(gate1(base, args.steps, args.warmup, out, sampler, bench))
+            bench.log(json.dumps({"gate1": figures}, default=str))
         if "1" in gates:
-            for tokens in filter(None, args.solo_tokens.split(",")):
-                more = gate1(base, args.steps, args.warmup, out, sampler, int(tokens))
+            for tokens in solo_tokens:
+                more = gate1(base, args.steps, args.warmup, out, sampler, bench, int(tokens))
                 figures[f"tokens{tokens}"] = more
-                print(json.dumps({f"gate1_{tokens}": more}, default=str), file=sys.stderr, flush=True)
+                bench.log(json.dumps({f"gate1_{tokens}": more}, default=str))
     import torch
 
     figures["device"] = torch.cuda.get_device_name(0)

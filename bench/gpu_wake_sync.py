@@ -27,6 +27,7 @@ import secrets
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -38,12 +39,16 @@ from rlix.models.presets import resolve_model
 from rlix.weights.cache import BucketCache
 from rlix.weights.push import ShardWeightPusher
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchkit  # noqa: E402
+
 GiB = 1 << 30
 PROMPT = [5, 17, 42, 99, 7, 3, 11, 64]
 
 
 def log(msg: str) -> None:
-    print(f"gpu_wake_sync: {msg}", file=sys.stderr, flush=True)
+    """A figures line, above the progress bar."""
+    benchkit.log(f"gpu_wake_sync: {msg}")
 
 
 def free_gpu() -> int:
@@ -80,13 +85,22 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_wake_sync needs CUDA")
+    # rounds: the warm-ups, the timed repetitions, the 3 of the breakdown
+    with benchkit.Bench("gpu_wake_sync", total=2 + args.reps + 3) as bench:
+        out = measure(args, bench)
+    print(json.dumps(out))
 
+
+def measure(args: argparse.Namespace, bench: benchkit.Bench) -> dict:
+    """The whole bench; apart from main so that the progress bar is closed before the JSON."""
+    bench.phase(f"building {args.model}")
     t0 = time.perf_counter()
     model_dir = resolve_model(args.model)  # builds the preset once (bf16 on disk)
     log(f"model {model_dir} ready in {time.perf_counter() - t0:.1f}s")
     state = load_file(str(model_dir / "model.safetensors"), device="cuda")  # the trainer's weights
     dtypes = sorted({str(t.dtype) for t in state.values()})
 
+    bench.phase("packing the cache, starting the shard")
     t0 = time.perf_counter()
     cache = BucketCache.for_model(state)
     cache.build_latest(1, state)  # allocates (and page-locks) the first slot
@@ -115,6 +129,7 @@ def main() -> None:
         version = 1
         rows: list[dict] = []
         for rep in range(2 + args.reps):  # two warm-ups: the shard page-locks both cache slots
+            bench.phase(f"rep {rep}: sleep level 2, wake+sync" + (" (warm-up)" if rep < 2 else ""))
             version += 1
             t0 = time.perf_counter()
             cache.build_latest(version, state)
@@ -135,12 +150,14 @@ def main() -> None:
             rows.append({"pack_s": pack_s, "sleep_s": sleep_s, "wake_sync_s": wake_sync_s,
                          "free_awake": free_awake, "free_asleep": free_asleep,
                          "free_synced": free_gpu()})
+            bench.advance()
         warm, timed = rows[:2], rows[2:]
         same = greedy(http, url) == before
 
         # Breakdown: the same two steps as separate calls.
         wakes, syncs = [], []
-        for _ in range(3):
+        for i in range(3):
+            bench.phase(f"breakdown {i + 1}: /wake_up, then sync")
             version += 1
             cache.build_latest(version, state)
             cache.promote_active(version)
@@ -153,6 +170,7 @@ def main() -> None:
             report = pusher.sync(version, {0: url})
             syncs.append(time.perf_counter() - t0)
             assert report.bundled, report
+            bench.advance()
         same_after_split = greedy(http, url) == before
     finally:
         pusher.close()
@@ -160,6 +178,7 @@ def main() -> None:
         shard.stop()
 
     # The bound, in the same run: the same number of bytes from pinned memory to the GPU.
+    bench.phase("the pinned host->GPU copy bound")
     del state
     torch.cuda.empty_cache()
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -195,7 +214,7 @@ def main() -> None:
         "wake_s": round(statistics.median(wakes), 4), "sync_s": round(statistics.median(syncs), 4),
         "same_output_after_sync": same and same_after_split, "reps": len(timed),
     })
-    print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
+
 PHASES = ("generate_s", "wait_gpus_s", "reload_s", "train_s", "cache_s", "offload_s", "release_s", "sync_s")
 
 
@@ -194,12 +197,16 @@ def main() -> None:
 
     t0 = time.perf_counter()
     raw: dict[str, list[dict]] = {"rlix": [], "standalone": []}
-    with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp, \
+            Bench("pipelines_cpu", total=2 * args.rounds) as bench:
         for i in range(args.rounds):
             order = ("rlix", "standalone") if i % 2 == 0 else ("standalone", "rlix")
             for mode in order:
-                raw[mode].append(one_run(cfg, mode, Path(tmp) / f"round{i}"))
-                ray.shutdown()
+                bench.phase(f"round {i + 1}: {'time-shared' if mode == 'rlix' else 'pinned'} ({mode})")
+                with bench.aside():  # the run draws its own bars
+                    raw[mode].append(one_run(cfg, mode, Path(tmp) / f"round{i}"))
+                    ray.shutdown()
+                bench.advance()
     if args.keep:
         Path(args.keep).write_text(json.dumps(raw, default=str))
     runs = {mode: [figures(r) for r in rs] for mode, rs in raw.items()}

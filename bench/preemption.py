@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -28,6 +29,9 @@ from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
 from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
 
 KEY = "bench-token"
 TOKENS = 64
@@ -63,23 +67,29 @@ async def main(rounds: int, concurrency: int) -> dict:
     reports = []
     stats = {"done": 0, "bad": 0}
     try:
-        await fleet.start([0, 1])
-        stop = asyncio.Event()
-        loader = asyncio.create_task(load(server.url, stop, concurrency, stats))
-        await asyncio.sleep(2.0)
-        for _ in range(rounds):
-            running = (await client.load([0]))[0]["running"]
-            t0 = time.perf_counter()
-            report = (await fleet.sleep_partial([0]))[0]
-            report["wall_ms"] = round((time.perf_counter() - t0) * 1000, 3)
-            report["running_at_shrink"] = running
-            reports.append(report)
-            print(report, file=sys.stderr)
-            await asyncio.sleep(0.5)
-            await fleet.expand([0])
-            await asyncio.sleep(1.5)
-        stop.set()
-        await loader
+        with Bench("preemption", total=rounds) as bench:
+            bench.phase("starting 2 shards")
+            await fleet.start([0, 1])
+            stop = asyncio.Event()
+            loader = asyncio.create_task(load(server.url, stop, concurrency, stats))
+            bench.phase(f"load: {concurrency} streams in flight")
+            await asyncio.sleep(2.0)
+            for i in range(rounds):
+                bench.phase(f"round {i + 1}: shrink shard 0, expand it")
+                running = (await client.load([0]))[0]["running"]
+                t0 = time.perf_counter()
+                report = (await fleet.sleep_partial([0]))[0]
+                report["wall_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+                report["running_at_shrink"] = running
+                reports.append(report)
+                bench.log(str(report))
+                await asyncio.sleep(0.5)
+                await fleet.expand([0])
+                await asyncio.sleep(1.5)
+                bench.advance()
+            bench.phase("load: the last requests finishing")
+            stop.set()
+            await loader
     finally:
         await fleet.shutdown()
         await server.stop()

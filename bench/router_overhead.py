@@ -19,12 +19,16 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.httpkit import free_port
 from rlix.inference.fleet.shard_process import ShardProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
 
 KEY = "bench-token"
 CASES = {
@@ -75,11 +79,16 @@ def main() -> None:
     router = None
     results = {}
     try:
-        shard.start()
-        shard.wait_ready()
-        router, router_url = start_router(shard.url)
-        with httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        with Bench("router_overhead", total=len(CASES)) as bench, \
+                httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            bench.phase("starting the shard and the router")
+            shard.start()
+            shard.wait_ready()
+            router, router_url = start_router(shard.url)
             for name, (path, body) in CASES.items():
+                # updated once a case, never per request: beside the timed requests runs only
+                # rich's refresh on a terminal (4 a second), on both paths alike
+                bench.phase(f"{name}: {args.n} requests each way")
                 for _ in range(30):  # warm-up both paths
                     timed(http, shard.url, path, body)
                     timed(http, router_url, path, body)
@@ -95,7 +104,8 @@ def main() -> None:
                     "added_p50_ms": round(pct(routed, 0.5) - pct(direct, 0.5), 3),
                     "paired_diff_median_ms": round(statistics.median(diffs), 3),
                 }
-                print(name, results[name], file=sys.stderr)
+                bench.log(f"{name} {results[name]}")
+                bench.advance()
     finally:
         if router is not None:
             router.terminate()

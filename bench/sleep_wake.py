@@ -16,12 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:
@@ -44,7 +49,7 @@ def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:
     return nbytes / h2d, nbytes / d2h
 
 
-async def measure(engine: TorchEngine, rounds: int) -> dict:
+async def measure(engine: TorchEngine, rounds: int, bench: Bench) -> dict:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = list(range(5, 37))
 
@@ -56,7 +61,8 @@ async def measure(engine: TorchEngine, rounds: int) -> dict:
 
     before = await generate()
     sleeps, wakes, freed = [], [], []
-    for _ in range(rounds):
+    for i in range(rounds):
+        bench.phase(f"round {i + 1}: sleep level 1, wake")
         if engine.model.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -68,6 +74,8 @@ async def measure(engine: TorchEngine, rounds: int) -> dict:
         if engine.model.device.type == "cuda":
             torch.cuda.synchronize()
         wakes.append(time.perf_counter() - t0)
+        bench.advance()
+    bench.phase("sleep level 2")
     same = await generate() == before
     t0 = time.perf_counter()
     await engine.sleep(2)
@@ -86,18 +94,22 @@ def main() -> None:
     device = torch.device("cuda" if args.gpu else "cpu")
     model = args.model or ("qwen2-0.5b-shape" if args.gpu else "small")
     dtype = "bfloat16" if args.gpu else "float32"
-    engine = TorchEngine.from_pretrained(model, device=device, dtype=dtype, max_num_seqs=8,
-                                         max_model_len=1024)
-    try:
-        weight_bytes = engine.weight_bytes()
-        result = asyncio.run(measure(engine, args.rounds))
-    finally:
-        engine.close()
+    with Bench("sleep_wake", total=args.rounds) as bench:
+        bench.phase(f"loading {model} on {device}")
+        engine = TorchEngine.from_pretrained(model, device=device, dtype=dtype, max_num_seqs=8,
+                                             max_model_len=1024)
+        try:
+            weight_bytes = engine.weight_bytes()
+            result = asyncio.run(measure(engine, args.rounds, bench))
+        finally:
+            engine.close()
+        if args.gpu:
+            bench.phase("pinned copy bandwidth")
+            h2d, d2h = copy_bandwidth(weight_bytes, device)
     headline = {"bench": "sleep_wake", "model": model, "device": str(device), "dtype": dtype,
                 "weight_bytes": weight_bytes, **{k: (round(v, 4) if isinstance(v, float) else v)
                                                  for k, v in result.items()}}
     if args.gpu:
-        h2d, d2h = copy_bandwidth(weight_bytes, device)
         headline.update({
             "pinned_h2d_GBps": round(h2d / 1e9, 1), "pinned_d2h_GBps": round(d2h / 1e9, 1),
             "sleep1_vs_bound": round((weight_bytes / d2h) / result["sleep1_s"], 3),

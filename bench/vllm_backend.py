@@ -40,11 +40,15 @@ from rlix.weights.cache import BucketCache
 from rlix.weights.sync import WeightSync
 from rlix.weights.vllm.endpoint import VllmShardEndpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchkit  # noqa: E402
+
 KEY = "bench-token"
 
 
 def say(msg: str) -> None:
-    print(f"[vllm_backend] {msg}", file=sys.stderr, flush=True)
+    """A figures line, above the progress bar."""
+    benchkit.log(f"[vllm_backend] {msg}")
 
 
 def start(backend: str, model: Path, **kw: object) -> tuple[ShardProcess, float]:
@@ -130,26 +134,29 @@ def main() -> None:
     if not env.vllm_python():
         sys.exit("bench/vllm_backend.py: no Python with vLLM (run scripts/setup-vllm.sh)")
     out: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, benchkit.Bench("vllm_backend", total=3) as bench:
+        bench.phase("building the tiny and qwen2-0.5b-shape models")
         models = {"tiny": build_preset("tiny", Path(tmp) / "tiny"),
                   "0.5b": build_preset("qwen2-0.5b-shape", Path(tmp) / "half")}
-        say("embedded engine on tiny")
+        bench.phase("embedded engine on tiny: rollout load")
         proc, _ = start("embedded", models["tiny"])
         try:
             out["rollout_tok_s_embedded"] = round(rollout_tok_s(proc.url), 1)
         finally:
             proc.stop()
         say(f"so far {out}")
+        bench.advance()
         for name, path in models.items():
-            say(f"starting a vLLM shard on {name}")
+            bench.phase(f"starting a vLLM shard on {name}")
             proc, start_s = start("vllm", path, dtype="bfloat16", cpu_kvcache_gib=1)
             try:
                 if name == "tiny":
                     out["vllm_start_s"] = round(start_s, 2)
+                    bench.phase(f"vLLM on {name}: rollout load")
                     out["rollout_tok_s_vllm"] = round(rollout_tok_s(proc.url), 1)
                 else:
                     out["vllm_start_0.5b_s"] = round(start_s, 2)
-                say(f"syncing {name} x{args.rounds}")
+                bench.phase(f"vLLM on {name}: syncing x{args.rounds}")
                 sync_s, copy_s, nbytes, reload_s = sync_figures(proc.url, path, args.rounds)
             finally:
                 proc.stop()
@@ -161,6 +168,7 @@ def main() -> None:
             # rlix's own part of the sync (everything but vLLM's reload) against the same memcpy
             out[f"rlix_part_vs_memcpy_{name}"] = round(copy_s / max(sync_s - reload_s, 1e-6), 2)
             say(f"so far {out}")
+            bench.advance()
     out["vllm_vs_embedded_rollout"] = round(out["rollout_tok_s_vllm"] / out["rollout_tok_s_embedded"], 3)
     print(json.dumps(out))
 

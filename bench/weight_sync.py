@@ -69,6 +69,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "weights"
 from model_engine import ModelEngine  # noqa: E402
 from pipe_shard import PipeShard, write_spec  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
+
 env.apply_nccl_defaults()  # this process and every process it starts
 
 
@@ -141,15 +144,18 @@ def shm_sync_seconds(state: dict[str, torch.Tensor], bucket: int, rounds: int, t
         proc.close()
 
 
-def cpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[type-arg]
+def cpu_figures(args: argparse.Namespace, tmp: str, bench: Bench) -> dict:  # type: ignore[type-arg]
+    bench.phase("cpu: a ~1 GB model, memcpy")
     specs = transformer_specs(2048, 9, 5632, 32000, 2048)
     state = random_state(specs)
     total = nbytes(specs)
     t_copy = memcpy_seconds(total, args.rounds)
+    bench.phase("cpu: a ~1 GB model, shm sync")
     t_sync, info = shm_sync_seconds(state, args.bucket_mib << 20, args.rounds, tmp)
     del state
     gc.collect()
     # per-tensor overhead: 10,000 small tensors vs 8 big ones, same bytes, same path
+    bench.phase("cpu: 10,000 small tensors vs 8 large")
     n_small, per = 10_000, args.small_kib * 1024 // 2
     many = {f"layers.{i}.weight": torch.randn(per).bfloat16() for i in range(n_small)}
     few = {f"block.{i}.weight": torch.randn(n_small * per // 8).bfloat16() for i in range(8)}
@@ -158,6 +164,7 @@ def cpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[typ
     t_few, _ = shm_sync_seconds(few, bucket, args.rounds, tmp)
     # the same with a receiving engine that stages tensor by tensor (as engines that do not keep
     # their weights in bucket layout do): what per-tensor work costs on this machine
+    bench.phase("cpu: the same, a copying engine")
     t_many_c, _ = shm_sync_seconds(many, bucket, args.rounds, tmp, adopt=False)
     t_few_c, _ = shm_sync_seconds(few, bucket, args.rounds, tmp, adopt=False)
     return {
@@ -277,7 +284,8 @@ def nccl_syncs(source, proc: PipeShard, rounds: int) -> tuple[list, int]:  # typ
     return reports, proc.call("cuda_memory")[1] - base
 
 
-def gpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[type-arg]
+def gpu_figures(args: argparse.Namespace, tmp: str, bench: Bench) -> dict:  # type: ignore[type-arg]
+    bench.phase("gpu: building the pinned cache")
     specs = transformer_specs(1536, 28, 8960, args.vocab, 256)
     total, bucket = nbytes(specs), args.gpu_bucket_mib << 20
     state = random_state(specs, "cuda:0")  # the trainer's weights, on its GPU
@@ -287,15 +295,18 @@ def gpu_figures(args: argparse.Namespace, tmp: str) -> dict:  # type: ignore[typ
     torch.cuda.empty_cache()
     out: dict = {"gpu_model_bytes": total, "gpu_params": total // 2, "gpu_bucket_bytes": bucket,
                  "gpu_buckets": cache.layout.num_buckets, "vocab": args.vocab}
+    bench.phase("gpu: pinned copy, local sync")
     t_h2d = h2d_seconds(total, args.rounds)
     t_sync, peak = gpu_local(cache, specs, args.rounds)
     out.update(h2d_sync_vs_pinned_copy=round(t_h2d / t_sync, 3),
                peak_extra_gpu_bytes_vs_bucket=round(peak / bucket, 3), h2d_copy_s=round(t_h2d, 4),
                h2d_sync_s=round(t_sync, 4), h2d_gbps=round(total / t_h2d / 1e9, 1),
                h2d_sync_gbps=round(total / t_sync / 1e9, 1))
-    print(f"h2d: {json.dumps(out)}", file=sys.stderr, flush=True)
+    bench.log(f"h2d: {json.dumps(out)}")
     if torch.cuda.device_count() >= 2:
+        bench.phase("gpu: raw NCCL broadcast")
         t_bcast = raw_broadcast_seconds(total, args.rounds)
+        bench.phase("gpu: NCCL syncs to the shard on cuda:1")
         spec = write_spec(os.path.join(tmp, "gpu_spec.json"), specs)
         proc = PipeShard(spec, device="cuda:1", name="nccl-shard", call_timeout=600)
         try:
@@ -413,12 +424,13 @@ def _cross_node_actors():  # type: ignore[no-untyped-def]
     return CacheHolder, SocketPeer
 
 
-def cross_node_figures(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
+def cross_node_figures(args: argparse.Namespace, bench: Bench) -> dict:  # type: ignore[type-arg]
     import ray
     from ray.cluster_utils import Cluster
 
     from rlix.weights.nodes.node_cache import NodeCacheActor
 
+    bench.phase("cross-node: starting a 2-node Ray cluster")
     total = args.cross_mib << 20
     store = 3 * total + (64 << 20)
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -462,6 +474,7 @@ def cross_node_figures(args: argparse.Namespace) -> dict:  # type: ignore[type-a
         warm, reps = 2, args.cross_reps  # the warm-up allocates the replica's two slots
         t_relay, t_sock, t_store, inner, stream, first = [], [], [], [], [], []
         for i in range(warm + reps):
+            bench.phase(f"cross-node: rep {i - warm + 1} of {reps}" if i >= warm else f"cross-node: warm-up {i + 1}")
             tr, res = relay_once(i + 1)
             ts = socket_once()
             to = store_once() if args.object_store else None
@@ -474,8 +487,8 @@ def cross_node_figures(args: argparse.Namespace) -> dict:  # type: ignore[type-a
                 stream.append(res.send_seconds)  # type: ignore[attr-defined]
                 if to is not None:
                     t_store.append(to)
-            print(f"cross-node rep {i - warm if i >= warm else 'warm'}: relay {tr:.4f} s, socket {ts:.4f} s"
-                  + (f", object store {to:.4f} s" if to is not None else ""), file=sys.stderr, flush=True)
+            bench.log(f"cross-node rep {i - warm if i >= warm else 'warm'}: relay {tr:.4f} s, socket {ts:.4f} s"
+                      + (f", object store {to:.4f} s" if to is not None else ""))
         last = warm + reps
         same = ray.get(replica.checksums.remote(last)) == ray.get(holder.checksums.remote(last))
         if not same:
@@ -529,13 +542,20 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     figures: dict = {}
-    with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp:
-        if (args.only or "cpu") == "cpu" and not args.skip_cpu:
-            figures.update(cpu_figures(args, tmp))
-        if args.only == "gpu" or (args.gpu and args.only is None):
-            figures.update(gpu_figures(args, tmp))
-        if args.only == "cross_node" or (args.only is None and not args.skip_cpu):
-            figures.update(cross_node_figures(args))
+    parts = {"cpu": (args.only or "cpu") == "cpu" and not args.skip_cpu,
+             "gpu": args.only == "gpu" or (args.gpu and args.only is None),
+             "cross_node": args.only == "cross_node" or (args.only is None and not args.skip_cpu)}
+    with tempfile.TemporaryDirectory(prefix="rlix-bench-") as tmp, \
+            Bench("weight_sync", total=sum(parts.values())) as bench:
+        if parts["cpu"]:
+            figures.update(cpu_figures(args, tmp, bench))
+            bench.advance()
+        if parts["gpu"]:
+            figures.update(gpu_figures(args, tmp, bench))
+            bench.advance()
+        if parts["cross_node"]:
+            figures.update(cross_node_figures(args, bench))
+            bench.advance()
     figures["wall_s"] = round(time.perf_counter() - t0, 1)
     for k, v in figures.items():
         print(f"{k:34s} {v}", file=sys.stderr)
