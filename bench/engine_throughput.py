@@ -39,14 +39,19 @@ import asyncio
 import json
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.engine.profile import gpu_breakdown
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench, log  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ def gpu_extras(engine: TorchEngine, model, profiles: dict) -> dict:  # type: ign
     try:
         bw = memory_bandwidth(device)
     except Exception as exc:
-        print(f"bandwidth failed: {exc!r}", flush=True)
+        log(f"bandwidth failed: {exc!r}")
         bw = {"copy_GBps": 0.0, "read_GBps": 0.0}
     out["bandwidth"] = bw
     gbps = max(bw["copy_GBps"], bw["read_GBps"]) or float("nan")
@@ -151,7 +156,7 @@ def gpu_extras(engine: TorchEngine, model, profiles: dict) -> dict:  # type: ign
         out.update(decode_step_ms_c32=round(ms, 4), decode_live_tokens_c32=live,
                    decode_bound_ms_c32=round(bound_ms, 4),
                    decode_step_vs_bound_c32=round(ms / bound_ms, 2))
-    print(json.dumps(out), flush=True)  # what is known so far, should the rest fail
+    log(json.dumps(out))  # what is known so far, should the rest fail
     try:
         out["gpu_breakdown_c32"] = gpu_breakdown(engine._core.runner, 32, 256)
     except Exception as exc:  # a figure missing, not the run lost
@@ -187,6 +192,15 @@ def main() -> None:
     counts = {1: 4, 8: 32, 32: 128, 256: 768} if args.gpu else {1: 6, 8: 16, 32: 64}
     static_batches = 2 if args.gpu else None  # generate's static batches: only the first two
 
+    with Bench("engine_throughput", total=len(counts) + 2) as bench:
+        bench.phase(f"loading {model_name}")
+        headline = _measure(args, bench, device, model_name, dtype, counts, static_batches)
+        bench.advance()
+    print(json.dumps(headline))
+
+
+def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> dict:  # type: ignore[no-untyped-def]
+    """The runs, one round per concurrency, then the streamed run and the bounds."""
     engine = TorchEngine.from_pretrained(model_name, device=device, dtype=dtype,
                                          max_num_seqs=max(counts), max_model_len=512,
                                          cuda_graphs=not args.no_cuda_graphs,
@@ -197,9 +211,11 @@ def main() -> None:
     capture_s = 0.0
     if device.type == "cuda" and not args.no_cuda_graphs:
         started = time.perf_counter()  # as a server would at start, not inside the timed runs
+        bench.phase("capturing CUDA graphs")
         asyncio.run(engine.capture_graphs())
         capture_s = time.perf_counter() - started
 
+    bench.phase("warming up")
     warm = make_requests(64, vocab, seed=999)
     asyncio.run(engine_run(engine, warm, 64))
     asyncio.run(engine_run(engine, warm[:4], 4))
@@ -209,7 +225,9 @@ def main() -> None:
     rows = []
     profiles: dict = {}
     one_at_a_time = None
+    bench.advance()
     for c, n in counts.items():
+        bench.phase(f"{n} requests at concurrency {c}")
         requests = make_requests(n, vocab, seed=args.seed + c)
         engine.profile.reset()
         if c == 1:
@@ -236,9 +254,11 @@ def main() -> None:
                 static = baseline_run(model, subset, c, pad_id, device)
         assert one_at_a_time is not None
         rows.append((c, n, eng, static))
-        print(f"c={c:>3} ({n:>3} requests): engine {eng:8.1f} tok/s | generate static batch "
-              f"of {c}: {static:8.1f} tok/s | engine / static {eng / static:5.2f}x | "
-              f"engine / one-at-a-time {eng / one_at_a_time:5.2f}x", flush=True)
+        bench.log(f"c={c:>3} ({n:>3} requests): engine {eng:8.1f} tok/s | generate static batch "
+                  f"of {c}: {static:8.1f} tok/s | engine / static {eng / static:5.2f}x | "
+                  f"engine / one-at-a-time {eng / one_at_a_time:5.2f}x")
+        bench.advance()
+    bench.phase("streamed run at concurrency 32, then the bounds")
     streamed = asyncio.run(engine_run(engine, make_requests(128, vocab, seed=args.seed + 33), 32,
                                       stream=True))
     extras = {}
@@ -281,7 +301,7 @@ def main() -> None:
         if key in extras:
             headline[key] = extras[key]
     headline.update({k: v for k, v in extras.items() if k not in headline})
-    print(json.dumps(headline))
+    return headline
 
 
 if __name__ == "__main__":
