@@ -33,38 +33,72 @@ class PlannerParams:
       needs its GPUs or a pipeline would otherwise have no shard at all (stops thrash).
     aging_s: a non-rollout request waiting this long jumps ahead of every younger request and
       nothing is granted past it (bounds the wait; see docs/ARCHITECTURE.md).
+    rotate_s: with more pipelines wanting a shard than the GPUs hold, a pipeline keeps its
+      only (floor) shard this long; then the one of its tier that has waited longest without a
+      shard takes it (bounds the rollout wait; see docs/ARCHITECTURE.md).
+    report_stale_s: a progress report older than this counts as no report (full demand): the
+      demand signal is evidence, and a pipeline whose reports stopped is not starved on an old
+      one. None: reports never go stale.
     """
 
     dwell_s: float = 30.0
     aging_s: float = 60.0
+    rotate_s: float = 120.0
+    report_stale_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.dwell_s < 0 or self.aging_s < 0:
-            raise ValueError("dwell_s and aging_s must be >= 0")
+        if self.dwell_s < 0 or self.aging_s < 0 or self.rotate_s < 0:
+            raise ValueError("dwell_s, aging_s and rotate_s must be >= 0")
+        if self.report_stale_s is not None and self.report_stale_s <= 0:
+            raise ValueError("report_stale_s must be > 0 (or None: reports never go stale)")
 
 
-def rollout_demand(spec: PipelineSpec, progress: Progress | None) -> int:
-    """Shards a pipeline could use now. No report at all means full demand: a pipeline that
-    has not reported yet keeps its place instead of being starved."""
-    if progress is None:
+def report_is_stale(progress: Progress, now: float | None, stale_s: float | None) -> bool:
+    return stale_s is not None and now is not None and now - progress.reported_at > stale_s
+
+
+def rollout_demand(spec: PipelineSpec, progress: Progress | None, now: float | None = None,
+                   stale_s: float | None = None) -> int:
+    """Shards a pipeline could use now. No report (or only one older than `stale_s`) means
+    full demand: a pipeline that has not reported yet keeps its place instead of being
+    starved. Pending work (requests at its router, a train step waiting for its batch) keeps
+    a demand of at least one shard whatever `remaining` says: a report of 0 with work still
+    queued would otherwise leave it shardless for good."""
+    if progress is None or report_is_stale(progress, now, stale_s):
         return spec.max_shards
-    if progress.remaining <= 0:
-        return 0
-    wanted = math.ceil(progress.remaining / spec.seqs_per_shard)
-    return min(spec.max_shards, max(wanted, spec.min_shards))
+    wanted = math.ceil(progress.remaining / spec.seqs_per_shard) if progress.remaining > 0 else 0
+    if wanted > 0:
+        wanted = max(wanted, spec.min_shards)
+    if progress.pending_work:
+        wanted = max(wanted, 1)
+    return min(spec.max_shards, wanted)
 
 
 def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progress],
          now: float, params: PlannerParams = PlannerParams()) -> Plan:
     pool = Pool(ledger)
-    demand = {name: rollout_demand(spec, progress.get(name)) for name, spec in ledger.pipelines.items()}
+    stale_s = params.report_stale_s
+    demand = {name: rollout_demand(spec, progress.get(name), now, stale_s)
+              for name, spec in ledger.pipelines.items()}
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
     training = {h.pipeline for h in ledger.holdings.values() if h.role is Role.TRAIN} \
         | {g.pipeline for g in grants}
     wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training)
-    wakes = [t for t in (wake_requests, wake_rollout) if t is not None]
+    wakes = [t for t in (wake_requests, wake_rollout, _stale_at(ledger, progress, demand, now, stale_s))
+             if t is not None]
     return Plan(grants=grants, shrinks=pool.shrinks, expands=pool.expands,
                 wake_at=min(wakes) if wakes else None)
+
+
+def _stale_at(ledger: Ledger, progress: dict[str, Progress], demand: dict[str, int], now: float,
+              stale_s: float | None) -> float | None:
+    """When the next report that would change a demand goes stale."""
+    if stale_s is None:
+        return None
+    times = [p.reported_at + stale_s for name, p in progress.items()
+             if name in ledger.pipelines and demand[name] < ledger.pipelines[name].max_shards
+             and p.reported_at + stale_s >= now]
+    return min(times) + 1e-6 if times else None
 
 
 # ---------------------------------------------------------------------- phase 1
@@ -117,15 +151,16 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
     specs = ledger.pipelines
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
                       pool.shard_count[name], ledger.shardless_since.get(name, ledger.version),
-                      training=name in training)
+                      training=name in training,
+                      held_s=now - ledger.holding_since.get(name, now))
                for name, s in specs.items()]
-    target = rollout_targets(demands, pool.unlocked())
+    target = rollout_targets(demands, pool.unlocked(), params.rotate_s)
 
     def protected(h: Holding) -> bool:
         return now - h.since < params.dwell_s
 
     victims = _Victims(pool, specs, target, progress)
-    wake_at: float | None = None
+    wake_at = _rotation_at(demands, target, ledger, params.rotate_s)
 
     # Pipelines below target claim shards one at a time, most starved (relative) first.
     heap = [(-specs[n].priority, pool.shard_count[n] / t, n) for n, t in target.items()
@@ -156,6 +191,21 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
 
     _fill_idle(pool, ledger, demand, now)
     return wake_at
+
+
+def _rotation_at(demands: list[Demand], target: dict[str, int], ledger: Ledger,
+                 rotate_s: float) -> float | None:
+    """While a pipeline that generates waits with no shard, the earliest time a holder of its
+    tier or a lower one reaches `rotate_s` (then the waiter takes its shard)."""
+    waiting = [d.priority for d in demands
+               if d.shards > 0 and not d.training and d.current == 0 and target[d.name] == 0]
+    if not waiting or math.isinf(rotate_s):
+        return None
+    top = max(waiting)
+    times = [ledger.holding_since[d.name] + rotate_s for d in demands
+             if d.current > 0 and not d.training and d.priority <= top and d.held_s < rotate_s
+             and d.name in ledger.holding_since]
+    return min(times) if times else None
 
 
 def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -> None:

@@ -39,6 +39,9 @@ class Ledger:
         # pipeline -> ledger version since which it has held no shard (absent: it holds one);
         # the rollout floor serves the longest-waiting first, so names never decide who starves
         self.shardless_since: dict[str, int] = {}
+        # pipeline -> time its current spell of holding at least one shard began (absent: it
+        # holds none); after `rotate_s` of it a waiting pipeline of its tier may take its shard
+        self.holding_since: dict[str, float] = {}
         self.version = 0  # bumped on every change; lets callers cache derived views
         # GPUs whose node left the cluster: nothing is placed on them again
         self.lost: set[int] = set()
@@ -79,6 +82,7 @@ class Ledger:
         del self.pipelines[name]
         self.train_home.pop(name, None)
         self.shardless_since.pop(name, None)
+        self.holding_since.pop(name, None)
         for key in [k for k in self.last_shard_gpus if k[0] == name]:
             del self.last_shard_gpus[key]
         self.version += 1
@@ -157,14 +161,21 @@ class Ledger:
             self._drop(key)
         for holding in new:
             self._add(holding)
+        self._note_spells(now)
+        self.version += 1
+        self.check_invariants()
+
+    def _note_spells(self, now: float) -> None:
+        """Start or end each pipeline's spell with shards (`holding_since`) or without
+        (`shardless_since`): the rollout floor's order comes from these."""
         with_shards = {h.pipeline for h in self.holdings.values() if h.role is Role.GENERATE}
         for name in self.pipelines:
             if name in with_shards:
                 self.shardless_since.pop(name, None)
+                self.holding_since.setdefault(name, now)
             else:
                 self.shardless_since.setdefault(name, self.version)
-        self.version += 1
-        self.check_invariants()
+                self.holding_since.pop(name, None)
 
     def mark_lost(self, gpus: Iterable[int]) -> list[Holding]:
         """GPUs that left the cluster with their node: every holding on one is dropped (its
@@ -174,6 +185,7 @@ class Ledger:
         for h in dropped:
             self._drop(h.key)
         self.lost |= lost
+        self._note_spells(0.0)  # only ends spells: no shard is added here
         self.version += 1
         self.check_invariants()
         return dropped
