@@ -20,14 +20,16 @@ from rich.progress import Progress
 from collections.abc import Callable
 from pathlib import Path
 
-from rlix.sim.policies import POLICIES, RunResult, simulate
+from rlix.sim.policies import POLICIES, applicable, simulate
+from rlix.sim.results import NotApplicable, PipelineResult, RunResult
 from rlix.sim.report import build_report, render
 from rlix.sim.scenario import Scenario, load_scenario
 from rlix.sim.trace import SimTrace
 from rlix.sim.workload import generate
 from rlix.timeline import write_timeline
 
-__all__ = ["POLICIES", "Scenario", "cli_sim", "load_scenario", "run_scenario", "simulate"]
+__all__ = ["POLICIES", "NotApplicable", "PipelineResult", "RunResult", "Scenario", "cli_sim",
+           "load_scenario", "run_scenario", "run_policies", "simulate"]
 
 
 def total_steps(scenario: Scenario) -> int:
@@ -46,16 +48,32 @@ def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = PO
     if not isinstance(scenario, Scenario):
         scenario = load_scenario(scenario)
     workloads = generate(scenario)
+    runs, skipped, alone, source = run_policies(scenario, workloads, policies, on_run, out)
+    return build_report(scenario, workloads, runs, alone, source, skipped)
+
+
+def run_policies(scenario: Scenario, workloads: dict, policies: tuple[str, ...] = POLICIES,
+                 on_run: Callable[[str, int], Callable[[str], None] | None] | None = None,
+                 out: str | Path | None = None
+                 ) -> tuple[dict[str, RunResult], dict[str, NotApplicable], dict[str, float], dict[str, str]]:
+    """The typed runs: (results by policy, policies that do not apply, alone completion time
+    per pipeline, where each alone time came from). Every result's pipelines carry their
+    `slowdown` against the alone time."""
     hook = on_run or (lambda label, steps: None)
     order = sorted(policies, key=lambda p: (p != "exclusive-queue", POLICIES.index(p)))
     runs: dict[str, RunResult] = {}
+    skipped: dict[str, NotApplicable] = {}
     for policy in order:
+        why = applicable(scenario, policy)
+        if why is not None:
+            skipped[policy] = why
+            continue
         trace = SimTrace() if out is not None else None
         runs[policy] = simulate(scenario, workloads, policy,
                                 on_step=hook(policy, total_steps(scenario)), trace=trace)
         if trace is not None:
             write_run(Path(out) / policy, scenario, policy, trace, runs[policy].makespan)
-    # "Alone" makespans: reuse an exclusive-queue run that had the whole cluster to itself.
+    # "Alone" times: reuse an exclusive-queue run that had the whole cluster to itself.
     alone: dict[str, float] = {}
     source: dict[str, str] = {}
     queue = runs.get("exclusive-queue")
@@ -69,8 +87,11 @@ def run_scenario(scenario: Scenario | str | Path, policies: tuple[str, ...] = PO
                             on_step=hook(f"alone {setup.name}", setup.steps))
             alone[setup.name] = solo.pipelines[setup.name].duration
             source[setup.name] = "alone run"
+    for res in runs.values():
+        for name, p in res.pipelines.items():
+            p.slowdown = p.completion_s / alone[name] if alone[name] > 0 else None
     ordered = {p: runs[p] for p in POLICIES if p in runs}
-    return build_report(scenario, workloads, ordered, alone, source)
+    return ordered, skipped, alone, source
 
 
 def write_run(run_dir: Path, scenario: Scenario, policy: str, trace: SimTrace, end: float) -> None:

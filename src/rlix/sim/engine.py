@@ -18,6 +18,7 @@ from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Progress, Stage, Topology
 
+from rlix.sim.account import HoldAccount
 from rlix.sim.pipeline import PipelineRun
 from rlix.sim.trace import SimTrace
 
@@ -77,6 +78,7 @@ class Domain:
         self.params = params
         self.gpu_ids = gpu_ids if gpu_ids is not None else list(range(topology.num_gpus))
         self.busy_until = [0.0] * topology.num_gpus
+        self.claimed_from = [0.0] * topology.num_gpus  # when the latest action's holder got it
         self.pending: dict[int, GpuRequest] = {}
         self.progress: dict[str, Progress] = {}
         self.runs: dict[str, PipelineRun] = {}
@@ -86,12 +88,31 @@ class Domain:
         self.plan_calls = 0
         self.transition_gpu_s = 0.0  # sleep + wake + sync GPU-seconds
         self.trace = trace  # records the run for its timeline (rlix sim --out)
+        self.account = HoldAccount()  # GPU-seconds held per pipeline and role
 
     # ------------------------------------------------------------------ pipelines' calls
-    def add(self, run: PipelineRun) -> None:
+    def add(self, run: PipelineRun, resume: bool = False) -> None:
         self.ledger.register(run.spec)
         self.runs[run.name] = run
-        run.start()
+        if resume:
+            run.resume()
+        else:
+            run.start()
+        self.clock.mark_dirty(self)
+
+    def crash(self, run: PipelineRun) -> None:
+        """Its processes died: the scheduler drops it (as `SchedulerService` drops a dead
+        coordinator); its GPUs are free once the actions before its own on them are done."""
+        self.account.advance(self.clock.now)
+        for g in self.ledger.gpus_of(run.name):
+            self.busy_until[g] = max(self.clock.now, min(self.busy_until[g], self.claimed_from[g]))
+        for rid in [rid for rid, r in self.pending.items() if r.pipeline == run.name]:
+            del self.pending[rid]
+        self.ledger.unregister(run.name)
+        self.progress.pop(run.name, None)
+        del self.runs[run.name]
+        self._changed()
+        self._note("crash")
         self.clock.mark_dirty(self)
 
     def submit(self, run: PipelineRun, stage: Stage, gpus: int) -> int:
@@ -102,7 +123,9 @@ class Domain:
         return rid
 
     def release(self, run: PipelineRun, stage: Stage) -> None:
+        self.account.advance(self.clock.now)
         self.ledger.release(run.name, stage)
+        self._changed()
         self._note("release")
         self.clock.mark_dirty(self)
 
@@ -112,13 +135,25 @@ class Domain:
 
     def unregister(self, run: PipelineRun) -> None:
         """A finished pipeline exits: its processes end and its GPUs are free at once."""
+        self.account.advance(self.clock.now)
         self.ledger.unregister(run.name)
+        del self.runs[run.name]
+        self._changed()
         self._note("unregister")
         self.progress.pop(run.name, None)
-        del self.runs[run.name]
         self.clock.mark_dirty(self)
         if self.on_finish is not None:
             self.on_finish(run)
+
+    def _changed(self) -> None:
+        """After a ledger change: recount the holdings, and who now waits without a shard."""
+        self.account.recount(self.ledger, self._label)
+        for run in self.runs.values():
+            run.track_shardless()
+
+    def _label(self, pipeline: str) -> str:
+        run = self.runs.get(pipeline)
+        return run.phase_label if run is not None else "train"
 
     def _note(self, reason: str | None) -> None:
         if self.trace is not None:
@@ -140,7 +175,9 @@ class Domain:
         plan = planner_mod.plan(self.ledger, list(self.pending.values()), dict(self.progress),
                                 now, self.params)
         if not plan.is_empty():
+            self.account.advance(now)
             self.ledger.apply(plan, now)
+            self._changed()
             self._note(None)
             touched: dict[str, PipelineRun] = {}
             # Canonical order: the planner's lists may follow set iteration (string hashes
@@ -161,14 +198,17 @@ class Domain:
                 run = self.runs[grant.pipeline]
                 start = self._ready_at(grant.gpus)
                 for g in grant.gpus:
-                    self.busy_until[g] = start + run.train_s
+                    self.busy_until[g] = start + run.hold_s
+                    self.claimed_from[g] = start
                 run.on_grant(start)
             for move in sorted(plan.expands, key=by_shard):
                 run = self.runs[move.pipeline]
                 cost = run.transitions.wake_s + run.transitions.sync_s
-                ready = self._ready_at(move.gpus) + cost
+                begin = self._ready_at(move.gpus)
+                ready = begin + cost
                 for g in move.gpus:
                     self.busy_until[g] = ready
+                    self.claimed_from[g] = begin
                 self.transition_gpu_s += cost * len(move.gpus)
                 self._event(run, ready - run.transitions.sync_s, "wake", move.dp_rank, run.transitions.wake_s)
                 self._event(run, ready, "sync", move.dp_rank, run.transitions.sync_s)

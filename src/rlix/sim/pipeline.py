@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from rlix.sim.account import ShardlessClock
 from rlix.sim.shard import ACTIVE, WAKING, Shard
 from rlix.sim.workload import TrajectorySpec, Workload
 from rlix.scheduler.types import PipelineSpec, Progress, Stage
@@ -62,6 +63,19 @@ class PipelineRun:
         self.steps = len(workload.batches)
         self.batch_size = setup.rollout.batch
         self.train_s = setup.train_gpu_seconds / spec.train_gpus
+        # Non-rollout phases of a step, in order: the extra stages (the scheduler's logprob
+        # stage), then train; a stage gets at most what its domain (or its home) has.
+        room = domain.ledger.topology.num_gpus if spec.partial_overlap else spec.train_gpus
+        self.phases: list[tuple[str, Stage, int, float]] = [
+            (st.name, Stage.LOGPROB, min(st.gpus, room), st.gpu_seconds / min(st.gpus, room))
+            for st in setup.stages] + [("train", Stage.TRAIN, spec.train_gpus, self.train_s)]
+        self.phase = 0  # index into phases of the step's current (or next) request
+        self.epoch = 0  # bumped by a crash: events of the dead processes are dropped
+        self.down = False
+        self.crashes = 0
+        self.lost_trajectories = 0  # finished, then lost with their batch in a crash
+        self.muted = False
+        self.stale = False
         self.version = 0
         self.released = 0
         self.batch_left = [len(b) for b in workload.batches]
@@ -84,6 +98,8 @@ class PipelineRun:
         self.kept_tokens = 0.0
         self.prefill_tokens = 0.0
         self.train_gpu_s = 0.0
+        self.stage_gpu_s = 0.0  # extra stages' GPU-seconds of work
+        self.phase_requested_at = 0.0
         self.train_waits: list[float] = []  # request -> training starts (GPUs granted and free)
         self.requested_at = 0.0
         self.granted_at = 0.0
@@ -91,20 +107,87 @@ class PipelineRun:
         self.turns_dispatched = 0
         self.queue_area = 0.0  # integral of queued turns over time (turn-seconds waiting)
         self._q_last = clock.now
+        self.shardless = ShardlessClock()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        self.started_at = self.clock.now
+        self.started_at = self._q_last = self.clock.now
+        for f in self.setup.faults:
+            if f.kind == "crash":
+                self.clock.at(self.started_at + f.at_s, self._crash, f.restart_after_s)
+            else:
+                if f.from_s <= 0:  # already on for its first report
+                    self._set_report_fault(f.kind, True)
+                else:
+                    self.clock.at(self.started_at + f.from_s, self._report_fault, f.kind, True)
+                self.clock.at(self.started_at + f.to_s, self._report_fault, f.kind, False)
         self._release_batches()
         self._report(force=True)
 
+    # ------------------------------------------------------------------ faults
+    def _crash(self, restart_after_s: float) -> None:
+        """Its processes die: shards, queued turns, the step in progress and the batches not
+        yet trained are lost; the scheduler forgets it. It restarts from its last step."""
+        if self.down or self.finished_at is not None:
+            return
+        self.crashes += 1
+        self.epoch += 1
+        self.down = True
+        self.shardless.close(self.clock.now)
+        for rank in sorted(self.shards):
+            shard = self.shards.pop(rank)
+            shard.abort_all()
+            self.retired.append(shard)
+        self._queue_touch()
+        self.queue.clear()
+        for k in range(self.version, self.released):
+            self.lost_trajectories += len(self.trajs[k]) - self.batch_left[k]
+            self.finish_events -= len(self.trajs[k]) - self.batch_left[k]
+        del self.trajs[self.version:]
+        self.released = self.version
+        self.remaining = 0
+        self.request_id = None
+        self.training = False
+        self.phase = 0
+        self.reported = None
+        self.domain.crash(self)
+        self.clock.at(self.clock.now + restart_after_s, self._restart)
+
+    def _restart(self) -> None:
+        self.down = False
+        self.batch_left[self.version:] = [len(b) for b in self.workload.batches[self.version:]]
+        self.domain.add(self, resume=True)
+
+    def resume(self) -> None:
+        """Registered again after a crash: re-generate from the last finished step."""
+        self._release_batches()
+        self._report(force=True)
+
+    def _set_report_fault(self, kind: str, on: bool) -> None:
+        if kind == "mute_reports":
+            self.muted = on
+        else:
+            self.stale = on
+
+    def _report_fault(self, kind: str, on: bool) -> None:
+        self._set_report_fault(kind, on)
+        if not self.down and self.finished_at is None:
+            self._report(force=True)  # a muted one says 0 now; at the end, the truth again
+
     def _finish(self) -> None:
         self.finished_at = self.clock.now
+        self.shardless.close(self.clock.now)
         for rank in sorted(self.shards):
             shard = self.shards.pop(rank)
             shard.abort_all()
             self.retired.append(shard)
         self.domain.unregister(self)
+
+    def track_shardless(self) -> None:
+        """Call whenever its pending work or the ledger's shards of it may have changed."""
+        waiting = self.remaining > 0 and self.finished_at is None and not self.down \
+            and not self.domain.ledger.shards_of(self.name)
+        self.shardless.update(self.clock.now, waiting)
 
     def all_shards(self) -> list[Shard]:
         return self.retired + list(self.shards.values())
@@ -120,6 +203,7 @@ class PipelineRun:
                 self._enqueue(traj)
             self.remaining += len(batch)
             self.released += 1
+        self.track_shardless()
         self.dispatch()
 
     def _queue_touch(self) -> None:
@@ -136,6 +220,12 @@ class PipelineRun:
                 abs(self.reported - self.remaining) < 0.02 * self.batch_size:
             return
         self.reported = self.remaining
+        if self.stale:
+            return  # the scheduler keeps the last report it got, and that report's time
+        if self.muted:
+            self.domain.report(Progress(self.name, remaining=0, step=self.version,
+                                        reported_at=self.clock.now))
+            return
         open_batches = sum(1 for k in range(self.version, self.released) if self.batch_left[k] > 0)
         load = {rank: sh.load for rank, sh in self.shards.items() if sh.state == ACTIVE}
         self.domain.report(Progress(self.name, remaining=self.remaining,
@@ -153,9 +243,11 @@ class PipelineRun:
             return
         traj.ctx = traj.cached + spec.obs_tokens
         traj.remaining = float(spec.gen[traj.turn])
-        self.clock.at(self.clock.now + spec.tool[traj.turn - 1], self._tool_done, traj)
+        self.clock.at(self.clock.now + spec.tool[traj.turn - 1], self._tool_done, traj, self.epoch)
 
-    def _tool_done(self, traj: Traj) -> None:
+    def _tool_done(self, traj: Traj, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
         self._enqueue(traj)
         self.dispatch()
 
@@ -166,6 +258,8 @@ class PipelineRun:
         self.finish_events += 1
         self.batch_left[traj.batch] -= 1
         self.remaining -= 1
+        if self.remaining == 0:
+            self.track_shardless()
         self._report()
         if self.batch_left[traj.batch] == 0:
             self._maybe_train()
@@ -197,20 +291,51 @@ class PipelineRun:
     # ------------------------------------------------------------------ trainer
     def _maybe_train(self) -> None:
         k = len(self.step_ends)
-        if self.training or self.request_id is not None or k >= self.steps:
+        if self.training or self.request_id is not None or k >= self.steps or self.down:
             return
         if k < self.released and self.batch_left[k] == 0:
-            self.request_id = self.domain.submit(self, Stage.TRAIN, self.spec.train_gpus)
+            self.phase = 0
             self.requested_at = self.clock.now
+            self._request_phase()
+
+    def _request_phase(self) -> None:
+        _, stage, gpus, _ = self.phases[self.phase]
+        self.request_id = self.domain.submit(self, stage, gpus)
+        self.phase_requested_at = self.clock.now
+
+    @property
+    def hold_s(self) -> float:
+        """How long the phase being granted holds its GPUs."""
+        return self.phases[self.phase][3]
+
+    @property
+    def phase_label(self) -> str:
+        return self.phases[self.phase][0]
 
     def on_grant(self, start_at: float) -> None:
         self.request_id = None
         self.training = True
-        self.train_waits.append(start_at - self.requested_at)
+        self.train_waits.append(start_at - self.phase_requested_at)
         self.granted_at = start_at
-        self.clock.at(start_at + self.train_s, self._train_end)
+        if self.phase < len(self.phases) - 1:
+            self.clock.at(start_at + self.hold_s, self._stage_end, self.epoch)
+        else:
+            self.clock.at(start_at + self.train_s, self._train_end, self.epoch)
 
-    def _train_end(self) -> None:
+    def _stage_end(self, epoch: int) -> None:
+        """An extra stage is done: give its GPUs back and ask for the next phase."""
+        if epoch != self.epoch:
+            return
+        _, stage, gpus, seconds = self.phases[self.phase]
+        self.stage_gpu_s += seconds * gpus
+        self.domain.release(self, stage)
+        self.training = False
+        self.phase += 1
+        self._request_phase()
+
+    def _train_end(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
         self.domain.release(self, Stage.TRAIN)
         self.train_gpu_s += self.train_s * self.spec.train_gpus
         self.training = False

@@ -15,64 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass, field
 
 from rlix.errors import ScenarioError
 from rlix.sim.engine import Clock, Domain
 from rlix.sim.pipeline import PipelineRun
+from rlix.sim.results import NotApplicable, PipelineResult, RunResult
 from rlix.sim.trace import SimTrace
 from rlix.sim.scenario import PipelineSetup, Scenario
-from rlix.sim.workload import Workload
+from rlix.sim.workload import Workload, gpu_work
 from rlix.scheduler.types import PipelineSpec, Topology
 
 POLICIES = ("exclusive-queue", "exclusive-partition", "rlix")
-
-
-@dataclass
-class PipelineResult:
-    name: str
-    priority: int
-    started_at: float
-    finished_at: float
-    step_ends: list[float]
-    trajectories: int
-    tokens: float
-    prefill_tokens: float
-    preempted_turns: int
-    aborted_turns: int
-    kept_tokens: float
-    train_gpu_s: float
-    shard_busy_gpu_s: float
-    decode_s: float
-    seq_s: float
-    whole_cluster: bool  # ran on a domain equal to the whole cluster, alone
-    traj_finish_times: list  # per released trajectory, None if it never finished
-    train_waits: list
-    expands: int
-    turns: int
-    queue_turn_s: float
-
-    @property
-    def makespan(self) -> float:
-        return self.finished_at
-
-    @property
-    def duration(self) -> float:
-        return self.finished_at - self.started_at
-
-
-@dataclass
-class RunResult:
-    policy: str
-    gpus: int
-    pipelines: dict[str, PipelineResult] = field(default_factory=dict)
-    plan_calls: int = 0
-    transition_gpu_s: float = 0.0
-    events: int = 0
-
-    @property
-    def makespan(self) -> float:
-        return max(p.finished_at for p in self.pipelines.values())
 
 
 class _Sim:
@@ -95,6 +48,10 @@ class _Sim:
         return d
 
     def launch(self, domain: Domain, setup: PipelineSetup, spec: PipelineSpec) -> None:
+        """Start a pipeline now, or at its arrival if that is later."""
+        if setup.arrive_s > self.clock.now:
+            self.clock.at(setup.arrive_s, self.launch, domain, setup, spec)
+            return
         run = PipelineRun(self.clock, domain, setup, spec, self.workloads[setup.name])
         if self.on_step is not None:
             run.on_step = self.on_step
@@ -126,7 +83,11 @@ class _Sim:
                                ("alone", "exclusive-queue")),
                 traj_finish_times=[t.finished_at for batch in r.trajs for t in batch],
                 train_waits=list(r.train_waits), expands=r.expands, turns=r.turns_dispatched,
-                queue_turn_s=r.queue_area)
+                queue_turn_s=r.queue_area, arrived_at=r.setup.arrive_s, crashes=r.crashes,
+                gpu_seconds=dict(sorted(r.domain.account.gpu_s.get(r.name, {}).items())),
+                demand_gpu_s=gpu_work(r.setup, r.workload).total,
+                longest_shardless_wait_s=r.shardless.longest, shardless_s=r.shardless.total)
+        out.fill_shares()
         return out
 
 
@@ -161,7 +122,7 @@ def config_gpus(spec: PipelineSpec, total: int) -> int:
     return min(need, total)
 
 
-def clip_spec(spec: PipelineSpec, topology: Topology, where: str) -> PipelineSpec:
+def clip_spec(spec: PipelineSpec, topology: Topology, where: str, min_train_gpus: int = 1) -> PipelineSpec:
     """Fit a pipeline's spec into a smaller set of GPUs."""
     size = topology.num_gpus
     capacity = sum(n // spec.tp for n in topology.gpus_per_node)
@@ -174,6 +135,9 @@ def clip_spec(spec: PipelineSpec, topology: Topology, where: str) -> PipelineSpe
         if train < 1:
             raise ScenarioError(f"{where}.train_gpus: no room to train beside a shard in a slice of "
                                 f"{size} GPUs without partial_overlap (exclusive-partition)")
+    if train < min_train_gpus:
+        raise ScenarioError(f"{where}.min_train_gpus: its train step needs {min_train_gpus} GPUs; "
+                            f"a slice of {size} leaves it {train}")
     max_shards = min(spec.max_shards, capacity)
     return dataclasses.replace(spec, train_gpus=train, max_shards=max_shards,
                                min_shards=min(spec.min_shards, max_shards))
@@ -186,26 +150,58 @@ def run_rlix(sim: _Sim) -> None:
         sim.launch(domain, setup, setup.spec)
 
 
-def run_partition(sim: _Sim) -> None:
-    scenario = sim.scenario
+def applicable(scenario: Scenario, policy: str) -> NotApplicable | None:
+    """Why `policy` cannot run `scenario` at all, or None. Checked before any simulation so
+    one inapplicable policy does not abort the others."""
+    if policy == "exclusive-partition":
+        total, count = scenario.gpus, len(scenario.pipelines)
+        if count > total:
+            return NotApplicable(policy, f"{count} pipelines cannot each get one of the {total} GPUs")
+        try:
+            partition(scenario)
+        except ScenarioError as exc:
+            return NotApplicable(policy, str(exc).removeprefix(f"{scenario.source}: "))
+    if policy == "exclusive-queue":
+        everything = set(range(scenario.gpus))
+        for setup in scenario.pipelines:
+            ids = pick_gpus(scenario.topology, everything, config_gpus(setup.spec, scenario.gpus))
+            try:
+                clip_spec(setup.spec, sub_topology(scenario.topology, ids), f"pipeline {setup.name}",
+                          setup.min_train_gpus)
+            except ScenarioError as exc:
+                return NotApplicable(policy, str(exc))
+    return None
+
+
+def partition(scenario: Scenario) -> list[tuple[PipelineSetup, list[int], Topology, PipelineSpec]]:
+    """Equal contiguous slices, one per pipeline, each spec clipped to its slice."""
     total, count = scenario.gpus, len(scenario.pipelines)
     if count > total:
         raise ScenarioError(f"{scenario.source}: pipelines: {count} pipelines cannot each get a GPU "
                             f"of the {total} under exclusive-partition")
+    out = []
     offset = 0
     for setup in scenario.pipelines:
         size = total // count + (1 if setup.index < total % count else 0)
         ids = list(range(offset, offset + size))
         offset += size
         topo = sub_topology(scenario.topology, ids)
-        spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+        spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}",
+                         setup.min_train_gpus)
+        out.append((setup, ids, topo, spec))
+    return out
+
+
+def run_partition(sim: _Sim) -> None:
+    for setup, ids, topo, spec in partition(sim.scenario):
         sim.launch(sim.domain(topo, ids), setup, spec)
 
 
 def run_queue(sim: _Sim) -> None:
     scenario = sim.scenario
     free = set(range(scenario.gpus))
-    waiting = deque(scenario.pipelines)
+    waiting = deque(p for p in scenario.pipelines if p.arrive_s <= 0)  # FIFO by arrival
+    later = [p for p in scenario.pipelines if p.arrive_s > 0]
 
     def admit() -> None:
         while waiting:
@@ -216,13 +212,20 @@ def run_queue(sim: _Sim) -> None:
             waiting.popleft()
             free.difference_update(ids)
             topo = sub_topology(scenario.topology, ids)
-            spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}")
+            spec = clip_spec(setup.spec, topo, f"{scenario.source}: pipeline {setup.name}",
+                         setup.min_train_gpus)
             sim.launch(sim.domain(topo, ids, on_finish=done), setup, spec)
 
     def done(run: PipelineRun) -> None:
         free.update(run.domain.gpu_ids)
         admit()
 
+    def arrive(setup: PipelineSetup) -> None:
+        waiting.append(setup)
+        admit()
+
+    for setup in sorted(later, key=lambda p: (p.arrive_s, p.index)):
+        sim.clock.at(setup.arrive_s, arrive, setup)
     admit()
 
 

@@ -12,9 +12,9 @@ import math
 
 from rich.table import Table
 
-from rlix.sim.policies import RunResult
+from rlix.sim.results import NotApplicable, PipelineResult, RunResult
 from rlix.sim.scenario import Scenario
-from rlix.sim.workload import Workload
+from rlix.sim.workload import Workload, gpu_work
 
 
 def _r(x: float, digits: int = 3) -> float:
@@ -46,6 +46,7 @@ def policy_metrics(res: RunResult) -> dict:
     waits = [w for p in pipes for w in p.train_waits]
     turns = sum(p.turns for p in pipes)
     return {
+        "applicable": True,
         "makespan_s": _r(makespan),
         "trajectories": trajectories,
         "trajectories_per_hour": _r(trajectories / hours),
@@ -74,27 +75,51 @@ def policy_metrics(res: RunResult) -> dict:
         "preempted_turns": sum(p.preempted_turns for p in pipes),
         "kept_tokens": int(round(sum(p.kept_tokens for p in pipes))),
         "plan_calls": res.plan_calls,
+        "jain_fairness": _r(res.jain_fairness, 4),
+        "pipelines": {p.name: pipeline_figures(p) for p in pipes},
+    }
+
+
+def pipeline_figures(p: PipelineResult) -> dict:
+    """What one pipeline got in one run (the JSON edge of `PipelineResult`)."""
+    return {
+        "arrived_s": _r(p.arrived_at),
+        "started_s": _r(p.started_at),
+        "finished_s": _r(p.finished_at),
+        "completion_s": _r(p.completion_s),
+        "slowdown": None if p.slowdown is None else _r(p.slowdown, 4),
+        "gpu_seconds": {role: _r(v, 1) for role, v in p.gpu_seconds.items()},
+        "demand_gpu_s": _r(p.demand_gpu_s, 1),
+        "gpu_share": _r(p.gpu_share, 4),
+        "demand_share": _r(p.demand_share, 4),
+        "longest_shardless_wait_s": _r(p.longest_shardless_wait_s),
+        "shardless_s": _r(p.shardless_s),
+        "train_steps": len(p.step_ends),
+        "crashes": p.crashes,
     }
 
 
 def ideal_bound(scenario: Scenario, workloads: dict[str, Workload],
                 alone: dict[str, float]) -> dict:
-    train = decode = prefill = 0.0
-    for setup in scenario.pipelines:
-        w, e, tp = workloads[setup.name], setup.engine, setup.spec.tp
-        train += setup.steps * setup.train_gpu_seconds
-        best_step_s = (e.decode_base_ms + e.decode_per_seq_ms * e.max_seqs) / 1000.0
-        decode += w.tokens * best_step_s / e.max_seqs * tp
-        prefill += w.min_prefill_tokens() / e.prefill_tokens_per_s * tp
-    work = train + decode + prefill
-    work_bound = work / scenario.gpus
-    alone_bound = max(alone.values())
+    """No schedule ends before every pipeline's arrival plus its time alone, nor before the
+    work of the pipelines arriving at or after t, spread over all GPUs from t, for any t."""
+    works = {s.name: gpu_work(s, workloads[s.name]) for s in scenario.pipelines}
+    train = sum(w.train for w in works.values())
+    decode = sum(w.decode for w in works.values())
+    prefill = sum(w.prefill for w in works.values())
+    stages = sum(w.stages for w in works.values())
+    work = train + decode + prefill + stages
+    arrivals = sorted({s.arrive_s for s in scenario.pipelines})
+    work_bound = max(t + sum(works[s.name].total for s in scenario.pipelines if s.arrive_s >= t)
+                     / scenario.gpus for t in arrivals)
+    alone_bound = max(s.arrive_s + alone[s.name] for s in scenario.pipelines)
     return {
         "ideal_makespan_s": _r(max(work_bound, alone_bound)),
         "gpu_work_s": _r(work, 1),
         "train_gpu_s": _r(train, 1),
         "decode_gpu_s": _r(decode, 1),
         "prefill_gpu_s": _r(prefill, 1),
+        "stages_gpu_s": _r(stages, 1),
         "work_bound_s": _r(work_bound),
         "alone_bound_s": _r(alone_bound),
     }
@@ -111,8 +136,8 @@ def priority_check(scenario: Scenario, rlix: RunResult, alone: dict[str, float])
     done_at = max(rlix.pipelines[n].finished_at for n in high)
     return {
         "high_priority": high,
-        "slowdown_vs_alone": {n: _r(rlix.pipelines[n].finished_at / alone[n] - 1.0, 4) for n in high},
-        "within_10pct_of_alone": all(rlix.pipelines[n].finished_at <= 1.1 * alone[n] for n in high),
+        "slowdown_vs_alone": {n: _r(rlix.pipelines[n].completion_s / alone[n] - 1.0, 4) for n in high},
+        "within_10pct_of_alone": all(rlix.pipelines[n].completion_s <= 1.1 * alone[n] for n in high),
         "others_steps_when_high_done": {
             p.name: sum(1 for t in p.step_ends if t <= done_at)
             for p in rlix.pipelines.values() if p.name not in high},
@@ -123,21 +148,32 @@ def priority_check(scenario: Scenario, rlix: RunResult, alone: dict[str, float])
 
 
 def build_report(scenario: Scenario, workloads: dict[str, Workload], runs: dict[str, RunResult],
-                 alone: dict[str, float], alone_source: dict[str, str]) -> dict:
+                 alone: dict[str, float], alone_source: dict[str, str],
+                 skipped: dict[str, NotApplicable] | None = None) -> dict:
+    from rlix.sim.policies import POLICIES  # the canonical order
+
+    skipped = skipped or {}
+    policies: dict[str, dict] = {}
+    for name in [p for p in POLICIES if p in runs or p in skipped] + \
+            [p for p in runs if p not in POLICIES]:
+        if name in runs:
+            policies[name] = policy_metrics(runs[name])
+        else:
+            policies[name] = {"applicable": False, "reason": skipped[name].reason}
     out: dict = {
         "scenario": scenario.name,
         "source": scenario.source,
         "seed": scenario.seed,
         "gpus": scenario.gpus,
         "pipelines": [p.name for p in scenario.pipelines],
-        "policies": {name: policy_metrics(res) for name, res in runs.items()},
+        "policies": policies,
         "alone_makespan_s": {n: _r(t) for n, t in alone.items()},
         "alone_source": alone_source,
     }
     ideal = ideal_bound(scenario, workloads, alone)
     out["ideal_makespan_s"] = ideal["ideal_makespan_s"]
     out["ideal"] = ideal
-    pol = out["policies"]
+    pol = {k: v for k, v in out["policies"].items() if v["applicable"]}
     if "rlix" in pol:
         rl = pol["rlix"]
         if "exclusive-queue" in pol:
@@ -155,7 +191,7 @@ def build_report(scenario: Scenario, workloads: dict[str, Workload], runs: dict[
 
 def render(report: dict, console, wall_s: float | None = None) -> None:
     """Human-readable tables (rich)."""
-    pol = report["policies"]
+    pol = {k: v for k, v in report["policies"].items() if v["applicable"]}
     t = Table(title=f"{report['scenario']}: {report['gpus']} GPUs, {len(report['pipelines'])} pipelines")
     t.add_column("policy", no_wrap=True)
     for col in ("makespan h", "traj/h", "tok/GPU-h", "GPU busy", "step p50 s", "step p95 s",
@@ -177,11 +213,16 @@ def render(report: dict, console, wall_s: float | None = None) -> None:
         p.add_row(n, *[f"{pol[k]['pipeline_makespan_s'][n]:.0f}" for k in pol],
                   f"{report['alone_makespan_s'][n]:.0f}")
     console.print(p)
+    for name, m in pol.items():
+        render_pipelines(name, m, console)
+    for name, m in report["policies"].items():
+        if not m["applicable"]:
+            console.print(f"{name}: not applicable: {m['reason']}")
 
     ideal = report["ideal"]
-    console.print(f"ideal makespan {ideal['ideal_makespan_s']:.0f} s = max(GPU work "
-                  f"{ideal['gpu_work_s']:.0f} GPU-s / {report['gpus']} = {ideal['work_bound_s']:.0f} s, "
-                  f"longest alone {ideal['alone_bound_s']:.0f} s)")
+    console.print(f"ideal makespan {ideal['ideal_makespan_s']:.0f} s = max(GPU work bound "
+                  f"{ideal['work_bound_s']:.0f} s ({ideal['gpu_work_s']:.0f} GPU-s on {report['gpus']} "
+                  f"GPUs, from the arrivals), latest arrival + alone {ideal['alone_bound_s']:.0f} s)")
     for key in ("throughput_ratio_vs_exclusive", "throughput_ratio_vs_partition", "efficiency_vs_ideal"):
         if key in report:
             console.print(f"{key}: {report[key]:.3f}")
@@ -192,3 +233,23 @@ def render(report: dict, console, wall_s: float | None = None) -> None:
                       f"others' steps meanwhile {c['others_steps_when_high_done']}")
     if wall_s is not None:
         console.print(f"simulated in {wall_s:.1f} s wall time")
+
+
+def render_pipelines(policy: str, m: dict, console) -> None:
+    """One policy's per-pipeline table: what each got against what it needed."""
+    figs = m["pipelines"]
+    roles = sorted({r for f in figs.values() for r in f["gpu_seconds"]},
+                   key=lambda r: (r != "rollout", r != "train", r))
+    t = Table(title=f"{policy}: per pipeline (Jain fairness of GPU share / demand share "
+                    f"{m['jain_fairness']:.3f})")
+    t.add_column("pipeline", no_wrap=True)
+    for col in ["completion s", "slowdown"] + [f"{r} GPU-s" for r in roles] + \
+            ["GPU share", "demand share", "longest no-shard wait s"]:
+        t.add_column(col, justify="right")
+    for n, f in figs.items():
+        slow = "-" if f["slowdown"] is None else f"{f['slowdown']:.2f}"
+        t.add_row(n, f"{f['completion_s']:.0f}", slow,
+                  *[f"{f['gpu_seconds'].get(r, 0.0):,.0f}" for r in roles],
+                  f"{f['gpu_share']:.3f}", f"{f['demand_share']:.3f}",
+                  f"{f['longest_shardless_wait_s']:.0f}")
+    console.print(t)

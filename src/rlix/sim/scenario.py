@@ -8,8 +8,10 @@ errors (a typo must not silently fall back to a default); every failure is one
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -24,12 +26,29 @@ class _Strict(BaseModel):
 
 
 class ClusterModel(_Strict):
-    """Uniform nodes: `nodes` x `gpus_per_node` GPUs."""
+    """Uniform nodes (`nodes: 2`, `gpus_per_node: 8`) or uneven ones (`nodes: [4, 2]`: GPUs
+    per node, and no `gpus_per_node`)."""
 
-    nodes: int = Field(ge=1)
-    gpus_per_node: int = Field(ge=1)
+    nodes: int | list[Annotated[int, Field(ge=1)]]
+    gpus_per_node: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ClusterModel":
+        if isinstance(self.nodes, list):
+            if not self.nodes:
+                raise ValueError("nodes: a list of GPU counts needs at least one node")
+            if self.gpus_per_node is not None:
+                raise ValueError("gpus_per_node: not allowed when nodes lists each node's GPUs")
+        else:
+            if self.nodes < 1:
+                raise ValueError(f"nodes: must be >= 1, got {self.nodes}")
+            if self.gpus_per_node is None:
+                raise ValueError("gpus_per_node: required when nodes is a count")
+        return self
 
     def topology(self) -> Topology:
+        if isinstance(self.nodes, list):
+            return Topology(tuple(self.nodes))
         return Topology.uniform(self.nodes, self.gpus_per_node)
 
 
@@ -95,8 +114,22 @@ class RolloutModel(_Strict):
         return self.prompts * self.samples
 
 
+class StageModel(_Strict):
+    """A non-rollout stage run before every train step (reference or old-policy log-probs): the
+    scheduler's `logprob` stage, `gpus` GPUs for `gpu_seconds / gpus` seconds."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    gpus: int = Field(ge=1)
+    gpu_seconds: float = Field(gt=0)
+
+
 class PipelineModel(_Strict):
-    """One async-GRPO pipeline; `copies` > 1 makes identical pipelines `<name>-0`, `<name>-1`..."""
+    """One async-GRPO pipeline; `copies` > 1 makes identical pipelines `<name>-0`, `<name>-1`...
+
+    `arrive_s`: when it is submitted (it leaves when its steps are done). `min_train_gpus`: the
+    fewest GPUs its train step fits on; a policy that would give it fewer does not apply.
+    `stages`: non-rollout stages before each train step, in order.
+    """
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     copies: int = Field(1, ge=1)
@@ -106,6 +139,9 @@ class PipelineModel(_Strict):
     max_staleness: int = Field(1, ge=0)
     train_gpus: int = Field(ge=1)
     train_gpu_seconds: float = Field(gt=0)
+    min_train_gpus: int | None = Field(None, ge=1)
+    arrive_s: float = Field(0.0, ge=0)
+    stages: list[StageModel] = []
     tp: int = Field(1, ge=1)
     min_shards: int = Field(1, ge=0)
     max_shards: int = Field(ge=1)
@@ -119,7 +155,40 @@ class PipelineModel(_Strict):
     def _shards(self) -> "PipelineModel":
         if self.min_shards > self.max_shards:
             raise ValueError(f"min_shards ({self.min_shards}) must not exceed max_shards ({self.max_shards})")
+        if self.min_train_gpus is not None and self.min_train_gpus > self.train_gpus:
+            raise ValueError(f"min_train_gpus ({self.min_train_gpus}) must not exceed train_gpus "
+                             f"({self.train_gpus})")
         return self
+
+
+class CrashFault(_Strict):
+    """The pipeline's processes die `at_s` after it starts and come back `restart_after_s`
+    later, resuming from its last finished train step (batches in flight are lost)."""
+
+    kind: Literal["crash"]
+    pipeline: str
+    at_s: float = Field(ge=0)
+    restart_after_s: float = Field(ge=0)
+
+
+class ReportFault(_Strict):
+    """From `from_s` to `to_s` after it starts, the pipeline's progress reports say it needs
+    nothing (`mute_reports`) or stop reaching the scheduler, which keeps the last one it got,
+    with that report's time (`stale_reports`)."""
+
+    kind: Literal["mute_reports", "stale_reports"]
+    pipeline: str
+    from_s: float = Field(ge=0)
+    to_s: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _window(self) -> "ReportFault":
+        if self.to_s <= self.from_s:
+            raise ValueError(f"to_s ({self.to_s}) must be after from_s ({self.from_s})")
+        return self
+
+
+Fault = Annotated[Union[CrashFault, ReportFault], Field(discriminator="kind")]
 
 
 class ScenarioModel(_Strict):
@@ -130,6 +199,14 @@ class ScenarioModel(_Strict):
     engine: EngineModel = EngineModel()
     transitions: TransitionModel = TransitionModel()
     pipelines: list[PipelineModel] = Field(min_length=1)
+    faults: list[Fault] = []
+
+
+@dataclass(frozen=True)
+class StageSetup:
+    name: str
+    gpus: int
+    gpu_seconds: float
 
 
 @dataclass(frozen=True)
@@ -144,6 +221,10 @@ class PipelineSetup:
     engine: EngineModel
     transitions: TransitionModel
     rollout: RolloutModel
+    arrive_s: float = 0.0
+    min_train_gpus: int = 1
+    stages: tuple[StageSetup, ...] = ()
+    faults: tuple[CrashFault | ReportFault, ...] = ()  # times from the pipeline's start
 
     @property
     def name(self) -> str:
@@ -181,19 +262,25 @@ def load_scenario(path: str | Path) -> Scenario:
 
 def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario:
     """Expand copies, resolve per-pipeline overrides and check what needs the whole file."""
-    cluster = model.cluster
-    total = cluster.nodes * cluster.gpus_per_node
+    topology = model.cluster.topology()
+    total, biggest = topology.num_gpus, max(topology.gpus_per_node)
     setups: list[PipelineSetup] = []
     seen: dict[str, str] = {}
     for i, p in enumerate(model.pipelines):
         where = f"{source}: pipelines[{i}]"
-        if p.tp > cluster.gpus_per_node:
-            raise ScenarioError(f"{where}.tp: {p.tp} does not fit on one node of {cluster.gpus_per_node} GPUs")
+        if p.tp > biggest:
+            raise ScenarioError(f"{where}.tp: {p.tp} does not fit on one node (the largest has {biggest} GPUs)")
         if p.train_gpus > total:
             raise ScenarioError(f"{where}.train_gpus: {p.train_gpus} exceeds the cluster's {total} GPUs")
         if not p.partial_overlap and p.train_gpus + p.tp > total:
             raise ScenarioError(f"{where}.train_gpus: without partial_overlap, {p.train_gpus} training "
                                 f"GPUs leave no room for a shard of tp={p.tp}")
+        for j, st in enumerate(p.stages):
+            room = total if p.partial_overlap else p.train_gpus  # a no-overlap stage runs in its home
+            if st.gpus > room:
+                raise ScenarioError(f"{where}.stages[{j}].gpus: {st.gpus} exceeds the {room} GPUs "
+                                    + ("of the cluster" if p.partial_overlap else
+                                       "of its training home (no partial_overlap)"))
         names = [p.name] if p.copies == 1 else [f"{p.name}-{c}" for c in range(p.copies)]
         for name in names:
             if name in seen:
@@ -205,6 +292,15 @@ def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario
             setups.append(PipelineSetup(
                 index=len(setups), spec=spec, steps=p.steps, max_staleness=p.max_staleness,
                 train_gpu_seconds=p.train_gpu_seconds, engine=p.engine or model.engine,
-                transitions=p.transitions or model.transitions, rollout=p.rollout))
-    return Scenario(name=model.name, source=source, seed=model.seed, topology=cluster.topology(),
+                transitions=p.transitions or model.transitions, rollout=p.rollout,
+                arrive_s=p.arrive_s, min_train_gpus=p.min_train_gpus or 1,
+                stages=tuple(StageSetup(st.name, st.gpus, st.gpu_seconds) for st in p.stages)))
+    faults: dict[str, list] = {}
+    for j, f in enumerate(model.faults):
+        if f.pipeline not in seen:
+            raise ScenarioError(f"{source}: faults[{j}].pipeline: no pipeline {f.pipeline!r} "
+                                f"(pipelines: {', '.join(seen)})")
+        faults.setdefault(f.pipeline, []).append(f)
+    setups = [dataclasses.replace(s, faults=tuple(faults.get(s.name, ()))) for s in setups]
+    return Scenario(name=model.name, source=source, seed=model.seed, topology=topology,
                     params=model.scheduler.params(), pipelines=tuple(setups))

@@ -86,5 +86,30 @@ def generate_pipeline(seed: int, setup: PipelineSetup) -> Workload:
     return Workload(pipeline=setup.name, batches=batches)
 
 
+@dataclass(frozen=True)
+class GpuWork:
+    """A lower bound on the GPU-seconds a pipeline needs: its train steps, decode at the most
+    efficient batch (a full shard) and prefill with a perfect prefix cache. Its share of the
+    scenario's total is the pipeline's share of demand."""
+
+    train: float
+    decode: float
+    prefill: float
+    stages: float = 0.0  # the extra non-rollout stages (logprob...)
+
+    @property
+    def total(self) -> float:
+        return self.train + self.decode + self.prefill + self.stages
+
+
+def gpu_work(setup: PipelineSetup, workload: Workload) -> GpuWork:
+    e, tp = setup.engine, setup.spec.tp
+    best_step_s = (e.decode_base_ms + e.decode_per_seq_ms * e.max_seqs) / 1000.0
+    return GpuWork(train=setup.steps * setup.train_gpu_seconds,
+                   decode=workload.tokens * best_step_s / e.max_seqs * tp,
+                   prefill=workload.min_prefill_tokens() / e.prefill_tokens_per_s * tp,
+                   stages=setup.steps * sum(st.gpu_seconds for st in setup.stages))
+
+
 def generate(scenario: Scenario) -> dict[str, Workload]:
     return {p.name: generate_pipeline(scenario.seed, p) for p in scenario.pipelines}
