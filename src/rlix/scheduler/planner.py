@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from rlix.scheduler.pool import Pool
-from rlix.scheduler.shares import Demand, rollout_targets
+from rlix.scheduler.shares import Demand, floor_order, rollout_targets
 from rlix.scheduler.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Role, Stage
@@ -152,22 +152,24 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
                       pool.shard_count[name], ledger.shardless_since.get(name, ledger.version),
                       training=name in training,
-                      held_s=now - ledger.holding_since.get(name, now))
-               for name, s in specs.items()]
+                      held_s=now - ledger.holding_since.get(name, now), seq=i)
+               for i, (name, s) in enumerate(specs.items())]
     target = rollout_targets(demands, pool.unlocked(), params.rotate_s)
+    # Claims go most starved first; ties in the floor's order (not by name).
+    first = {d.name: i for i, d in enumerate(sorted(demands, key=lambda d: floor_order(d, params.rotate_s)))}
 
     def protected(h: Holding) -> bool:
         return now - h.since < params.dwell_s
 
-    victims = _Victims(pool, specs, target, progress)
+    victims = _Victims(pool, specs, target, progress, first)
     wake_at = _rotation_at(demands, target, ledger, params.rotate_s)
 
     # Pipelines below target claim shards one at a time, most starved (relative) first.
-    heap = [(-specs[n].priority, pool.shard_count[n] / t, n) for n, t in target.items()
+    heap = [(-specs[n].priority, pool.shard_count[n] / t, first[n], n) for n, t in target.items()
             if pool.shard_count[n] < t]
     heapq.heapify(heap)
     while heap:
-        _, _, name = heapq.heappop(heap)
+        name = heapq.heappop(heap)[-1]
         spec = specs[name]
         if pool.shard_count[name] >= target[name]:
             continue
@@ -187,9 +189,9 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
             rank = pool.next_rank(name, spec.max_shards)
         pool.expand(name, rank, gpus, now)
         if pool.shard_count[name] < target[name]:
-            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], name))
+            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], first[name], name))
 
-    _fill_idle(pool, ledger, demand, now)
+    _fill_idle(pool, ledger, demand, now, first)
     return wake_at
 
 
@@ -208,14 +210,15 @@ def _rotation_at(demands: list[Demand], target: dict[str, int], ledger: Ledger,
     return min(times) if times else None
 
 
-def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -> None:
+def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float,
+               first: dict[str, int]) -> None:
     """Work conservation: idle GPUs go to whoever still has unmet demand that fits."""
     specs = ledger.pipelines
-    heap = [(-specs[n].priority, pool.shard_count[n] / d, n) for n, d in demand.items()
+    heap = [(-specs[n].priority, pool.shard_count[n] / d, first[n], n) for n, d in demand.items()
             if pool.shard_count[n] < d]
     heapq.heapify(heap)
     while heap and any(pool.free_on_node):
-        _, _, name = heapq.heappop(heap)
+        name = heapq.heappop(heap)[-1]
         spec = specs[name]
         rank = pool.next_rank(name, spec.max_shards)
         if rank is None:
@@ -225,7 +228,7 @@ def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -
             continue
         pool.expand(name, rank, gpus, now)
         if pool.shard_count[name] < demand[name]:
-            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / demand[name], name))
+            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / demand[name], first[name], name))
 
 
 class _Victims:
@@ -233,7 +236,7 @@ class _Victims:
     cheapest first (lowest tier, idle or least loaded, then the largest surplus)."""
 
     def __init__(self, pool: Pool, specs: dict[str, PipelineSpec], target: dict[str, int],
-                 progress: dict[str, Progress]) -> None:
+                 progress: dict[str, Progress], first: dict[str, int]) -> None:
         self.pool = pool
         self.target = target
         self.order: list[tuple] = []
@@ -241,7 +244,9 @@ class _Victims:
             if pool.shard_count[h.pipeline] > target.get(h.pipeline, 0):
                 prog = progress.get(h.pipeline)
                 load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
-                self.order.append((specs[h.pipeline].priority, load, -h.since, key))
+                # last tie-break: yields first whoever comes last in the floor's order
+                self.order.append((specs[h.pipeline].priority, load, -h.since,
+                                   -first[h.pipeline], h.dp_rank, key))
         self.order.sort()
 
     def make_room(self, name: str, tp: int, exclude: frozenset[int], first_shard: bool,
@@ -250,7 +255,7 @@ class _Victims:
         usable: dict[int, list[tuple]] = {}
         blocked_until: float | None = None
         for entry in self.order:
-            key = entry[3]
+            key = entry[-1]
             h = pool.shards.get(key)
             if h is None or h.pipeline == name:
                 continue

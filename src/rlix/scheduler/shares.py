@@ -31,16 +31,17 @@ class Demand:
     waiting_since: int = 0  # when it last lost (or never had) a shard; earlier goes first
     training: bool = False  # trains now: its floor shard yields to one that only generates
     held_s: float = 0.0  # holders: how long its current spell with shards has lasted
+    seq: int = 0  # registration order: the last tie-break (never the name)
 
 
 def floor_order(d: Demand, rotate_s: float) -> tuple:
-    """Sort key for the one-shard floor. Names only break exact ties (same tier, same
-    spell start), so renaming pipelines cannot move starvation around."""
+    """Sort key for the one-shard floor. Exact ties (same tier, same spell start) go by
+    registration order, never by name: renaming pipelines cannot move starvation around."""
     if d.training:
-        return (-d.priority, 3, -d.current, d.waiting_since, d.name)
+        return (-d.priority, 3, -d.current, d.waiting_since, d.seq)
     if d.current > 0:
-        return (-d.priority, 0 if d.held_s < rotate_s else 2, d.held_s, d.name)
-    return (-d.priority, 1, d.waiting_since, d.name)
+        return (-d.priority, 0 if d.held_s < rotate_s else 2, d.held_s, d.seq)
+    return (-d.priority, 1, d.waiting_since, d.seq)
 
 
 def rollout_targets(demands: list[Demand], capacity_gpus: int,
@@ -96,7 +97,7 @@ def _water_fill(members: list[Demand], target: dict[str, int], left: int) -> int
         whole = min(int(math.floor(share[d.name] / d.tp + 1e-9)), d.shards - target[d.name])
         target[d.name] += whole
         left -= whole * d.tp
-        remainders.append((share[d.name] / d.tp - whole, -d.priority, d.name, d))
+        remainders.append((share[d.name] / d.tp - whole, -d.priority, d.seq, d))
     for _, _, _, d in sorted(remainders, key=lambda r: (-r[0], r[1], r[2])):
         if target[d.name] < d.shards and left >= d.tp:
             target[d.name] += 1
