@@ -81,8 +81,7 @@ def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progres
     demand = {name: rollout_demand(spec, progress.get(name), now, stale_s)
               for name, spec in ledger.pipelines.items()}
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
-    training = {h.pipeline for h in ledger.holdings.values() if h.role is Role.TRAIN} \
-        | {g.pipeline for g in grants}
+    training = pool.training | {g.pipeline for g in grants}
     wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training)
     wakes = [t for t in (wake_requests, wake_rollout, _stale_at(ledger, progress, demand, now, stale_s))
              if t is not None]
@@ -237,29 +236,40 @@ class _Victims:
 
     def __init__(self, pool: Pool, specs: dict[str, PipelineSpec], target: dict[str, int],
                  progress: dict[str, Progress], first: dict[str, int]) -> None:
-        self.pool = pool
-        self.target = target
-        self.order: list[tuple] = []
+        self.pool, self.specs, self.target = pool, specs, target
+        self.progress, self.first = progress, first
+        self.order: list[tuple] | None = None  # built at the first make_room: most passes need none
+
+    def _build(self) -> list[tuple]:
+        pool, target, progress = self.pool, self.target, self.progress
+        order = []
         for key, h in pool.shards.items():
             if pool.shard_count[h.pipeline] > target.get(h.pipeline, 0):
                 prog = progress.get(h.pipeline)
-                load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
+                load = prog.shard_load.get(h.dp_rank, 0) if prog is not None and prog.shard_load else 0
                 # last tie-break: yields first whoever comes last in the floor's order
-                self.order.append((specs[h.pipeline].priority, load, -h.since,
-                                   -first[h.pipeline], h.dp_rank, key))
-        self.order.sort()
+                order.append((self.specs[h.pipeline].priority, load, -h.since,
+                              -self.first[h.pipeline], h.dp_rank, key))
+        order.sort()
+        return order
 
     def make_room(self, name: str, tp: int, exclude: frozenset[int], first_shard: bool,
                   protected, dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
         pool = self.pool
+        if self.order is None:
+            self.order = self._build()
         usable: dict[int, list[tuple]] = {}
+        room: dict[int, int] = {}
         blocked_until: float | None = None
-        for entry in self.order:
+        kept: list[tuple] = []  # entries still worth a look by later calls
+        order = self.order
+        for i, entry in enumerate(order):
             key = entry[-1]
             h = pool.shards.get(key)
-            if h is None or h.pipeline == name:
-                continue
-            if pool.shard_count[h.pipeline] <= self.target.get(h.pipeline, 0):
+            if h is None or pool.shard_count[h.pipeline] <= self.target.get(h.pipeline, 0):
+                continue  # gone, or its pipeline is down to its target: for good in this pass
+            kept.append(entry)
+            if h.pipeline == name:
                 continue
             if protected(h) and not first_shard:
                 t = h.since + dwell_s
@@ -267,12 +277,15 @@ class _Victims:
                 continue
             node = pool.node_of[h.gpus[0]]
             usable.setdefault(node, []).append(key)
-            room = len(pool.free_gpus_on(node, exclude)) + sum(
-                sum(1 for g in pool.shards[k].gpus if g not in exclude) for k in usable[node])
-            if room >= tp:
+            if node not in room:
+                room[node] = len(pool.free_gpus_on(node, exclude))
+            room[node] += sum(1 for g in h.gpus if g not in exclude)
+            if room[node] >= tp:
+                self.order = kept + order[i + 1:]
                 for k in usable[node]:
                     pool.shrink(k)
                     if len(pool.free_gpus_on(node, exclude)) >= tp:
                         break
                 return tuple(pool.free_gpus_on(node, exclude)[:tp]), None
+        self.order = kept
         return None, blocked_until

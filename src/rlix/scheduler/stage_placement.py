@@ -14,6 +14,8 @@ O(R x GPUs).
 
 from __future__ import annotations
 
+import heapq
+
 from rlix.scheduler.pool import LOCKED, Pool
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import PipelineSpec, Progress
@@ -25,9 +27,14 @@ class StagePlacer:
         self.pool, self.ledger, self.progress, self.demand = pool, ledger, progress, demand
         self.now, self.dwell_s = now, dwell_s
         tiers = sorted({s.priority for s in ledger.pipelines.values()})
-        self.tier_rank = {p: i for i, p in enumerate(tiers)}
+        tier_rank = {p: i for i, p in enumerate(tiers)}
+        # A shard's price without its own freshness and load, per pipeline (None: no demand).
+        self._base = {name: (2.0 + 2.0 * tier_rank[s.priority]) if demand.get(name, 0) else None
+                      for name, s in ledger.pipelines.items()}
         self.biggest = max(ledger.topology.gpus_per_node)
         self._prices: dict[int, list[tuple[float, int]]] = {}
+        self._sums: dict[int, float] = {}
+        self._order: list[tuple[int, float, int]] | None = None
 
     # ------------------------------------------------------------------ prices
     def _price(self, g: int) -> float | None:
@@ -37,23 +44,24 @@ class StagePlacer:
             return 0.0
         if key is LOCKED:
             return None
-        h = self.pool.shards[key]
-        if self.demand.get(h.pipeline, 0) == 0:
+        base = self._base[key[0]]
+        if base is None:
             return 0.5
-        prog = self.progress.get(h.pipeline)
-        load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
+        h = self.pool.shards[key]
+        prog = self.progress.get(key[0])
+        load = prog.shard_load.get(key[2], 0) if prog is not None and prog.shard_load else 0
         fresh = 0.5 if self.now - h.since < self.dwell_s else 0.0
-        tier = self.tier_rank[self.ledger.pipelines[h.pipeline].priority]
-        return 2.0 + 2.0 * tier + fresh + load / (load + 1)
+        return base + fresh + load / (load + 1)
 
-    def _node_prices(self, node: int, spec: PipelineSpec) -> list[tuple[float, int]]:
-        mine = self.pool.per_node.get(spec.name)
+    def _node_prices(self, node: int, spec: PipelineSpec | None) -> list[tuple[float, int]]:
+        mine = self.pool.per_node.get(spec.name) if spec is not None else None
         if mine and mine[node]:
             return self._priced(self.pool.node_gpus[node], spec)
         cached = self._prices.get(node)
         if cached is None:
             cached = self._priced(self.pool.node_gpus[node], None)
             self._prices[node] = cached
+            self._sums[node] = sum(c for c, _ in cached)
         return cached
 
     def _priced(self, gpus, spec: PipelineSpec | None) -> list[tuple[float, int]]:
@@ -73,7 +81,10 @@ class StagePlacer:
     def changed(self, gpus: list[int]) -> None:
         """A grant took these GPUs: forget the prices of their nodes."""
         for g in gpus:
-            self._prices.pop(self.pool.node_of[g], None)
+            node = self.pool.node_of[g]
+            self._prices.pop(node, None)
+            self._sums.pop(node, None)
+        self._order = None
 
     # ------------------------------------------------------------------ choice
     def empties(self, spec: PipelineSpec, gpus: list[int], min_priority: int | None = None) -> int:
@@ -101,23 +112,27 @@ class StagePlacer:
         starved = [q for q, keys in taken.items()
                    if len(keys) >= self.pool.shard_count[q] and self.demand.get(q, 0) > 0
                    and (min_priority is None or self.ledger.pipelines[q].priority >= min_priority)]
-        free = {nd: len([g for g in self._yielding_on(nd, spec.name) if g not in gpus])
-                for nd in range(len(self.pool.node_gpus))}
+        pool = self.pool
+        # GPUs per node a starved peer's shard can have in this plan: idle ones and those of the
+        # requester's own shards (a pipeline that trains yields its floor shard to one that
+        # only generates; see shares.rollout_targets), less the GPUs this grant takes.
+        free = list(pool.free_on_node)
+        mine = pool.per_node.get(spec.name)
+        if mine:
+            for nd, n in enumerate(mine):
+                if n:
+                    free[nd] += n * spec.tp
+        for g in gpus:
+            key = pool.state[g]
+            if key is None or (key is not LOCKED and key[0] == spec.name):
+                free[pool.node_of[g]] -= 1
         for q in starved:
             tp = self.ledger.pipelines[q].tp
-            node = next((nd for nd, f in free.items() if f >= tp), None)
+            node = next((nd for nd, f in enumerate(free) if f >= tp), None)
             if node is None:
                 return False
             free[node] -= tp
         return True
-
-    def _yielding_on(self, node: int, requester: str) -> list[int]:
-        """GPUs of `node` a starved peer's shard can have in this plan: idle ones, and those of
-        the requester's own shards (a pipeline that trains yields its floor shard to one that only
-        generates; see shares.rollout_targets)."""
-        state = self.pool.state
-        return [g for g in self.pool.node_gpus[node]
-                if state[g] is None or (state[g] is not LOCKED and state[g][0] == requester)]
 
     def choose(self, spec: PipelineSpec, n: int) -> list[int] | None:
         pool = self.pool
@@ -142,14 +157,32 @@ class StagePlacer:
                     best = (key, chosen)
             if best is not None:
                 return best[1]
-        # Several nodes: the fullest first, the cheapest GPUs within them.
-        per_node = [self._node_prices(nd, spec) for nd in range(len(pool.node_gpus))]
-        order = sorted(range(len(per_node)),
-                       key=lambda nd: (-len(per_node[nd]), sum(c for c, _ in per_node[nd])))
+        # Several nodes: the fullest first, the cheapest GPUs within them. The order of the
+        # nodes where the requester has no shard is shared by every request of the pass.
+        mine = pool.per_node.get(spec.name)
+        own = {nd for nd, k in enumerate(mine) if k} if mine else set()
+        own_prices = {nd: self._priced(pool.node_gpus[nd], spec) for nd in own}
+        own_keys = sorted((-len(p), sum(c for c, _ in p), nd) for nd, p in own_prices.items())
+        shared = self._shared_order()
+        if own:
+            shared = [k for k in shared if k[2] not in own]
         picked: list[int] = []
-        for nd in order:
-            for _, g in per_node[nd]:
+        for _, _, nd in heapq.merge(shared, own_keys):
+            prices = own_prices[nd] if nd in own else self._prices[nd]
+            for _, g in prices:
                 if len(picked) == n:
                     return picked
                 picked.append(g)
         return picked if len(picked) == n else None
+
+    def _shared_order(self) -> list[tuple[int, float, int]]:
+        """(-takeable GPUs, price sum, node) of every node, requester-independent, sorted; kept
+        until a grant changes prices."""
+        if self._order is None:
+            keys = []
+            for nd in range(len(self.pool.node_gpus)):
+                prices = self._node_prices(nd, None)
+                keys.append((-len(prices), self._sums[nd], nd))
+            keys.sort()
+            self._order = keys
+        return self._order

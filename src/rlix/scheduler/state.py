@@ -31,6 +31,7 @@ class Ledger:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.node_of: list[int] = topology.node_of()
+        self.node_gpus: list[list[int]] = [list(topology.node_gpus(n)) for n in range(topology.num_nodes)]
         self.owner: list[HoldingKey | None] = [None] * topology.num_gpus
         self.holdings: dict[HoldingKey, Holding] = {}
         self.pipelines: dict[str, PipelineSpec] = {}
