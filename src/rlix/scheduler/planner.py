@@ -239,6 +239,10 @@ class _Victims:
         self.pool, self.specs, self.target = pool, specs, target
         self.progress, self.first = progress, first
         self.order: list[tuple] | None = None  # built at the first make_room: most passes need none
+        # (tp, exclude, first_shard) -> blocked_until of a make_room that found no room. Room
+        # only shrinks within a pass (claims add shards, victims only lose them; a claimant is
+        # below its target, so its own shards are never victims), so that answer stands.
+        self.failed: dict[tuple, float | None] = {}
 
     def _build(self) -> list[tuple]:
         pool, target, progress = self.pool, self.target, self.progress
@@ -256,6 +260,9 @@ class _Victims:
     def make_room(self, name: str, tp: int, exclude: frozenset[int], first_shard: bool,
                   protected, dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
         pool = self.pool
+        memo = (tp, exclude, first_shard)
+        if memo in self.failed:
+            return None, self.failed[memo]
         if self.order is None:
             self.order = self._build()
         usable: dict[int, list[tuple]] = {}
@@ -288,4 +295,5 @@ class _Victims:
                         break
                 return tuple(pool.free_gpus_on(node, exclude)[:tp]), None
         self.order = kept
+        self.failed[memo] = blocked_until
         return None, blocked_until

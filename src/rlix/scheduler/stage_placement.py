@@ -9,7 +9,10 @@ the cheapest, then the best fit.
 Per-node price lists are cached for the whole planning pass (they do not depend on who asks,
 except for the asker's own shards, which are re-priced on the few nodes where it has any) and
 dropped for the nodes a grant changes, so serving R requests costs O(R x nodes), not
-O(R x GPUs).
+O(R x GPUs). Across passes (`NodePrices`, kept on the ledger) a node is re-priced only when a
+holding on it came or went (`Ledger.node_version`), a pipeline with a shard there changed its
+demand, tier or report, or one of its shards left its dwell time: between two passes that is
+a handful of nodes, not the cluster.
 """
 
 from __future__ import annotations
@@ -19,6 +22,43 @@ import heapq
 from rlix.scheduler.pool import LOCKED, Pool
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import PipelineSpec, Progress
+
+
+class NodePrices:
+    """Node price lists of the last passes, with what they were computed from."""
+
+    def __init__(self, ledger: Ledger, dwell_s: float) -> None:
+        n = len(ledger.node_gpus)
+        self.holdings = ledger.holdings  # a restored ledger gets a new dict: start over
+        self.dwell_s = dwell_s
+        self.node_version = [-1] * n
+        self.valid_until = [0.0] * n  # a shard there leaves its dwell time then
+        self.computed_at = -float("inf")
+        self.prices: list[list[tuple[float, int]] | None] = [None] * n
+        self.sums = [0.0] * n
+        self.inputs: dict[str, tuple] = {}  # pipeline -> (base price, its Progress object)
+
+    def fits(self, ledger: Ledger, dwell_s: float, now: float) -> bool:
+        return (self.holdings is ledger.holdings and self.dwell_s == dwell_s
+                and len(self.prices) == len(ledger.node_gpus) and now >= self.computed_at)
+
+    def forget_stale(self, ledger: Ledger, pool: Pool, inputs: dict[str, tuple], now: float) -> None:
+        """Drop the lists a change since the last pass may have made wrong."""
+        ver = ledger.node_version
+        for nd in range(len(self.prices)):
+            if self.node_version[nd] != ver[nd] or self.valid_until[nd] <= now:
+                self.prices[nd] = None
+        for name, (base, prog) in inputs.items():
+            old = self.inputs.get(name)
+            if old is not None and old[0] == base and old[1] is prog:
+                continue
+            mine = pool.per_node.get(name)
+            if mine:
+                for nd, k in enumerate(mine):
+                    if k:
+                        self.prices[nd] = None
+        self.inputs = inputs
+        self.computed_at = now
 
 
 class StagePlacer:
@@ -35,6 +75,13 @@ class StagePlacer:
         self._prices: dict[int, list[tuple[float, int]]] = {}
         self._sums: dict[int, float] = {}
         self._order: list[tuple[int, float, int]] | None = None
+        cache = ledger.price_cache
+        if not isinstance(cache, NodePrices) or not cache.fits(ledger, dwell_s, now):
+            cache = ledger.price_cache = NodePrices(ledger, dwell_s)
+        cache.forget_stale(ledger, pool, {name: (base, progress.get(name))
+                                          for name, base in self._base.items()}, now)
+        self._cache = cache
+        self._touched: set[int] = set()  # nodes a grant changed in this pass
 
     # ------------------------------------------------------------------ prices
     def _price(self, g: int) -> float | None:
@@ -59,10 +106,30 @@ class StagePlacer:
             return self._priced(self.pool.node_gpus[node], spec)
         cached = self._prices.get(node)
         if cached is None:
-            cached = self._priced(self.pool.node_gpus[node], None)
+            cache = self._cache
+            if node not in self._touched and cache.prices[node] is not None:
+                cached, total = cache.prices[node], cache.sums[node]
+            else:
+                cached = self._priced(self.pool.node_gpus[node], None)
+                total = sum(c for c, _ in cached)
+                if node not in self._touched:  # priced on the ledger's state: good next pass too
+                    cache.prices[node], cache.sums[node] = cached, total
+                    cache.node_version[node] = self.ledger.node_version[node]
+                    cache.valid_until[node] = self._fresh_until(node)
             self._prices[node] = cached
-            self._sums[node] = sum(c for c, _ in cached)
+            self._sums[node] = total
         return cached
+
+    def _fresh_until(self, node: int) -> float:
+        """When the first shard on `node` still within its dwell time leaves it (inf: none)."""
+        until = float("inf")
+        for g in self.pool.node_gpus[node]:
+            key = self.pool.state[g]
+            if key is not None and key is not LOCKED:
+                t = self.pool.shards[key].since + self.dwell_s
+                if t > self.now:
+                    until = min(until, t)
+        return until
 
     def _priced(self, gpus, spec: PipelineSpec | None) -> list[tuple[float, int]]:
         out = []
@@ -84,6 +151,7 @@ class StagePlacer:
             node = self.pool.node_of[g]
             self._prices.pop(node, None)
             self._sums.pop(node, None)
+            self._touched.add(node)
         self._order = None
 
     # ------------------------------------------------------------------ choice

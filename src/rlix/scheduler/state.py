@@ -44,6 +44,10 @@ class Ledger:
         # holds none); after `rotate_s` of it a waiting pipeline of its tier may take its shard
         self.holding_since: dict[str, float] = {}
         self.version = 0  # bumped on every change; lets callers cache derived views
+        # per node, bumped whenever a holding on it comes or goes (or a GPU of it is lost):
+        # the planner re-prices only the nodes that changed since its last pass
+        self.node_version: list[int] = [0] * topology.num_nodes
+        self.price_cache = None  # the planner's cache of node prices (derived, never persisted)
         # GPUs whose node left the cluster: nothing is placed on them again
         self.lost: set[int] = set()
 
@@ -186,6 +190,7 @@ class Ledger:
         for h in dropped:
             self._drop(h.key)
         self.lost |= lost
+        self._touch(lost)
         self._note_spells(0.0)  # only ends spells: no shard is added here
         self.version += 1
         self.check_invariants()
@@ -276,8 +281,13 @@ class Ledger:
                 raise LedgerError(f"{h.key} wants GPU {g}, still held by {current(g)}")
             owner[g] = h.key
 
+    def _touch(self, gpus: Iterable[int]) -> None:
+        for node in {self.node_of[g] for g in gpus}:
+            self.node_version[node] += 1
+
     def _add(self, h: Holding) -> None:
         self.holdings[h.key] = h
+        self._touch(h.gpus)
         for g in h.gpus:
             self.owner[g] = h.key
         if h.role is Role.GENERATE:
@@ -285,6 +295,7 @@ class Ledger:
 
     def _drop(self, key: HoldingKey) -> list[int]:
         h = self.holdings.pop(key)
+        self._touch(h.gpus)
         for g in h.gpus:
             self.owner[g] = None
         return list(h.gpus)
