@@ -161,7 +161,7 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
         return now - h.since < params.dwell_s
 
     victims = _Victims(pool, specs, target, progress, first)
-    wake_at = _rotation_at(demands, target, ledger, params.rotate_s)
+    wake_at: float | None = None
 
     # Pipelines below target claim shards one at a time, most starved (relative) first.
     heap = [(-specs[n].priority, pool.shard_count[n] / t, first[n], n) for n, t in target.items()
@@ -191,21 +191,27 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
             heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], first[name], name))
 
     _fill_idle(pool, ledger, demand, now, first)
+    rotation = _rotation_at(pool, demands, ledger, now, params.rotate_s)
+    if rotation is not None:
+        wake_at = rotation if wake_at is None else min(wake_at, rotation)
     return wake_at
 
 
-def _rotation_at(demands: list[Demand], target: dict[str, int], ledger: Ledger,
+def _rotation_at(pool: Pool, demands: list[Demand], ledger: Ledger, now: float,
                  rotate_s: float) -> float | None:
-    """While a pipeline that generates waits with no shard, the earliest time a holder of its
-    tier or a lower one reaches `rotate_s` (then the waiter takes its shard)."""
-    waiting = [d.priority for d in demands
-               if d.shards > 0 and not d.training and d.current == 0 and target[d.name] == 0]
-    if not waiting or math.isinf(rotate_s):
+    """After this pass: while a pipeline that generates waits with no shard, the earliest time
+    a holder of its tier or a lower one reaches `rotate_s` (then the waiter takes its shard).
+    A pipeline that got its first shard in this pass starts its spell now."""
+    if math.isinf(rotate_s):
+        return None
+    count = pool.shard_count
+    waiting = [d.priority for d in demands if d.shards > 0 and not d.training and count[d.name] == 0]
+    if not waiting:
         return None
     top = max(waiting)
-    times = [ledger.holding_since[d.name] + rotate_s for d in demands
-             if d.current > 0 and not d.training and d.priority <= top and d.held_s < rotate_s
-             and d.name in ledger.holding_since]
+    times = [ledger.holding_since.get(d.name, now) + rotate_s for d in demands
+             if count[d.name] > 0 and not d.training and d.priority <= top]
+    times = [t for t in times if t > now]
     return min(times) if times else None
 
 
