@@ -40,7 +40,8 @@ def floor_order(d: Demand, rotate_s: float) -> tuple:
     if d.training:
         return (-d.priority, 3, -d.current, d.waiting_since, d.seq)
     if d.current > 0:
-        return (-d.priority, 0 if d.held_s < rotate_s else 2, d.held_s, d.seq)
+        # (a wake-up planned for `since + rotate_s` must see the spell as over: float slack)
+        return (-d.priority, 0 if d.held_s < rotate_s - 1e-6 else 2, d.held_s, d.seq)
     return (-d.priority, 1, d.waiting_since, d.seq)
 
 
