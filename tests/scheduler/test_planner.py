@@ -274,3 +274,46 @@ def test_the_floor_rotates_after_rotate_s_and_ties_go_by_registration_not_name()
     led.apply(plan(led, [], want, 100.0, params), 100.0)
     # both spells are over; x (waiting longest) takes the shard of the later-registered holder
     assert shard_counts(led) == {"z": 1, "y": 0, "x": 1}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prices_kept_across_passes_give_the_same_plans_as_pricing_from_scratch(seed):
+    """NodePrices re-prices only the nodes that changed: every plan of a random stream must be
+    what a planner without that memory decides."""
+    import random
+
+    def stream(fresh: bool) -> list[str]:
+        rng = random.Random(seed)
+        led = Ledger(Topology.uniform(6, 4))
+        for i in range(10):
+            led.register(PipelineSpec(f"p{i}", priority=rng.choice([0, 0, 1]), train_gpus=rng.choice([2, 4, 8]),
+                                      tp=rng.choice([1, 1, 2]), max_shards=rng.choice([2, 4, 8]),
+                                      partial_overlap=rng.random() < 0.8, seqs_per_shard=4))
+        now, rid, out = 0.0, 0, []
+        pending: dict[str, GpuRequest] = {}
+        progress: dict[str, Progress] = {}
+        for _ in range(300):
+            now += rng.expovariate(1.0)
+            kind, name = rng.choice(["progress"] * 3 + ["request", "release"]), rng.choice(list(led.pipelines))
+            if kind == "progress":
+                progress[name] = Progress(name, remaining=rng.randint(0, 40), reported_at=now,
+                                          shard_load={r: rng.randint(0, 9) for r in led.shards_of(name)})
+            elif kind == "request" and name not in pending and led.stage_holding(name, Stage.TRAIN) is None:
+                pending[name] = GpuRequest(rid, name, Stage.TRAIN, led.pipelines[name].train_gpus, now)
+                rid += 1
+            elif kind == "release":
+                held = sorted((h.pipeline, h.stage) for h in led.holdings.values() if h.role is Role.TRAIN)
+                if held:
+                    led.release(*rng.choice(held))
+            if fresh:
+                led.price_cache = None
+            p = plan(led, list(pending.values()), progress, now, PARAMS)
+            led.apply(p, now)
+            out.append(p.summary() + f" wake={p.wake_at}")
+            for g in p.grants:
+                pending.pop(g.pipeline, None)
+        return out
+
+    kept, scratch = stream(False), stream(True)
+    assert kept == scratch
+    assert sum("grant" in s for s in kept) > 10 and sum("shrink" in s for s in kept) > 10
