@@ -30,7 +30,6 @@ from rlix.errors import ConfigError, PipelineFailedError, one_line
 from rlix.httpkit import check_ray_address
 from rlix.pipeline.runner import DevicePlan
 from rlix.placement import GpuReservation
-from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.supervise import Supervisor
 from rlix.run_log import RunLog
@@ -114,7 +113,7 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
         say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, {gpus.num_gpus} GPU(s)"
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
-            params = PlannerParams(dwell_s=cfg.scheduler.dwell_s, aging_s=cfg.scheduler.aging_s)
+            params = cfg.scheduler.params()
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
                                         metrics_port=cfg.scheduler.metrics_port,
                                         dashboard_port=cfg.scheduler.dashboard_port)

@@ -46,6 +46,8 @@ def test_auto_cluster_is_accepted_and_must_be_resolved(tmp_path):
     ("cluster: {nodes: 0}\npipelines: [{name: a}]", "cluster", "nodes must be >= 1"),
     ("pipelines: []", "pipelines", "at least 1"),
     ("scheduler: {dwell_s: fast}\npipelines: [{name: a}]", "scheduler.dwell_s", "valid number"),
+    ("scheduler: {report_stale_s: 0}\npipelines: [{name: a}]", "scheduler.report_stale_s", "greater than 0"),
+    ("scheduler: {rotate_s: -1}\npipelines: [{name: a}]", "scheduler.rotate_s", "greater than or equal to 0"),
 ])
 def test_bad_field_is_named(tmp_path, body, field, reason):
     path = write(tmp_path, body + "\n")
@@ -53,6 +55,13 @@ def test_bad_field_is_named(tmp_path, body, field, reason):
         load_config(path)
     msg = str(exc.value)
     assert msg.startswith(str(path)) and f"{field}" in msg and reason in msg and "\n" not in msg
+
+
+def test_scheduler_knobs_reach_the_planner(tmp_path):
+    cfg = load_config(write(tmp_path, "scheduler: {rotate_s: 45, report_stale_s: 90}\npipelines: [{name: a}]\n"))
+    params = cfg.scheduler.params()
+    assert (params.rotate_s, params.report_stale_s, params.dwell_s) == (45.0, 90.0, 30.0)
+    assert load_config(write(tmp_path, "pipelines: [{name: a}]\n")).scheduler.params().report_stale_s is None
 
 
 def test_not_yaml_and_missing_file(tmp_path):

@@ -28,13 +28,15 @@ class Tok:
 class Hooks:
     def __init__(self, fail: bool = False, delay: float = 0.0) -> None:
         self.reports: list[tuple[int, int, int]] = []
+        self.pending: list[bool] = []
         self.fail, self.delay = fail, delay
 
-    async def report_progress(self, collected, target, step, shard_load=None):  # type: ignore[no-untyped-def]
+    async def report_progress(self, collected, target, step, shard_load=None, pending_work=False, **_):  # type: ignore[no-untyped-def]
         await asyncio.sleep(self.delay)
         if self.fail:
             raise ConnectionError("scheduler gone")
         self.reports.append((collected, target, step))
+        self.pending.append(pending_work)
 
 
 class FakeEngine:
@@ -116,6 +118,26 @@ def test_admission_bounds_generation_to_what_the_trainer_can_use_and_accounting_
         assert hooks.reports and all(t == 12 for _, t, _ in hooks.reports)
         assert {s for _, _, s in hooks.reports} == {0, 1, 2, 3, 4}  # every version change is heard
         assert col.stats()["tokens"] > 0 and col.stats()["groups"] >= 12
+    asyncio.run(main())
+
+
+def test_pending_work_is_groups_in_flight_or_the_trainer_waiting_and_goes_with_reports():
+    async def main() -> None:
+        buf, hooks, engine = ReplayBuffer(), Hooks(), FakeEngine()
+        engine.hold_after = 0  # every request waits at the gate: groups stay in flight
+        col = collector(engine, buf, hooks)
+        assert not col.pending_work()
+        col.start()
+        waiter = asyncio.ensure_future(col.wait_for(3))
+        await asyncio.sleep(0.02)
+        assert col.groups_in_flight() > 0 and col.pending_work()
+        engine.gate.set()
+        await waiter
+        await asyncio.sleep(0.02)
+        await col.stop()
+        assert not col.pending_work()  # nothing in flight and nobody waits
+        # the reports made while groups were in flight said so
+        assert hooks.pending and any(hooks.pending)
     asyncio.run(main())
 
 

@@ -98,3 +98,14 @@ def test_scheduler_hooks_carry_batch_complete_with_the_training_request():
     assert sched.calls[3][1][3] is None
     released = sched.calls[2][1][2]
     assert (released.remaining, released.step) == (64, 4)
+
+
+def test_scheduler_hooks_send_the_pending_work_evidence_with_the_report():
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched = _FakeScheduler()
+    hooks = SchedulerHooks(sched, "p", 1)
+    asyncio.run(hooks.report_progress(10, 64, 2, pending_work=True))
+    asyncio.run(hooks.report_progress(12, 64, 2))
+    sent = [c[1][0] for c in sched.calls]
+    assert [(p.remaining, p.pending_work) for p in sent] == [(54, True), (52, False)]

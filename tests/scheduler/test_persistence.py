@@ -84,6 +84,7 @@ def test_round_trip_restores_ledger_requests_progress_and_logs_with_times_moved(
     assert new.train_home == old.train_home and new.train_home["c"] and new.train_home["a"]
     assert new.owner == old.owner and new.last_shard_gpus == old.last_shard_gpus
     assert new.shardless_since == old.shardless_since and new.version == old.version
+    assert new.holding_since == {n: t + shift for n, t in old.holding_since.items()} and new.holding_since
     assert list(new.holdings) == list(old.holdings)
     for key, h in old.holdings.items():
         assert new.holdings[key] == dataclasses.replace(h, since=h.since + shift)

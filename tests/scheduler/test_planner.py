@@ -231,3 +231,89 @@ def test_a_new_shard_avoids_other_pipelines_training_homes():
     homes = led.train_home["a"] | led.train_home["b"]
     step(led, 0.0, progress={"a": Progress("a", remaining=8, target=8), "b": Progress("b", remaining=0, target=8)})
     assert [set(h.gpus) & homes for h in led.shards_of("a").values()] == [set()]
+
+
+def test_pending_work_keeps_one_shard_whatever_the_figure_says():
+    led = make(1, 2, PipelineSpec("a", max_shards=2), PipelineSpec("b", max_shards=2))
+    step(led, 0.0)
+    busy = {"a": Progress("a", remaining=64), "b": Progress("b", remaining=0, pending_work=True)}
+    for t in (100.0, 200.0, 300.0):  # long past the dwell time
+        step(led, t, progress=busy)
+        assert shard_counts(led) == {"a": 1, "b": 1}
+    step(led, 400.0, progress={**busy, "b": Progress("b", remaining=0)})  # without the evidence
+    assert shard_counts(led) == {"a": 2, "b": 0}
+    assert rollout_demand(PipelineSpec("c", max_shards=4),
+                          Progress("c", remaining=0, pending_work=True)) == 1
+
+
+def test_a_stale_report_counts_as_none_and_the_plan_wakes_when_it_goes_stale():
+    params = PlannerParams(dwell_s=0.0, aging_s=60.0, report_stale_s=50.0)
+    led = make(1, 2, PipelineSpec("a", max_shards=2), PipelineSpec("b", max_shards=2))
+    reports = {"a": Progress("a", remaining=64, reported_at=0.0),
+               "b": Progress("b", remaining=0, reported_at=10.0)}
+    p = plan(led, [], reports, 20.0, params)
+    led.apply(p, 20.0)
+    assert shard_counts(led) == {"a": 2, "b": 0} and p.wake_at == pytest.approx(60.0)
+    led.apply(plan(led, [], reports, 61.0, params), 61.0)  # b's "0" is 51 s old: unknown
+    assert shard_counts(led) == {"a": 1, "b": 1}
+    spec = PipelineSpec("c", max_shards=4)
+    old = Progress("c", remaining=0, reported_at=0.0)
+    assert rollout_demand(spec, old, 49.0, 50.0) == 0 and rollout_demand(spec, old, 51.0, 50.0) == 4
+
+
+def test_the_floor_rotates_after_rotate_s_and_ties_go_by_registration_not_name():
+    params = PlannerParams(dwell_s=10.0, aging_s=60.0, rotate_s=100.0)
+    specs = [PipelineSpec(n) for n in ("z", "y", "x")]  # registered z, y, x: names reversed
+    led = make(1, 2, *specs)
+    want = {n: Progress(n, remaining=8) for n in ("z", "y", "x")}
+    p = plan(led, [], want, 0.0, params)
+    led.apply(p, 0.0)
+    assert shard_counts(led) == {"z": 1, "y": 1, "x": 0} and p.wake_at == pytest.approx(100.0)
+    led.apply(plan(led, [], want, 50.0, params), 50.0)
+    assert shard_counts(led) == {"z": 1, "y": 1, "x": 0}  # holders keep theirs within rotate_s
+    led.apply(plan(led, [], want, 100.0, params), 100.0)
+    # both spells are over; x (waiting longest) takes the shard of the later-registered holder
+    assert shard_counts(led) == {"z": 1, "y": 0, "x": 1}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prices_kept_across_passes_give_the_same_plans_as_pricing_from_scratch(seed):
+    """NodePrices re-prices only the nodes that changed: every plan of a random stream must be
+    what a planner without that memory decides."""
+    import random
+
+    def stream(fresh: bool) -> list[str]:
+        rng = random.Random(seed)
+        led = Ledger(Topology.uniform(6, 4))
+        for i in range(10):
+            led.register(PipelineSpec(f"p{i}", priority=rng.choice([0, 0, 1]), train_gpus=rng.choice([2, 4, 8]),
+                                      tp=rng.choice([1, 1, 2]), max_shards=rng.choice([2, 4, 8]),
+                                      partial_overlap=rng.random() < 0.8, seqs_per_shard=4))
+        now, rid, out = 0.0, 0, []
+        pending: dict[str, GpuRequest] = {}
+        progress: dict[str, Progress] = {}
+        for _ in range(300):
+            now += rng.expovariate(1.0)
+            kind, name = rng.choice(["progress"] * 3 + ["request", "release"]), rng.choice(list(led.pipelines))
+            if kind == "progress":
+                progress[name] = Progress(name, remaining=rng.randint(0, 40), reported_at=now,
+                                          shard_load={r: rng.randint(0, 9) for r in led.shards_of(name)})
+            elif kind == "request" and name not in pending and led.stage_holding(name, Stage.TRAIN) is None:
+                pending[name] = GpuRequest(rid, name, Stage.TRAIN, led.pipelines[name].train_gpus, now)
+                rid += 1
+            elif kind == "release":
+                held = sorted((h.pipeline, h.stage) for h in led.holdings.values() if h.role is Role.TRAIN)
+                if held:
+                    led.release(*rng.choice(held))
+            if fresh:
+                led.price_cache = None
+            p = plan(led, list(pending.values()), progress, now, PARAMS)
+            led.apply(p, now)
+            out.append(p.summary() + f" wake={p.wake_at}")
+            for g in p.grants:
+                pending.pop(g.pipeline, None)
+        return out
+
+    kept, scratch = stream(False), stream(True)
+    assert kept == scratch
+    assert sum("grant" in s for s in kept) > 10 and sum("shrink" in s for s in kept) > 10

@@ -4,6 +4,7 @@ the scheduler, which keeps the last one (with its time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -50,11 +51,14 @@ def test_crash_loses_a_finished_batch_and_waits_for_the_sleep_on_its_gpu():
     assert p.tokens == pytest.approx(base.tokens + 100 + 100, rel=1e-9)
 
 
-def reports(monkeypatch) -> list:
+def reports(monkeypatch, evidence: bool = True) -> list:
+    """Spy on the reports; evidence=False strips `pending_work` (a pipeline that sends none)."""
     seen = []
     original = Domain.report
 
     def spy(self, progress):
+        if not evidence:
+            progress = dataclasses.replace(progress, pending_work=False)
         seen.append((self.clock.now, progress))
         original(self, progress)
 
@@ -69,17 +73,30 @@ def two_pipelines(faults: list[dict]):
     return simulate(sc, generate(sc), "rlix")
 
 
-def test_muted_reports_say_nothing_is_needed_and_cost_the_pipeline_its_shards(monkeypatch):
-    seen = reports(monkeypatch)
+def test_muted_reports_without_evidence_cost_the_pipeline_its_shards(monkeypatch):
+    seen = reports(monkeypatch, evidence=False)
     muted = two_pipelines([{"kind": "mute_reports", "pipeline": "b", "from_s": 0, "to_s": 60}])
     in_window = [p for t, p in seen if p.pipeline == "b" and t < 60]
     assert in_window and all(p.remaining == 0 for p in in_window)
     assert any(p.remaining > 0 for t, p in seen if p.pipeline == "b" and t >= 60)
     base = two_pipelines([])
     b, b0 = muted.pipelines["b"], base.pipelines["b"]
-    # with demand 0 it gets no shard while its first batch waits: a takes both GPUs
+    # with demand 0 and no pending-work evidence it gets no shard while its first batch
+    # waits: a takes both GPUs
     assert b.longest_shardless_wait_s >= 55 > b0.longest_shardless_wait_s
     assert b.completion_s > b0.completion_s
+
+
+def test_muted_reports_with_pending_work_keep_a_shard(monkeypatch):
+    seen = reports(monkeypatch)
+    muted = two_pipelines([{"kind": "mute_reports", "pipeline": "b", "from_s": 0, "to_s": 60}])
+    in_window = [p for t, p in seen if p.pipeline == "b" and t < 60]
+    assert in_window and all(p.remaining == 0 for p in in_window)
+    assert any(p.pending_work for p in in_window)
+    b = muted.pipelines["b"]
+    # the router's evidence (turns outstanding) keeps it one shard: it never waits the window out
+    assert b.longest_shardless_wait_s < 55
+    assert len(b.step_ends) == 3
 
 
 def test_stale_reports_stop_reaching_the_scheduler_until_the_window_ends(monkeypatch):

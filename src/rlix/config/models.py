@@ -67,6 +67,11 @@ class SchedulerConfig(_Strict):
 
     dwell_s: float = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
     aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")
+    rotate_s: float = Field(120.0, ge=0, description="with more pipelines wanting a shard than GPUs, a "
+                                                     "pipeline keeps its only shard this long before the "
+                                                     "one waiting longest takes it")
+    report_stale_s: float | None = Field(None, gt=0, description="a progress report older than this counts "
+                                                                 "as none (full demand); null: never stale")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve the scheduler's Prometheus "
                                                                        "metrics on 127.0.0.1 at this port "
                                                                        "(0: a free one, named in the run "
@@ -84,6 +89,11 @@ class SchedulerConfig(_Strict):
         if port and port == info.data.get("metrics_port"):
             raise ValueError("the same port as scheduler.metrics_port; give each its own (or 0)")
         return port
+
+    def params(self):  # -> rlix.scheduler.planner.PlannerParams (imported late: no cycle)
+        from rlix.scheduler.planner import PlannerParams
+        return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s, rotate_s=self.rotate_s,
+                             report_stale_s=self.report_stale_s)
 
 
 class RolloutConfig(_Strict):

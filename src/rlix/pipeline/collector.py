@@ -104,6 +104,7 @@ class TrajectoryCollector:
         self._pending: dict[str, _Pending] = {}
         self._changed = asyncio.Event()  # buffer, version or in-flight set changed
         self._report_due = asyncio.Event()
+        self._batch_wanted = False  # the trainer waits in wait_for
         self._runner: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
         self._stopped = False
@@ -176,6 +177,12 @@ class TrajectoryCollector:
     def groups_in_flight(self) -> int:
         return len(self._pending)
 
+    def pending_work(self) -> bool:
+        """Generation work waits on this pipeline now: groups in flight at its router, or the
+        trainer waiting for its batch. Sent beside the demand figure as evidence: the
+        scheduler keeps such a pipeline one shard whatever that figure says."""
+        return bool(self._pending) or self._batch_wanted
+
     async def wait_for(self, n_groups: int, timeout: float | None = None) -> None:
         """Until the buffer holds `n_groups` groups young enough for the current version.
         Raises CollectorError if the collector stops or dies meanwhile (with its cause)."""
@@ -184,7 +191,11 @@ class TrajectoryCollector:
                 self._raise_if_dead()
                 self._changed.clear()
                 await self._changed.wait()
-        await asyncio.wait_for(wait(), timeout)
+        self._batch_wanted = True
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        finally:
+            self._batch_wanted = False
 
     def _raise_if_dead(self) -> None:
         if self.fatal is not None:
@@ -387,10 +398,9 @@ class TrajectoryCollector:
                 continue
             try:
                 turns = self.turns_outstanding(collected, target)
-                if turns is None:
-                    await self.hooks.report_progress(collected, target, self.version)
-                else:
-                    await self.hooks.report_progress(collected, target, self.version, turns_outstanding=turns)
+                extra = {} if turns is None else {"turns_outstanding": turns}
+                await self.hooks.report_progress(collected, target, self.version,
+                                                 pending_work=self.pending_work(), **extra)
                 self.reports += 1
             except asyncio.CancelledError:
                 raise

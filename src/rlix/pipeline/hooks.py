@@ -52,8 +52,10 @@ class RLixHooks(Protocol):
 
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None,
-                              turns_outstanding: int | None = None) -> None:
-        """Rollout demand: trajectories collected vs needed for the next step."""
+                              turns_outstanding: int | None = None,
+                              pending_work: bool = False) -> None:
+        """Rollout demand: trajectories collected vs needed for the next step; `pending_work`:
+        groups in flight or the trainer waiting for its batch (evidence beside the figure)."""
         ...
 
     async def clear_progress(self) -> None: ...
@@ -94,7 +96,8 @@ class NoOpHooks:
 
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None,
-                              turns_outstanding: int | None = None) -> None:
+                              turns_outstanding: int | None = None,
+                              pending_work: bool = False) -> None:
         return None
 
     async def clear_progress(self) -> None:

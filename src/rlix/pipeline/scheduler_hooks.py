@@ -84,18 +84,21 @@ class SchedulerHooks:
             await ref
 
     def _progress(self, collected: int, target: int, step: int,
-                  shard_load: dict[int, int] | None = None, turns_outstanding: int | None = None) -> Progress:
+                  shard_load: dict[int, int] | None = None, turns_outstanding: int | None = None,
+                  pending_work: bool = False) -> Progress:
         return Progress(self.pipeline, remaining=max(int(target) - int(collected), 0), target=int(target),
-                        step=int(step), shard_load=dict(shard_load or {}), turns_outstanding=turns_outstanding)
+                        step=int(step), shard_load=dict(shard_load or {}), turns_outstanding=turns_outstanding,
+                        pending_work=bool(pending_work))
 
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None,
-                              turns_outstanding: int | None = None) -> None:
+                              turns_outstanding: int | None = None,
+                              pending_work: bool = False) -> None:
         """A complete batch is not reported on its own: the loop's next call is the training
         request, which carries it. Alone, "no demand left" let the planner give this
         pipeline's shard to another pipeline just before the training request took that
         GPU back (a wasted wake, sync and sleep; ~40% more sleeps in a two-pipeline run)."""
-        progress = self._progress(collected, target, step, shard_load, turns_outstanding)
+        progress = self._progress(collected, target, step, shard_load, turns_outstanding, pending_work)
         if target > 0 and collected >= target:
             self._complete = progress
             return

@@ -2,7 +2,7 @@
 
 Ray restarts the scheduler's actor when its worker dies; without this it would come back empty
 and every pipeline of the run would be lost. Kept: the ledger (registrations, holdings, training
-homes, last shard GPUs, shardless order, version), pending requests, progress, the plan log, the
+homes, last shard GPUs, shardless order, holding spells, version), pending requests, progress, the plan log, the
 numbered role log and its sequence number, the request-id counter, each pipeline's last release
 and the departed pipelines (what calls retried after the restart are answered with), and the
 service's own small state (`ServiceState`). Waiters are not kept: the calls Ray retries on the
@@ -200,6 +200,7 @@ def _encode(core: SchedulerCore, service: ServiceState) -> dict[str, Any]:
         "last_shard_gpus": [[name, rank, list(gpus)]
                             for (name, rank), gpus in ledger.last_shard_gpus.items()],
         "shardless_since": dict(ledger.shardless_since),
+        "holding_since": dict(ledger.holding_since),
         "lost": sorted(ledger.lost),
         "version": ledger.version,
         "pending": [{"id": r.id, "pipeline": r.pipeline, "stage": r.stage.name, "gpus": r.gpus,
@@ -245,6 +246,8 @@ def _decode(core: SchedulerCore, state: dict[str, Any], shift: float,
     ledger.last_shard_gpus = {(name, int(rank)): tuple(int(g) for g in gpus)
                               for name, rank, gpus in state["last_shard_gpus"]}
     ledger.shardless_since = {name: int(v) for name, v in state["shardless_since"].items()}
+    ledger.holding_since = {name: float(v) + shift
+                            for name, v in state.get("holding_since", {}).items()}
     ledger.lost = {int(g) for g in state.get("lost", [])}  # GPUs gone with their node stay gone
     ledger.version = int(state["version"])
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from rlix.scheduler.pool import Pool
-from rlix.scheduler.shares import Demand, rollout_targets
+from rlix.scheduler.shares import Demand, floor_order, rollout_targets
 from rlix.scheduler.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Role, Stage
@@ -33,38 +33,71 @@ class PlannerParams:
       needs its GPUs or a pipeline would otherwise have no shard at all (stops thrash).
     aging_s: a non-rollout request waiting this long jumps ahead of every younger request and
       nothing is granted past it (bounds the wait; see docs/ARCHITECTURE.md).
+    rotate_s: with more pipelines wanting a shard than the GPUs hold, a pipeline keeps its
+      only (floor) shard this long; then the one of its tier that has waited longest without a
+      shard takes it (bounds the rollout wait; see docs/ARCHITECTURE.md).
+    report_stale_s: a progress report older than this counts as no report (full demand): the
+      demand signal is evidence, and a pipeline whose reports stopped is not starved on an old
+      one. None: reports never go stale.
     """
 
     dwell_s: float = 30.0
     aging_s: float = 60.0
+    rotate_s: float = 120.0
+    report_stale_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.dwell_s < 0 or self.aging_s < 0:
-            raise ValueError("dwell_s and aging_s must be >= 0")
+        if self.dwell_s < 0 or self.aging_s < 0 or self.rotate_s < 0:
+            raise ValueError("dwell_s, aging_s and rotate_s must be >= 0")
+        if self.report_stale_s is not None and self.report_stale_s <= 0:
+            raise ValueError("report_stale_s must be > 0 (or None: reports never go stale)")
 
 
-def rollout_demand(spec: PipelineSpec, progress: Progress | None) -> int:
-    """Shards a pipeline could use now. No report at all means full demand: a pipeline that
-    has not reported yet keeps its place instead of being starved."""
-    if progress is None:
+def report_is_stale(progress: Progress, now: float | None, stale_s: float | None) -> bool:
+    return stale_s is not None and now is not None and now - progress.reported_at > stale_s
+
+
+def rollout_demand(spec: PipelineSpec, progress: Progress | None, now: float | None = None,
+                   stale_s: float | None = None) -> int:
+    """Shards a pipeline could use now. No report (or only one older than `stale_s`) means
+    full demand: a pipeline that has not reported yet keeps its place instead of being
+    starved. Pending work (requests at its router, a train step waiting for its batch) keeps
+    a demand of at least one shard whatever `remaining` says: a report of 0 with work still
+    queued would otherwise leave it shardless for good."""
+    if progress is None or report_is_stale(progress, now, stale_s):
         return spec.max_shards
-    if progress.remaining <= 0:
-        return 0
-    wanted = math.ceil(progress.remaining / spec.seqs_per_shard)
-    return min(spec.max_shards, max(wanted, spec.min_shards))
+    wanted = math.ceil(progress.remaining / spec.seqs_per_shard) if progress.remaining > 0 else 0
+    if wanted > 0:
+        wanted = max(wanted, spec.min_shards)
+    if progress.pending_work:
+        wanted = max(wanted, 1)
+    return min(spec.max_shards, wanted)
 
 
 def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progress],
          now: float, params: PlannerParams = PlannerParams()) -> Plan:
     pool = Pool(ledger)
-    demand = {name: rollout_demand(spec, progress.get(name)) for name, spec in ledger.pipelines.items()}
+    stale_s = params.report_stale_s
+    demand = {name: rollout_demand(spec, progress.get(name), now, stale_s)
+              for name, spec in ledger.pipelines.items()}
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
-    training = {h.pipeline for h in ledger.holdings.values() if h.role is Role.TRAIN} \
-        | {g.pipeline for g in grants}
+    training = pool.training | {g.pipeline for g in grants}
     wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training)
-    wakes = [t for t in (wake_requests, wake_rollout) if t is not None]
+    wakes = [t for t in (wake_requests, wake_rollout, _stale_at(ledger, progress, demand, now, stale_s))
+             if t is not None]
     return Plan(grants=grants, shrinks=pool.shrinks, expands=pool.expands,
                 wake_at=min(wakes) if wakes else None)
+
+
+def _stale_at(ledger: Ledger, progress: dict[str, Progress], demand: dict[str, int], now: float,
+              stale_s: float | None) -> float | None:
+    """When the next report that would change a demand goes stale."""
+    if stale_s is None:
+        return None
+    times = [p.reported_at + stale_s for name, p in progress.items()
+             if name in ledger.pipelines and demand[name] < ledger.pipelines[name].max_shards
+             and p.reported_at + stale_s >= now]
+    return min(times) + 1e-6 if times else None
 
 
 # ---------------------------------------------------------------------- phase 1
@@ -117,22 +150,25 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
     specs = ledger.pipelines
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
                       pool.shard_count[name], ledger.shardless_since.get(name, ledger.version),
-                      training=name in training)
-               for name, s in specs.items()]
-    target = rollout_targets(demands, pool.unlocked())
+                      training=name in training,
+                      held_s=now - ledger.holding_since.get(name, now), seq=i)
+               for i, (name, s) in enumerate(specs.items())]
+    target = rollout_targets(demands, pool.unlocked(), params.rotate_s)
+    # Claims go most starved first; ties in the floor's order (not by name).
+    first = {d.name: i for i, d in enumerate(sorted(demands, key=lambda d: floor_order(d, params.rotate_s)))}
 
     def protected(h: Holding) -> bool:
         return now - h.since < params.dwell_s
 
-    victims = _Victims(pool, specs, target, progress)
+    victims = _Victims(pool, specs, target, progress, first)
     wake_at: float | None = None
 
     # Pipelines below target claim shards one at a time, most starved (relative) first.
-    heap = [(-specs[n].priority, pool.shard_count[n] / t, n) for n, t in target.items()
+    heap = [(-specs[n].priority, pool.shard_count[n] / t, first[n], n) for n, t in target.items()
             if pool.shard_count[n] < t]
     heapq.heapify(heap)
     while heap:
-        _, _, name = heapq.heappop(heap)
+        name = heapq.heappop(heap)[-1]
         spec = specs[name]
         if pool.shard_count[name] >= target[name]:
             continue
@@ -152,20 +188,42 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
             rank = pool.next_rank(name, spec.max_shards)
         pool.expand(name, rank, gpus, now)
         if pool.shard_count[name] < target[name]:
-            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], name))
+            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], first[name], name))
 
-    _fill_idle(pool, ledger, demand, now)
+    _fill_idle(pool, ledger, demand, now, first)
+    rotation = _rotation_at(pool, demands, ledger, now, params.rotate_s)
+    if rotation is not None:
+        wake_at = rotation if wake_at is None else min(wake_at, rotation)
     return wake_at
 
 
-def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -> None:
+def _rotation_at(pool: Pool, demands: list[Demand], ledger: Ledger, now: float,
+                 rotate_s: float) -> float | None:
+    """After this pass: while a pipeline that generates waits with no shard, the earliest time
+    a holder of its tier or a lower one reaches `rotate_s` (then the waiter takes its shard).
+    A pipeline that got its first shard in this pass starts its spell now."""
+    if math.isinf(rotate_s):
+        return None
+    count = pool.shard_count
+    waiting = [d.priority for d in demands if d.shards > 0 and not d.training and count[d.name] == 0]
+    if not waiting:
+        return None
+    top = max(waiting)
+    times = [ledger.holding_since.get(d.name, now) + rotate_s for d in demands
+             if count[d.name] > 0 and not d.training and d.priority <= top]
+    times = [t for t in times if t > now]
+    return min(times) if times else None
+
+
+def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float,
+               first: dict[str, int]) -> None:
     """Work conservation: idle GPUs go to whoever still has unmet demand that fits."""
     specs = ledger.pipelines
-    heap = [(-specs[n].priority, pool.shard_count[n] / d, n) for n, d in demand.items()
+    heap = [(-specs[n].priority, pool.shard_count[n] / d, first[n], n) for n, d in demand.items()
             if pool.shard_count[n] < d]
     heapq.heapify(heap)
     while heap and any(pool.free_on_node):
-        _, _, name = heapq.heappop(heap)
+        name = heapq.heappop(heap)[-1]
         spec = specs[name]
         rank = pool.next_rank(name, spec.max_shards)
         if rank is None:
@@ -175,7 +233,7 @@ def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float) -
             continue
         pool.expand(name, rank, gpus, now)
         if pool.shard_count[name] < demand[name]:
-            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / demand[name], name))
+            heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / demand[name], first[name], name))
 
 
 class _Victims:
@@ -183,28 +241,48 @@ class _Victims:
     cheapest first (lowest tier, idle or least loaded, then the largest surplus)."""
 
     def __init__(self, pool: Pool, specs: dict[str, PipelineSpec], target: dict[str, int],
-                 progress: dict[str, Progress]) -> None:
-        self.pool = pool
-        self.target = target
-        self.order: list[tuple] = []
+                 progress: dict[str, Progress], first: dict[str, int]) -> None:
+        self.pool, self.specs, self.target = pool, specs, target
+        self.progress, self.first = progress, first
+        self.order: list[tuple] | None = None  # built at the first make_room: most passes need none
+        # (tp, exclude, first_shard) -> blocked_until of a make_room that found no room. Room
+        # only shrinks within a pass (claims add shards, victims only lose them; a claimant is
+        # below its target, so its own shards are never victims), so that answer stands.
+        self.failed: dict[tuple, float | None] = {}
+
+    def _build(self) -> list[tuple]:
+        pool, target, progress = self.pool, self.target, self.progress
+        order = []
         for key, h in pool.shards.items():
             if pool.shard_count[h.pipeline] > target.get(h.pipeline, 0):
                 prog = progress.get(h.pipeline)
-                load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
-                self.order.append((specs[h.pipeline].priority, load, -h.since, key))
-        self.order.sort()
+                load = prog.shard_load.get(h.dp_rank, 0) if prog is not None and prog.shard_load else 0
+                # last tie-break: yields first whoever comes last in the floor's order
+                order.append((self.specs[h.pipeline].priority, load, -h.since,
+                              -self.first[h.pipeline], h.dp_rank, key))
+        order.sort()
+        return order
 
     def make_room(self, name: str, tp: int, exclude: frozenset[int], first_shard: bool,
                   protected, dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
         pool = self.pool
+        memo = (tp, exclude, first_shard)
+        if memo in self.failed:
+            return None, self.failed[memo]
+        if self.order is None:
+            self.order = self._build()
         usable: dict[int, list[tuple]] = {}
+        room: dict[int, int] = {}
         blocked_until: float | None = None
-        for entry in self.order:
-            key = entry[3]
+        kept: list[tuple] = []  # entries still worth a look by later calls
+        order = self.order
+        for i, entry in enumerate(order):
+            key = entry[-1]
             h = pool.shards.get(key)
-            if h is None or h.pipeline == name:
-                continue
-            if pool.shard_count[h.pipeline] <= self.target.get(h.pipeline, 0):
+            if h is None or pool.shard_count[h.pipeline] <= self.target.get(h.pipeline, 0):
+                continue  # gone, or its pipeline is down to its target: for good in this pass
+            kept.append(entry)
+            if h.pipeline == name:
                 continue
             if protected(h) and not first_shard:
                 t = h.since + dwell_s
@@ -212,12 +290,16 @@ class _Victims:
                 continue
             node = pool.node_of[h.gpus[0]]
             usable.setdefault(node, []).append(key)
-            room = len(pool.free_gpus_on(node, exclude)) + sum(
-                sum(1 for g in pool.shards[k].gpus if g not in exclude) for k in usable[node])
-            if room >= tp:
+            if node not in room:
+                room[node] = len(pool.free_gpus_on(node, exclude))
+            room[node] += sum(1 for g in h.gpus if g not in exclude)
+            if room[node] >= tp:
+                self.order = kept + order[i + 1:]
                 for k in usable[node]:
                     pool.shrink(k)
                     if len(pool.free_gpus_on(node, exclude)) >= tp:
                         break
                 return tuple(pool.free_gpus_on(node, exclude)[:tp]), None
+        self.order = kept
+        self.failed[memo] = blocked_until
         return None, blocked_until

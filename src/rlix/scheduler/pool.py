@@ -18,7 +18,7 @@ class Pool:
         self.ledger = ledger
         self.topology = ledger.topology
         self.node_of = ledger.node_of
-        self.node_gpus = [list(self.topology.node_gpus(n)) for n in range(self.topology.num_nodes)]
+        self.node_gpus = ledger.node_gpus
         self.state: list = list(ledger.owner)  # None = free, shard key, or LOCKED
         self.shards: dict[tuple, Holding] = {}
         self.shard_count: dict[str, int] = {name: 0 for name in ledger.pipelines}
@@ -26,19 +26,32 @@ class Pool:
         # placing one shard never scans the whole cluster.
         self.ranks: dict[str, set[int]] = {name: set() for name in ledger.pipelines}
         self.per_node: dict[str, list[int]] = {}
-        self.free_on_node = [0] * self.topology.num_nodes
+        state = self.state
         for g in ledger.lost:  # gone with their node: never free again
-            self.state[g] = LOCKED
-        for g, key in enumerate(self.state):
-            if key is None:
-                self.free_on_node[self.node_of[g]] += 1
+            state[g] = LOCKED
+        locked = len(ledger.lost)
+        # nodes are consecutive GPU ranges: count the free ones at C speed
+        self.free_on_node = [state[r[0]:r[-1] + 1].count(None) if r else 0 for r in self.node_gpus]
+        shards, count, ranks, per_node = self.shards, self.shard_count, self.ranks, self.per_node
+        node_of, n_nodes = self.node_of, len(self.node_gpus)
+        #: pipelines holding a non-rollout stage now
+        self.training: set[str] = set()
         for key, h in ledger.holdings.items():
+            name = h.pipeline
             if h.role is Role.GENERATE:
-                self._count_in(h, key)
+                shards[key] = h
+                count[name] += 1
+                ranks[name].add(h.dp_rank)
+                counts = per_node.get(name)
+                if counts is None:
+                    counts = per_node[name] = [0] * n_nodes
+                counts[node_of[h.gpus[0]]] += 1
             else:
+                self.training.add(name)
+                locked += len(h.gpus)
                 for g in h.gpus:
-                    self.state[g] = LOCKED
-        self.locked_total = sum(1 for s in self.state if s is LOCKED)
+                    state[g] = LOCKED
+        self.locked_total = locked
         self.shrinks: list[ShardMove] = []
         self.expands: list[ShardMove] = []
 

@@ -9,14 +9,56 @@ the cheapest, then the best fit.
 Per-node price lists are cached for the whole planning pass (they do not depend on who asks,
 except for the asker's own shards, which are re-priced on the few nodes where it has any) and
 dropped for the nodes a grant changes, so serving R requests costs O(R x nodes), not
-O(R x GPUs).
+O(R x GPUs). Across passes (`NodePrices`, kept on the ledger) a node is re-priced only when a
+holding on it came or went (`Ledger.node_version`), a pipeline with a shard there changed its
+demand, tier or report, or one of its shards left its dwell time: between two passes that is
+a handful of nodes, not the cluster.
 """
 
 from __future__ import annotations
 
+import heapq
+
 from rlix.scheduler.pool import LOCKED, Pool
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import PipelineSpec, Progress
+
+
+class NodePrices:
+    """Node price lists of the last passes, with what they were computed from."""
+
+    def __init__(self, ledger: Ledger, dwell_s: float) -> None:
+        n = len(ledger.node_gpus)
+        self.holdings = ledger.holdings  # a restored ledger gets a new dict: start over
+        self.dwell_s = dwell_s
+        self.node_version = [-1] * n
+        self.valid_until = [0.0] * n  # a shard there leaves its dwell time then
+        self.computed_at = -float("inf")
+        self.prices: list[list[tuple[float, int]] | None] = [None] * n
+        self.sums = [0.0] * n
+        self.inputs: dict[str, tuple] = {}  # pipeline -> (base price, its Progress object)
+
+    def fits(self, ledger: Ledger, dwell_s: float, now: float) -> bool:
+        return (self.holdings is ledger.holdings and self.dwell_s == dwell_s
+                and len(self.prices) == len(ledger.node_gpus) and now >= self.computed_at)
+
+    def forget_stale(self, ledger: Ledger, pool: Pool, inputs: dict[str, tuple], now: float) -> None:
+        """Drop the lists a change since the last pass may have made wrong."""
+        ver = ledger.node_version
+        for nd in range(len(self.prices)):
+            if self.node_version[nd] != ver[nd] or self.valid_until[nd] <= now:
+                self.prices[nd] = None
+        for name, (base, prog) in inputs.items():
+            old = self.inputs.get(name)
+            if old is not None and old[0] == base and old[1] is prog:
+                continue
+            mine = pool.per_node.get(name)
+            if mine:
+                for nd, k in enumerate(mine):
+                    if k:
+                        self.prices[nd] = None
+        self.inputs = inputs
+        self.computed_at = now
 
 
 class StagePlacer:
@@ -25,9 +67,21 @@ class StagePlacer:
         self.pool, self.ledger, self.progress, self.demand = pool, ledger, progress, demand
         self.now, self.dwell_s = now, dwell_s
         tiers = sorted({s.priority for s in ledger.pipelines.values()})
-        self.tier_rank = {p: i for i, p in enumerate(tiers)}
+        tier_rank = {p: i for i, p in enumerate(tiers)}
+        # A shard's price without its own freshness and load, per pipeline (None: no demand).
+        self._base = {name: (2.0 + 2.0 * tier_rank[s.priority]) if demand.get(name, 0) else None
+                      for name, s in ledger.pipelines.items()}
         self.biggest = max(ledger.topology.gpus_per_node)
         self._prices: dict[int, list[tuple[float, int]]] = {}
+        self._sums: dict[int, float] = {}
+        self._order: list[tuple[int, float, int]] | None = None
+        cache = ledger.price_cache
+        if not isinstance(cache, NodePrices) or not cache.fits(ledger, dwell_s, now):
+            cache = ledger.price_cache = NodePrices(ledger, dwell_s)
+        cache.forget_stale(ledger, pool, {name: (base, progress.get(name))
+                                          for name, base in self._base.items()}, now)
+        self._cache = cache
+        self._touched: set[int] = set()  # nodes a grant changed in this pass
 
     # ------------------------------------------------------------------ prices
     def _price(self, g: int) -> float | None:
@@ -37,24 +91,45 @@ class StagePlacer:
             return 0.0
         if key is LOCKED:
             return None
-        h = self.pool.shards[key]
-        if self.demand.get(h.pipeline, 0) == 0:
+        base = self._base[key[0]]
+        if base is None:
             return 0.5
-        prog = self.progress.get(h.pipeline)
-        load = prog.shard_load.get(h.dp_rank, 0) if prog else 0
+        h = self.pool.shards[key]
+        prog = self.progress.get(key[0])
+        load = prog.shard_load.get(key[2], 0) if prog is not None and prog.shard_load else 0
         fresh = 0.5 if self.now - h.since < self.dwell_s else 0.0
-        tier = self.tier_rank[self.ledger.pipelines[h.pipeline].priority]
-        return 2.0 + 2.0 * tier + fresh + load / (load + 1)
+        return base + fresh + load / (load + 1)
 
-    def _node_prices(self, node: int, spec: PipelineSpec) -> list[tuple[float, int]]:
-        mine = self.pool.per_node.get(spec.name)
+    def _node_prices(self, node: int, spec: PipelineSpec | None) -> list[tuple[float, int]]:
+        mine = self.pool.per_node.get(spec.name) if spec is not None else None
         if mine and mine[node]:
             return self._priced(self.pool.node_gpus[node], spec)
         cached = self._prices.get(node)
         if cached is None:
-            cached = self._priced(self.pool.node_gpus[node], None)
+            cache = self._cache
+            if node not in self._touched and cache.prices[node] is not None:
+                cached, total = cache.prices[node], cache.sums[node]
+            else:
+                cached = self._priced(self.pool.node_gpus[node], None)
+                total = sum(c for c, _ in cached)
+                if node not in self._touched:  # priced on the ledger's state: good next pass too
+                    cache.prices[node], cache.sums[node] = cached, total
+                    cache.node_version[node] = self.ledger.node_version[node]
+                    cache.valid_until[node] = self._fresh_until(node)
             self._prices[node] = cached
+            self._sums[node] = total
         return cached
+
+    def _fresh_until(self, node: int) -> float:
+        """When the first shard on `node` still within its dwell time leaves it (inf: none)."""
+        until = float("inf")
+        for g in self.pool.node_gpus[node]:
+            key = self.pool.state[g]
+            if key is not None and key is not LOCKED:
+                t = self.pool.shards[key].since + self.dwell_s
+                if t > self.now:
+                    until = min(until, t)
+        return until
 
     def _priced(self, gpus, spec: PipelineSpec | None) -> list[tuple[float, int]]:
         out = []
@@ -73,7 +148,11 @@ class StagePlacer:
     def changed(self, gpus: list[int]) -> None:
         """A grant took these GPUs: forget the prices of their nodes."""
         for g in gpus:
-            self._prices.pop(self.pool.node_of[g], None)
+            node = self.pool.node_of[g]
+            self._prices.pop(node, None)
+            self._sums.pop(node, None)
+            self._touched.add(node)
+        self._order = None
 
     # ------------------------------------------------------------------ choice
     def empties(self, spec: PipelineSpec, gpus: list[int], min_priority: int | None = None) -> int:
@@ -101,23 +180,27 @@ class StagePlacer:
         starved = [q for q, keys in taken.items()
                    if len(keys) >= self.pool.shard_count[q] and self.demand.get(q, 0) > 0
                    and (min_priority is None or self.ledger.pipelines[q].priority >= min_priority)]
-        free = {nd: len([g for g in self._yielding_on(nd, spec.name) if g not in gpus])
-                for nd in range(len(self.pool.node_gpus))}
+        pool = self.pool
+        # GPUs per node a starved peer's shard can have in this plan: idle ones and those of the
+        # requester's own shards (a pipeline that trains yields its floor shard to one that
+        # only generates; see shares.rollout_targets), less the GPUs this grant takes.
+        free = list(pool.free_on_node)
+        mine = pool.per_node.get(spec.name)
+        if mine:
+            for nd, n in enumerate(mine):
+                if n:
+                    free[nd] += n * spec.tp
+        for g in gpus:
+            key = pool.state[g]
+            if key is None or (key is not LOCKED and key[0] == spec.name):
+                free[pool.node_of[g]] -= 1
         for q in starved:
             tp = self.ledger.pipelines[q].tp
-            node = next((nd for nd, f in free.items() if f >= tp), None)
+            node = next((nd for nd, f in enumerate(free) if f >= tp), None)
             if node is None:
                 return False
             free[node] -= tp
         return True
-
-    def _yielding_on(self, node: int, requester: str) -> list[int]:
-        """GPUs of `node` a starved peer's shard can have in this plan: idle ones, and those of
-        the requester's own shards (a pipeline that trains yields its floor shard to one that only
-        generates; see shares.rollout_targets)."""
-        state = self.pool.state
-        return [g for g in self.pool.node_gpus[node]
-                if state[g] is None or (state[g] is not LOCKED and state[g][0] == requester)]
 
     def choose(self, spec: PipelineSpec, n: int) -> list[int] | None:
         pool = self.pool
@@ -142,14 +225,32 @@ class StagePlacer:
                     best = (key, chosen)
             if best is not None:
                 return best[1]
-        # Several nodes: the fullest first, the cheapest GPUs within them.
-        per_node = [self._node_prices(nd, spec) for nd in range(len(pool.node_gpus))]
-        order = sorted(range(len(per_node)),
-                       key=lambda nd: (-len(per_node[nd]), sum(c for c, _ in per_node[nd])))
+        # Several nodes: the fullest first, the cheapest GPUs within them. The order of the
+        # nodes where the requester has no shard is shared by every request of the pass.
+        mine = pool.per_node.get(spec.name)
+        own = {nd for nd, k in enumerate(mine) if k} if mine else set()
+        own_prices = {nd: self._priced(pool.node_gpus[nd], spec) for nd in own}
+        own_keys = sorted((-len(p), sum(c for c, _ in p), nd) for nd, p in own_prices.items())
+        shared = self._shared_order()
+        if own:
+            shared = [k for k in shared if k[2] not in own]
         picked: list[int] = []
-        for nd in order:
-            for _, g in per_node[nd]:
+        for _, _, nd in heapq.merge(shared, own_keys):
+            prices = own_prices[nd] if nd in own else self._prices[nd]
+            for _, g in prices:
                 if len(picked) == n:
                     return picked
                 picked.append(g)
         return picked if len(picked) == n else None
+
+    def _shared_order(self) -> list[tuple[int, float, int]]:
+        """(-takeable GPUs, price sum, node) of every node, requester-independent, sorted; kept
+        until a grant changes prices."""
+        if self._order is None:
+            keys = []
+            for nd in range(len(self.pool.node_gpus)):
+                prices = self._node_prices(nd, None)
+                keys.append((-len(prices), self._sums[nd], nd))
+            keys.sort()
+            self._order = keys
+        return self._order

@@ -31,6 +31,7 @@ class Ledger:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.node_of: list[int] = topology.node_of()
+        self.node_gpus: list[list[int]] = [list(topology.node_gpus(n)) for n in range(topology.num_nodes)]
         self.owner: list[HoldingKey | None] = [None] * topology.num_gpus
         self.holdings: dict[HoldingKey, Holding] = {}
         self.pipelines: dict[str, PipelineSpec] = {}
@@ -39,7 +40,14 @@ class Ledger:
         # pipeline -> ledger version since which it has held no shard (absent: it holds one);
         # the rollout floor serves the longest-waiting first, so names never decide who starves
         self.shardless_since: dict[str, int] = {}
+        # pipeline -> time its current spell of holding at least one shard began (absent: it
+        # holds none); after `rotate_s` of it a waiting pipeline of its tier may take its shard
+        self.holding_since: dict[str, float] = {}
         self.version = 0  # bumped on every change; lets callers cache derived views
+        # per node, bumped whenever a holding on it comes or goes (or a GPU of it is lost):
+        # the planner re-prices only the nodes that changed since its last pass
+        self.node_version: list[int] = [0] * topology.num_nodes
+        self.price_cache = None  # the planner's cache of node prices (derived, never persisted)
         # GPUs whose node left the cluster: nothing is placed on them again
         self.lost: set[int] = set()
 
@@ -79,6 +87,7 @@ class Ledger:
         del self.pipelines[name]
         self.train_home.pop(name, None)
         self.shardless_since.pop(name, None)
+        self.holding_since.pop(name, None)
         for key in [k for k in self.last_shard_gpus if k[0] == name]:
             del self.last_shard_gpus[key]
         self.version += 1
@@ -157,14 +166,21 @@ class Ledger:
             self._drop(key)
         for holding in new:
             self._add(holding)
+        self._note_spells(now)
+        self.version += 1
+        self.check_invariants()
+
+    def _note_spells(self, now: float) -> None:
+        """Start or end each pipeline's spell with shards (`holding_since`) or without
+        (`shardless_since`): the rollout floor's order comes from these."""
         with_shards = {h.pipeline for h in self.holdings.values() if h.role is Role.GENERATE}
         for name in self.pipelines:
             if name in with_shards:
                 self.shardless_since.pop(name, None)
+                self.holding_since.setdefault(name, now)
             else:
                 self.shardless_since.setdefault(name, self.version)
-        self.version += 1
-        self.check_invariants()
+                self.holding_since.pop(name, None)
 
     def mark_lost(self, gpus: Iterable[int]) -> list[Holding]:
         """GPUs that left the cluster with their node: every holding on one is dropped (its
@@ -174,6 +190,8 @@ class Ledger:
         for h in dropped:
             self._drop(h.key)
         self.lost |= lost
+        self._touch(lost)
+        self._note_spells(0.0)  # only ends spells: no shard is added here
         self.version += 1
         self.check_invariants()
         return dropped
@@ -263,8 +281,13 @@ class Ledger:
                 raise LedgerError(f"{h.key} wants GPU {g}, still held by {current(g)}")
             owner[g] = h.key
 
+    def _touch(self, gpus: Iterable[int]) -> None:
+        for node in {self.node_of[g] for g in gpus}:
+            self.node_version[node] += 1
+
     def _add(self, h: Holding) -> None:
         self.holdings[h.key] = h
+        self._touch(h.gpus)
         for g in h.gpus:
             self.owner[g] = h.key
         if h.role is Role.GENERATE:
@@ -272,6 +295,7 @@ class Ledger:
 
     def _drop(self, key: HoldingKey) -> list[int]:
         h = self.holdings.pop(key)
+        self._touch(h.gpus)
         for g in h.gpus:
             self.owner[g] = None
         return list(h.gpus)

@@ -110,6 +110,9 @@ class Progress:
     the least loaded shards first so fewer requests have to be re-dispatched.
     `turns_outstanding`: agent episodes only: policy calls still to come (at most) from the
     episodes in flight and those not started; reported for operators, not yet planned on.
+    `pending_work`: generation work is waiting on this pipeline now (requests outstanding at
+    its router, or a train step waiting for its batch). Evidence beside `remaining`: the
+    planner keeps it a floor of one shard whatever `remaining` says.
     """
 
     pipeline: str
@@ -119,6 +122,7 @@ class Progress:
     shard_load: dict[int, int] = field(default_factory=dict)
     turns_outstanding: int | None = None
     reported_at: float = 0.0
+    pending_work: bool = False
 
 
 @dataclass(frozen=True)

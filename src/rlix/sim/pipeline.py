@@ -222,15 +222,18 @@ class PipelineRun:
         self.reported = self.remaining
         if self.stale:
             return  # the scheduler keeps the last report it got, and that report's time
+        # pending_work: the router's evidence (turns released and not finished), sent even when
+        # the demand figure is muted
         if self.muted:
             self.domain.report(Progress(self.name, remaining=0, step=self.version,
-                                        reported_at=self.clock.now))
+                                        reported_at=self.clock.now, pending_work=self.remaining > 0))
             return
         open_batches = sum(1 for k in range(self.version, self.released) if self.batch_left[k] > 0)
         load = {rank: sh.load for rank, sh in self.shards.items() if sh.state == ACTIVE}
         self.domain.report(Progress(self.name, remaining=self.remaining,
                                     target=open_batches * self.batch_size, step=self.version,
-                                    shard_load=load, reported_at=self.clock.now))
+                                    shard_load=load, reported_at=self.clock.now,
+                                    pending_work=self.remaining > 0))
 
     def turn_done(self, traj: Traj, shard: Shard) -> None:
         spec = traj.spec

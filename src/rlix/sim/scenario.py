@@ -57,9 +57,12 @@ class SchedulerModel(_Strict):
 
     dwell_s: float = Field(30.0, ge=0)
     aging_s: float = Field(60.0, ge=0)
+    rotate_s: float = Field(PlannerParams.rotate_s, ge=0)
+    report_stale_s: float | None = Field(None, gt=0)
 
     def params(self) -> PlannerParams:
-        return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s)
+        return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s, rotate_s=self.rotate_s,
+                             report_stale_s=self.report_stale_s)
 
 
 class EngineModel(_Strict):
