@@ -170,6 +170,7 @@ CASES = [
     Case("CLI", "run with an address that is not host:port", lambda tmp: ["run", config(tmp), "--address", "nowhere"], r"give host:port or ray://host:port"),
     Case("CLI", "status with an address nothing listens on", lambda tmp: ["status", "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),
     Case("CLI", "up with neither --num-gpus nor --address", lambda tmp: ["up"], r"rlix up: give --num-gpus N for a local cluster"),
+    Case("CLI", "up with a negative --rotate-s", lambda tmp: ["up", "--num-gpus", "2", "--rotate-s", "-1"], r"rlix up: dwell_s, aging_s and rotate_s must be >= 0"),
     Case("CLI", "up with a malformed --quota", lambda tmp: ["up", "--num-gpus", "2", "--quota", "alice"], r"--quota 'alice': give USER=GPUS"),
     Case("CLI", "submit a config that fails its check", lambda tmp: ["submit", config(tmp, p_steps=0)], r"pipelines\[0\]\.steps: .*greater than or equal to 1"),
     Case("CLI", "submit with no cluster up", lambda tmp: ["submit", config(tmp), "--address", closed_port()], r"no Ray cluster answers at 127\.0\.0\.1:\d+"),

@@ -157,6 +157,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     up(num_gpus=args.num_gpus, num_cpus=args.num_cpus, gpu_slices=args.gpu_slices, quotas=args.quota,
        default_quota=args.default_quota, address=args.address, dwell_s=args.dwell_s, aging_s=args.aging_s,
+       rotate_s=args.rotate_s, report_stale_s=args.report_stale_s,
        metrics_port=args.metrics_port, dashboard_port=args.dashboard_port)
     return 0
 
@@ -301,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--default-quota", type=int, default=None, help="the cap for users not named (default: none)")
     up.add_argument("--dwell-s", type=float, default=30.0, help="scheduler: a woken shard is kept this long")
     up.add_argument("--aging-s", type=float, default=60.0, help="scheduler: a request waiting this long goes first")
+    up.add_argument("--rotate-s", type=float, default=120.0,
+                    help="scheduler: with more pipelines than GPUs, a shard changes hands after this long")
+    up.add_argument("--report-stale-s", type=float, default=None,
+                    help="scheduler: a progress report older than this counts as none (default: never)")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="serve the scheduler's Prometheus metrics on 127.0.0.1 here (0: a free port)")
     up.add_argument("--dashboard-port", type=int, default=None,

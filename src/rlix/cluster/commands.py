@@ -28,6 +28,7 @@ from rlix.config.preflight import preflight
 from rlix.errors import ConfigError
 from rlix.httpkit import check_ray_address
 from rlix.procguard import pid_alive
+from rlix.scheduler.planner import PlannerParams
 
 #: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
 UP_TIMEOUT_S = 120.0
@@ -83,7 +84,7 @@ def connect(address: str | None = None) -> str:
 # ---------------------------------------------------------------------- up / down
 def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str],
        default_quota: int | None, address: str | None, dwell_s: float, aging_s: float,
-       metrics_port: int | None = None, dashboard_port: int | None = None,
+       rotate_s: float = 120.0, report_stale_s: float | None = None, metrics_port: int | None = None, dashboard_port: int | None = None,
        out: Callable[[str], None] = print) -> dict:
     """Start the head process (or say where the running one is); returns the cluster's state."""
     state = read_state()
@@ -96,6 +97,10 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
     parse_quotas(quotas, default_quota)  # a bad --quota fails here, not in the head's log
     if gpu_slices < 1:
         raise ConfigError(f"rlix up: --gpu-slices {gpu_slices}: give 1 or more")
+    try:  # the head's planner knobs, checked here rather than in the head's log
+        PlannerParams(dwell_s=dwell_s, aging_s=aging_s, rotate_s=rotate_s, report_stale_s=report_stale_s)
+    except ValueError as exc:
+        raise ConfigError(f"rlix up: {exc}") from None
     for flag, port in (("--metrics-port", metrics_port), ("--dashboard-port", dashboard_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ConfigError(f"rlix up: {flag} {port}: give a port in 0..65535")
@@ -107,7 +112,9 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
     cmd = [sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state_path()), "--",
            sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),
            "--num-cpus", str(num_cpus), "--gpu-slices", str(gpu_slices),
-           "--dwell-s", str(dwell_s), "--aging-s", str(aging_s)]
+           "--dwell-s", str(dwell_s), "--aging-s", str(aging_s), "--rotate-s", str(rotate_s)]
+    if report_stale_s is not None:
+        cmd += ["--report-stale-s", str(report_stale_s)]
     cmd += ["--address", address] if address else ["--num-gpus", str(num_gpus)]
     for q in quotas:
         cmd += ["--quota", q]

@@ -8,6 +8,7 @@ stop them (each saves a checkpoint), and takes everything down, its Ray cluster 
 
     python -m rlix.cluster.head --state FILE [--num-gpus N] [--num-cpus N] [--gpu-slices K]
                                 [--quota USER=N ...] [--default-quota N] [--address ADDR]
+                                [--rotate-s S] [--report-stale-s S]
                                 [--metrics-port N] [--dashboard-port N]
 """
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--default-quota", type=int, default=None)
     ap.add_argument("--dwell-s", type=float, default=30.0)
     ap.add_argument("--aging-s", type=float, default=60.0)
+    ap.add_argument("--rotate-s", type=float, default=120.0)
+    ap.add_argument("--report-stale-s", type=float, default=None)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--dashboard-port", type=int, default=None)
     args = ap.parse_args(argv)
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     gpus = topology_from_ray()
     reservation = GpuReservation.reserve(gpus, slices=args.gpu_slices)
     topology = gpus.sliced(args.gpu_slices)
-    params = PlannerParams(dwell_s=args.dwell_s, aging_s=args.aging_s)
+    params = PlannerParams(dwell_s=args.dwell_s, aging_s=args.aging_s, rotate_s=args.rotate_s,
+                           report_stale_s=args.report_stale_s)
     scheduler = start_scheduler(topology, params, detached=True, real_gpus=reservation.has_cuda,
                                 metrics_port=args.metrics_port, dashboard_port=args.dashboard_port)
     urls = _endpoints(scheduler)
