@@ -22,10 +22,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rlix.scheduler.planner import PlannerParams, plan
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, PipelineSpec, Progress, Role, Stage, Topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchkit import Bench  # noqa: E402
 
 GOAL_P99_MS = 5.0
 
@@ -129,11 +133,14 @@ def main() -> None:
         print(json.dumps(one_run(args)))
         return
     runs = []
-    for i in range(args.runs):
-        r = child_run(args, core)
-        runs.append(r)
-        print(f"run {i + 1}/{args.runs} on core {core}: p50 {r['plan_ms_p50']} ms, p99 {r['plan_ms_p99']} ms, "
-              f"cpu p99 {r['plan_cpu_ms_p99']} ms, max {r['plan_ms_max']} ms; events {r['events']}", flush=True)
+    with Bench("scheduler_plan", total=args.runs) as bench:
+        for i in range(args.runs):
+            bench.phase(f"run {i + 1}: {args.events} events in a child pinned to core {core}")
+            r = child_run(args, core)
+            runs.append(r)
+            bench.log(f"run {i + 1}/{args.runs} on core {core}: p50 {r['plan_ms_p50']} ms, p99 {r['plan_ms_p99']} "
+                      f"ms, cpu p99 {r['plan_cpu_ms_p99']} ms, max {r['plan_ms_max']} ms; events {r['events']}")
+            bench.advance()
     med = lambda key: round(statistics.median(r[key] for r in runs), 3)  # noqa: E731
     p99 = med("plan_ms_p99")
     print(json.dumps({
