@@ -28,7 +28,7 @@ from rlix.config.preflight import preflight
 from rlix.devices import resolve_dtype
 from rlix.errors import ConfigError, PipelineFailedError, one_line
 from rlix.httpkit import check_ray_address
-from rlix.pipeline.runner import DevicePlan
+from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.supervise import Supervisor

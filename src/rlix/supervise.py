@@ -25,7 +25,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.errors import PipelineHungError, SchedulerError, one_line
 from rlix.pipeline.actor import PipelineActor
-from rlix.pipeline.runner import DevicePlan, read_metrics
+from rlix.pipeline.device_plan import DevicePlan
+from rlix.pipeline.metrics_file import read_metrics
 from rlix.placement import on_this_node
 from rlix.scheduler.core import gpu_roles
 

@@ -21,7 +21,7 @@ from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
 from rlix.errors import ConfigError
 from rlix.devices import cap_process_memory
-from rlix.pipeline.runner import DevicePlan
+from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.scheduler.types import Topology
 

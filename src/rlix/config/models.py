@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rlix.envs.agent_config import EnvConfig
 from rlix.envs.config import TaskConfig
+from rlix.scheduler.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
 
@@ -90,8 +91,8 @@ class SchedulerConfig(_Strict):
             raise ValueError("the same port as scheduler.metrics_port; give each its own (or 0)")
         return port
 
-    def params(self):  # -> rlix.scheduler.planner.PlannerParams (imported late: no cycle)
-        from rlix.scheduler.planner import PlannerParams
+    def params(self) -> PlannerParams:
+        """The planner's knobs as this config sets them."""
         return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s, rotate_s=self.rotate_s,
                              report_stale_s=self.report_stale_s)
 

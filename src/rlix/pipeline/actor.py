@@ -14,7 +14,8 @@ import ray
 
 from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.pipeline.hooks import ColocatedHooks, RLixHooks
-from rlix.pipeline.runner import DevicePlan, PipelineRunner
+from rlix.pipeline.device_plan import DevicePlan
+from rlix.pipeline.runner import PipelineRunner
 from rlix.pipeline.scheduler_hooks import SchedulerHooks
 from rlix.scheduler.service import get_scheduler
 from rlix.threads import favour_control_latency

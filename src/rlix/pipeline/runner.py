@@ -16,15 +16,12 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from transformers import AutoTokenizer
 
-from rlix import env
 from rlix.agents.environment import PipelineEnvironment
 from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.envs import make_task
@@ -41,10 +38,11 @@ from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
 from rlix.pipeline.buffer import ReplayBuffer
 from rlix.pipeline.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
+from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.experiment_log import ExperimentLog, open_experiment_log
 from rlix.pipeline.hooks import RLixHooks
+from rlix.pipeline.metrics_file import read_metrics, write_metrics
 from rlix.pipeline.weight_routes import WeightRoutes
-from rlix.placement import GpuReservation
 from rlix.training.group import TrainerGroup
 from rlix.training.types import TrainSample
 
@@ -59,57 +57,6 @@ TRAINER_WATCH_ROUNDS = 4
 TRAINER_PING_TIMEOUT_S = 10.0
 #: the longest a checkpoint on Ctrl-C or failure may take
 CHECKPOINT_ON_EXIT_S = 120.0
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl's rows; a line cut short by a kill is dropped."""
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def write_metrics(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-
-
-@dataclass(frozen=True)
-class DevicePlan:
-    """Where a pipeline's processes compute, as `rlix run` resolved it for the whole run."""
-
-    device: str = "cpu"  # "cpu" | "cuda"
-    dtype: str | None = None  # None: the checkpoint's
-    #: the run's GPUs as physical devices; None: processes are not placed (tests, no Ray GPUs)
-    reservation: GpuReservation | None = None
-    release_timeout_s: float = 60.0  # a holder's release confirmation, at most
-
-    @property
-    def sleep_level(self) -> int:
-        """Shards leaving a GPU drop their weights there (2); on CPU offloading them (1) is
-        cheaper and frees nothing another holder could use anyway."""
-        return 2 if self.device == "cuda" else 1
-
-    @property
-    def memory_share(self) -> float:
-        """Of a GPU's memory, what one placed process may use (1/gpu_slices)."""
-        return self.reservation.memory_share if self.reservation is not None else 1.0
-
-    @property
-    def multi_node(self) -> bool:
-        """The run's GPUs are on several nodes: shards are Ray actors on their GPUs' node."""
-        return self.reservation is not None and self.reservation.multi_node
-
-    def visible_devices_env(self, gpus: Sequence[int]) -> dict[str, str]:
-        assert self.reservation is not None
-        out = {env.VISIBLE_DEVICES_VAR: self.reservation.visible_devices(gpus)}
-        if self.memory_share < 1:
-            out[env.GPU_MEMORY_SHARE_VAR] = repr(self.memory_share)
-        return out
 
 
 class PipelineRunner:
