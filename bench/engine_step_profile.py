@@ -9,6 +9,8 @@ thread count, for batch sizes 1, 8 and 32 after a 36-token prefill each:
   linear_*_ms    every decoder Linear at this batch (biases left out), three ways: torch's bf16
                  F.linear (what the engine runs), the same weights reordered once for oneDNN
                  (as inductor and vLLM's CPU backend do), and fp32 F.linear
+  forward_onednn_reordered_ms  the forward again with every decoder Linear swapped (in this
+                 process) for one on weights reordered once for oneDNN: the projection
   engine_tok_s   TorchEngine in-process (no HTTP) at c concurrent, to compare with the server
 Prints a readable report on stderr and one JSON line on stdout. Nothing of the engine is changed.
 
@@ -102,6 +104,27 @@ def linear_compare(model: torch.nn.Module, n: int) -> dict:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+class ReorderedLinear(torch.nn.Module):
+    """A bf16 Linear on weights reordered once for oneDNN: swapped into this process's model
+    only, to project what the engine's decode step would take with such weights."""
+
+    def __init__(self, lin: torch.nn.Linear) -> None:
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+        self.bias = None if lin.bias is None else lin.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def reorder_linears(model: torch.nn.Module) -> None:
+    for layer in model.get_decoder().layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, ReorderedLinear(child))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2-0.5b-shape")
@@ -121,6 +144,12 @@ def main() -> None:
         row.update(linear_compare(model, n))
         result[f"batch{n}"] = row
         say(f"batch {n}: {json.dumps(row)}")
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        reorder_linears(model)
+        for n in (1, 8, 32):
+            fwd = step_breakdown(runner, n, args.steps, vocab)["forward_ms"]
+            result[f"batch{n}"]["forward_onednn_reordered_ms"] = fwd
+            say(f"batch {n}, Linears on oneDNN-reordered weights: forward {fwd} ms")
     del runner, model
     if not args.no_engine:
         engine = TorchEngine.from_pretrained(args.model, dtype=args.dtype, max_num_seqs=32, max_model_len=256)
