@@ -368,3 +368,17 @@ def test_coordinator_killed_during_a_resize_fails_the_waiter(cluster):
     assert sorted(g for gs in shards(s, "b").values() for g in gs) == [0, 1, 2, 3]
     assert ray.get(sched.request.remote("b", "train", 2), timeout=10)
     ray.get(sched.release.remote("b", "train"))
+
+
+def test_a_coordinator_is_dead_only_when_its_own_actor_died():
+    """A call that raised inside a live coordinator (even an error wrapping the death of a shard
+    actor it called, as when a node leaves) must not unregister its pipeline."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from rlix.scheduler.service import _is_dead
+
+    wrapped = RayTaskError("resize_inference", "Traceback ...", ActorDiedError()).as_instanceof_cause()
+    assert isinstance(wrapped, ActorDiedError)  # what made it look like the coordinator's death
+    assert not _is_dead(wrapped)
+    assert _is_dead(ActorDiedError())
+    assert not _is_dead(RuntimeError("a plain error"))

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -46,8 +46,11 @@ DEPARTED_HANDLES_KEPT = 16
 
 
 def _is_dead(exc: BaseException) -> bool:
-    """A coordinator is dead for good; a restarting one (unavailable) is not."""
-    return isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError)
+    """A coordinator is dead for good; a restarting one (unavailable) is not, and neither is
+    one whose call raised an error of its own (a RayTaskError, even one wrapping the death of
+    another actor it called: a shard actor on a node that just left)."""
+    return (isinstance(exc, RayActorError) and not isinstance(exc, ActorUnavailableError)
+            and not isinstance(exc, RayTaskError))
 
 
 class RayKVStore:
