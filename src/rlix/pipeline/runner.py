@@ -55,6 +55,8 @@ SHARD_WATCH_S = 0.5
 #: the trainer is pinged every this many shard checks (a death fails the pipeline)
 TRAINER_WATCH_ROUNDS = 4
 TRAINER_PING_TIMEOUT_S = 10.0
+#: the longest one step of finishing a run (watch, collector, leaving) may take
+FINISH_STEP_TIMEOUT_S = 60.0
 #: the longest a checkpoint on Ctrl-C or failure may take
 CHECKPOINT_ON_EXIT_S = 120.0
 
@@ -272,13 +274,21 @@ class PipelineRunner:
             await self._steps
         finally:
             watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
-            await self.collector.stop()
+            await self._bounded("the shard watch to stop", asyncio.gather(watch, return_exceptions=True))
+            await self._bounded("the collector to stop", self.collector.stop())
         # done: its GPUs go back now, not when the whole run ends (others may be waiting)
         self.joined = False
-        await self.hooks.leave()
+        await self._bounded("leaving the scheduler", self.hooks.leave())
         await self._checkpoint(self.loop.step)
         return self.summary()
+
+    async def _bounded(self, what: str, step: Any) -> None:
+        """One step of finishing, given FINISH_STEP_TIMEOUT_S: a step that never ends is logged
+        and the run goes on to end (seen once: a finished pipeline that never left)."""
+        try:
+            await asyncio.wait_for(step, FINISH_STEP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.error("%s: waited %.0f s for %s; going on", self.cfg.name, FINISH_STEP_TIMEOUT_S, what)
 
     async def _watch_shards(self) -> None:
         """Every SHARD_WATCH_S: shards whose process died are replaced (or forgotten, if they
