@@ -137,6 +137,12 @@ class ShardCoordinator:
             self.history[r] = [version]
         self._event("start", ranks, version)
 
+    async def quiesce(self) -> None:
+        """Until no resize or publish is in progress (a wake's sync and its audit included):
+        what a finished pipeline waits for before its summary counts the syncs."""
+        async with self._lock:
+            pass
+
     def active_ranks(self) -> list[int]:
         return self.fleet.active_ranks()
 

@@ -279,6 +279,8 @@ class PipelineRunner:
         # done: its GPUs go back now, not when the whole run ends (others may be waiting)
         self.joined = False
         await self._bounded("leaving the scheduler", self.hooks.leave())
+        # a shard woken just before it left may still be syncing (and auditing): counted whole
+        await self._bounded("the shards' last sync", self.coordinator.quiesce())
         await self._checkpoint(self.loop.step)
         return self.summary()
 
