@@ -51,7 +51,7 @@ from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.engine.profile import gpu_breakdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench, log  # noqa: E402
+from benchlib.benchkit import Bench, log  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def decode_steps_at(engine: TorchEngine, batch: int) -> tuple[float, float] | No
 
 def gpu_extras(engine: TorchEngine, model, profiles: dict) -> dict:  # type: ignore[no-untyped-def]
     """Bandwidth bound, compiled transformers baseline and GPU breakdown (see docstring)."""
-    from gpu_bounds import compiled_static_decode, memory_bandwidth
+    from benchlib.gpu_bounds import compiled_static_decode, memory_bandwidth
 
     device = engine.device
     out: dict = {"profile_c32": profiles.get(32), "profile_c256": profiles.get(256)}

@@ -40,7 +40,7 @@ from rlix.weights.cache import BucketCache
 from rlix.weights.push import ShardWeightPusher
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchkit  # noqa: E402
+from benchlib import benchkit  # noqa: E402
 
 GiB = 1 << 30
 PROMPT = [5, 17, 42, 99, 7, 3, 11, 64]

@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench  # noqa: E402
+from benchlib.benchkit import Bench  # noqa: E402
 
 PHASES = ("generate_s", "wait_gpus_s", "reload_s", "train_s", "cache_s", "offload_s", "release_s", "sync_s")
 

@@ -31,7 +31,7 @@ from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench  # noqa: E402
+from benchlib.benchkit import Bench  # noqa: E402
 
 KEY = "bench-token"
 TOKENS = 64

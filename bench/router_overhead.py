@@ -28,7 +28,7 @@ from rlix.httpkit import free_port
 from rlix.inference.fleet.shard_process import ShardProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench  # noqa: E402
+from benchlib.benchkit import Bench  # noqa: E402
 
 KEY = "bench-token"
 CASES = {

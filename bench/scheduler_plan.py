@@ -29,7 +29,7 @@ from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, PipelineSpec, Progress, Role, Stage, Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench  # noqa: E402
+from benchlib.benchkit import Bench  # noqa: E402
 
 GOAL_P99_MS = 5.0
 

@@ -26,7 +26,7 @@ from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench  # noqa: E402
+from benchlib.benchkit import Bench  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int, device: torch.device) -> tuple[float, float]:

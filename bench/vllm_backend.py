@@ -41,7 +41,7 @@ from rlix.weights.sync import WeightSync
 from rlix.weights.vllm.endpoint import VllmShardEndpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchkit  # noqa: E402
+from benchlib import benchkit  # noqa: E402
 
 KEY = "bench-token"
 

@@ -70,7 +70,7 @@ from model_engine import ModelEngine  # noqa: E402
 from pipe_shard import PipeShard, write_spec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchkit import Bench  # noqa: E402
+from benchlib.benchkit import Bench  # noqa: E402
 
 env.apply_nccl_defaults()  # this process and every process it starts
 

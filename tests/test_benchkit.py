@@ -11,8 +11,8 @@ from pathlib import Path
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import benchkit  # noqa: E402
-from benchkit import Bench, time_left  # noqa: E402
+from benchlib import benchkit  # noqa: E402
+from benchlib.benchkit import Bench, time_left  # noqa: E402
 
 
 def test_off_a_terminal_one_plain_line_per_phase_on_stderr(capsys):

@@ -1,0 +1,1 @@
+"""Helpers the bench scripts share (progress, GPU bounds); not benchmarks themselves."""
