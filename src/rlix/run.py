@@ -133,24 +133,24 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
 
 def _say_metrics_endpoint(scheduler, cfg: RlixConfig, say: RunLog) -> None:
     """The scheduler's Prometheus URL to the run log; a port it could not listen on ends the run."""
-    if cfg.scheduler.metrics_port is None:
-        return
-    endpoint = ray.get(scheduler.metrics_endpoint.remote())
-    if endpoint["error"]:
-        raise ConfigError(f"scheduler.metrics_port: {endpoint['error']}")
-    if endpoint["url"]:
-        say(f"scheduler metrics (Prometheus): {endpoint['url']}")
+    _say_endpoint(scheduler.metrics_endpoint, "metrics_port", cfg.scheduler.metrics_port,
+                  "scheduler metrics (Prometheus)", say)
 
 
 def _say_dashboard(scheduler, cfg: RlixConfig, say: RunLog) -> None:
     """The dashboard's URL to the console and run log; a port it could not listen on ends the run."""
-    if cfg.scheduler.dashboard_port is None:
+    _say_endpoint(scheduler.dashboard_endpoint, "dashboard_port", cfg.scheduler.dashboard_port,
+                  "dashboard", say)
+
+
+def _say_endpoint(method, field: str, port: int | None, label: str, say: RunLog) -> None:  # type: ignore[no-untyped-def]
+    if port is None:
         return
-    endpoint = ray.get(scheduler.dashboard_endpoint.remote())
+    endpoint = ray.get(method.remote())
     if endpoint["error"]:
-        raise ConfigError(f"scheduler.dashboard_port: {endpoint['error']}")
+        raise ConfigError(f"scheduler.{field}: {endpoint['error']}")
     if endpoint["url"]:
-        say(f"dashboard: {endpoint['url']}")
+        say(f"{label}: {endpoint['url']}")
 
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,

@@ -17,7 +17,7 @@ import logging
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
@@ -43,6 +43,20 @@ NAMESPACE = "rlix"
 STATE_PREFIX = "rlix:scheduler:state:"
 #: handles kept of pipelines that left (their last sleeps may be in flight at a restart)
 DEPARTED_HANDLES_KEPT = 16
+
+
+def _serve(what: str, port: int | None, serve: Callable[[int], int], path: str) -> dict:
+    """{"url", "error"} of a server started on 127.0.0.1:port (None: not asked for)."""
+    if port is None:
+        return {"url": None, "error": None}
+    try:
+        bound = serve(port)
+    except OSError as exc:
+        log.error("scheduler %s: cannot listen on 127.0.0.1:%d: %s", what, port, exc.strerror or exc)
+        return {"url": None, "error": f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"}
+    url = f"http://127.0.0.1:{bound}{path}"
+    log.info("scheduler %s at %s", what, url)
+    return {"url": url, "error": None}
 
 
 def _is_dead(exc: BaseException) -> bool:
@@ -118,32 +132,15 @@ class SchedulerService:
         """The Prometheus registry over HTTP on 127.0.0.1 (a thread of this process); port 0
         picks a free one. A port it cannot listen on is reported, not raised: the scheduler works
         without its metrics, and `rlix run` says so and stops."""
-        if port is None:
-            return {"url": None, "error": None}
-        try:
-            bound = self._sched.metrics.serve(port)
-        except OSError as exc:
-            log.error("scheduler metrics: cannot listen on 127.0.0.1:%d: %s", port, exc.strerror or exc)
-            return {"url": None, "error": f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"}
-        url = f"http://127.0.0.1:{bound}/metrics"
-        log.info("scheduler metrics at %s", url)
-        return {"url": url, "error": None}
+        return _serve("metrics", port, self._sched.metrics.serve, "/metrics")
 
     def _serve_dashboard(self, port: int | None) -> dict:
         """The dashboard page and its JSON on 127.0.0.1 (a thread of this process), as the
         metrics are: port 0 picks a free one; a port it cannot listen on is reported."""
-        if port is None:
-            return {"url": None, "error": None}
-        sched = self._sched
-        sched.dashboard.start(sched.core, sched.failures, sched.restarts)
-        try:
-            bound = self._dashboard_server.serve(port)
-        except OSError as exc:
-            log.error("scheduler dashboard: cannot listen on 127.0.0.1:%d: %s", port, exc.strerror or exc)
-            return {"url": None, "error": f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"}
-        url = f"http://127.0.0.1:{bound}/"
-        log.info("scheduler dashboard at %s", url)
-        return {"url": url, "error": None}
+        if port is not None:
+            sched = self._sched
+            sched.dashboard.start(sched.core, sched.failures, sched.restarts)
+        return _serve("dashboard", port, self._dashboard_server.serve, "/")
 
     # ------------------------------------------------------------------ restart
     def _recover(self) -> None:
