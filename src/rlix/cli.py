@@ -144,8 +144,8 @@ def _show_status(args: argparse.Namespace, address: str) -> int:
             while args.count is None or frames < args.count:
                 if frames:
                     time.sleep(args.interval)
-                console.print(f"--- rlix status at {time.strftime('%H:%M:%S')}")
-                console.print(frame()[2])
+                table = frame()[2]  # fetched first: a Ctrl-C while fetching leaves no header without its table
+                console.print(f"--- rlix status at {time.strftime('%H:%M:%S')}", table)
                 frames += 1
     except KeyboardInterrupt:
         pass

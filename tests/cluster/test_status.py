@@ -103,7 +103,8 @@ def test_live_table_against_a_running_cluster(tmp_path):
         assert proc.wait(timeout=30) == 0
         frames = out.read_text().split("--- rlix status at")[1:]
         assert len(frames) >= 4
-        assert all("alpha" in f and "beta" in f for f in frames), frames[0]
+        for f in frames:
+            assert "alpha" in f and "beta" in f, f
         gpu_tables = [f.split("pipeline(s) registered")[0] for f in frames]
         assert "train" not in gpu_tables[0] and "train" in gpu_tables[-1]
         assert "Traceback" not in out.read_text()

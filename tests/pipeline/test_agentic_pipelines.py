@@ -95,7 +95,10 @@ def test_two_agentic_pipelines_learn_on_the_engines_exact_tokens(tmp_path, fresh
 
 
 class KillResources(threading.Thread):
-    """Once `pipeline` has trained `at_step` steps, SIGKILL its resources server by PID."""
+    """Once `pipeline` has trained `at_step` steps and its engines are sampling turns again (its
+    generation log grows: episodes are in flight, each turn followed by a call to the resources
+    server), SIGKILL its resources server by PID. Killed while the collector waits for training,
+    no episode would notice the restart."""
 
     def __init__(self, run_dir: Path, pipeline: str, at_step: int) -> None:
         super().__init__(daemon=True)
@@ -105,14 +108,21 @@ class KillResources(threading.Thread):
     def run(self) -> None:
         deadline = time.monotonic() + 300
         metrics, procs = self.run_dir / self.pipeline / "metrics.jsonl", self.run_dir / "processes.json"
+        generations = self.run_dir / self.pipeline / "generations"
+        sampled_at_step: int | None = None
         while time.monotonic() < deadline and self.killed is None:
-            time.sleep(0.05)
+            time.sleep(0.02)
             try:
                 steps = len(metrics.read_text().splitlines())
                 pid = json.loads(procs.read_text())[self.pipeline]["env"]["resources"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if steps >= self.at_step:
+            if steps < self.at_step:
+                continue
+            sampled = sum(f.stat().st_size for f in generations.glob("generations-*.jsonl"))
+            if sampled_at_step is None:
+                sampled_at_step = sampled
+            elif sampled > sampled_at_step:
                 os.kill(pid, signal.SIGKILL)
                 self.killed = pid
 
