@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.inference.engine.sampling import RowSampling, new_rng, sample
 from rlix.models.presets import resolve_model
 

@@ -48,7 +48,7 @@ import torch
 
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.profile import gpu_breakdown
+from rlix.inference.engine.runner.profile import gpu_breakdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.benchkit import Bench, log  # noqa: E402

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlix.scheduler.planner import PlannerParams, plan
+from rlix.scheduler.planning.planner import PlannerParams, plan
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, PipelineSpec, Progress, Role, Stage, Topology
 

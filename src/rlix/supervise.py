@@ -26,7 +26,7 @@ from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.errors import PipelineHungError, SchedulerError, one_line
 from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.device_plan import DevicePlan
-from rlix.pipeline.metrics_file import read_metrics
+from rlix.pipeline.reporting.metrics_file import read_metrics
 from rlix.placement import on_this_node
 from rlix.scheduler.core import gpu_roles
 

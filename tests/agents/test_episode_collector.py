@@ -17,8 +17,8 @@ from rlix.envs.agent_config import EnvConfig
 from rlix.errors import EpisodeError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.models.tokenizer import build_tokenizer
-from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.collector import TrajectoryCollector
+from rlix.pipeline.rollout.buffer import ReplayBuffer
+from rlix.pipeline.rollout.collector import TrajectoryCollector
 
 TOK = build_tokenizer()
 END = TOK.convert_tokens_to_ids("<|im_end|>")

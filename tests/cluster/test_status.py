@@ -19,7 +19,7 @@ from rich.console import Console
 from rlix.cluster.status_view import render
 from rlix.scheduler.core import SchedulerCore
 from rlix.scheduler.dashboard import DashboardFeed
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.scheduler.types import PipelineSpec, Progress, Stage, Topology
 

@@ -7,7 +7,7 @@ import torch
 
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.core import EngineCore, plan_prefill_groups
-from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.inference.engine.sequence import Sequence
 
 

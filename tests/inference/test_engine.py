@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import EngineAPI, SamplingParams
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.model_runner import load_model
+from rlix.inference.engine.runner.model_runner import load_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.models.presets import resolve_model
 
 

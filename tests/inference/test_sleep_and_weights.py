@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from rlix.errors import EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
-from rlix.inference.engine.memory import host_rss_bytes
+from rlix.inference.engine.runner.memory import host_rss_bytes
 from rlix.models.presets import build_preset
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

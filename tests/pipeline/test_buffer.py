@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlix.errors import AccountingError, RlixError
-from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.types import Group, Trajectory
+from rlix.pipeline.rollout.buffer import ReplayBuffer
+from rlix.pipeline.rollout.types import Group, Trajectory
 
 
 def group(gid: str, version: int, n: int = 4) -> Group:

@@ -12,8 +12,8 @@ from rlix.config.models import RolloutConfig
 from rlix.envs import PatternTask
 from rlix.errors import CollectorError, InvalidRequestError
 from rlix.inference.router.router import Generation, VersionSpan
-from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.collector import TrajectoryCollector, parse_versions
+from rlix.pipeline.rollout.buffer import ReplayBuffer
+from rlix.pipeline.rollout.collector import TrajectoryCollector, parse_versions
 from rlix.pipeline.hooks import ProgressThrottle
 
 

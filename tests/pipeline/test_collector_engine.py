@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 from rlix.config.models import RolloutConfig  # noqa: E402
 from rlix.errors import InvalidRequestError  # noqa: E402
 from rlix.inference.router.router import Generation, Router  # noqa: E402
-from rlix.pipeline.buffer import ReplayBuffer  # noqa: E402
-from rlix.pipeline.collector import TrajectoryCollector  # noqa: E402
+from rlix.pipeline.rollout.buffer import ReplayBuffer  # noqa: E402
+from rlix.pipeline.rollout.collector import TrajectoryCollector  # noqa: E402
 from rlix.pipeline.hooks import NoOpHooks  # noqa: E402
 
 

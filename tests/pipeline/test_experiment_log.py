@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlix.config.models import LoggingConfig, WandbConfig
-from rlix.pipeline.experiment_log import ExperimentLog, open_experiment_log, scalars_of
+from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experiment_log, scalars_of
 
 
 def row(step: int, reward: float) -> dict:

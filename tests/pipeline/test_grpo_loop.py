@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from rlix.config.models import PipelineConfig
 from rlix.pipeline.async_grpo import GrpoLoop
-from rlix.pipeline.types import Group, Trajectory
+from rlix.pipeline.rollout.types import Group, Trajectory
 
 
 class FakeTrainer:

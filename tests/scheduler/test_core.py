@@ -7,9 +7,9 @@ import logging
 import pytest
 
 from rlix.errors import SchedulerError, UnknownPipelineError
-from rlix.scheduler import planner
+from rlix.scheduler.planning import planner
 from rlix.scheduler.core import ROLE_REASONS, SchedulerCore
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import (
     Grant,
     PipelineSpec,

@@ -26,7 +26,7 @@ from rlix.scheduler.dashboard import (
     parse_role,
     route,
 )
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Progress, Topology
 
 

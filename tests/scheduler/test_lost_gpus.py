@@ -8,7 +8,7 @@ import pytest
 
 from rlix.errors import LedgerError
 from rlix.scheduler.core import SchedulerCore
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Plan, ShardMove, Topology
 
 

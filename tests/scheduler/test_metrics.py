@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlix.errors import SchedulerError
 from rlix.scheduler.core import SchedulerCore
 from rlix.scheduler.metrics import SchedulerMetrics
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Plan, Progress, ShardMove, Stage, Topology
 
 

@@ -16,7 +16,7 @@ from rlix.scheduler.persistence import (
     SchedulerPersistence,
     ServiceState,
 )
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Progress, Stage, Topology
 
 TOPOLOGY = Topology((4,))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlix.scheduler.planner import PlannerParams, plan, rollout_demand
-from rlix.scheduler.shares import Demand, rollout_targets
+from rlix.scheduler.planning.planner import PlannerParams, plan, rollout_demand
+from rlix.scheduler.planning.shares import Demand, rollout_targets
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, PipelineSpec, Progress, Role, Stage, Topology
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from rlix.scheduler.core import SchedulerCore
-from rlix.scheduler.planner import PlannerParams, rollout_demand
+from rlix.scheduler.planning.planner import PlannerParams, rollout_demand
 from rlix.scheduler.types import PipelineSpec, Progress, Role, Stage, Topology
 
 NODES, PER_NODE = 2, 4

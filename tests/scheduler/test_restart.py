@@ -17,7 +17,7 @@ import ray
 
 from rlix.errors import SchedulerError, UnknownPipelineError
 from rlix.scheduler.persistence import MemoryStore, SchedulerPersistence
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.service import (
     ACTOR_NAME,

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parents[1] / "sim"))
 from helpers import build, pipe, scenario_dict  # noqa: E402
 
-from rlix.scheduler.planner import rollout_demand  # noqa: E402
+from rlix.scheduler.planning.planner import rollout_demand  # noqa: E402
 from rlix.scheduler.types import Role  # noqa: E402
 from rlix.sim import run_policies, simulate  # noqa: E402
 from rlix.sim.engine import Domain  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from rlix.errors import SchedulerError, UnknownPipelineError
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.service import (
     get_scheduler,

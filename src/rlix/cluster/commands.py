@@ -28,7 +28,7 @@ from rlix.config.preflight import preflight
 from rlix.errors import ConfigError
 from rlix.httpkit import check_ray_address
 from rlix.procguard import pid_alive
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 
 #: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
 UP_TIMEOUT_S = 120.0

@@ -28,7 +28,7 @@ import ray
 from rlix.cluster.jobs import parse_quotas
 from rlix.cluster.registry import ClusterInfo, start_registry
 from rlix.placement import GpuReservation
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 
 #: how long `rlix down` lets running jobs stop (checkpoint, leave) before ending the cluster

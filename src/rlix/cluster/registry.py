@@ -21,7 +21,7 @@ from rlix.cluster.jobs import FINAL, Job, JobBook, Quotas
 from rlix.errors import ConfigError
 from rlix.placement import GpuReservation
 from rlix.procguard import pid_alive
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import Topology
 
 REGISTRY_NAME = "rlix:jobs"

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from rlix.envs.agent_config import EnvConfig
 from rlix.envs.config import TaskConfig
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
 
@@ -64,7 +64,7 @@ class ClusterConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """Planner knobs; see rlix.scheduler.planner.PlannerParams."""
+    """Planner knobs; see rlix.scheduler.planning.planner.PlannerParams."""
 
     dwell_s: float = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
     aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")

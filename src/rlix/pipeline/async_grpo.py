@@ -18,8 +18,8 @@ from typing import Any
 
 from rlix.config.models import PipelineConfig
 from rlix.devices import check_released
-from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.collector import TrajectoryCollector
+from rlix.pipeline.rollout.buffer import ReplayBuffer
+from rlix.pipeline.rollout.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.hooks import RLixHooks
 from rlix.training.group import TrainerGroup

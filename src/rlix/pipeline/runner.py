@@ -35,13 +35,13 @@ from rlix.inference.router.data_plane import DataPlaneThread
 from rlix.inference.router.router import Generation, Router
 from rlix.models.presets import resolve_model
 from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
-from rlix.pipeline.buffer import ReplayBuffer
-from rlix.pipeline.collector import TrajectoryCollector
+from rlix.pipeline.rollout.buffer import ReplayBuffer
+from rlix.pipeline.rollout.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
 from rlix.pipeline.device_plan import DevicePlan
-from rlix.pipeline.experiment_log import ExperimentLog, open_experiment_log
+from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experiment_log
 from rlix.pipeline.hooks import RLixHooks
-from rlix.pipeline.metrics_file import read_metrics, write_metrics
+from rlix.pipeline.reporting.metrics_file import read_metrics, write_metrics
 from rlix.pipeline.weight_routes import WeightRoutes
 from rlix.training.group import TrainerGroup
 from rlix.training.types import TrainSample

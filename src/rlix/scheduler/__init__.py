@@ -1,2 +1,2 @@
-"""The GPU scheduler: ledger (state.py), pure planner (planner.py), Ray service (service.py),
+"""The GPU scheduler: ledger (state.py), pure planner (planning/), Ray service (service.py),
 and the discrete-event simulator that drives the same planner (sim/)."""

@@ -20,7 +20,7 @@ from rlix.scheduler.dashboard import DashboardFeed
 from rlix.scheduler.executor import PlanExecutor, ReassertFn, ResizeFn
 from rlix.scheduler.metrics import SchedulerMetrics
 from rlix.scheduler.persistence import SchedulerPersistence, ServiceState
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import (
     GpuRequest,
     Grant,

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rlix.errors import LedgerError, SchedulerError, UnknownPipelineError
-from rlix.scheduler import planner as planner_mod
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning import planner as planner_mod
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import (
     GpuRequest,

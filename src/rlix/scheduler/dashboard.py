@@ -36,7 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import BaseModel
 
 from rlix.scheduler.core import SchedulerCore, gpu_roles
-from rlix.scheduler.planner import rollout_demand
+from rlix.scheduler.planning.planner import rollout_demand
 from rlix.scheduler.types import Role
 
 log = logging.getLogger("rlix.scheduler")

@@ -31,7 +31,7 @@ from rlix.scheduler.core import LostGpus
 from rlix.scheduler.dashboard import DashboardServer, DashboardState
 from rlix.scheduler.executor import ray_reassert, ray_resize
 from rlix.scheduler.persistence import SchedulerPersistence
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Progress, Stage, Topology
 
 log = logging.getLogger("rlix.scheduler")

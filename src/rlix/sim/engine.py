@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from rlix.scheduler import planner as planner_mod
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning import planner as planner_mod
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Progress, Stage, Topology
 

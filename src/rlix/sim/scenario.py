@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlix.config.loader import load_model
 from rlix.errors import ConfigError, ScenarioError
-from rlix.scheduler.planner import PlannerParams
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
 
@@ -53,7 +53,7 @@ class ClusterModel(_Strict):
 
 
 class SchedulerModel(_Strict):
-    """The planner's knobs (rlix.scheduler.planner.PlannerParams); same defaults."""
+    """The planner's knobs (rlix.scheduler.planning.planner.PlannerParams); same defaults."""
 
     dwell_s: float = Field(30.0, ge=0)
     aging_s: float = Field(60.0, ge=0)

@@ -19,9 +19,9 @@ import torch
 
 from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
-from rlix.inference.engine.memory import release_memory, used_bytes
-from rlix.inference.engine.model_runner import ModelRunner
-from rlix.inference.engine.profile import StepProfile
+from rlix.inference.engine.runner.memory import release_memory, used_bytes
+from rlix.inference.engine.runner.model_runner import ModelRunner
+from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sampling import Sampled, sample, top_alternatives
 from rlix.inference.engine.sequence import Delta, Sequence
 from rlix.inference.engine.weights import WeightStaging

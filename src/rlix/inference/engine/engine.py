@@ -23,10 +23,10 @@ import torch
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine.core import EngineCore
-from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY
-from rlix.inference.engine.model_runner import ModelRunner, load_model
+from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
+from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
-from rlix.inference.engine.profile import StepProfile
+from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
 from rlix.inference.engine.weights import WeightStaging
 from rlix.models.presets import resolve_model

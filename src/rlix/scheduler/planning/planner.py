@@ -18,9 +18,9 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from rlix.scheduler.pool import Pool
-from rlix.scheduler.shares import Demand, floor_order, rollout_targets
-from rlix.scheduler.stage_placement import StagePlacer
+from rlix.scheduler.planning.pool import Pool
+from rlix.scheduler.planning.shares import Demand, floor_order, rollout_targets
+from rlix.scheduler.planning.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Role, Stage
 

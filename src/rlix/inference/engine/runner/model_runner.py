@@ -16,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
-from rlix.inference.engine.cuda_graphs import PREFILL_GROUP_TOKENS, DecodeGraphs, PrefillGraphs
-from rlix.inference.engine.fused_model import FusedDecoder, unsupported_reason
-from rlix.inference.engine.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
-from rlix.inference.engine.memory import release_memory
-from rlix.inference.engine.profile import StepProfile
+from rlix.inference.engine.runner.cuda_graphs import PREFILL_GROUP_TOKENS, DecodeGraphs, PrefillGraphs
+from rlix.inference.engine.runner.fused_model import FusedDecoder, unsupported_reason
+from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
+from rlix.inference.engine.runner.memory import release_memory
+from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample
 from rlix.inference.engine.weights import ServedWeights
 

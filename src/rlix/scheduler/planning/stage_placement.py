@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 
-from rlix.scheduler.pool import LOCKED, Pool
+from rlix.scheduler.planning.pool import LOCKED, Pool
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import PipelineSpec, Progress
 

@@ -32,9 +32,9 @@ from rlix.config.models import RolloutConfig
 from rlix.envs.tasks import Task
 from rlix.errors import CollectorError, EpisodeError, InvalidRequestError, PipelineStalledError
 from rlix.inference.router.router import Generation, VersionSpan
-from rlix.pipeline.buffer import ReplayBuffer
+from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
-from rlix.pipeline.types import Group, Trajectory
+from rlix.pipeline.rollout.types import Group, Trajectory
 
 #: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router in-process
 Generate = Callable[[list[int], dict, str | None], Awaitable[Generation]]

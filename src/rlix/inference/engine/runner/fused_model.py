@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlix.inference.engine import triton_ops
-from rlix.inference.engine.kv_cache import SlotKVCache
+from rlix.inference.engine.runner import triton_ops
+from rlix.inference.engine.runner.kv_cache import SlotKVCache
 from rlix.inference.engine.weights import ServedWeights
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")

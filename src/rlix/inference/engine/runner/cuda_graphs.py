@@ -24,7 +24,7 @@ import torch
 from rlix.inference.engine.sampling import sample_plain
 
 if TYPE_CHECKING:
-    from rlix.inference.engine.model_runner import ModelRunner
+    from rlix.inference.engine.runner.model_runner import ModelRunner
 
 #: smallest key span a graph reads (shorter spans would only add graphs, not speed)
 MIN_KV_SPAN = 128

@@ -25,7 +25,7 @@ import torch
 from rlix.inference.engine.sampling import sample_plain
 
 if TYPE_CHECKING:
-    from rlix.inference.engine.model_runner import ModelRunner
+    from rlix.inference.engine.runner.model_runner import ModelRunner
 
 PHASES = ("schedule", "prefill", "decode", "wait", "append", "retire", "deliver")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from rlix.errors import AccountingError, RlixError
-from rlix.pipeline.types import Group
+from rlix.pipeline.rollout.types import Group
 
 __all__ = ["AccountingError", "ReplayBuffer"]
 

@@ -1,0 +1,1 @@
+"""What a pipeline records of its steps: metrics.jsonl and the experiment trackers."""
