@@ -176,6 +176,8 @@ def main() -> None:
                         help="torch intra-op threads on CPU (default 1: steadiest on shared cores)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="decode eagerly on CUDA (to see what the graphs are worth)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="read each decode step before launching the next (to see what overlap is worth)")
     parser.add_argument("--no-fused", action="store_true",
                         help="run transformers' modules instead of the fused decoder")
     parser.add_argument("--no-baselines", action="store_true",
@@ -204,7 +206,8 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
     engine = TorchEngine.from_pretrained(model_name, device=device, dtype=dtype,
                                          max_num_seqs=max(counts), max_model_len=512,
                                          cuda_graphs=not args.no_cuda_graphs,
-                                         fused=False if args.no_fused else None)
+                                         fused=False if args.no_fused else None,
+                                         overlap_steps=False if args.no_overlap else None)
     model = engine.model  # the same weights serve the baselines
     pad_id = engine.tokenizer.pad_token_id or 0
     vocab = engine.vocab_size
@@ -242,9 +245,11 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
             static = tokens / base_time if base_time else float("nan")
             one_at_a_time = static
         else:
+            overlapped = engine.overlapped_steps
             eng = asyncio.run(engine_run(engine, requests, c))
             if c in (32, 256):
                 profiles[c] = engine.profile.summary()
+                profiles[c]["overlapped_steps"] = engine.overlapped_steps - overlapped
                 if c == 32:
                     profiles["decode_step_c32"] = decode_steps_at(engine, 32)
             if args.no_baselines or c > 32:
@@ -281,6 +286,7 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "cuda_graphs": device.type == "cuda" and not args.no_cuda_graphs,
         "fused": not args.no_fused,
+        "overlap": not args.no_overlap,
         "graph_capture_s": round(capture_s, 2),
         "tok_s_c1": r1(by_c[1][0]),
         "tok_s_c8": r1(by_c[8][0]),
@@ -292,6 +298,8 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
         "static_batch_tok_s_c32": r1(by_c[32][1]),
         "speedup_vs_sequential_at_32": r1(by_c[32][0] / (one_at_a_time or float("nan"))),
         "speedup_vs_static_batch_at_32": r1(by_c[32][0] / by_c[32][1]),
+        # decode steps launched before the one before them was read (host work overlapped)
+        "overlapped_share_c32": round(profiles[32]["overlapped_steps"] / max(1, profiles[32]["steps"]), 3),
     }
     compiled = extras.get("compiled_static_c32")
     if isinstance(compiled, dict):

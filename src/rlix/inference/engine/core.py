@@ -6,6 +6,14 @@ and prefilled once: the others copy the prefilled cache row and sample their fir
 the same logits. Requests therefore join and leave the batch at
 token granularity. Everything here runs on the engine's worker thread (engine.py), so control
 operations (abort, pause, sleep, weight swaps) always land between two steps.
+
+Overlapped decode (on by default with CUDA graphs): while no request is being admitted and every
+row samples plainly (temperature or greedy), step k+1 is launched before step k's tokens are read,
+its input tokens gathered on the device from step k's picks, so the host's work of a step
+(recording tokens, stop checks, retiring, preparing inputs) runs while the device computes the
+next one. A row that turns out to have finished at step k decoded one token too many in step k+1;
+that token is dropped, and the row leaves the batch before step k+2. Anything else (admissions,
+rows needing logits on the host, every control operation) first settles the step in flight.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.runner.memory import release_memory, used_bytes
+from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sampling import Sampled, sample, top_alternatives
@@ -61,7 +70,7 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, detokenizer: Detokenizer, *, max_num_seqs: int,
                  eos_ids: Iterable[int], max_prefill_tokens: int = 4096,
                  max_prefill_padding: float | None = None, min_admit_batch: int | None = None,
-                 max_admit_delay_steps: int | None = None) -> None:
+                 max_admit_delay_steps: int | None = None, overlap: bool | None = None) -> None:
         self.runner = runner
         self.weights = runner.weights
         self.detokenizer = detokenizer
@@ -93,6 +102,11 @@ class EngineCore:
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
         self.forked_rows = 0  # samples that copied another's prefill instead of running their own
         self.profile = StepProfile()
+        #: overlapped decode (module docstring): None = wherever decode runs through CUDA graphs
+        self.overlap = runner.graphs is not None if overlap is None else overlap
+        self._in_flight: DecodeLaunch | None = None
+        self._in_flight_rows: list[Sequence] = []  # row i of the step in flight
+        self.overlapped_steps = 0  # decode steps launched before the previous one was read
         runner.cache.allocate()
 
     # -- queries -------------------------------------------------------------------------
@@ -145,6 +159,7 @@ class EngineCore:
     def abort(self, request_ids: Iterable[str] | None = None) -> int:
         """End the named (or all) requests with finish_reason "abort"; return how many. A request
         of n samples is named by its id (all of them) or by a sample's."""
+        self.settle()
         wanted = None if request_ids is None else set(request_ids)
         hit = [s for s in (*self.running, *self.waiting)
                if wanted is None or s.request_id in wanted or s.group_id in wanted]
@@ -170,6 +185,7 @@ class EngineCore:
     def pause(self, mode: PauseMode) -> None:
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"unknown pause mode {mode!r}; use abort, wait or keep")
+        self.settle()
         if self.pause_mode is None:
             self._held_at_pause = {*self.running, *self.waiting}
         self.pause_mode = mode
@@ -187,6 +203,13 @@ class EngineCore:
         prof = self.profile
         try:
             prof.begin()
+            launched, launched_rows = self._in_flight, self._in_flight_rows
+            chained = launched is not None and self._can_chain()
+            if launched is not None and not chained:
+                self.settle()
+                prof.mark("wait")
+            # chained: the rows known finished leave now; the others' inputs are in flight
+            sources = self._retire_finished(in_flight=True) if chained else []
             admitted = self._admit()
             leaders, forks = _leaders(admitted)
             lengths = [len(s.prompt_token_ids) for s in leaders]
@@ -198,17 +221,89 @@ class EngineCore:
                 self._prefill([leaders[i] for i in group], forks)
             if groups:
                 prof.mark("prefill")
-            self._retire_finished()
-            if self.running:
-                self._decode()
-            self._retire_finished()
+            if chained:
+                assert launched is not None
+                self._chain(launched, launched_rows, sources)
+            else:
+                self._retire_finished()
+                if self.running:
+                    self._decode()
+                self._retire_finished()
             prof.mark("retire")
             prof.end(prefilled=bool(groups))
         except Exception as exc:  # a failed forward fails the batch, not the engine
             log.exception("engine step failed; failing the running requests")
+            self._in_flight, self._in_flight_rows = None, []
             for seq in dict.fromkeys([*self.running, *admitted]):
-                self.reject(seq, exc)
+                if not seq.finished:
+                    self.reject(seq, exc)
             self.running = []
+
+    # -- overlapped decode (module docstring) --------------------------------------------
+    def settle(self) -> None:
+        """Read the decode step in flight, record its tokens and retire the rows that finished."""
+        launched, rows = self._in_flight, self._in_flight_rows
+        if launched is None:
+            return
+        self._in_flight, self._in_flight_rows = None, []
+        self._append(rows, launched.result())
+        self._retire_finished()
+
+    def _can_chain(self) -> bool:
+        """The next step may be launched before the one in flight is read: every position fits
+        the cache as it is (a cache that grows moves), prefills included when one is due."""
+        cache = self.runner.cache
+        if cache.capacity == cache.max_len:
+            return True
+        longest = max((s.cached_len for s in self.running if not s.finished), default=0)
+        return longest + 2 <= cache.capacity and not self._would_admit()
+
+    def _would_admit(self) -> bool:
+        """Whether `_admit` would take a request now (it takes none while too few rows are free,
+        nor when the first admissible request's samples do not all fit)."""
+        if not self.waiting:
+            return False
+        free = self.max_num_seqs - sum(1 for s in self.running if not s.finished)
+        if self.running and free < self.min_admit_batch and not self._waited_long_enough():
+            return False
+        waiting = self.waiting
+        for i, seq in enumerate(waiting):
+            if not self._admissible(seq):
+                continue
+            count = 1
+            while seq.group is not None and i + count < len(waiting) and waiting[i + count].group is seq.group:
+                count += 1
+            return count <= free
+        return False
+
+    def _chain(self, launched: DecodeLaunch, launched_rows: list[Sequence], sources: list[int]) -> None:
+        """Launch the next step before reading `launched`: running rows below len(sources)
+        carry on from its picks (row i from its row sources[i], on the device), the rows after
+        them were prefilled just now (their first token is on the host). Then read `launched`;
+        its rows that finished there decoded one token too many, dropped when read next time."""
+        prof = self.profile
+        running = self.running
+        carried = len(sources)
+        if running and all(s.sampling.plain for s in running[carried:]):
+            last = self.runner.cache.capacity - 1  # a carried row past it ends in the step in flight
+            positions = ([min(s.cached_len + 1, last) for s in running[:carried]]
+                         + [s.cached_len for s in running[carried:]])
+            inputs = [-(src + 1) for src in sources] + [s.last_token for s in running[carried:]]
+            prof.batch, prof.live = len(running), sum(positions) + len(running)
+            self._in_flight = self.runner.launch_decode(inputs, positions, [s.sampling for s in running],
+                                                        after=launched)
+            self._in_flight_rows = list(running)
+            self.overlapped_steps += 1
+            prof.mark("decode")
+            self._append(launched_rows, launched.result())
+            prof.mark("append")
+            return
+        # a newcomer needs its logits on the host: this step is read first, the next one waited for
+        self._append(launched_rows, launched.result())
+        self._retire_finished()
+        if self.running:
+            self._decode()
+        self._retire_finished()
 
     def _admit(self) -> list[Sequence]:
         """FIFO into free rows under the prefill token budget; paused-out requests stay queued."""
@@ -286,8 +381,13 @@ class EngineCore:
         prof = self.profile
         prof.batch, prof.live = len(running), sum(positions) + len(running)
         prof.mark("schedule")
-        picks = self.runner.decode_sample([s.last_token for s in running], positions,
-                                          [s.sampling for s in running], prof)
+        rows = [s.sampling for s in running]
+        if self.overlap and all(r.plain for r in rows):  # its tokens are read by the next step
+            self._in_flight = self.runner.launch_decode([s.last_token for s in running], positions, rows)
+            self._in_flight_rows = list(running)
+            prof.mark("decode")
+            return
+        picks = self.runner.decode_sample([s.last_token for s in running], positions, rows, prof)
         prof.mark("wait")
         self._append(running, picks)
         self.profile.mark("append")
@@ -296,16 +396,19 @@ class EngineCore:
         tokens, logprobs, top = picks
         version, eos, detok, touched = self.weight_version, self.eos_ids, self.detokenizer, self._touched
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
+            if seq.finished:  # ended at the step before (overlapped decode): one token too many
+                continue
             seq.append(token, logprob, version, eos, detok, top[i] if top is not None else None)
             if not seq.fold or seq.finish_reason is not None:
                 touched[seq] = None
 
-    def _retire_finished(self) -> None:
+    def _retire_finished(self, in_flight: bool = False) -> list[int]:
         """Remove finished rows, moving the last running row into each hole (descending order);
-        the cache rows move in one batched copy."""
+        the cache rows move in one batched copy. Returns each remaining row's row before. With a
+        step `in_flight` its rows hold one more position (queued after it, the copy sees it)."""
         running = self.running
         if not any(s.finish_reason is not None for s in running):
-            return
+            return list(range(len(running)))
         origin = {id(s): row for row, s in enumerate(running)}
         for row in range(len(running) - 1, -1, -1):
             if running[row].finish_reason is None:
@@ -314,10 +417,12 @@ class EngineCore:
             if row != last:
                 running[row] = running[last]
             running.pop()
-        moves = [(origin[id(s)], row) for row, s in enumerate(running) if origin[id(s)] != row]
+        before = [origin[id(s)] for s in running]
+        moves = [(src, row) for row, src in enumerate(before) if src != row]
         if moves:
-            length = max(running[dst].cached_len for _, dst in moves)
+            length = max(running[dst].cached_len for _, dst in moves) + int(in_flight)
             self.runner.cache.move_rows([m[0] for m in moves], [m[1] for m in moves], length)
+        return before
 
     # -- sleep ---------------------------------------------------------------------------
     def sleep(self, level: int) -> int:
@@ -325,7 +430,7 @@ class EngineCore:
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
         t0 = time.perf_counter()
-        self.abort(None)
+        self.abort(None)  # settles the step in flight first
         before = used_bytes(self.runner.device)
         t1 = time.perf_counter()
         self.runner.release_graphs()
@@ -359,6 +464,7 @@ class EngineCore:
         """Swap a validated update in between two steps; bump the version."""
         if not self.weights.on_device:
             raise EngineStateError("weights are asleep; wake_up(['weights']) before updating")
+        self.settle()  # the step in flight used the old weights: its tokens are recorded as such
         complete = staging.check_complete()
         self.weights.swap_in(staging.staged, complete)
         self.weight_version = staging.version

@@ -65,7 +65,8 @@ class TorchEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
-                 cuda_graphs: bool = True, fused: bool | None = None) -> None:
+                 cuda_graphs: bool = True, fused: bool | None = None,
+                 overlap_steps: bool | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -83,7 +84,7 @@ class TorchEngine:
         self._weights = runner.weights
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
                                 eos_ids=_eos_ids(model, tokenizer),
-                                max_prefill_tokens=max_prefill_tokens)
+                                max_prefill_tokens=max_prefill_tokens, overlap=overlap_steps)
         self._cv = threading.Condition()
         # (command, future for its result, answer before the request deltas it produced)
         self._inbox: list[tuple[Callable[[], Any], asyncio.Future[Any] | None, bool]] = []
@@ -122,6 +123,11 @@ class TorchEngine:
     @property
     def weight_version(self) -> int:
         return self._core.weight_version
+
+    @property
+    def overlapped_steps(self) -> int:
+        """Decode steps launched before the step before them was read (core.py: overlap)."""
+        return self._core.overlapped_steps
 
     @property
     def prefill_tokens(self) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlix.inference.engine.sampling import sample_plain
+from rlix.inference.engine.sampling import Sampled, sample_plain
 
 if TYPE_CHECKING:
     from rlix.inference.engine.runner.model_runner import ModelRunner
@@ -59,6 +59,8 @@ class DecodeGraphs:
         self._host: torch.Tensor | None = None  # its pinned host twin
         self._rows: torch.Tensor | None = None
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
+        self._outs: list[torch.Tensor] | None = None  # two pinned [2, rows] buffers for launches' picks
+        self._next_out = 0
         self.capture_s = 0.0  # every capture so far (each wake recaptures the sizes it uses)
         self.captures = 0
 
@@ -128,10 +130,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int],
-               uniforms: list[float] | None = None, temperatures: list[float] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               uniforms: list[float] | None = None, temperatures: list[float] | None = None,
+               after: DecodeLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for rows 0..n-1: (logits [n, V], picks [2, n] = tokens and raw
         logprobs sampled in the graph from `uniforms` / `temperatures`; greedy when not given).
+        With `after`, a negative tokens[i] = -(r + 1) stands for the token `after` sampled for its
+        row r, gathered on the device (the host never saw it).
         Nothing is synchronised: read the picks (one device->host copy) or the logits."""
         self._refresh()
         assert self._host is not None and self._inputs is not None
@@ -148,9 +152,50 @@ class DecodeGraphs:
         self._inputs[:, :size].copy_(host[:, :size], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
+        if after is not None:  # queued before this replay, which may overwrite after's picks
+            self._inputs[0, :n] = gather_inputs(self._inputs[0, :n], after.picks[0])
         graph, logits, picks = self._graphs.get((size, span)) or self._capture(size, span)
         graph.replay()
         return logits[:n], picks[:, :n]
+
+    @torch.inference_mode()
+    def launch(self, tokens: list[int], positions: list[int], uniforms: list[float],
+               temperatures: list[float], after: DecodeLaunch | None = None) -> DecodeLaunch:
+        """`decode`, with its picks queued for a copy into pinned memory: read them later with
+        `DecodeLaunch.result()` while the device runs on (the next step can be launched first)."""
+        _, picks = self.decode(tokens, positions, uniforms, temperatures, after)
+        if self._outs is None:
+            self._outs = [torch.zeros(2, self.runner.cache.num_rows, dtype=torch.float64, pin_memory=True)
+                          for _ in range(2)]
+        out = self._outs[self._next_out][:, :len(tokens)]
+        self._next_out ^= 1  # two launches are unread at most: the one read next, and the newest
+        out.copy_(picks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return DecodeLaunch(picks, out, done)
+
+
+def gather_inputs(inputs: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """`inputs` with each entry -(r + 1) replaced by picks[r] (the step before's token for row r);
+    entries >= 0 are token ids already."""
+    rows = (-inputs - 1).clamp(min=0).long()
+    return torch.where(inputs < 0, picks.index_select(0, rows), inputs)
+
+
+class DecodeLaunch:
+    """A plain decode step started on the device: its picks [2, n] there (to gather the next
+    step's inputs from) and, once `done`, in `out` on the host. Eager steps (no graphs) are
+    done at once: `out` is `picks` and `done` None."""
+
+    def __init__(self, picks: torch.Tensor, out: torch.Tensor, done: torch.cuda.Event | None = None) -> None:
+        self.picks, self.out, self.done = picks, out, done
+
+    def result(self) -> Sampled:
+        """The step's tokens and raw logprobs (waiting for this step only, not the ones after)."""
+        if self.done is not None:
+            self.done.synchronize()
+        tokens, logprobs = self.out.tolist()
+        return Sampled([int(t) for t in tokens], logprobs)
 
 
 #: a prefill larger than this many padded tokens runs eagerly (compute-bound: a graph saves

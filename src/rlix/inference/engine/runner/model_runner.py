@@ -16,12 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
-from rlix.inference.engine.runner.cuda_graphs import PREFILL_GROUP_TOKENS, DecodeGraphs, PrefillGraphs
+from rlix.inference.engine.runner.cuda_graphs import (PREFILL_GROUP_TOKENS, DecodeGraphs, DecodeLaunch, PrefillGraphs,
+                                                      gather_inputs)
 from rlix.inference.engine.runner.fused_model import FusedDecoder, unsupported_reason
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.runner.memory import release_memory
 from rlix.inference.engine.runner.profile import StepProfile
-from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample
+from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample, sample_plain
 from rlix.inference.engine.weights import ServedWeights
 
 
@@ -191,12 +192,32 @@ class ModelRunner:
         sampled inside the CUDA graph; a batch with any other row samples the logits here."""
         if self.graphs is not None and all(r.plain for r in rows):
             uniforms, temperatures = plain_inputs(rows)
-            _, picks = self.graphs.decode(tokens, positions, uniforms, temperatures)
+            launched = self.graphs.launch(tokens, positions, uniforms, temperatures)
             if profile is not None:
                 profile.mark("decode")
-            picked, logprobs = picks.tolist()
-            return Sampled([int(t) for t in picked], logprobs)
+            return launched.result()
         return sample(self.decode(tokens, positions), rows)
+
+    @torch.inference_mode()
+    def launch_decode(self, tokens: list[int], positions: list[int], rows: list[RowSampling],
+                      after: DecodeLaunch | None = None) -> DecodeLaunch:
+        """Start one decode step of plain rows (temperature or greedy only) without waiting for
+        it. With `after` (a step not read yet), a negative tokens[i] = -(r + 1) is the token
+        `after` sampled for its row r, taken on the device. Without CUDA graphs the step runs
+        now (same picks; the engine's overlap logic then runs, gaining nothing)."""
+        uniforms, temperatures = plain_inputs(rows)
+        if self.graphs is not None:
+            return self.graphs.launch(tokens, positions, uniforms, temperatures, after)
+        ids = torch.tensor(tokens, dtype=torch.float64)
+        if after is not None:
+            ids = gather_inputs(ids.to(after.picks.device), after.picks[0])
+        ids = ids.long()
+        ids, pos = ids.to(self.device), torch.tensor(positions, dtype=torch.long).to(self.device)
+        logits = self.decode_logits(ids, pos, max(positions) + 1, torch.arange(len(tokens), device=self.device))
+        picked, logprobs = sample_plain(logits, torch.tensor(uniforms, device=self.device),
+                                        torch.tensor(temperatures, device=self.device))
+        picks = torch.stack((picked.double(), logprobs.double())).cpu()
+        return DecodeLaunch(picks, picks)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
