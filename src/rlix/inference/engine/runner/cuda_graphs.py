@@ -137,6 +137,13 @@ class DecodeGraphs:
         With `after`, a negative tokens[i] = -(r + 1) stands for the token `after` sampled for its
         row r, gathered on the device (the host never saw it).
         Nothing is synchronised: read the picks (one device->host copy) or the logits."""
+        logits, picks = self._replay(tokens, positions, uniforms, temperatures, after)
+        return logits[:len(tokens)], picks[:, :len(tokens)]
+
+    def _replay(self, tokens: list[int], positions: list[int], uniforms: list[float] | None,
+                temperatures: list[float] | None, after: DecodeLaunch | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode`, returning the graph's whole (bucket-sized) outputs."""
         self._refresh()
         assert self._host is not None and self._inputs is not None
         n = len(tokens)
@@ -149,30 +156,33 @@ class DecodeGraphs:
                                     temperatures or [0.0] * n], dtype=torch.float64)
         if size > n:  # dummy rows: token 0 at position 0, greedy
             host[:, n:size] = torch.tensor([[0.0], [0.0], [0.5], [0.0]], dtype=torch.float64)
-        self._inputs[:, :size].copy_(host[:, :size], non_blocking=True)
+        # the whole pinned buffer (a few KB): a strided slice would be staged through pageable
+        # memory, and such a copy first waits for everything queued on the stream
+        self._inputs.copy_(host, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         if after is not None:  # queued before this replay, which may overwrite after's picks
             self._inputs[0, :n] = gather_inputs(self._inputs[0, :n], after.picks[0])
         graph, logits, picks = self._graphs.get((size, span)) or self._capture(size, span)
         graph.replay()
-        return logits[:n], picks[:, :n]
+        return logits, picks
 
     @torch.inference_mode()
     def launch(self, tokens: list[int], positions: list[int], uniforms: list[float],
                temperatures: list[float], after: DecodeLaunch | None = None) -> DecodeLaunch:
         """`decode`, with its picks queued for a copy into pinned memory: read them later with
         `DecodeLaunch.result()` while the device runs on (the next step can be launched first)."""
-        _, picks = self.decode(tokens, positions, uniforms, temperatures, after)
+        _, picks = self._replay(tokens, positions, uniforms, temperatures, after)
         if self._outs is None:
-            self._outs = [torch.zeros(2, self.runner.cache.num_rows, dtype=torch.float64, pin_memory=True)
+            self._outs = [torch.zeros(2 * self.runner.cache.num_rows, dtype=torch.float64, pin_memory=True)
                           for _ in range(2)]
-        out = self._outs[self._next_out][:, :len(tokens)]
+        size, n = picks.shape[1], len(tokens)
+        out = self._outs[self._next_out][:2 * size].view(2, size)  # contiguous, as picks: no staging
         self._next_out ^= 1  # two launches are unread at most: the one read next, and the newest
         out.copy_(picks, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return DecodeLaunch(picks, out, done)
+        return DecodeLaunch(picks[:, :n], out[:, :n], done)
 
 
 def gather_inputs(inputs: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:

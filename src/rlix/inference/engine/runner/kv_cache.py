@@ -108,16 +108,22 @@ class SlotKVCache:
         if len(srcs) == 1:
             self.kv[:, :, dsts[0], :, :length].copy_(self.kv[:, :, srcs[0], :, :length])
             return
-        src = torch.tensor(srcs, device=self.device)
-        dst = torch.tensor(dsts, device=self.device)
+        src, dst = self._index(srcs), self._index(dsts)
         self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
 
     def copy_rows(self, src: int, dsts: list[int], length: int) -> None:
         """Copy row `src`'s first `length` positions into each row of `dsts` (the samples of one
         prompt after its single prefill: one copy for all layers, whatever their number)."""
         assert self.kv is not None
-        index = torch.tensor(dsts, device=self.device)
-        self.kv[:, :, index, :, :length] = self.kv[:, :, src: src + 1, :, :length]
+        self.kv[:, :, self._index(dsts), :, :length] = self.kv[:, :, src: src + 1, :, :length]
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """Row numbers on the cache's device, sent from pinned memory: a copy from pageable
+        memory would first wait for the decode step still running (engine core: overlap)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     # -- step geometry -------------------------------------------------------------------
     def set_prefill(self, first_row: int, num_rows: int) -> None:
