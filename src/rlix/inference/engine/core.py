@@ -339,7 +339,8 @@ class EngineCore:
             self._step_count - self._queued_at.get(oldest, 0) > self.max_admit_delay_steps)
 
     def _live_len(self) -> int:
-        return max((s.cached_len for s in self.running), default=0)
+        """Positions a growing cache must keep: one more while a step is in flight (it writes one)."""
+        return max((s.cached_len for s in self.running), default=0) + int(self._in_flight is not None)
 
     def _prefill(self, group: list[Sequence], forks: dict[Sequence, list[Sequence]]) -> None:
         """Prefill `group` into the next free rows; each one's forks (the other samples of its
