@@ -1,4 +1,5 @@
-"""The fused decoder (fused_model.py) against transformers' own forward; its Triton decode
+"""The fused decoder (fused_model.py) against transformers' own forward; its oneDNN-reordered
+bf16 weights on CPU against plain matmuls, before and after a weight update; its Triton decode
 kernels (triton_ops.py) against its torch ops on CUDA."""
 
 from __future__ import annotations
@@ -40,6 +41,45 @@ def test_fused_prefill_and_decode_equal_transformers(prompt):
             torch.testing.assert_close(step[i], reference(torch.tensor([s])).logits[0, -1],
                                        atol=1e-4, rtol=1e-4)
             s.append(int(step[i].argmax()))
+
+
+@torch.inference_mode()
+def test_reordered_bf16_weights_on_cpu_match_plain_matmuls_and_follow_updates(prompt):
+    """bf16 on CPU runs its matmuls on reordered copies; they must give the plain matmuls'
+    logits, and after an in-place update (as a weight sync lands) the new weights' logits."""
+    path = resolve_model("tiny")
+
+    def bf16_runner(pack: bool) -> ModelRunner:
+        model, _ = load_model(path, torch.device("cpu"), torch.bfloat16)
+        runner = ModelRunner(model, device=torch.device("cpu"), num_rows=4, max_model_len=256,
+                             fused=True, cuda_graphs=False)
+        assert runner.fused is not None
+        if pack:
+            assert runner.fused.packed  # the default here
+        else:
+            runner.fused.packed = False
+        runner.cache.allocate(256)
+        return runner
+
+    packed, plain = bf16_runner(True), bf16_runner(False)
+    prompts = [prompt(40), prompt(5, salt=2)]
+
+    def forward(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
+        first = runner.prefill(prompts, 0)
+        step = runner.decode([int(t) for t in first.argmax(-1)], [len(p) for p in prompts])
+        return first.float(), step.float()
+
+    for a, b in zip(forward(packed), forward(plain)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    before = forward(packed)[1]
+    name = "model.layers.1.mlp.down_proj.weight"
+    for runner in (packed, plain):
+        weight = runner.weights.params[name]
+        runner.weights.swap_in({name: -weight.detach().clone()}, complete=False)
+    after_packed, after_plain = forward(packed), forward(plain)
+    for a, b in zip(after_packed, after_plain):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    assert (after_packed[1] - before).abs().max() > 0.1  # the reordered copies were remade
 
 
 @pytest.mark.gpu

@@ -71,6 +71,7 @@ class ServedWeights:
         self.loaded = True  # False after a level-2 sleep until a full update arrives
         self.on_device = True
         self.storage_version = 0  # bumped whenever parameter storage moves (CUDA graphs)
+        self.values_version = 0  # bumped whenever parameter values change (prepacked copies)
         self._host_backup: dict[str, torch.Tensor] = {}
 
     def nbytes(self) -> int:
@@ -122,6 +123,7 @@ class ServedWeights:
                 param.data = tensor
         if not self.loaded:
             self.storage_version += 1
+        self.values_version += 1
         if complete:
             self.loaded = True
 
