@@ -67,6 +67,18 @@ async def _running(client: RemoteInferenceClient, rank: int) -> float:
     return (await client.load([rank]))[rank]["running"]
 
 
+async def _wait_running(client: RemoteInferenceClient, rank: int, count: int, *tasks: asyncio.Task) -> None:
+    """Until shard `rank` runs `count` requests; a call that ended first (or 30 s) fails the test."""
+    deadline = time.monotonic() + 30
+    while await _running(client, rank) < count:
+        for task in tasks:
+            if task.done():
+                task.result()  # its error, if it failed
+                pytest.fail(f"a call finished before shard {rank} was seen running {count}")
+        assert time.monotonic() < deadline, f"shard {rank} never ran {count} requests"
+        await asyncio.sleep(0.005)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("kind", ["cmpl", "chat", "gen"])
 def test_preempted_request_is_redispatched_with_its_tokens(shards, kind, stream):
@@ -83,8 +95,7 @@ def test_preempted_request_is_redispatched_with_its_tokens(shards, kind, stream)
                 reference = await _call(http, server.url, kind, stream)
                 took = time.perf_counter() - t0
                 task = asyncio.create_task(_call(http, server.url, kind, stream))
-                while await _running(client, 0) < 1:
-                    await asyncio.sleep(0.005)
+                await _wait_running(client, 0, 1, task)
                 # let it generate about a third of its tokens on shard 0 (scaled to this
                 # machine's speed: a fixed wait let a fast engine finish before the cut)
                 await asyncio.sleep(took / 3)
@@ -121,8 +132,7 @@ def test_ordinary_abort_reaches_the_caller(shards):
             await router.set_shard(0, shards[0], "active")
             async with httpx.AsyncClient(timeout=60) as http:
                 task = asyncio.create_task(_call(http, server.url, "gen", False))
-                while await _running(client, 0) < 1:
-                    await asyncio.sleep(0.005)
+                await _wait_running(client, 0, 1, task)
                 await client.abort_requests([0])  # not preempted: e.g. a pause(abort) for a sync
                 return await task, router.relay.redispatched
         finally:
@@ -145,8 +155,7 @@ def test_dead_shard_is_redispatched(tiny_model_dir, shards):
                 async with httpx.AsyncClient(timeout=60) as http:
                     tasks = [asyncio.create_task(_call(http, server.url, k, s))
                              for k, s in (("gen", False), ("cmpl", True))]
-                    while await _running(client, 9) < 2:
-                        await asyncio.sleep(0.005)
+                    await _wait_running(client, 9, 2, *tasks)
                     await router.set_shard(0, shards[0], "active")
                     os.kill(doomed.server_pid(), signal.SIGKILL)  # the process dies mid-request
                     results = await asyncio.gather(*tasks)
@@ -196,8 +205,7 @@ def test_in_process_generate_survives_a_shard_killed_by_pid(tiny_model_dir, shar
             try:
                 await router.set_shard(9, doomed.url, "active")
                 task = asyncio.create_task(router.generate([9, 8, 7], {**GREEDY, "logprobs": 1}, "s"))
-                while await _running(client, 9) < 1:
-                    await asyncio.sleep(0.005)
+                await _wait_running(client, 9, 1, task)
                 await router.set_shard(0, shards[0], "active")
                 os.kill(doomed.server_pid(), signal.SIGKILL)
                 out = await task
@@ -263,8 +271,7 @@ def test_a_preempted_request_of_n_samples_continues_each_sample(shards, kind, st
                 reference = await call(http, server.url)
                 took = time.perf_counter() - t0
                 task = asyncio.create_task(call(http, server.url))
-                while await _running(client, 0) < 3:
-                    await asyncio.sleep(0.005)
+                await _wait_running(client, 0, 3, task)
                 await asyncio.sleep(took / 3)
                 await router.set_shard(1, state="active")
                 await router.set_shard(0, state="preempted")

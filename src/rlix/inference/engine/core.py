@@ -78,7 +78,8 @@ class EngineCore:
         self.max_prefill_tokens = max_prefill_tokens
         # Padding costs compute on a CPU; on a GPU one more forward costs far more than padding.
         if max_prefill_padding is None:
-            max_prefill_padding = 0.25 if runner.device.type == "cpu" else float("inf")
+            cpu_pads = runner.device.type == "cpu" and not runner.packs_prefill
+            max_prefill_padding = 0.25 if cpu_pads else float("inf")
         self.max_prefill_padding = max_prefill_padding
         # While a batch runs, newcomers may wait (at most max_admit_delay_steps) until
         # min_admit_batch rows are free, so that one prefill forward serves several of them:

@@ -336,6 +336,35 @@ class FusedDecoder:
         norm = self.decoder.norm
         return triton_ops.add_rms_norm(x, down, norm.weight, _eps(norm))
 
+    def prefill_packed(self, ids: torch.Tensor, lengths: list[int], first_row: int) -> torch.Tensor:
+        """Prompts concatenated without padding (ids [T], T = sum(lengths)) into cache rows
+        first_row, first_row + 1, ...: every matmul runs once over all T tokens (one pass over
+        the weights, no padding computed), attention per prompt. Returns the final normalised
+        hidden states [T, H]. The prefill for CPU, where padding is compute and a pass over the
+        weights is a memory-bound floor; a GPU prefers fixed shapes (graphs)."""
+        assert self._cos is not None and self._sin is not None
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_heads, total = heads + kv_heads, ids.shape[0]
+        positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
+        cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+        starts = [sum(lengths[:j]) for j in range(len(lengths))]
+        x = F.embedding(ids, self.decoder.embed_tokens.weight)
+        for i, layer in enumerate(self.layers):
+            qkv = self._qkv(layer, x).view(total, qk_heads + kv_heads, dim)
+            qk = self._rotate(qkv[:, :qk_heads], cos, sin)
+            q, k, v = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1), qkv[:, qk_heads:].transpose(0, 1)
+            keys, values = self.cache.keys[i], self.cache.values[i]
+            parts = []
+            for j, (start, n) in enumerate(zip(starts, lengths)):
+                seg = slice(start, start + n)
+                keys[first_row + j, :, :n] = k[:, seg]
+                values[first_row + j, :, :n] = v[:, seg]
+                out = F.scaled_dot_product_attention(q[None, :, seg], k[None, :, seg], v[None, :, seg],
+                                                     is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
+                parts.append(out[0].transpose(0, 1).reshape(n, heads * dim))
+            x = self._mlp(layer, _mm_add(x, torch.cat(parts), layer.o_w, layer.o_p))
+        return self.final(x)
+
     def prefill(self, ids: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ids [P, W] into cache rows `rows` (the first of P
         consecutive rows, or a device tensor [P] of rows: what a CUDA graph captures); return

@@ -103,6 +103,9 @@ class ModelRunner:
         self.reads_live_keys = self.fused is not None and self.fused.kernels
         #: cap on a prefill group's padded tokens (None: the engine's prefill budget decides)
         self.prefill_group_tokens = PREFILL_GROUP_TOKENS if self.prefill_graphs is not None else None
+        #: prompts prefilled back to back without padding (fused decoder on CPU): groups need
+        #: no padding bound
+        self.packs_prefill = self.fused is not None and device.type == "cpu"
 
     def capture_graphs(self) -> None:
         """Capture the decode and common prefill CUDA graphs now instead of at first use (a
@@ -136,6 +139,8 @@ class ModelRunner:
         `every_position` (their prompt logprobs); the LM head runs on those positions only."""
         lengths = [len(p) for p in prompts]
         width = max(lengths)
+        if self.packs_prefill:
+            return self._prefill_packed(prompts, lengths, first_row, every_position)
         if self.prefill_graphs is not None and not every_position:
             shape = self.prefill_graphs.shape(len(prompts), width, first_row)
             if shape is not None:
@@ -161,6 +166,16 @@ class ModelRunner:
         rows = torch.arange(len(prompts), device=self.device)
         full = {i: head(hidden[i, : lengths[i]]) for i in sorted(every_position)}
         return head(hidden[rows, last]), full
+
+    def _prefill_packed(self, prompts: list[list[int]], lengths: list[int], first_row: int,
+                        every_position: frozenset[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        assert self.fused is not None
+        self.fused.refresh()
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
+        hidden = self.fused.prefill_packed(ids, lengths, first_row)
+        ends = torch.tensor(lengths, device=self.device).cumsum(0)
+        full = {i: self.fused.logits(hidden[int(ends[i]) - lengths[i]: int(ends[i])]) for i in sorted(every_position)}
+        return self.fused.logits(hidden[ends - 1]), full
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs and the fused weight buffers (before the storage goes)."""
