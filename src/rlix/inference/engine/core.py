@@ -226,10 +226,7 @@ class EngineCore:
                 assert launched is not None
                 self._chain(launched, launched_rows, sources)
             else:
-                self._retire_finished()
-                if self.running:
-                    self._decode()
-                self._retire_finished()
+                self._decode_now()
             prof.mark("retire")
             prof.end(prefilled=bool(groups))
         except Exception as exc:  # a failed forward fails the batch, not the engine
@@ -267,15 +264,8 @@ class EngineCore:
         free = self.max_num_seqs - sum(1 for s in self.running if not s.finished)
         if self.running and free < self.min_admit_batch and not self._waited_long_enough():
             return False
-        waiting = self.waiting
-        for i, seq in enumerate(waiting):
-            if not self._admissible(seq):
-                continue
-            count = 1
-            while seq.group is not None and i + count < len(waiting) and waiting[i + count].group is seq.group:
-                count += 1
-            return count <= free
-        return False
+        first = next((i for i, seq in enumerate(self.waiting) if self._admissible(seq)), None)
+        return first is not None and _samples_from(self.waiting, first) <= free
 
     def _chain(self, launched: DecodeLaunch, launched_rows: list[Sequence], sources: list[int]) -> None:
         """Launch the next step before reading `launched`: running rows below len(sources)
@@ -301,6 +291,10 @@ class EngineCore:
             return
         # a newcomer needs its logits on the host: this step is read first, the next one waited for
         self._append(launched_rows, launched.result())
+        self._decode_now()
+
+    def _decode_now(self) -> None:
+        """Retire, decode the running rows (launched only, in overlap), retire what finished."""
         self._retire_finished()
         if self.running:
             self._decode()
@@ -320,10 +314,7 @@ class EngineCore:
                 kept.append(self.waiting.popleft())
                 continue
             size = len(seq.prompt_token_ids)
-            count = 1  # a request's samples wait in a row and enter together
-            while (seq.group is not None and count < len(self.waiting)
-                   and self.waiting[count].group is seq.group):
-                count += 1
+            count = _samples_from(self.waiting, 0)
             if len(admitted) + count > free or (admitted and size > budget):
                 break
             admitted.extend(self.waiting.popleft() for _ in range(count))
@@ -471,6 +462,14 @@ class EngineCore:
         self.weights.swap_in(staging.staged, complete)
         self.weight_version = staging.version
         return self.weight_version
+
+
+def _samples_from(waiting: deque[Sequence], i: int) -> int:
+    """How many queued entries from waiting[i] are one request's samples (they enter together)."""
+    seq, count = waiting[i], 1
+    while seq.group is not None and i + count < len(waiting) and waiting[i + count].group is seq.group:
+        count += 1
+    return count
 
 
 def _leaders(admitted: list[Sequence]) -> tuple[list[Sequence], dict[Sequence, list[Sequence]]]:

@@ -46,6 +46,12 @@ def kv_span(length: int, capacity: int) -> int:
     return min(span, capacity)
 
 
+def storage_key(runner: ModelRunner) -> tuple[int, int, int]:
+    """What a captured graph's raw pointers depend on: the KV cache's and the parameters' storage."""
+    cache = runner.cache
+    return cache.storage_version, runner.weights.storage_version, cache.capacity
+
+
 class DecodeGraphs:
     """Captured decode steps of one ModelRunner, keyed by (padded batch, key span)."""
 
@@ -71,12 +77,11 @@ class DecodeGraphs:
         self._key = None
 
     def _refresh(self) -> None:
-        cache = self.runner.cache
-        key = (cache.storage_version, self.runner.weights.storage_version, cache.capacity)
+        key = storage_key(self.runner)
         if key == self._key:
             return
         self.release()
-        device, rows = self.runner.device, cache.num_rows
+        device, rows = self.runner.device, self.runner.cache.num_rows
         self._inputs = torch.zeros(4, rows, dtype=torch.float64, device=device)
         if self._host is None:
             self._host = torch.zeros(4, rows, dtype=torch.float64, pin_memory=True)
@@ -277,12 +282,11 @@ class PrefillGraphs:
                 self._capture(*shape)
 
     def _refresh(self) -> None:
-        cache = self.runner.cache
-        key = (cache.storage_version, self.runner.weights.storage_version, cache.capacity)
+        key = storage_key(self.runner)
         if key == self._key:
             return
         self.release()
-        device = self.runner.device
+        cache, device = self.runner.cache, self.runner.device
         self._ids = torch.zeros(cache.num_rows, MAX_GRAPHED_PREFILL_TOKENS, dtype=torch.long,
                                 device=device)
         self._meta = torch.zeros(2, cache.num_rows, dtype=torch.long, device=device)
