@@ -190,7 +190,9 @@ def start_server(kind: str, model: Path, threads: int, wl: Workload) -> ShardPro
                   max_model_len=wl.max_model_len, max_num_seqs=max(CONCURRENCY), startup_timeout_s=900)
     extra_env: dict[str, str] = {}
     if kind == "rlix":
-        cfg = EngineBackendConfig(backend="embedded", cpu_threads=threads, **common)  # type: ignore[arg-type]
+        # the idle server is frozen while this one runs: it has its cores to itself, as vLLM does
+        cfg = EngineBackendConfig(backend="embedded", cpu_threads=threads, shared_cores=False,
+                                  **common)  # type: ignore[arg-type]
     else:
         cfg = EngineBackendConfig(backend="vllm", cpu_kvcache_gib=1, **common)  # type: ignore[arg-type]
         cpus = sorted(os.sched_getaffinity(0))[:threads]

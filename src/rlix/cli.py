@@ -211,15 +211,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"rlix serve: no --api-key or RLIX_API_KEY; control token for this run: {api_key}",
               file=sys.stderr)
     print(f"rlix serve: {args.model} on http://{args.host}:{args.port} ({args.device})", file=sys.stderr)
-    if args.threads:
-        import torch  # deferred: see _cmd_run
-
-        torch.set_num_threads(args.threads)
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           served_model_name=args.served_model_name, dtype=args.dtype,
           max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations,
-          memory_share=env.gpu_memory_share())
+          memory_share=env.gpu_memory_share(), threads=args.threads)
     return 0
 
 

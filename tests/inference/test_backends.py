@@ -37,6 +37,17 @@ def test_factory_picks_by_the_typed_field(tiny_model_dir, monkeypatch):
         EngineBackendConfig(backend="sglang")
 
 
+def test_embedded_shards_on_shared_cores_spin_briefly(tiny_model_dir):
+    """libgomp's default spin (~3 ms after every parallel region) lets one server's idle compute
+    threads take the cores of the servers beside it (the four-server sync test starved)."""
+    from rlix.inference.fleet.backends import SHARED_CORES_SPIN_COUNT
+
+    cfg = EngineBackendConfig(model=str(tiny_model_dir), cpu_threads=2)
+    assert make_backend(cfg).env() == {"GOMP_SPINCOUNT": str(SHARED_CORES_SPIN_COUNT)}
+    assert make_backend(cfg.model_copy(update={"shared_cores": False})).env() == {}
+    assert make_backend(cfg.model_copy(update={"device": "cuda"})).env() == {}
+
+
 def test_vllm_command_line(tiny_model_dir):
     cfg = EngineBackendConfig(backend="vllm", model=str(tiny_model_dir), python="/opt/py/bin/python",
                               served_model_name="tiny", max_model_len=512,

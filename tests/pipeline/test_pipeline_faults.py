@@ -131,15 +131,23 @@ def test_killed_shard_server_is_replaced_and_its_pipeline_goes_on(tmp_path, fres
 
     summary, killer = run_with_fault(tmp_path, active_shard)
     pb = summary["pipelines"]["pb"]
-    assert pb["state"] == "done" and pb["steps"] == PB_STEPS and pb["restarts"] == 0
+    assert pb["state"] == "done" and pb["steps"] == PB_STEPS and pb["restarts"] == 0, (pb["state"], pb["steps"], pb.get("failures"))
     killed_rank = next(r for r, p in killer.processes["shards"].items() if p == killer.killed)
-    # a new process for that rank: replaced where it was, or (if the scheduler took its GPU back
-    # or moved it before the death was seen) started where it was next given GPUs
-    again = [e for e in pb["events"] if e[1] in ("replace", "start") and int(killed_rank) in e[2]
-             and e[0] > killer.at]
-    assert again, "the killed shard's rank never got a new process"
+    rank = int(killed_rank)
+    later = [e for e in pb["events"] if rank in e[2] and e[0] > killer.at]
+    again = [e for e in later if e[1] in ("replace", "start")]
+    served = [e for e in later if e[1] in ("wake", "activate")]
     guard = killer.processes["shard_guards"][killed_rank]
-    assert all(d["pid"] == guard for d in pb["shard_deaths"]), pb["shard_deaths"]  # no other death
+    deaths = pb["shard_deaths"]
+    assert all(d["pid"] == guard for d in deaths), deaths  # no other death
+    if served:
+        # the rank served again: a new process (replaced where it was, or started where it was
+        # next given GPUs) came before it did
+        assert again and again[0][0] <= served[0][0], later
+    else:
+        # never given GPUs again before pb finished (the other pipeline held them): nothing to
+        # replace; if the death was seen, it was forgotten because it held no GPU
+        assert again or all(d.get("then", "").startswith("forgotten") for d in deaths), (later, deaths)
     assert pb["version_mismatches"] == []
     assert gone(killer.killed)
     assert port_free(killer.processes["shard_urls"][killed_rank])

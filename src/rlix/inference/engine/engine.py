@@ -66,7 +66,7 @@ class TorchEngine:
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
                  cuda_graphs: bool = True, fused: bool | None = None,
-                 overlap_steps: bool | None = None) -> None:
+                 overlap_steps: bool | None = None, compute_threads: int | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -95,6 +95,8 @@ class TorchEngine:
         self._staging_failure: str | None = None
         self._staging_lock = threading.Lock()
         self._closed = False
+        #: torch CPU threads of the worker thread (None: as the constructing thread has them)
+        self._compute_threads = compute_threads
         self._thread = threading.Thread(target=self._work, name="rlix-engine", daemon=True)
         self._thread.start()
 
@@ -212,6 +214,8 @@ class TorchEngine:
 
     def _work(self) -> None:
         yield_cores_to_control(self.device)
+        if self._compute_threads:
+            torch.set_num_threads(self._compute_threads)
         core = self._core
         while True:
             with self._cv:

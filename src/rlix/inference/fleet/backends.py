@@ -27,6 +27,12 @@ from rlix.models.presets import resolve_model
 VLLM_DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
+#: libgomp spin iterations (~10 ns each) before a waiting OpenMP thread sleeps, for embedded
+#: shards on CPU: libgomp's own figure for a process with more threads than cores (its default
+#: otherwise, ~3 ms of spinning, starved co-located shards: docs/BENCHMARKS.md)
+SHARED_CORES_SPIN_COUNT = 100
+
+
 class EngineBackendConfig(BaseModel):
     """One pipeline's engine settings, the same for all its shards."""
 
@@ -48,6 +54,10 @@ class EngineBackendConfig(BaseModel):
     extra_args: tuple[str, ...] = ()
     cpu_threads: int | None = Field(None, ge=1, description="embedded: torch threads of each shard "
                                                             "(default torch's; 1 when many share few cores)")
+    shared_cores: bool = Field(True, description="embedded on CPU: other processes compute on the same cores "
+                                                 "(the fleet's shards, trainers), so OpenMP threads spin only "
+                                                 "briefly before sleeping; false for a server that has its "
+                                                 "cores to itself")
     record_generations: str | None = Field(None, description="embedded: a directory where each shard records "
                                                              "what it sampled (rlix serve --record-generations)")
 
@@ -90,6 +100,12 @@ class EmbeddedBackend:
         return cmd + list(cfg.extra_args)
 
     def env(self) -> dict[str, str]:
+        """On CPU with `shared_cores`, a short OpenMP spin: the fleet's shards share the machine's
+        cores with each other and with the trainers, and a server's compute threads spinning after
+        every parallel region (libgomp's default when its own threads fit the cores) take those
+        cores from the others."""
+        if self.cfg.device == "cpu" and self.cfg.shared_cores:
+            return {"GOMP_SPINCOUNT": str(SHARED_CORES_SPIN_COUNT)}
         return {}
 
 
