@@ -11,7 +11,8 @@ from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.models.presets import resolve_model
 
 
-def _runner(device: str, kernels: bool | None = None) -> tuple[ModelRunner, torch.nn.Module]:
+def _runner(device: str, kernels: bool | None = None,
+            sdpa_decode: bool | None = None) -> tuple[ModelRunner, torch.nn.Module]:
     path = resolve_model("tiny")
     model, _ = load_model(path, torch.device(device), torch.float32)
     runner = ModelRunner(model, device=torch.device(device), num_rows=4, max_model_len=256,
@@ -19,14 +20,20 @@ def _runner(device: str, kernels: bool | None = None) -> tuple[ModelRunner, torc
     if kernels is not None:
         assert runner.fused is not None
         runner.fused.kernels = kernels
+    if sdpa_decode is not None:
+        assert runner.fused is not None
+        runner.fused.sdpa_decode = sdpa_decode
     runner.cache.allocate(256)
     reference, _ = load_model(path, torch.device(device), torch.float32)
     return runner, reference
 
 
+@pytest.mark.parametrize("sdpa_decode", [True, False], ids=["sdpa-decode", "bmm-decode"])
 @torch.inference_mode()
-def test_fused_prefill_and_decode_equal_transformers(prompt):
-    runner, reference = _runner("cpu")
+def test_fused_prefill_and_decode_equal_transformers(prompt, sdpa_decode):
+    """Decode attention both ways: SDPA over the cache in place (CPU's) and the batched
+    matmuls a CUDA graph captures; rows of different lengths share the step."""
+    runner, reference = _runner("cpu", sdpa_decode=sdpa_decode)
     prompts = [prompt(70), prompt(3, salt=1)]
     logits, full = runner.prefill_all(prompts, 0, frozenset({0}))
     for i, p in enumerate(prompts):

@@ -5,9 +5,10 @@ by FLOPs, and transformers' Qwen2 layer launches ~30 kernels (RMSNorm as six, ro
 KV heads repeated 7x before attention). Here a layer is: RMSNorm, one QKV matmul, rotary on q
 and k together, the new K/V written into the slot cache, attention, o_proj with the residual add
 fused into the matmul, RMSNorm, one gate-up matmul, SiLU x up, down_proj with the residual fused.
-Decode attention is two batched matmuls per layer over each KV head's span [0, kv_len) (the
-query heads of a group share one read of their KV head; rows' own lengths are masked); prefill
-attention is SDPA, causal, over the right-padded prompts.
+Decode attention reads each KV head's span [0, kv_len) once for the query heads of its group
+(rows' own lengths are masked): on CPU through SDPA over the cache in place, elsewhere as two
+batched matmuls (what a CUDA graph captures without the Triton kernels); prefill attention is
+SDPA, causal, over the right-padded prompts.
 
 The q/k/v and gate/up weights are fused into one buffer each and the model's parameters become
 views of it, so in-place weight updates land in the fused buffer; whenever the parameter storage
@@ -102,7 +103,7 @@ class _Step(NamedTuple):
     kv_len: int
     cos: torch.Tensor
     sin: torch.Tensor
-    mask: torch.Tensor  # [B * kv_heads, 1, kv_len], additive
+    mask: torch.Tensor  # additive: [B, 1, 1, kv_len] (sdpa_decode), else [B * kv_heads, 1, kv_len]
 
 
 def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
@@ -177,6 +178,9 @@ class FusedDecoder:
         self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.layers: list[_Layer] = []
         self._version: int | None = None
+        #: decode attention through SDPA over the cache's span in place (CPU: 2-4x faster than
+        #: batched matmuls over a copy of it, measured); CUDA graphs keep the batched matmuls
+        self.sdpa_decode = weights.device.type == "cpu"
         #: matmuls on oneDNN-reordered copies (CPU, bf16), remade when the values change
         self.packed = packs_weights(weights.device, self.head.weight.dtype)
         self._head_p: torch.Tensor | None = None
@@ -264,9 +268,9 @@ class FusedDecoder:
         x = F.embedding(ids, self.decoder.embed_tokens.weight)
         keep = self._span[None, :kv_len] <= pos[:, None]
         mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill_(
-            ~keep, torch.finfo(x.dtype).min)
-        mask = mask[:, None, None, :].expand(batch, kv_heads, 1, kv_len).reshape(
-            batch * kv_heads, 1, kv_len)
+            ~keep, torch.finfo(x.dtype).min)[:, None, None, :]
+        if not self.sdpa_decode:
+            mask = mask.expand(batch, kv_heads, 1, kv_len).reshape(batch * kv_heads, 1, kv_len)
         return x, _Step(pos, rows, kv_len, self._cos[pos][:, None, :], self._sin[pos][:, None, :],
                         mask)
 
@@ -280,6 +284,11 @@ class FusedDecoder:
         keys, values = self.cache.keys[i], self.cache.values[i]
         keys[step.rows, :, step.pos] = qk[:, heads:]
         values[step.rows, :, step.pos] = qkv[:, qk_heads * dim:].view(batch, kv_heads, dim)
+        if self.sdpa_decode:  # the cache's span read in place; a KV head's queries as its group
+            q = qk[:, :heads].view(batch, kv_heads, self.group, dim)
+            attn = F.scaled_dot_product_attention(q, keys[:batch, :, :kv_len], values[:batch, :, :kv_len],
+                                                  attn_mask=step.mask, scale=self.scale)
+            return _mm_add(x, attn.reshape(batch, heads * dim), layer.o_w, layer.o_p)
         q = qk[:, :heads].reshape(batch * kv_heads, self.group, dim)
         k = keys[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
         v = values[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
