@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -360,3 +361,30 @@ def test_sleep_answers_first_and_the_requests_it_aborted_still_end(engine, promp
 
     first, out = asyncio.run(main())
     assert first and out.finish_reason == "abort"
+
+
+def test_a_prefills_first_token_reaches_its_caller_before_the_steps_decode(make_engine, prompt):
+    """On CPU a step prefills newcomers, then decodes every running row; the newcomers' first
+    tokens go out between the two (time to first token is a prefill, not a prefill + a decode)."""
+    engine = make_engine()
+    runner = engine._core.runner
+    decode = runner.decode_sample
+    slow_s = 0.4
+
+    def slow_decode(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(slow_s)
+        return decode(*args, **kwargs)
+
+    runner.decode_sample = slow_decode
+
+    async def main():
+        t0 = time.perf_counter()
+        gen = engine.generate("ttft", prompt(7), SamplingParams(max_tokens=3, **GREEDY))
+        first = await gen.__anext__()
+        waited = time.perf_counter() - t0
+        rest = [o async for o in gen]
+        return first, waited, rest
+
+    first, waited, rest = asyncio.run(main())
+    assert len(first.token_ids) == 1 and waited < slow_s, (first.token_ids, waited)
+    assert len(rest[-1].token_ids) == 3 and rest[-1].finish_reason == "length"

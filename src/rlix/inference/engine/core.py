@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -108,6 +108,9 @@ class EngineCore:
         self._in_flight: DecodeLaunch | None = None
         self._in_flight_rows: list[Sequence] = []  # row i of the step in flight
         self.overlapped_steps = 0  # decode steps launched before the previous one was read
+        #: called after a step's prefills when its decode runs synchronously (no overlap): the
+        #: newcomers' first tokens reach their callers a decode step sooner (the engine posts them)
+        self.on_prefilled: Callable[[], None] | None = None
         runner.cache.allocate()
 
     # -- queries -------------------------------------------------------------------------
@@ -222,6 +225,8 @@ class EngineCore:
                 self._prefill([leaders[i] for i in group], forks)
             if groups:
                 prof.mark("prefill")
+                if self.on_prefilled is not None and not self.overlap:
+                    self.on_prefilled()
             if chained:
                 assert launched is not None
                 self._chain(launched, launched_rows, sources)

@@ -85,6 +85,7 @@ class TorchEngine:
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
                                 eos_ids=_eos_ids(model, tokenizer),
                                 max_prefill_tokens=max_prefill_tokens, overlap=overlap_steps)
+        self._core.on_prefilled = self._post_deltas
         self._cv = threading.Condition()
         # (command, future for its result, answer before the request deltas it produced)
         self._inbox: list[tuple[Callable[[], Any], asyncio.Future[Any] | None, bool]] = []
@@ -249,6 +250,17 @@ class TorchEngine:
         for fut, result, error, first in results:
             if first and fut is not None:
                 self._post(fut.get_loop(), _set_future, fut, result, error)
+        self._post_deltas()
+        if self._drain_waiters and (self._core.pause_mode != "wait" or self._core.drained()):
+            waiters, self._drain_waiters = self._drain_waiters, []
+            results.extend((fut, None, None, False) for fut in waiters)
+        for fut, result, error, first in results:
+            if fut is not None and not first:
+                self._post(fut.get_loop(), _set_future, fut, result, error)
+
+    def _post_deltas(self) -> None:
+        """Hand every request's new tokens to its caller's loop (also called mid-step by the
+        core: a prefill's first tokens go out before that step's decode)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Delta]]] = {}
         for seq, delta in self._core.collect():
             sink = seq.sink
@@ -257,14 +269,8 @@ class TorchEngine:
                 if delta.finish_reason is None and delta.error is None:
                     continue
             by_loop.setdefault(sink.loop, []).append((sink, delta))
-        if self._drain_waiters and (self._core.pause_mode != "wait" or self._core.drained()):
-            waiters, self._drain_waiters = self._drain_waiters, []
-            results.extend((fut, None, None, False) for fut in waiters)
         for loop, items in by_loop.items():
             self._post(loop, _put_all, items)
-        for fut, result, error, first in results:
-            if fut is not None and not first:
-                self._post(fut.get_loop(), _set_future, fut, result, error)
 
     def _post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
         try:
