@@ -363,13 +363,14 @@ def test_sleep_answers_first_and_the_requests_it_aborted_still_end(engine, promp
     assert first and out.finish_reason == "abort"
 
 
-def test_a_prefills_first_token_reaches_its_caller_before_the_steps_decode(make_engine, prompt):
+def test_a_prefills_first_token_reaches_its_caller_before_the_steps_decode(make_engine, prompt, h):
     """On CPU a step prefills newcomers, then decodes every running row; the newcomers' first
     tokens go out between the two (time to first token is a prefill, not a prefill + a decode)."""
     engine = make_engine()
+    asyncio.run(h.collect(engine, "warm", prompt(7), SamplingParams(max_tokens=2, **GREEDY)))  # a cold forward is slow
     runner = engine._core.runner
     decode = runner.decode_sample
-    slow_s = 0.4
+    slow_s = 1.0
 
     def slow_decode(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(slow_s)
