@@ -168,34 +168,53 @@ class HttpPool:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") from None
         return _Conn(r, w)
 
+    def _idle_conn(self, key: tuple[str, int]) -> _Conn | None:
+        """A kept connection the server has not closed yet (one it closed reads EOF)."""
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.reader.at_eof() and not conn.writer.is_closing():
+                return conn
+            conn.close()
+        return None
+
     async def request(self, method: str, base: str, path: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None) -> UpstreamResponse:
+                      headers: dict[str, str] | None = None, retry_stale: bool = True) -> UpstreamResponse:
+        """`retry_stale`: a kept connection that fails before any answer is retried once on a
+        new one. Off for a request that must not run twice (the server may have died after
+        taking it): such a failure is then an UpstreamError."""
         key = self._key(base)
         head = [f"{method} {path} HTTP/1.1", f"host: {key[0]}:{key[1]}", f"content-length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in (headers or {}).items()]
         raw = ("\r\n".join(head) + "\r\n\r\n").encode() + body
-        idle = self._idle.get(key)
-        conn, reused = (idle.pop(), True) if idle else (await self._open(key), False)
-        while True:
-            try:
-                conn.writer.write(raw)
-                await conn.writer.drain()
-                status_line = await conn.reader.readuntil(b"\r\n")
-                break
-            except _TRANSPORT as exc:
-                conn.close()
-                if not reused:
-                    raise UpstreamError(f"{key[0]}:{key[1]} {path}: {exc!r}") from None
-                conn, reused = await self._open(key), False  # a stale keep-alive connection
+        conn = self._idle_conn(key)
+        reused = conn is not None
+        if conn is None:
+            conn = await self._open(key)
         try:
-            status = int(status_line.split(b" ", 2)[1])
-            headers_out: dict[bytes, bytes] = {}
-            while (line := await conn.reader.readuntil(b"\r\n")) != b"\r\n":
-                name, _, value = line.partition(b":")
-                headers_out[name.strip().lower()] = value.strip()
-        except (*_TRANSPORT, IndexError) as exc:
+            while True:
+                try:
+                    conn.writer.write(raw)
+                    await conn.writer.drain()
+                    status_line = await conn.reader.readuntil(b"\r\n")
+                    break
+                except _TRANSPORT as exc:
+                    conn.close()
+                    if not (reused and retry_stale):
+                        raise UpstreamError(f"{key[0]}:{key[1]} {path}: {exc!r}") from None
+                    conn, reused = await self._open(key), False  # a stale keep-alive connection
+            try:
+                status = int(status_line.split(b" ", 2)[1])
+                headers_out: dict[bytes, bytes] = {}
+                while (line := await conn.reader.readuntil(b"\r\n")) != b"\r\n":
+                    name, _, value = line.partition(b":")
+                    headers_out[name.strip().lower()] = value.strip()
+            except (*_TRANSPORT, IndexError) as exc:
+                conn.close()
+                raise UpstreamError(f"{key[0]}:{key[1]} {path}: bad answer: {exc!r}") from None
+        except asyncio.CancelledError:  # a caller's timeout: the answer would land on the next user
             conn.close()
-            raise UpstreamError(f"{key[0]}:{key[1]} {path}: bad answer: {exc!r}") from None
+            raise
         return UpstreamResponse(self, key, conn, status, headers_out)
 
     async def post_json(self, base: str, path: str, obj: Any, headers: dict[str, str]) -> tuple[int, bytes]:
