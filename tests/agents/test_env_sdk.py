@@ -27,7 +27,7 @@ from rlix.agents.sdk import AgentServer, EpisodeContext, ResourcesClient, Resour
 from rlix.agents.tool_agent import ToolAgent
 from rlix.envs.agent_config import EnvConfig
 from rlix.envs.tasks import PatternTask, Prompt
-from rlix.httpkit import free_port
+from rlix.httpkit import HttpPool, free_port
 
 
 class Calculator(ResourcesServer):
@@ -133,24 +133,48 @@ def test_agent_server_maps_failures_to_502_and_bad_requests_to_422():
 
 
 def test_resources_client_turns_every_bad_answer_into_one_line_naming_the_endpoint():
-    answers = {"/tools": httpx.Response(200, json={"tools": "none"}),
-               "/tools/add": httpx.Response(422, json={"error": {"message": "tool add: a: Field required"}}),
-               "/tools/sub": httpx.Response(200, text="<html>\n</html>"),
-               "/verify": httpx.Response(200, json={"reward": "high"})}
+    """A raw HTTP server answering each path badly; then a port where nothing listens, and one
+    that never answers."""
+    answers = {"/tools": (200, json.dumps({"tools": "none"})),
+               "/tools/add": (422, json.dumps({"error": {"message": "tool add: a: Field required"}})),
+               "/tools/sub": (200, "<html>\n</html>"),
+               "/verify": (200, json.dumps({"reward": "high"}))}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            length = next((int(x.split(b":")[1]) for x in head.split(b"\r\n")
+                           if x.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            path = head.split(b" ")[1].decode()
+            if path == "/slow":
+                await asyncio.sleep(5)
+            status, body = answers.get(path, (404, "{}"))
+            writer.write(b"HTTP/1.1 %d X\r\ncontent-length: %d\r\n\r\n%s" % (status, len(body), body.encode()))
+            await writer.drain()
 
     async def go() -> list[ResourcesError]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
         errors = []
-        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda r: answers[r.url.path])) as http:
-            client = ResourcesClient("http://res/", http)
-            for call in (client.tools(), client.call("add", "e", {}), client.call("sub", "e", {}),
-                         client.verify("e", Example(prompt="p"), [])):
-                with pytest.raises(ResourcesError) as err:
-                    await call
-                errors.append(err.value)
-        async with httpx.AsyncClient() as http:  # nothing listens there
+        pool = HttpPool()
+        client = ResourcesClient(url, pool, timeout_s=0.5)
+        for call in (client.tools(), client.call("add", "e", {}), client.call("sub", "e", {}),
+                     client.verify("e", Example(prompt="p"), [])):
             with pytest.raises(ResourcesError) as err:
-                await ResourcesClient(f"http://127.0.0.1:{free_port()}", http).tools()
+                await call
             errors.append(err.value)
+        with pytest.raises(ResourcesError) as err:  # nothing listens there
+            await ResourcesClient(f"http://127.0.0.1:{free_port()}", pool).tools()
+        errors.append(err.value)
+        with pytest.raises(ResourcesError) as err:  # never answers in time
+            await client._request("GET", "/slow")
+        errors.append(err.value)
+        await pool.aclose()
+        server.close()
         return errors
 
     errors = asyncio.run(go())
@@ -161,7 +185,8 @@ def test_resources_client_turns_every_bad_answer_into_one_line_naming_the_endpoi
     assert errors[1].status == 422 and errors[1].detail == "tool add: a: Field required"
     assert messages[2] == "resources /tools/sub answered something that is not JSON"
     assert messages[3].startswith("resources /verify answer: reward: ")
-    assert messages[4].startswith("resources /tools: ConnectError") and errors[4].status is None
+    assert messages[4].startswith("resources /tools: UpstreamError: cannot connect to") and errors[4].status is None
+    assert messages[5] == "resources /slow: timed out after 0.5 s"
 
 
 class ScriptedPolicy:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -26,6 +28,7 @@ from rlix.agents.protocol import (Example, RunRequest, RunResult, ToolList, Tool
                                   VerifyRequest, VerifyResult)
 from rlix.envs.agent_config import EnvConfig
 from rlix.errors import AgentEnvError, one_line
+from rlix.httpkit import HttpPool, UpstreamError
 
 ToolMethod = Callable[..., Awaitable[str]]
 
@@ -200,10 +203,12 @@ class ResourcesServer(ABC):
 
 class ResourcesClient:
     """An agent's typed client of its resources server: anything but a well-formed 2xx is a
-    ResourcesError (an AgentEnvError) naming the endpoint."""
+    ResourcesError (an AgentEnvError) naming the endpoint. Calls go over the lean keep-alive pool
+    (rlix.httpkit; httpx's pool cost an agent server most of its CPU with 32 episodes in flight),
+    each within `timeout_s`, and are never sent twice (a tool may not be safe to repeat)."""
 
-    def __init__(self, url: str, http: httpx.AsyncClient) -> None:
-        self.url, self.http = url.rstrip("/"), http
+    def __init__(self, url: str, pool: HttpPool, timeout_s: float = 60.0) -> None:
+        self.url, self.pool, self.timeout_s = url.rstrip("/"), pool, timeout_s
 
     async def tools(self) -> ToolList:
         return self._typed("/tools", ToolList, await self._request("GET", "/tools"))
@@ -220,22 +225,17 @@ class ResourcesClient:
         return self._typed("/verify", VerifyResult, data)
 
     async def _request(self, method: str, path: str, body: BaseModel | None = None) -> Any:
+        status, content = await _exchange(self.pool, method, self.url, path,
+                                          body.model_dump_json().encode() if body is not None else b"",
+                                          {"content-type": "application/json"} if body is not None else {},
+                                          self.timeout_s, f"resources {path}", ResourcesError)
+        if not 200 <= status < 300:
+            detail = _error_message(content)
+            raise ResourcesError(f"resources {path} answered {status}: {detail}", status, detail)
         try:
-            if body is None:
-                resp = await self.http.request(method, self.url + path)
-            else:
-                resp = await self.http.request(method, self.url + path, content=body.model_dump_json(),
-                                               headers={"content-type": "application/json"})
-        except httpx.HTTPError as exc:
-            raise ResourcesError(f"resources {path}: {type(exc).__name__}: {exc}".replace("\n", " ")) from None
-        if not 200 <= resp.status_code < 300:
-            detail = _error_message(resp)
-            raise ResourcesError(f"resources {path} answered {resp.status_code}: {detail}", resp.status_code,
-                                 detail)
-        try:
-            return resp.json()
+            return json.loads(content)
         except ValueError:
-            raise ResourcesError(f"resources {path} answered something that is not JSON", resp.status_code) from None
+            raise ResourcesError(f"resources {path} answered something that is not JSON", status) from None
 
     @staticmethod
     def _typed(path: str, model: type[BaseModel], data: Any) -> Any:
@@ -245,27 +245,45 @@ class ResourcesClient:
             raise ResourcesError(_one_line_validation(f"resources {path} answer", exc)) from None
 
 
-def _error_message(resp: httpx.Response) -> str:
+async def _exchange(pool: HttpPool, method: str, base: str, path: str, body: bytes, headers: dict[str, str],
+                    timeout_s: float, what: str, error: type[AgentEnvError]) -> tuple[int, bytes]:
+    """One request sent once over `pool`, read whole within `timeout_s`; a transport failure
+    or the timeout is `error` naming `what`."""
+    async def exchange() -> tuple[int, bytes]:
+        resp = await pool.request(method, base, path, body, headers, retry_stale=False)
+        return resp.status_code, await resp.read()
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout_s)
+    except asyncio.TimeoutError:
+        raise error(f"{what}: timed out after {timeout_s:g} s") from None
+    except UpstreamError as exc:
+        raise error(f"{what}: {one_line(exc)}") from None
+
+
+def _error_message(content: bytes) -> str:
     """The server's own one-line reason ({"error": {"message"}}, FastAPI's {"detail"}) or the
     body's start."""
     try:
-        body = resp.json()
+        body = json.loads(content)
         message = body["error"]["message"] if "error" in body else body["detail"]
         text = message if isinstance(message, str) else str(message)
     except (ValueError, KeyError, TypeError):
-        text = resp.text[:200]
+        text = content[:200].decode(errors="replace")
     return " ".join(text.split())[:300]
 
 
 class AgentServer(ABC):
     """Runs one episode per POST /run. Subclass it and write `run`; `self.resources` is the
-    resources server's client, `self.http` a shared HTTP client (for the policy too), created
-    on first use and closed when the app shuts down."""
+    resources server's client and `self.chat` calls the policy, both over a lean keep-alive pool;
+    `self.http` is a shared httpx client for anything else. All are created on first use and
+    closed when the app shuts down."""
 
     def __init__(self, resources_url: str, config: EnvConfig) -> None:
         self.config = config
         self.resources_url = resources_url.rstrip("/")
         self._http: httpx.AsyncClient | None = None
+        self._pool: HttpPool | None = None
         self._resources: ResourcesClient | None = None
 
     @property
@@ -273,24 +291,45 @@ class AgentServer(ABC):
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.episode_timeout_s, connect=5.0),
                                            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-            self._resources = None
         return self._http
 
     @property
+    def pool(self) -> HttpPool:
+        if self._pool is None:
+            self._pool = HttpPool()
+            self._resources = None
+        return self._pool
+
+    @property
     def resources(self) -> ResourcesClient:
-        http = self.http
+        pool = self.pool
         if self._resources is None:
-            self._resources = ResourcesClient(self.resources_url, http)
+            self._resources = ResourcesClient(self.resources_url, pool, self.config.episode_timeout_s)
         return self._resources
+
+    async def chat(self, req: RunRequest, body: dict[str, Any]) -> tuple[int, bytes]:
+        """POST `body` to the policy's /v1/chat/completions under the episode's session
+        (X-Session-ID); its status and raw answer. AgentEnvError if nothing usable came back."""
+        policy = req.policy
+        base = policy.base_url.rstrip("/")
+        prefix = urlsplit(base).path
+        return await _exchange(self.pool, "POST", base, f"{prefix}/v1/chat/completions", json.dumps(body).encode(),
+                               {"content-type": "application/json", "X-Session-ID": req.session_id,
+                                "Authorization": f"Bearer {policy.api_key}"},
+                               self.config.episode_timeout_s, f"policy {base}/v1/chat/completions", AgentEnvError)
 
     @abstractmethod
     async def run(self, req: RunRequest) -> RunResult:
         """One episode, start to reward."""
 
     async def close(self) -> None:
+        self._resources = None
         if self._http is not None:
-            http, self._http, self._resources = self._http, None, None
+            http, self._http = self._http, None
             await http.aclose()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.aclose()
 
     def create_app(self) -> FastAPI:
         @asynccontextmanager

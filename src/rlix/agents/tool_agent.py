@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
-
 from rlix.agents.protocol import RunRequest, RunResult
 from rlix.agents.sdk import AgentServer, ResourcesError
 from rlix.errors import AgentEnvError
@@ -64,24 +62,19 @@ class ToolAgent(AgentServer):
     async def _policy(self, req: RunRequest, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The policy's assistant message, as it came; None when it refused the request (400)."""
-        policy = req.policy
-        url = f"{policy.base_url.rstrip('/')}/v1/chat/completions"
-        try:
-            resp = await self.http.post(
-                url, json={"model": policy.model, "messages": messages, **({"tools": tools} if tools else {})},
-                headers={"X-Session-ID": req.session_id, "Authorization": f"Bearer {policy.api_key}"})
-        except httpx.HTTPError as exc:
-            raise AgentEnvError(f"policy {url}: {type(exc).__name__}: {exc}".replace("\n", " ")) from None
-        if resp.status_code == 400:
+        status, content = await self.chat(req, {"model": req.policy.model, "messages": messages,
+                                                **({"tools": tools} if tools else {})})
+        text = " ".join(content[:200].decode(errors="replace").split())
+        if status == 400:
             return None
-        if resp.status_code != 200:
-            raise AgentEnvError(f"policy answered {resp.status_code}: {' '.join(resp.text[:200].split())}")
+        if status != 200:
+            raise AgentEnvError(f"policy answered {status}: {text}")
         try:
-            message = resp.json()["choices"][0]["message"]
+            message = json.loads(content)["choices"][0]["message"]
         except (ValueError, KeyError, IndexError, TypeError):
             message = None
         if not isinstance(message, dict):
-            raise AgentEnvError(f"policy answer is not a chat completion: {' '.join(resp.text[:200].split())}")
+            raise AgentEnvError(f"policy answer is not a chat completion: {text}")
         return message
 
     async def _tool(self, req: RunRequest, call: Any) -> str:
