@@ -128,7 +128,9 @@ class KillResources(threading.Thread):
 
 
 def test_a_killed_resources_server_is_restarted_and_training_goes_on(tmp_path, fresh_ray):
-    path, cfg = example(tmp_path, steps=6, episode_retries=3)
+    # tools that take 0.5 s: an episode in flight is then most likely inside a resources call
+    # when the kill lands (at 0.05 s the episodes in flight could all miss the dead window)
+    path, cfg = example(tmp_path, steps=6, episode_retries=3, tool_latency_s=0.5)
     killer = KillResources(tmp_path / "run", "agent-7", at_step=2)
     killer.start()
     summary = run(path, mode=None)
