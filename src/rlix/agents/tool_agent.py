@@ -64,17 +64,16 @@ class ToolAgent(AgentServer):
         """The policy's assistant message, as it came; None when it refused the request (400)."""
         status, content = await self.chat(req, {"model": req.policy.model, "messages": messages,
                                                 **({"tools": tools} if tools else {})})
-        text = " ".join(content[:200].decode(errors="replace").split())
         if status == 400:
             return None
         if status != 200:
-            raise AgentEnvError(f"policy answered {status}: {text}")
+            raise AgentEnvError(f"policy answered {status}: {_start(content)}")
         try:
             message = json.loads(content)["choices"][0]["message"]
         except (ValueError, KeyError, IndexError, TypeError):
             message = None
         if not isinstance(message, dict):
-            raise AgentEnvError(f"policy answer is not a chat completion: {text}")
+            raise AgentEnvError(f"policy answer is not a chat completion: {_start(content)}")
         return message
 
     async def _tool(self, req: RunRequest, call: Any) -> str:
@@ -105,3 +104,8 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
+
+
+def _start(content: bytes) -> str:
+    """An answer's first 200 bytes on one line (for an error message)."""
+    return " ".join(content[:200].decode(errors="replace").split())
