@@ -130,3 +130,25 @@ def test_weights_vllm_packed_away_are_not_mismatches_but_not_all_of_them():
     assert compare_digests(want, {**got, "norm.weight": "4"}) == ["norm.weight: differs"]
     everything = {n: PACKED_AWAY_DIGEST for n in want}
     assert compare_digests(want, everything) == ["no served weight is observable (all packed away by vLLM's CPU GEMM)"]
+
+
+def test_a_bias_widened_to_float32_by_vllm_is_served_as_sent():
+    """On AMX CPUs vLLM's CPU backend holds small linear layers' biases in float32 (the serving
+    dtype's values, widened): that digest matches; the bias at full float32 precision does not."""
+    import torch
+
+    from rlix.weights.vllm.names import compare_digests, sha256_of, vllm_digests
+
+    g = torch.Generator().manual_seed(0)
+    sent = {f"l.self_attn.{p}_proj.{k}": torch.randn(8 if k == "bias" else (8, 4), generator=g)
+            for p in ("q", "k", "v") for k in ("weight", "bias")}
+    want = vllm_digests(sent, torch.bfloat16)
+    bias = torch.cat([sent[f"l.self_attn.{p}_proj.bias"] for p in "qkv"])
+    weight = torch.cat([sent[f"l.self_attn.{p}_proj.weight"] for p in "qkv"]).to(torch.bfloat16)
+    served = {"l.self_attn.qkv_proj.weight": sha256_of(weight)}
+    for form in (bias.to(torch.bfloat16), bias.to(torch.bfloat16).float()):
+        assert compare_digests(want, {**served, "l.self_attn.qkv_proj.bias": sha256_of(form)}) == []
+    assert compare_digests(want, {**served, "l.self_attn.qkv_proj.bias": sha256_of(bias)}) == \
+        ["l.self_attn.qkv_proj.bias: differs"]
+    assert compare_digests(want, {"l.self_attn.qkv_proj.weight": sha256_of(weight.float())}) == \
+        ["l.self_attn.qkv_proj.weight: differs", "l.self_attn.qkv_proj.bias: sent, not served"]

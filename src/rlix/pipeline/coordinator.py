@@ -35,7 +35,7 @@ from typing import Any
 from rlix.errors import GpuMemoryError, RlixError, ShardDiedError
 from rlix.inference.fleet.fleet import ShardFleet
 from rlix.weights.api import SyncReport
-from rlix.weights.vllm.names import PACKED_AWAY_DIGEST
+from rlix.weights.vllm.names import PACKED_AWAY_DIGEST, Digest, digest_matches
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -95,7 +95,7 @@ class ShardCoordinator:
 
     def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
                  wake_in_sync: bool = False, placed: bool = False,
-                 audit: Callable[[int], Awaitable[Mapping[str, int | str]]] | None = None,
+                 audit: Callable[[int], Awaitable[Mapping[str, int | Digest]]] | None = None,
                  served_checksums: Callable[[ShardFleet, list[int]], Awaitable[dict[int, dict]]] | None = None,
                  max_restarts: int = 3) -> None:
         self.fleet = fleet
@@ -419,7 +419,7 @@ class ShardCoordinator:
         answers = await self._served_checksums(self.fleet, ranks)
         for r in ranks:
             got = answers[r]
-            bad = sorted(n for n in want if got.get(n) != want[n] and got.get(n) != UNOBSERVABLE)
+            bad = sorted(n for n in want if not digest_matches(want[n], got.get(n)) and got.get(n) != UNOBSERVABLE)
             extra = sorted(set(got) - set(want))
             if got and all(d == UNOBSERVABLE for d in got.values()):
                 bad = ["(no served weight is observable)"]

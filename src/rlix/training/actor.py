@@ -34,7 +34,7 @@ from rlix.weights.buckets import tensor_checksums
 from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.push import ShardWeightPusher
 from rlix.weights.vllm.endpoint import VllmShardEndpoint
-from rlix.weights.vllm.names import vllm_digests
+from rlix.weights.vllm.names import Digest, vllm_digests
 
 
 def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSample]:
@@ -60,7 +60,7 @@ class TrainerActor:
         # the shards' engine: how syncs reach them and how their served weights are audited
         self.engine = engine
         self.served_dtype = getattr(torch, served_dtype)
-        self._checksums: dict[int, dict[str, int | str]] = {}
+        self._checksums: dict[int, dict[str, int | Digest]] = {}
         # a checkpoint asked for while a step trains (Ctrl-C, a failure elsewhere) waits for it:
         # weights, optimizer state and step counter are saved as one consistent state
         self._state = threading.Lock()
@@ -102,7 +102,7 @@ class TrainerActor:
                                 time.perf_counter() - started, list(cache.versions()),
                                 [s.name for s in cache.shm_segments()], audit_s)
 
-    def _audit_checksums(self, state: Mapping[str, torch.Tensor]) -> dict[str, int | str]:
+    def _audit_checksums(self, state: Mapping[str, torch.Tensor]) -> dict[str, int | Digest]:
         """What a shard's served weights are compared with: per-tensor checksums (rlix's engine
         serves the tensors as sent), or vLLM's own digests of them fused and cast as vLLM serves."""
         if self.engine != "vllm":
@@ -112,7 +112,7 @@ class TrainerActor:
             state = {n: t for n, t in state.items() if n != "lm_head.weight"}  # tied: vLLM holds one
         return dict(vllm_digests(state, self.served_dtype))
 
-    def weight_checksums(self, version: int) -> dict[str, int | str]:
+    def weight_checksums(self, version: int) -> dict[str, int | Digest]:
         """Per-tensor checksums of a version published with `audit`."""
         if int(version) not in self._checksums:
             raise WeightCacheError(f"no checksums of version {version} (publish it with audit=True)")

@@ -24,6 +24,7 @@ from rlix.errors import RlixError, TrainerDiedError, TrainingError, one_line
 from rlix.training.actor import TrainerActor
 from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
 from rlix.weights.api import SyncReport
+from rlix.weights.vllm.names import Digest
 
 #: how long close() waits for a rank's own cleanup (it may be stuck in a step) before killing it
 CLOSE_TIMEOUT_S = 10.0
@@ -191,7 +192,7 @@ class TrainerGroup:
         """Rank 0 moves these shards to cached `version` (see TrainerActor.sync_weights)."""
         return await self.ranks[0].sync_weights.remote(version, dict(shards), list(wake))
 
-    async def weight_checksums(self, version: int) -> dict[str, int | str]:
+    async def weight_checksums(self, version: int) -> dict[str, int | Digest]:
         """Rank 0's checksums of a version published with `audit`."""
         return await self.ranks[0].weight_checksums.remote(version)
 

@@ -28,7 +28,7 @@ def served(request, tiny_model_dir):
     if request.param == "vllm":
         need_vllm()
     cfg = EngineBackendConfig(backend=request.param, model=str(tiny_model_dir), served_model_name="tiny",
-                              max_model_len=512, max_num_seqs=16, startup_timeout_s=600)
+                              max_model_len=2048, max_num_seqs=16, startup_timeout_s=600)
     backend = make_backend(cfg)
     proc = ShardProcess(backend, KEY)
     try:

@@ -5,6 +5,11 @@ dim 0, in that order), drops `lm_head.weight` when it is tied to the embedding, 
 serving dtype. `vllm_digests` applies that to the trainer's tensors and hashes each result the
 way vLLM's `/weight_checker` does (sha256 of the raw bytes), so the two can be compared name by
 name. Measured equal on vLLM 0.32's CPU build for Qwen2-shaped models.
+
+On CPUs with AMX, vLLM's CPU backend runs small linear layers through a packed kernel and widens
+their biases to float32 after loading (`dispatch_cpu_unquantized_gemm`): the value is still the
+serving dtype's, held wider. A bias therefore has two digests that are both "as sent"
+(`Digest`: the forms a served tensor may take).
 """
 
 from __future__ import annotations
@@ -44,9 +49,27 @@ def vllm_named(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def vllm_digests(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, str]:
+#: one tensor's digest as served: a digest, or the digests of every form vLLM may hold it in
+Digest = str | tuple[str, ...]
+
+
+def served_forms(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Digest:
+    """The digest of `tensor` served in `dtype`; for a bias also that of the same values widened
+    to float32 (see module doc)."""
+    cast = tensor.to(dtype)
+    if not name.endswith(".bias") or dtype == torch.float32:
+        return sha256_of(cast)
+    return sha256_of(cast), sha256_of(cast.to(torch.float32))
+
+
+def digest_matches(want: Digest | int, got: object) -> bool:
+    """Whether a served digest is one of the forms the trainer's tensor may be served in."""
+    return got in want if isinstance(want, tuple) else got == want
+
+
+def vllm_digests(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Digest]:
     """sha256 per vLLM parameter of these tensors served in `dtype` (see module doc)."""
-    return {name: sha256_of(t.to(dtype)) for name, t in vllm_named(tensors).items()}
+    return {name: served_forms(name, t, dtype) for name, t in vllm_named(tensors).items()}
 
 
 #: what /weight_checker reports for a weight vLLM's CPU backend dropped after packing it for its
@@ -60,13 +83,14 @@ def packed_away(got: Mapping[str, str]) -> list[str]:
     return sorted(n for n, d in got.items() if d == PACKED_AWAY_DIGEST)
 
 
-def compare_digests(want: Mapping[str, str], got: Mapping[str, str]) -> list[str]:
+def compare_digests(want: Mapping[str, Digest], got: Mapping[str, str]) -> list[str]:
     """What differs between the trainer's digests and a server's: [] when they match. A tied
     `lm_head.weight` the server does not hold is not a difference, nor a weight vLLM packed
     away (`packed_away`: its value is not observable; the others still are, and a server
     whose every weight is packed away is a problem: nothing could be compared)."""
     hidden = set(packed_away(got))
-    problems = [f"{n}: differs" for n in sorted(got) if n in want and want[n] != got[n] and n not in hidden]
+    problems = [f"{n}: differs" for n in sorted(got)
+                if n in want and not digest_matches(want[n], got[n]) and n not in hidden]
     problems += [f"{n}: served, not sent" for n in sorted(set(got) - set(want))]
     problems += [f"{n}: sent, not served" for n in sorted(set(want) - set(got)) if n != "lm_head.weight"]
     if got and hidden >= set(got):
