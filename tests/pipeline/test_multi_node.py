@@ -68,6 +68,8 @@ def test_two_pipelines_time_share_two_nodes_and_every_shard_serves_its_trainers_
     ranks = p1["trainer_placement"]["ranks"]
     assert len(ranks) == 3 and {r["node_id"] for r in ranks} == nodes, "data-parallel ranks on both nodes"
     assert len({r["pid"] for r in ranks}) == 3
+    # every step of the 3 ranks made its own process group and destroyed it before the next
+    assert all(r["train_ranks"] == 3 and r["group_destroyed"] is True for r in p1["records"])
     # shards off the trainer's node were synced from a replica there, once per version and node
     replications = [(name, r["node"], r["version"]) for name, p in summary["pipelines"].items()
                     for r in p["replications"]]

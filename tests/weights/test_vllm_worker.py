@@ -134,7 +134,7 @@ def test_weights_vllm_packed_away_are_not_mismatches_but_not_all_of_them():
 
 def test_a_bias_widened_to_float32_by_vllm_is_served_as_sent():
     """On AMX CPUs vLLM's CPU backend holds small linear layers' biases in float32 (the serving
-    dtype's values, widened): that digest matches; the bias at full float32 precision does not."""
+    dtype's values widened, or the float32 values an update sent): those digests match, others not."""
     import torch
 
     from rlix.weights.vllm.names import compare_digests, sha256_of, vllm_digests
@@ -146,9 +146,12 @@ def test_a_bias_widened_to_float32_by_vllm_is_served_as_sent():
     bias = torch.cat([sent[f"l.self_attn.{p}_proj.bias"] for p in "qkv"])
     weight = torch.cat([sent[f"l.self_attn.{p}_proj.weight"] for p in "qkv"]).to(torch.bfloat16)
     served = {"l.self_attn.qkv_proj.weight": sha256_of(weight)}
-    for form in (bias.to(torch.bfloat16), bias.to(torch.bfloat16).float()):
+    # as served: in bf16; loaded in bf16 then widened; updated with the sent float32 values
+    for form in (bias.to(torch.bfloat16), bias.to(torch.bfloat16).float(), bias):
         assert compare_digests(want, {**served, "l.self_attn.qkv_proj.bias": sha256_of(form)}) == []
-    assert compare_digests(want, {**served, "l.self_attn.qkv_proj.bias": sha256_of(bias)}) == \
+    assert compare_digests(want, {**served, "l.self_attn.qkv_proj.bias": sha256_of(bias * 2)}) == \
+        ["l.self_attn.qkv_proj.bias: differs"]
+    assert compare_digests(want, {**served, "l.self_attn.qkv_proj.bias": sha256_of(bias.to(torch.float16))}) == \
         ["l.self_attn.qkv_proj.bias: differs"]
     assert compare_digests(want, {"l.self_attn.qkv_proj.weight": sha256_of(weight.float())}) == \
         ["l.self_attn.qkv_proj.weight: differs", "l.self_attn.qkv_proj.bias: sent, not served"]

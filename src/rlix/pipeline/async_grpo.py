@@ -47,6 +47,11 @@ class StepRecord:
     sync_s: float  # refitting active shards (woken ones are synced inside the scheduler's call)
     step_s: float
     finished_at: float
+    train_ranks: int = 1  # data-parallel trainer ranks of the step
+    # the step's process group (train_ranks > 1): made and destroyed inside the train phase
+    group_setup_s: float = 0.0
+    group_teardown_s: float = 0.0
+    group_destroyed: bool | None = None  # None: one rank, no group
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,7 +208,10 @@ class GrpoLoop:
             wait_gpus_s=span("gen", "gpus"), reload_s=span("gpus", "reload"), train_s=span("reload", "train"),
             audit_s=audit_s, cache_s=max(0.0, span("train", "cache") - audit_s), offload_s=span("cache", "off"),
             release_s=span("off", "release"), sync_s=span("off", "sync"), step_s=end - t["start"],
-            finished_at=time.time())
+            finished_at=time.time(), train_ranks=int(metrics.get("ranks", 1)),
+            group_setup_s=float(metrics.get("group_setup_s", 0.0)),
+            group_teardown_s=float(metrics.get("group_teardown_s", 0.0)),
+            group_destroyed=bool(metrics["group_destroyed"]) if "group_destroyed" in metrics else None)
         self.records.append(record)
         if self.on_step is not None:
             result = self.on_step(record)

@@ -29,7 +29,7 @@ from rlix.devices import DeviceMemory, cap_process_memory, measure, release_and_
 from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
-from rlix.training.types import GroupSpec, TrainSample
+from rlix.training.types import GroupSpec, GroupStats, TrainSample
 from rlix.weights.buckets import DEFAULT_BUCKET_BYTES
 from rlix.weights.cache import BucketCache, HostMemory
 
@@ -106,6 +106,7 @@ class PolicyTrainer:
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.step = 0
+        self.group_stats: GroupStats | None = None  # the last data-parallel step's process group
         self.cache: BucketCache | None = None
 
     @classmethod
@@ -205,13 +206,18 @@ class PolicyTrainer:
             raise TrainingError("a default torch.distributed process group already exists; the "
                                 "trainer creates and destroys its own for each step")
         backend = group.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        t0 = time.perf_counter()
         dist.init_process_group(backend, init_method=group.init_method, rank=group.rank,
                                 world_size=group.world_size,
                                 timeout=timedelta(seconds=group.timeout_s))
+        stats = self.group_stats = GroupStats(setup_s=time.perf_counter() - t0)
         try:
             yield True
         finally:
+            t0 = time.perf_counter()
             dist.destroy_process_group()
+            stats.teardown_s = time.perf_counter() - t0
+            stats.destroyed = not dist.is_initialized()
 
     def _all_reduce_mean_grads(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -293,6 +299,9 @@ class PolicyTrainer:
         }
         if self.ref_model is not None:
             metrics["kl"] = kl_sum / num_tokens
+        if distributed and (g := self.group_stats) is not None:  # made and destroyed inside the step
+            metrics.update(ranks=float(self.world_size), group_setup_s=g.setup_s,
+                           group_teardown_s=g.teardown_s, group_destroyed=float(g.destroyed))
         return metrics
 
     # -- weights out ------------------------------------------------------------------------

@@ -43,6 +43,16 @@ class GroupSpec:
         return f"tcp://{self.master_addr}:{self.master_port}"
 
 
+@dataclass
+class GroupStats:
+    """A data-parallel step's process group: seconds to make it and to destroy it, and whether
+    torch.distributed was left without one afterwards (no communicator outlives the step)."""
+
+    setup_s: float
+    teardown_s: float = 0.0
+    destroyed: bool = False
+
+
 @dataclass(frozen=True)
 class PublishedVersion:
     """A version the trainer put in its weight cache, ready for shards to sync to."""

@@ -7,8 +7,9 @@ way vLLM's `/weight_checker` does (sha256 of the raw bytes), so the two can be c
 name. Measured equal on vLLM 0.32's CPU build for Qwen2-shaped models.
 
 On CPUs with AMX, vLLM's CPU backend runs small linear layers through a packed kernel and widens
-their biases to float32 after loading (`dispatch_cpu_unquantized_gemm`): the value is still the
-serving dtype's, held wider. A bias therefore has two digests that are both "as sent"
+their biases to float32 after loading (`dispatch_cpu_unquantized_gemm`): the value loaded is
+the serving dtype's, held wider, and an update later copies the sent values into that float32
+parameter as they are. A bias therefore has up to three digests that are all "as sent"
 (`Digest`: the forms a served tensor may take).
 """
 
@@ -54,12 +55,14 @@ Digest = str | tuple[str, ...]
 
 
 def served_forms(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> Digest:
-    """The digest of `tensor` served in `dtype`; for a bias also that of the same values widened
-    to float32 (see module doc)."""
+    """The digest of `tensor` served in `dtype`; for a bias also those of it held in float32
+    (see module doc): loaded in `dtype`, then widened; or updated later, when the float32
+    parameter takes the sent values as they are."""
     cast = tensor.to(dtype)
     if not name.endswith(".bias") or dtype == torch.float32:
         return sha256_of(cast)
-    return sha256_of(cast), sha256_of(cast.to(torch.float32))
+    return tuple(dict.fromkeys((sha256_of(cast), sha256_of(cast.to(torch.float32)),
+                                sha256_of(tensor.to(torch.float32)))))
 
 
 def digest_matches(want: Digest | int, got: object) -> bool:
