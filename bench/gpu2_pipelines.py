@@ -185,6 +185,8 @@ def gate1(args: argparse.Namespace, base: dict, out: Path, tokens: ShardTokens, 
              min_shards=1, max_shards=2, partial_overlap=True)
     if args.tokens:
         p["rollout"] = dict(p["rollout"], max_new_tokens=args.tokens, max_model_len=max(256, 2 * args.tokens))
+    if args.groups:
+        p["rollout"] = dict(p["rollout"], groups_per_step=args.groups)
     summary = run_config(pipeline_cfg(base, 2, pipelines=[p]), "overlap", out, bench)
     s = summary["pipelines"]["overlap"]
     recs = s["records"]
@@ -349,7 +351,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gates", default="1,2,3")
     ap.add_argument("--steps", type=int, default=20, help="gate 1's steps")
-    ap.add_argument("--tokens", type=int, default=256, help="gate 1's max_new_tokens (0: the example's)")
+    ap.add_argument("--tokens", type=int, default=512, help="gate 1's max_new_tokens (0: the example's)")
+    ap.add_argument("--groups", type=int, default=16,
+                    help="gate 1's groups_per_step (0: the example's): enough rollouts a step that one "
+                         "shard cannot make the next batch while the other GPU trains, so both are needed")
     ap.add_argument("--gate2-steps", type=int, default=12)
     ap.add_argument("--gate3-steps", type=int, default=8)
     ap.add_argument("--workloads", default="pattern,agentic")

@@ -317,3 +317,23 @@ def test_prices_kept_across_passes_give_the_same_plans_as_pricing_from_scratch(s
     kept, scratch = stream(False), stream(True)
     assert kept == scratch
     assert sum("grant" in s for s in kept) > 10 and sum("shrink" in s for s in kept) > 10
+
+
+def test_a_free_gpu_gets_a_rank_that_never_ran_not_the_one_sleeping_on_a_busy_gpu():
+    """b's rank 0 sleeps on GPU 0, which b's trainer holds; GPU 1 comes free. A shard process
+    cannot change devices: moving rank 0 would start it anew on GPU 1 and lose the engine that
+    wakes in ~30 ms on GPU 0 once b has trained. Rank 1 (never ran) starts on GPU 1 instead, and
+    rank 0 wakes in place afterwards. With slices (one device) the move keeps its process."""
+    for slices, expect in ((1, 1), (2, 0)):
+        led = Ledger(Topology((2,), slices=slices))
+        led.register(PipelineSpec("b", max_shards=2))
+        led.register(PipelineSpec("a", max_shards=1))
+        prog = {"b": Progress("b", remaining=16, target=16), "a": Progress("a", remaining=0, target=8)}
+        led.last_shard_gpus[("b", 0)] = (0,)
+        step(led, 0.0, [GpuRequest(1, "b", Stage.TRAIN, 1, 0.0)], prog)
+        assert led.stage_holding("b", Stage.TRAIN).gpus == (0,)
+        assert [(r, h.gpus) for r, h in led.shards_of("b").items()] == [(expect, (1,))], slices
+        if slices == 1:
+            led.release("b", Stage.TRAIN)
+            step(led, 10.0, progress=prog)
+            assert sorted((r, h.gpus) for r, h in led.shards_of("b").items()) == [(0, (0,)), (1, (1,))]

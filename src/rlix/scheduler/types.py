@@ -193,9 +193,11 @@ class Plan:
 
 @dataclass(frozen=True)
 class Topology:
-    """The cluster: `gpus_per_node[i]` GPUs on node i, numbered consecutively from 0."""
+    """The cluster: `gpus_per_node[i]` GPUs on node i, numbered consecutively from 0; `slices`:
+    how many of them share one physical device (consecutive ids, `sliced`)."""
 
     gpus_per_node: tuple[int, ...]
+    slices: int = 1
 
     def __post_init__(self) -> None:
         if not self.gpus_per_node or any(n < 0 for n in self.gpus_per_node):
@@ -210,7 +212,7 @@ class Topology:
         cluster whose GPUs are shared by several holders at once (`cluster.gpu_slices`)."""
         if slices < 1:
             raise ValueError(f"slices must be >= 1, got {slices}")
-        return Topology(tuple(n * slices for n in self.gpus_per_node))
+        return Topology(tuple(n * slices for n in self.gpus_per_node), self.slices * slices)
 
     @property
     def num_gpus(self) -> int:
