@@ -258,15 +258,19 @@ def gate2(args: argparse.Namespace, workload: str, out: Path, bench: Bench) -> d
             p["model"] = "tiny"
         pipes.append(p)
     cfg = pipeline_cfg(base, 2, pipelines=pipes)
-    runs = {"timeshared": run_config(cfg, f"{workload}-timeshared", out, bench, "rlix"),
-            "partition": run_config(cfg, f"{workload}-partition", out, bench, "standalone")}
-    queue = [run_config(dict(cfg, pipelines=[p]), f"{workload}-queue-{p['name']}", out, bench, "rlix") for p in pipes]
+    modes = args.modes.split(",")
+    runs = {m: run_config(cfg, f"{workload}-{m}", out, bench, "rlix" if m == "timeshared" else "standalone")
+            for m in ("timeshared", "partition") if m in modes}
     figs = {m: mode_figures(s, args.warmup) for m, s in runs.items()}
-    qf = [mode_figures(s, args.warmup) for s in queue]
-    figs["queue"] = {"steps": sum(q["steps"] for q in qf), "span_s": sum(q["span_s"] for q in qf),
-                     "tokens": sum(q["tokens"] for q in qf), "wall_s": sum(q["wall_s"] for q in qf),
-                     "gpu_account": [q["gpu_account"] for q in qf], "role_changes": sum(q["role_changes"] for q in qf),
-                     "reward_gain": {k: v for q in qf for k, v in q["reward_gain"].items()}}
+    if "queue" in modes:
+        queue = [run_config(dict(cfg, pipelines=[p]), f"{workload}-queue-{p['name']}", out, bench, "rlix")
+                 for p in pipes]
+        qf = [mode_figures(s, args.warmup) for s in queue]
+        figs["queue"] = {"steps": sum(q["steps"] for q in qf), "span_s": sum(q["span_s"] for q in qf),
+                         "tokens": sum(q["tokens"] for q in qf), "wall_s": sum(q["wall_s"] for q in qf),
+                         "gpu_account": [q["gpu_account"] for q in qf],
+                         "role_changes": sum(q["role_changes"] for q in qf),
+                         "reward_gain": {k: v for q in qf for k, v in q["reward_gain"].items()}}
     for m, f in figs.items():
         f["steps_per_hour"] = f["steps"] / f["span_s"] * 3600
         # tokens over the whole run (the collector counts from the first request on)
@@ -276,9 +280,9 @@ def gate2(args: argparse.Namespace, workload: str, out: Path, bench: Bench) -> d
             if (out / run_name / f).exists():
                 shutil.copy(out / run_name / f, out / f"{run_name}.{f}")
     rate = {m: figs[m]["steps_per_hour"] for m in figs}
-    return {f"{workload}_gpu2_vs_partition": round(rate["timeshared"] / rate["partition"], 3),
-            f"{workload}_gpu2_vs_queue": round(rate["timeshared"] / rate["queue"], 3),
-            f"{workload}_steps_per_hour": {m: round(v, 1) for m, v in rate.items()},
+    ratios = {f"{workload}_gpu2_vs_{m}": round(rate["timeshared"] / rate[m], 3)
+              for m in ("partition", "queue") if m in rate and "timeshared" in rate}
+    return {**ratios, f"{workload}_steps_per_hour": {m: round(v, 1) for m, v in rate.items()},
             f"{workload}_rollout_tok_s": {m: round(figs[m]["rollout_tok_s"], 1) for m in figs},
             f"{workload}_modes": figs}
 
@@ -358,6 +362,7 @@ def main() -> None:
     ap.add_argument("--gate2-steps", type=int, default=12)
     ap.add_argument("--gate3-steps", type=int, default=8)
     ap.add_argument("--workloads", default="pattern,agentic")
+    ap.add_argument("--modes", default="timeshared,partition,queue", help="gate 2's modes (the ratios need all three)")
     ap.add_argument("--tool-latency", type=float, default=0.5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dry-run", action="store_true", help="tiny model on 2 fake GPUs (CPU): checks the script")
@@ -371,7 +376,9 @@ def main() -> None:
             p["model"] = "tiny"
     gates = set(args.gates.split(","))
     workloads = [w for w in args.workloads.split(",") if w]
-    total = ("1" in gates) + ("3" in gates) + 4 * len(workloads) * ("2" in gates)
+    modes = args.modes.split(",")
+    per_workload = ("timeshared" in modes) + ("partition" in modes) + 2 * ("queue" in modes)
+    total = ("1" in gates) + ("3" in gates) + per_workload * len(workloads) * ("2" in gates)
     figures: dict = {}
     t0 = time.perf_counter()
     with ShardTokens() as tokens, Bench("gpu2_pipelines", total=total) as bench:
