@@ -35,7 +35,7 @@ def _cfg(slices: int, **pipe) -> dict:
 def test_slices_multiply_the_gpus_the_scheduler_sees_and_refuse_tp():
     cfg = RlixConfig.model_validate(_cfg(2))
     assert cfg.cluster.physical_gpus == 1 and cfg.cluster.scheduled_gpus == 2
-    assert cfg.cluster.topology() == Topology((2,))
+    assert cfg.cluster.topology() == Topology((2,), slices=2)
     assert cfg.cluster.physical_topology() == Topology((1,))
     with pytest.raises(ValueError, match="tp > 1 with gpu_slices > 1"):
         RlixConfig.model_validate({**_cfg(4, tp=2)})
