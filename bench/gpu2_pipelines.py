@@ -55,17 +55,20 @@ AGENTIC = ROOT / "examples" / "agentic_two_pipelines.yaml"
 class ShardTokens:
     """Every engine server's `vllm:generation_tokens_total` sampled on a thread, with the GPU
     each process sees (its CUDA_VISIBLE_DEVICES): tokens/s of the shard on a GPU over any window.
-    Servers are found by their command line (`rlix.cli serve ... --port N`)."""
+    Servers are found by their command line (`rlix.cli serve ... --port N`); a server's guard
+    (rlix.procguard, its parent) carries the same command line, so a server is known by its URL
+    (a port is fresh for every process start)."""
 
     def __init__(self, period_s: float = 0.2) -> None:
         self.period_s = period_s
-        self.samples: list[tuple[float, int, str, float]] = []  # (time, pid, visible devices, tokens)
+        self.samples: list[tuple[float, str, str, float]] = []  # (time, url, visible devices, tokens)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     @staticmethod
-    def servers() -> list[tuple[int, str, str]]:
-        out = []
+    def servers() -> dict[str, str]:
+        """URL -> CUDA_VISIBLE_DEVICES of every engine server running on this host."""
+        out: dict[str, str] = {}
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
                 continue
@@ -78,21 +81,20 @@ class ShardTokens:
             except OSError:
                 continue
             host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
-            out.append((int(d.name), f"http://{host}:{argv[argv.index('--port') + 1]}",
-                        env.get("CUDA_VISIBLE_DEVICES", "")))
+            out[f"http://{host}:{argv[argv.index('--port') + 1]}"] = env.get("CUDA_VISIBLE_DEVICES", "")
         return out
 
     def _run(self) -> None:
         with httpx.Client(timeout=2.0) as http:
             while not self._stop.is_set():
-                for pid, url, visible in self.servers():
+                for url, visible in self.servers().items():
                     try:
                         text = http.get(url + "/metrics").text
                     except httpx.HTTPError:
                         continue
                     tokens = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                                  if line.startswith("vllm:generation_tokens_total"))
-                    self.samples.append((time.time(), pid, visible, tokens))
+                    self.samples.append((time.time(), url, visible, tokens))
                 time.sleep(self.period_s)
 
     def __enter__(self) -> ShardTokens:
@@ -107,8 +109,8 @@ class ShardTokens:
         """Tokens the servers on GPU `visible` generated in [t0, t1] (each process's counter
         interpolated at the window's ends; a process that started or ended inside counts its part)."""
         total = 0.0
-        for pid in {p for _, p, v, _ in self.samples if v == visible}:
-            rows = [(t, n) for t, p, _, n in self.samples if p == pid]
+        for url in {u for _, u, v, _ in self.samples if v == visible}:
+            rows = [(t, n) for t, u, _, n in self.samples if u == url]
             total += _at(rows, t1) - _at(rows, t0)
         return total
 
