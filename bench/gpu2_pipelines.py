@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,6 +45,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib.benchkit import Bench  # noqa: E402
+from gpu_pipelines import run_config as run_and_capture  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PATTERN = ROOT / "examples" / "gpu_two_pipelines.yaml"
@@ -126,18 +126,8 @@ def _at(rows: list[tuple[float, float]], t: float) -> float:
 
 
 def run_config(cfg: dict, name: str, out: Path, bench: Bench, mode: str | None = None) -> dict:
-    """`rlix run` of one config through the CLI (console kept in NAME.log); its summary."""
-    bench.phase(f"rlix run {name}: " + ", ".join(f"{p['name']} {p['steps']} steps" for p in cfg["pipelines"]))
-    cfg = dict(cfg, run_dir=str(out / name))
-    path = out / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-m", "rlix.cli", "run", str(path)] + (["--mode", mode] if mode else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name}: rlix run exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    bench.advance()
-    return json.loads((out / name / "summary.json").read_text())
+    """`rlix run` through the CLI (gpu_pipelines'; console kept in NAME.log): its summary."""
+    return run_and_capture(cfg, name, out, bench, mode)[0]
 
 
 def span(summary: dict, warmup: int) -> tuple[float, float, int]:
@@ -277,7 +267,8 @@ def gate2(args: argparse.Namespace, workload: str, out: Path, bench: Bench) -> d
         f["steps_per_hour"] = f["steps"] / f["span_s"] * 3600
         # tokens over the whole run (the collector counts from the first request on)
         f["rollout_tok_s"] = f["tokens"] / f["wall_s"]
-    for run_name in [f"{workload}-timeshared", f"{workload}-partition"] + [f"{workload}-queue-{p['name']}" for p in pipes]:
+    runs_named = [f"{workload}-timeshared", f"{workload}-partition"] + [f"{workload}-queue-{p['name']}" for p in pipes]
+    for run_name in runs_named:
         for f in ("timeline.png", "timeline.json"):  # the picture needs matplotlib where the run was
             if (out / run_name / f).exists():
                 shutil.copy(out / run_name / f, out / f"{run_name}.{f}")

@@ -71,16 +71,16 @@ class BusySampler:
         return sum(vals) / len(vals) / 100 if vals else 0.0
 
 
-def run_config(cfg: dict, name: str, out: Path, bench: Bench) -> tuple[dict, str]:
-    """`rlix run` of one config through the CLI; returns the summary and the console output
-    (captured, so the bench's bar stays on screen: each run is one of its rounds)."""
+def run_config(cfg: dict, name: str, out: Path, bench: Bench, mode: str | None = None) -> tuple[dict, str]:
+    """`rlix run` of one config through the CLI (`--mode` if given); returns the summary and the
+    console output (captured, so the bench's bar stays on screen: each run is one of its rounds)."""
     steps = ", ".join(f"{p['name']}: {p.get('steps', '?')} steps" for p in cfg["pipelines"])
     bench.phase(f"rlix run {name} ({steps})")
     path = out / f"{name}.yaml"
     cfg = dict(cfg, run_dir=str(out / name))
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    proc = subprocess.run([sys.executable, "-m", "rlix.cli", "run", str(path)], capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "rlix.cli", "run", str(path)] + (["--mode", mode] if mode else []),
+                          capture_output=True, text=True, timeout=1200)
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: rlix run exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")

@@ -217,10 +217,15 @@ class HttpPool:
             raise
         return UpstreamResponse(self, key, conn, status, headers_out)
 
-    async def post_json(self, base: str, path: str, obj: Any, headers: dict[str, str]) -> tuple[int, bytes]:
-        resp = await self.request("POST", base, path, json.dumps(obj).encode(),
-                                  {"content-type": "application/json", **headers})
+    async def exchange(self, method: str, base: str, path: str, body: bytes = b"",
+                       headers: dict[str, str] | None = None, retry_stale: bool = True) -> tuple[int, bytes]:
+        """`request`, its answer read whole: (status, body)."""
+        resp = await self.request(method, base, path, body, headers, retry_stale)
         return resp.status_code, await resp.read()
+
+    async def post_json(self, base: str, path: str, obj: Any, headers: dict[str, str]) -> tuple[int, bytes]:
+        return await self.exchange("POST", base, path, json.dumps(obj).encode(),
+                                   {"content-type": "application/json", **headers})
 
     async def aclose(self) -> None:
         for conns in self._idle.values():

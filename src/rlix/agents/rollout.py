@@ -54,14 +54,11 @@ class AgentClient:
         def fail(reason: str) -> EpisodeError:
             return EpisodeError(self.env, req.episode_id, reason[:300])
 
-        async def post() -> tuple[int, bytes]:
-            # never sent twice: a second /run of the session would record a second episode in it
-            resp = await self._client().request("POST", self.url, "/run", req.model_dump_json().encode(),
-                                                {"content-type": "application/json"}, retry_stale=False)
-            return resp.status_code, await resp.read()
-
+        # never sent twice: a second /run of the session would record a second episode in it
+        post = self._client().exchange("POST", self.url, "/run", req.model_dump_json().encode(),
+                                       {"content-type": "application/json"}, retry_stale=False)
         try:
-            status, content = await asyncio.wait_for(post(), self.timeout_s)
+            status, content = await asyncio.wait_for(post, self.timeout_s)
         except asyncio.TimeoutError:
             raise fail(f"agent /run timed out after {self.timeout_s:g} s") from None
         except UpstreamError as exc:

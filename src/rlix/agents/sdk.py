@@ -249,12 +249,8 @@ async def _exchange(pool: HttpPool, method: str, base: str, path: str, body: byt
                     timeout_s: float, what: str, error: type[AgentEnvError]) -> tuple[int, bytes]:
     """One request sent once over `pool`, read whole within `timeout_s`; a transport failure
     or the timeout is `error` naming `what`."""
-    async def exchange() -> tuple[int, bytes]:
-        resp = await pool.request(method, base, path, body, headers, retry_stale=False)
-        return resp.status_code, await resp.read()
-
     try:
-        return await asyncio.wait_for(exchange(), timeout_s)
+        return await asyncio.wait_for(pool.exchange(method, base, path, body, headers, retry_stale=False), timeout_s)
     except asyncio.TimeoutError:
         raise error(f"{what}: timed out after {timeout_s:g} s") from None
     except UpstreamError as exc:

@@ -106,7 +106,6 @@ class PolicyTrainer:
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.step = 0
-        self.group_stats: GroupStats | None = None  # the last data-parallel step's process group
         self.cache: BucketCache | None = None
 
     @classmethod
@@ -191,10 +190,11 @@ class PolicyTrainer:
 
     # -- the step ---------------------------------------------------------------------------
     @contextmanager
-    def _step_group(self, group: GroupSpec | None) -> Iterator[bool]:
-        """A process group for this step only: fresh rendezvous in, destroy_process_group out."""
+    def _step_group(self, group: GroupSpec | None) -> Iterator[GroupStats | None]:
+        """A process group for this step only: fresh rendezvous in, destroy_process_group out.
+        Yields its stats (filled in as it is destroyed), None when one rank needs no group."""
         if self.world_size == 1 and (group is None or group.world_size == 1):
-            yield False
+            yield None
             return
         if group is None:
             raise TrainingError(f"rank {self.rank} of {self.world_size}: a data-parallel step needs a "
@@ -210,9 +210,9 @@ class PolicyTrainer:
         dist.init_process_group(backend, init_method=group.init_method, rank=group.rank,
                                 world_size=group.world_size,
                                 timeout=timedelta(seconds=group.timeout_s))
-        stats = self.group_stats = GroupStats(setup_s=time.perf_counter() - t0)
+        stats = GroupStats(setup_s=time.perf_counter() - t0)
         try:
-            yield True
+            yield stats
         finally:
             t0 = time.perf_counter()
             dist.destroy_process_group()
@@ -248,7 +248,8 @@ class PolicyTrainer:
         self._check(samples)
         started = time.perf_counter()
         dev = self.device
-        with self._step_group(group) as distributed:
+        with self._step_group(group) as group_stats:
+            distributed = group_stats is not None
             local = torch.tensor([sum(s.trained_tokens() for s in samples),
                                   sum(1 for s in samples if s.trained_tokens()), len(samples)],
                                  dtype=torch.float64, device=dev)
@@ -299,9 +300,9 @@ class PolicyTrainer:
         }
         if self.ref_model is not None:
             metrics["kl"] = kl_sum / num_tokens
-        if distributed and (g := self.group_stats) is not None:  # made and destroyed inside the step
-            metrics.update(ranks=float(self.world_size), group_setup_s=g.setup_s,
-                           group_teardown_s=g.teardown_s, group_destroyed=float(g.destroyed))
+        if group_stats is not None:  # made and destroyed inside the step
+            metrics.update(ranks=float(self.world_size), group_setup_s=group_stats.setup_s,
+                           group_teardown_s=group_stats.teardown_s, group_destroyed=float(group_stats.destroyed))
         return metrics
 
     # -- weights out ------------------------------------------------------------------------
