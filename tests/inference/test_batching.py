@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlix.inference.engine.api import SamplingParams
-from rlix.inference.engine.core import EngineCore, plan_prefill_groups
+from rlix.inference.engine.batching import plan_prefill_groups
+from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.inference.engine.sequence import Sequence
 

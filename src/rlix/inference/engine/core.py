@@ -27,6 +27,7 @@ import torch
 
 from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
+from rlix.inference.engine.batching import plan_prefill_groups, request_leaders, samples_from
 from rlix.inference.engine.runner.memory import release_memory, used_bytes
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
@@ -38,30 +39,6 @@ from rlix.inference.engine.weights import WeightStaging
 log = logging.getLogger(__name__)
 
 SLEEP_TAGS = ("weights", "kv_cache")
-
-
-def plan_prefill_groups(lengths: list[int], max_waste: float = 0.25,
-                        max_padded_tokens: int | None = None) -> list[list[int]]:
-    """Split prompts (indices into `lengths`) into right-padded batches wasting <= max_waste.
-
-    Longest first; a prompt joins the current group while padding stays under the bound (and
-    the padded batch under max_padded_tokens), so a 64-token prompt does not make seven 8-token
-    prompts pay for 64 positions each.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups:
-            group = groups[-1]
-            width = lengths[group[0]]
-            padded = width * (len(group) + 1)
-            real = sum(lengths[j] for j in group) + lengths[i]
-            if padded <= real * (1 + max_waste) and (max_padded_tokens is None
-                                                     or padded <= max_padded_tokens):
-                group.append(i)
-                continue
-        groups.append([i])
-    return groups
 
 
 class EngineCore:
@@ -215,7 +192,7 @@ class EngineCore:
             # chained: the rows known finished leave now; the others' inputs are in flight
             sources = self._retire_finished(in_flight=True) if chained else []
             admitted = self._admit()
-            leaders, forks = _leaders(admitted)
+            leaders, forks = request_leaders(admitted)
             lengths = [len(s.prompt_token_ids) for s in leaders]
             groups = plan_prefill_groups(lengths, self.max_prefill_padding,
                                          self.runner.prefill_group_tokens
@@ -270,7 +247,7 @@ class EngineCore:
         if self.running and free < self.min_admit_batch and not self._waited_long_enough():
             return False
         first = next((i for i, seq in enumerate(self.waiting) if self._admissible(seq)), None)
-        return first is not None and _samples_from(self.waiting, first) <= free
+        return first is not None and samples_from(self.waiting, first) <= free
 
     def _chain(self, launched: DecodeLaunch, launched_rows: list[Sequence], sources: list[int]) -> None:
         """Launch the next step before reading `launched`: running rows below len(sources)
@@ -319,7 +296,7 @@ class EngineCore:
                 kept.append(self.waiting.popleft())
                 continue
             size = len(seq.prompt_token_ids)
-            count = _samples_from(self.waiting, 0)
+            count = samples_from(self.waiting, 0)
             if len(admitted) + count > free or (admitted and size > budget):
                 break
             admitted.extend(self.waiting.popleft() for _ in range(count))
@@ -467,30 +444,6 @@ class EngineCore:
         self.weights.swap_in(staging.staged, complete)
         self.weight_version = staging.version
         return self.weight_version
-
-
-def _samples_from(waiting: deque[Sequence], i: int) -> int:
-    """How many queued entries from waiting[i] are one request's samples (they enter together)."""
-    seq, count = waiting[i], 1
-    while seq.group is not None and i + count < len(waiting) and waiting[i + count].group is seq.group:
-        count += 1
-    return count
-
-
-def _leaders(admitted: list[Sequence]) -> tuple[list[Sequence], dict[Sequence, list[Sequence]]]:
-    """The sequences to prefill, and for each the other samples of its request (its forks)."""
-    leaders: list[Sequence] = []
-    forks: dict[Sequence, list[Sequence]] = {}
-    first_of: dict[int, Sequence] = {}
-    for seq in admitted:
-        if seq.group is None:
-            leaders.append(seq)
-        elif (leader := first_of.get(id(seq.group))) is None:
-            first_of[id(seq.group)] = seq
-            leaders.append(seq)
-        else:
-            forks.setdefault(leader, []).append(seq)
-    return leaders, forks
 
 
 def _set_prompt_logprobs(seq: Sequence, logits: torch.Tensor) -> None:
