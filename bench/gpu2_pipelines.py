@@ -14,10 +14,11 @@ gate 2 (`timeshared` vs `partition` vs `queue`): two pipelines, same seeds, one 
   `gpu2_vs_partition` and `gpu2_vs_queue` (steps/hour ratios), each run's GPU-time account and
   its timeline picture (copied beside the figures).
 gate 3 (`dp`): `train_gpus: 2`, two shards: each step trains on both ranks in one process group
-  made and destroyed inside the step, then both shards sleep-woken and synced every step, audited.
-  The sync's time is compared, in the same invocation, with the two physical bounds of its bytes:
-  a pinned host-to-GPU copy (the pipeline's shards sync from the trainer's pinned CPU cache) and
-  an NCCL broadcast from GPU 0 to GPU 1 (`nccl_sync_vs_broadcast`).
+  made and destroyed inside the step; both shards, asleep beside the ranks, are synced every step
+  from the ranks' GPU copies (CUDA IPC, before the trainer offloads), audited. The sync's time
+  (both shards at once) is compared, in the same invocation, with the two physical bounds of its
+  bytes: a pinned host-to-GPU copy (the path from the CPU cache) and an NCCL broadcast from GPU 0
+  to GPU 1 (`nccl_sync_vs_broadcast`).
 
 Throughput is counted over the steps after each pipeline's first `--warmup` (the first start of
 every process, CUDA graphs, pinned buffers). On a machine without two GPUs, `--dry-run` runs
@@ -229,6 +230,10 @@ def _med(values: list[float]) -> float:
     return round(statistics.median(values), 1) if values else 0.0
 
 
+def _med3(values: list[float]) -> float:
+    return round(statistics.median(values), 3) if values else 0.0
+
+
 # -- gate 2 ---------------------------------------------------------------------------------------
 def mode_figures(summary: dict, warmup: int) -> dict:
     t0, t1, steps = span(summary, warmup)
@@ -307,12 +312,15 @@ def gate3(args: argparse.Namespace, base: dict, out: Path, bench: Bench) -> dict
     recs = s["records"]
     after = recs[args.warmup - 1]["finished_at"] if args.warmup else 0.0
     ranks = {r["gpu"] for r in s["trainer_placement"]["ranks"]}
-    syncs = [e for e in s["events"] if e[1] == "sync" and e[0] >= after]
-    # after each train phase (both GPUs), both shards woken and synced before the next one
+    syncs = [e for e in s["events"] if e[1] in ("sync", "device_sync") and e[0] >= after]
+    beside = [e for e in syncs if e[1] == "device_sync"]
+    wakes = [e for e in s["events"] if e[1] == "wake" and e[0] >= after]
+    # each train phase (both GPUs): both shards synced to its version before the next one, from
+    # the trainer's GPU copies before its offload (device_sync, inside the phase) or after it
     windows = [w for w in train_windows(out / "dp", 0) if w[0] >= after]
     nexts = [a for a, _ in windows[1:]] + [float("inf")]
-    both_synced = sum(1 for (_, b), hi in zip(windows, nexts)
-                      if len({r for e in syncs if b <= e[0] - e[4] <= hi for r in e[2]}) == 2)
+    both_synced = sum(1 for (a, _), hi in zip(windows, nexts)
+                      if len({r for e in syncs if a <= e[0] - e[4] <= hi for r in e[2]}) == 2)
     fig = {
         "gate3_steps": len(recs), "gate3_trainer_gpus": sorted(ranks),
         "gate3_steps_on_2_ranks": sum(1 for r in recs if r["train_ranks"] == 2),
@@ -320,7 +328,13 @@ def gate3(args: argparse.Namespace, base: dict, out: Path, bench: Bench) -> dict
         "gate3_group_setup_ms": _med([1000 * r["group_setup_s"] for r in recs[args.warmup:]]),
         "gate3_group_teardown_ms": _med([1000 * r["group_teardown_s"] for r in recs[args.warmup:]]),
         "gate3_train_phases": len(windows), "gate3_both_shards_synced_after": both_synced,
-        "gate3_wake_sync_ms": _med([1000 * e[4] for e in syncs]),
+        # the sync of both shards at once, and (after the trainer's release) their KV wake
+        "gate3_sync_ms": _med3([1000 * e[4] for e in beside]),
+        "gate3_host_sync_ms": _med3([1000 * e[4] for e in syncs if e[1] == "sync"]),
+        "gate3_syncs_from_trainer_gpu": sum(len(e[2]) for e in beside),
+        "gate3_syncs_from_host_cache": sum(len(e[2]) for e in syncs if e[1] == "sync"),
+        "gate3_wake_after_sync_ms": _med3([1000 * e[4] for e in wakes]),
+        "gate3_device_sync_ms_per_step": _med3([1000 * r.get("device_sync_s", 0.0) for r in recs[args.warmup:]]),
         "gate3_checksum_checks": s["checksum_checks"], "gate3_checksum_mismatches": len(s["checksum_mismatches"]),
         "gate3_free_at_train_start_max_drift": memory_drift(s)[0],
     }
@@ -334,9 +348,9 @@ def gate3(args: argparse.Namespace, base: dict, out: Path, bench: Bench) -> dict
         fig["gate3_h2d_bound_ms"] = round(1000 * h2d_seconds(total, 5), 2)
         fig["gate3_broadcast_bound_ms"] = round(1000 * raw_broadcast_seconds(total, 5), 2)
         torch.cuda.empty_cache()
-        wake_sync = fig["gate3_wake_sync_ms"]
-        fig["gate3_sync_vs_h2d"] = round(fig["gate3_h2d_bound_ms"] / wake_sync, 3) if wake_sync else None
-        fig["nccl_sync_vs_broadcast"] = round(fig["gate3_broadcast_bound_ms"] / wake_sync, 3) if wake_sync else None
+        sync = fig["gate3_sync_ms"]
+        fig["gate3_sync_vs_h2d"] = round(fig["gate3_h2d_bound_ms"] / sync, 3) if sync else None
+        fig["nccl_sync_vs_broadcast"] = round(fig["gate3_broadcast_bound_ms"] / sync, 3) if sync else None
     fig["gate3_pass"] = bool(
         len(recs) == args.gate3_steps and fig["gate3_steps_on_2_ranks"] == len(recs)
         and fig["gate3_groups_destroyed"] == len(recs) and not s["checksum_mismatches"]

@@ -262,3 +262,70 @@ time.sleep(600)
     finally:
         owner.kill()
         owner.wait(10)
+
+
+def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weights(ray_local, tiny_model_dir):
+    """sync_beside_trainer against real engine servers (the CPU stand-in for the trainer's GPU
+    copy: the host cache, with the same weights-only wake): the shards asleep on the trainer's
+    GPUs get the new version while their KV cache stays asleep; the one the scheduler gives its
+    GPU back wakes with no sync; the other is cooled (weights dropped) and synced at its wake."""
+    from rlix.training.trainer import PolicyTrainer
+    from rlix.weights.push import ShardWeightPusher
+
+    trainer = PolicyTrainer(str(tiny_model_dir), lr=0.05)
+    host = ShardWeightPusher(lambda: trainer.cache, KEY)
+    beside = ShardWeightPusher(lambda: trainer.cache, KEY, wake_tags=["weights"])
+    device_calls: list[dict] = []
+
+    async def sync(version, urls, wake):  # noqa: ANN001, ANN202
+        return await asyncio.to_thread(host.sync, version, urls, wake)
+
+    async def device_sync(version, plan):  # noqa: ANN001, ANN202
+        device_calls.append({r: sorted(s) for r, s in plan.items()})
+        return [await asyncio.to_thread(beside.sync, version, urls, list(urls)) for _, urls in sorted(plan.items())]
+
+    async def main() -> None:
+        router, client, _, fleet = _embedded_fleet(tiny_model_dir)
+        coord = ShardCoordinator(fleet, sync, wake_in_sync=True, device_sync=device_sync)
+        http = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"})
+        try:
+            trainer.build_cache(0).promote_active(0)
+            await coord.start([0, 1, 2], version=0)
+            await coord.resize_inference([], {0: [0], 1: [1], 2: [2]})
+            await coord.resize_inference([0, 1], {})  # the trainer takes GPUs 0 and 1
+            trainer.train_step(batch(1))
+            trainer.build_cache(1).promote_active(1)
+            synced = await coord.sync_beside_trainer(1, trainer_gpus=[0, 1], device_ranks=[0, 1])
+            assert synced == [0, 1] and device_calls == [{0: [0], 1: [1]}]  # rank i -> the shard on GPU i
+            assert coord.versions == {0: 1, 1: 1, 2: 0} and coord.warm == {0, 1}
+            for r in (0, 1):  # weights at version 1, KV cache still asleep, not routed
+                url = fleet.shards[r].url
+                assert (await http.get(f"{url}/is_sleeping")).json()["is_sleeping"]
+                assert (await http.get(f"{url}/weight_info")).json()["weight_version"] == "1"
+            assert fleet.active_ranks() == [2]
+            coord.announce(1)
+            n = len(coord.stats.events)
+            await coord.resize_inference([], {0: [0]})  # the scheduler gives GPU 0 back
+            assert [e.kind for e in coord.stats.events[n:]] == ["wake", "activate"]  # no sync
+            assert coord.warm == {1}
+            assert await coord.cool({0, 2}) == [1]  # GPU 1 went elsewhere: its weights dropped
+            r1 = await http.get(f"{fleet.shards[1].url}/weight_checksums")
+            assert r1.status_code == 400 and "not loaded" in r1.text
+            assert coord.warm == set() and coord.versions[1] is None
+            n = len(coord.stats.events)
+            await coord.resize_inference([], {1: [1]})  # given a GPU later: synced at its wake
+            assert [e.kind for e in coord.stats.events[n:]] == ["sync", "activate"]
+            assert coord.versions == {0: 1, 1: 1, 2: 0} and coord.stats.version_mismatches == []
+            assert await coord.sync_beside_trainer(2, [0, 1], []) == []  # no GPU copy: nothing
+        finally:
+            await http.aclose()
+            await fleet.shutdown()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        host.close()
+        beside.close()
+        if trainer.cache is not None:
+            trainer.cache.close()

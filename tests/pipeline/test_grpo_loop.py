@@ -27,7 +27,7 @@ class FakeTrainer:
         self.step += 1
         return {"loss": 0.5}
 
-    async def publish(self, version, audit):
+    async def publish(self, version, audit, on_device=False):
         return SimpleNamespace(audit_s=0.0)
 
 
@@ -57,9 +57,12 @@ class FakeCollector:
 
 
 class FakeCoordinator:
+    syncs_on_device = False
+
     def __init__(self) -> None:
         self.failed = asyncio.Event()
         self.failure = None
+        self.warm: set[int] = set()
 
     def announce(self, v):
         pass
@@ -106,5 +109,60 @@ def test_finished_steps_are_recorded_in_order_with_their_phases() -> None:
         await loop.run()
         assert [r.step for r in rows] == [1, 2, 3] and loop.step == trainer.step == 3
         assert all(r.step_s >= r.train_s >= 0 and r.reward == 0.5 for r in rows)
+
+    asyncio.run(scenario())
+
+
+def test_shards_beside_the_trainer_are_synced_from_its_gpu_before_the_offload_and_cooled_after() -> None:
+    """With device syncs: publish keeps a GPU copy, the shards beside the trainer are synced from
+    it before the offload (its time is the step's device_sync_s), and after the release the ones
+    the control plane did not place again are cooled."""
+    calls: list = []
+
+    class Trainer(FakeTrainer):
+        device_ranks = [0, 1]
+
+        async def publish(self, version, audit, on_device=False):
+            calls.append(("publish", version, on_device))
+            return SimpleNamespace(audit_s=0.0)
+
+        async def offload(self, *args):
+            calls.append(("offload",))
+            return SimpleNamespace(reserved=0, as_dict=lambda: {})
+
+    class Coordinator(FakeCoordinator):
+        syncs_on_device = True
+
+        async def sync_beside_trainer(self, version, gpus, device_ranks):
+            calls.append(("beside", version, list(gpus), list(device_ranks)))
+            await asyncio.sleep(0.05)
+            self.warm = {0, 1}
+            return [0, 1]
+
+        async def cool(self, held):
+            calls.append(("cool", held))
+            self.warm = set()
+            return [1]
+
+    class Hooks(FakeHooks):
+        async def before_training(self, version):
+            return [2, 5]
+
+        async def after_training(self, version, demand=None):
+            calls.append(("release",))
+
+        async def shard_ranks(self):
+            return {0}
+
+    async def scenario() -> None:
+        rows: list = []
+        trainer = Trainer()
+        trainer.finish.set()
+        loop = GrpoLoop(PipelineConfig(name="p", steps=1), trainer=trainer, coordinator=Coordinator(),
+                        collector=FakeCollector(), buffer=FakeBuffer(), hooks=Hooks(), on_step=rows.append)
+        await loop.run()
+        assert calls == [("publish", 1, True), ("beside", 1, [2, 5], [0, 1]), ("offload",), ("release",),
+                         ("cool", {0})]
+        assert rows[0].device_sync_s >= 0.05 and rows[0].offload_s < rows[0].device_sync_s
 
     asyncio.run(scenario())

@@ -237,3 +237,62 @@ def test_level2_sleep_then_one_call_wake_and_sync_into_an_engine_server(tiny_mod
         http.close()
         shard.stop()
         cache.close()
+
+
+def test_a_shard_asleep_beside_the_trainer_takes_its_gpu_copy_by_cuda_ipc(tiny_model_dir):
+    """The trainer still on the GPU packs the new version there (DeviceCopy); the shard asleep
+    at level 2 on the same GPU gets it in one /sync_weights call by CUDA IPC, its weights woken
+    and its KV cache still asleep; it serves exactly the trainer's tensors; the trainer's
+    offload frees the copy before measuring the GPU."""
+    import httpx
+
+    from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig
+    from rlix.inference.fleet.shard_process import ShardProcess
+    from rlix.training.trainer import PolicyTrainer
+    from rlix.weights.buckets import tensor_checksums
+    from rlix.weights.push import ShardWeightPusher
+
+    key = "gpu-test-token"
+    cfg = EngineBackendConfig(backend="embedded", model=str(tiny_model_dir), device="cuda",
+                              max_num_seqs=8, max_model_len=256)
+    shard = ShardProcess(EmbeddedBackend(cfg), key)
+    trainer = PolicyTrainer(str(tiny_model_dir), device="cuda", lr=0.05, dtype="bfloat16")
+    pusher = ShardWeightPusher(lambda: trainer.device_copy, key, transport="cuda_ipc", wake_tags=["weights"])
+    host = ShardWeightPusher(lambda: trainer.cache, key)
+    http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"})
+    try:
+        shard.start()
+        shard.wait_ready()
+        for version in (1, 2):
+            with torch.no_grad():  # a different model each version
+                for p in trainer.model.parameters():
+                    p.add_(torch.randn_like(p) * 0.01)
+            http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
+            cache = trainer.build_cache(version, on_device=True)
+            cache.promote_active(version)
+            assert trainer.device_copy is not None and trainer.device_copy.version == version
+            report = pusher.sync(version, {0: shard.url}, wake=[0])
+            assert report.bundled and report.reported == {0: version}
+            assert http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]  # KV still asleep
+            served = http.get(f"{shard.url}/weight_checksums").json()
+            assert served["checksums"] == tensor_checksums(trainer.state_for_sync())
+            # the host cache was filled from the device copy: the same bytes
+            assert cache.checksums(version) == trainer.device_copy.checksums(version)
+            http.post(f"{shard.url}/wake_up").raise_for_status()
+            assert not http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
+            if version == 1:  # the host path still works after the IPC one (transport switch)
+                http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
+                assert host.sync(version, {0: shard.url}, wake=[0]).reported == {0: version}
+                assert http.get(f"{shard.url}/weight_checksums").json()["checksums"] == served["checksums"]
+        allocated = torch.cuda.memory_allocated()
+        copy_bytes = trainer.device_copy.nbytes
+        trainer.offload()
+        assert trainer.device_copy.nbytes == 0
+        assert torch.cuda.memory_allocated() <= allocated - copy_bytes
+    finally:
+        pusher.close()
+        host.close()
+        http.close()
+        shard.stop()
+        if trainer.cache is not None:
+            trainer.cache.close()

@@ -40,7 +40,8 @@ class StepRecord:
     wait_gpus_s: float  # before_training: the scheduler freeing training GPUs (shards sleeping)
     reload_s: float  # the trainer's state back on its GPU (after measuring it free)
     train_s: float
-    cache_s: float  # building the CPU bucket cache
+    cache_s: float  # building the CPU bucket cache (and the GPU copy, where the shards use one)
+    device_sync_s: float  # the shards asleep on the trainer's GPUs synced from its GPU copy
     audit_s: float  # checksumming the new version (audit_weights only; not in cache_s)
     offload_s: float
     release_s: float  # the release call; it runs alongside the refit: both start at offload's end
@@ -151,8 +152,12 @@ class GrpoLoop:
                 trained = (groups, samples, metrics)
                 t["train"] = time.perf_counter()
                 new = version + 1
-                published = await self.trainer.publish(new, self.audit)
+                beside = self.coordinator.syncs_on_device
+                published = await self.trainer.publish(new, self.audit, on_device=beside)
                 t["cache"] = time.perf_counter()
+                if beside:  # the shards asleep on the trainer's GPUs, from its GPU copy
+                    await self.coordinator.sync_beside_trainer(new, gpus, self.trainer.device_ranks)
+                t["beside"] = time.perf_counter()
                 released = await self.trainer.offload()
                 self._memory("release", gpus, released)
                 check_released(released, f"the trainer of {self.name}", where)
@@ -176,6 +181,8 @@ class GrpoLoop:
             finally:
                 await refit
                 t["sync"] = time.perf_counter()
+            if self.coordinator.warm:  # synced beside the trainer but not given their GPU back
+                await self.coordinator.cool(await self.hooks.shard_ranks())
         except BaseException:
             if trained is not None:  # trained but not finished: its row, with the phases it reached
                 self.step = version + 1
@@ -206,7 +213,8 @@ class GrpoLoop:
             tokens=sum(s.trained_tokens() for s in samples), oldest_version=versions[0],
             loss=float(metrics.get("loss", 0.0)), generate_s=span("start", "gen"),
             wait_gpus_s=span("gen", "gpus"), reload_s=span("gpus", "reload"), train_s=span("reload", "train"),
-            audit_s=audit_s, cache_s=max(0.0, span("train", "cache") - audit_s), offload_s=span("cache", "off"),
+            audit_s=audit_s, cache_s=max(0.0, span("train", "cache") - audit_s),
+            device_sync_s=span("cache", "beside"), offload_s=span("beside", "off"),
             release_s=span("off", "release"), sync_s=span("off", "sync"), step_s=end - t["start"],
             finished_at=time.time(), train_ranks=int(metrics.get("ranks", 1)),
             group_setup_s=float(metrics.get("group_setup_s", 0.0)),

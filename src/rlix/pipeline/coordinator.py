@@ -18,6 +18,12 @@ A shard whose process dies (`replace_dead`, polled by the pipeline) is forgotten
 scheduler had it on GPUs, a new process is started there, synced to the latest version and
 routed to again, so the pipeline goes on. One that keeps dying fails the pipeline.
 
+On GPUs, the shards that slept on the trainer's GPUs can get the new version before the trainer
+offloads (`sync_beside_trainer`): each trainer rank's GPU copy goes to the shard on its GPU by
+CUDA IPC, waking only the shard's weights (its KV cache stays asleep: the GPU is still the
+trainer's). When the scheduler then gives such a shard the GPU, its wake is just the KV cache;
+when it gives the GPU elsewhere, `cool` drops those weights again.
+
 A scheduler that restarted does not know which of its last resize calls got here; it calls
 `reassert(shards)` with what its ledger says, and the coordinator (once those calls are done)
 sleeps or wakes only the difference.
@@ -42,12 +48,15 @@ log = logging.getLogger("rlix.pipeline")
 #: (version, {rank: url}, ranks to wake first) -> the sync's report (`reported` holds the
 #: versions shards answered in the same call); the pipeline passes TrainerActor.sync_weights
 SyncFn = Callable[[int, dict[int, str], list[int]], Awaitable[SyncReport]]
+#: (version, {trainer rank: {rank: url}}) -> a report per trainer rank: the shards on each
+#: trainer rank's GPU synced from its GPU copy (TrainerGroup.sync_on_device)
+DeviceSyncFn = Callable[[int, dict[int, dict[int, str]]], Awaitable[list[SyncReport]]]
 
 
 @dataclass
 class ShardEvent:
     at: float
-    kind: str  # start | sleep | wake | sync | refit | activate | audit | died | replace
+    kind: str  # start | sleep | wake | sync | refit | device_sync | cool | activate | audit | died | replace
     ranks: tuple[int, ...]
     version: int | None = None
     seconds: float = 0.0
@@ -97,8 +106,12 @@ class ShardCoordinator:
                  wake_in_sync: bool = False, placed: bool = False,
                  audit: Callable[[int], Awaitable[Mapping[str, int | Digest]]] | None = None,
                  served_checksums: Callable[[ShardFleet, list[int]], Awaitable[dict[int, dict]]] | None = None,
-                 max_restarts: int = 3) -> None:
+                 max_restarts: int = 3, device_sync: DeviceSyncFn | None = None) -> None:
         self.fleet = fleet
+        # syncs from the trainer's GPU copies (None: shards are synced from the host cache only)
+        self._device_sync = device_sync
+        self.homes: dict[int, tuple[int, ...]] = {}  # rank -> the GPUs it was last given
+        self.warm: set[int] = set()  # asleep, but holding the latest weights on their GPU
         # placed: each shard's process runs on the GPUs the scheduler names in `add` and is
         # started (or moved) there on demand; level-2 sleeps drop its weights
         self.placed = placed
@@ -202,8 +215,10 @@ class ShardCoordinator:
             out: dict[str, Any] = {}
             for r in remove:
                 self.assigned.pop(int(r), None)
+                self.warm.discard(int(r))  # its sleep below drops whatever it holds
             for r, gpus in add.items():
-                self.assigned[int(r)] = tuple(int(g) for g in gpus or ())
+                self.assigned[int(r)] = self.homes[int(r)] = tuple(int(g) for g in gpus or ())
+                self.warm.discard(int(r))
             remove = [r for r in remove if r in self.fleet.shards]  # a dead one has no process to sleep
             if remove:
                 t0 = time.perf_counter()
@@ -328,6 +343,78 @@ class ShardCoordinator:
             await self._wake(ranks)
             if stale:
                 await self._sync(stale, "sync")
+
+    @property
+    def syncs_on_device(self) -> bool:
+        return self._device_sync is not None
+
+    async def sync_beside_trainer(self, version: int, trainer_gpus: list[int],
+                                  device_ranks: list[int]) -> list[int]:
+        """Before the trainer offloads: every shard asleep on one GPU of the trainer's (rank i
+        trains on `trainer_gpus[i]`; those in `device_ranks` hold a GPU copy of `version`) is
+        synced to `version` from that copy, its weights woken, its KV cache left asleep. Such a
+        shard then wakes in one KV allocation when the scheduler gives it the GPU. Returns the
+        shards synced; a failure is logged and leaves the shard to the host-cache sync."""
+        if self._device_sync is None or not device_ranks:
+            return []
+        async with self._lock:
+            on_gpu = {trainer_gpus[i]: i for i in device_ranks if i < len(trainer_gpus)}
+            plan: dict[int, dict[int, str]] = {}
+            for r, info in self.fleet.shards.items():
+                gpus = info.gpus or self.homes.get(r, ())
+                if (not info.active and info.asleep is True and len(gpus) == 1 and gpus[0] in on_gpu
+                        and self.versions.get(r) != version):
+                    plan.setdefault(on_gpu[gpus[0]], {})[r] = info.url
+            ranks = sorted(r for shards in plan.values() for r in shards)
+            if not ranks:
+                return []
+            t0 = time.perf_counter()
+            # from here the shards' weights may be on their GPU, whatever the outcome: the next
+            # sleep or wake asks them (a sleep then drops those weights)
+            self.fleet.note_woken(ranks, woken=False)
+            try:
+                reports = await self._device_sync(version, plan)
+            except Exception as exc:  # noqa: BLE001 - the host-cache sync at wake still works
+                for r in ranks:
+                    self.versions[r] = None  # whatever it holds now: synced again at its wake
+                self.warm.update(ranks)  # possibly holding weights: cooled if not given the GPU
+                log.warning("%s: sync of shards %s from the trainer's GPU failed (%s); they are "
+                            "synced from the host cache when they wake", self.fleet.holder, ranks, exc)
+                return []
+            dt = time.perf_counter() - t0
+            synced = sorted(r for rep in reports for r in rep.ranks)
+            for r in synced:
+                got = int(next(rep.reported.get(r, version) for rep in reports if r in rep.ranks))
+                if got != version:
+                    self.stats.version_mismatches.append(f"shard {r}: synced {version}, reports {got}")
+                self.versions[r] = got
+                self.history.setdefault(r, []).append(got)
+            self.warm.update(synced)
+            self.stats.sync_seconds += dt
+            self._event("device_sync", synced, version, dt)
+            log.info("synced shards %s to version %d from the trainer's GPU in %.4fs", synced, version, dt)
+            if self._audit is not None and synced:
+                await self._check_checksums(synced, version)
+            return synced
+
+    async def cool(self, held: set[int] | None) -> list[int]:
+        """After the release: the shards synced beside the trainer that were not given their
+        GPU (`held`: the ranks the scheduler now places; None: not known, keep waiting for the
+        scheduler's call) drop their weights, so the GPU's next holder finds it free."""
+        if not self.warm or held is None:
+            return []
+        async with self._lock:
+            cold = sorted(r for r in self.warm
+                          if r not in held and r not in self.assigned and r in self.fleet.shards)
+            self.warm -= set(cold) | {r for r in self.warm if r in self.assigned or r not in self.fleet.shards}
+            if not cold:
+                return []
+            t0 = time.perf_counter()
+            await self.fleet.sleep_partial(cold, level=2)
+            for r in cold:
+                self.versions[r] = None
+            self._event("cool", cold, seconds=time.perf_counter() - t0)
+            return cold
 
     async def _wake(self, ranks: list[int]) -> None:
         if not ranks:

@@ -64,6 +64,10 @@ class RLixHooks(Protocol):
         """Return once every call sent so far has been answered (a release may be in flight)."""
         ...
 
+    async def shard_ranks(self) -> set[int] | None:
+        """After `settle`: the shards the control plane places now (None: not known)."""
+        ...
+
 
 class NoOpHooks:
     """Standalone: the fixed training GPUs are always granted; progress goes nowhere; every
@@ -105,6 +109,9 @@ class NoOpHooks:
 
     async def settle(self) -> None:
         return None
+
+    async def shard_ranks(self) -> set[int] | None:
+        return None  # fixed shards: every one comes back after training (after_training)
 
 
 class ProgressThrottle:

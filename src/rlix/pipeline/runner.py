@@ -208,7 +208,12 @@ class PipelineRunner:
                                             wake_in_sync=True,  # our engine serves /sync_weights
                                             placed=placed,
                                             audit=self.trainer.weight_checksums if cfg.audit_weights else None,
-                                            served_checksums=vllm_checksums if vllm else None)
+                                            served_checksums=vllm_checksums if vllm else None,
+                                            # on GPUs, our engine's shards asleep beside a trainer
+                                            # rank take the new version from its GPU (CUDA IPC)
+                                            device_sync=(self.trainer.sync_on_device
+                                                         if dev.device == "cuda" and not vllm
+                                                         and not dev.multi_node else None))
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)

@@ -83,6 +83,11 @@ class SchedulerHooks:
         if ref is not None:
             await ref
 
+    async def shard_ranks(self) -> set[int] | None:
+        """The shards the scheduler's plan places now, once the release in flight is answered."""
+        await self.settle()
+        return set(await self.scheduler.shard_ranks.remote(self.pipeline))
+
     def _progress(self, collected: int, target: int, step: int,
                   shard_load: dict[int, int] | None = None, turns_outstanding: int | None = None,
                   pending_work: bool = False) -> Progress:

@@ -267,6 +267,10 @@ class AsyncScheduler:
         self.core.report_progress(progress)
         self._replan(f"progress {progress.pipeline}")
 
+    def shard_ranks(self, pipeline: str) -> list[int]:
+        """The dp ranks of `pipeline`'s shards the plan places now (the ledger, as planned)."""
+        return sorted(self.core.ledger.shards_of(pipeline))
+
     def role_changes(self, since: int = 0) -> list[dict]:
         return self.core.role_changes(since)
 

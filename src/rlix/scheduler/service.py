@@ -288,6 +288,11 @@ class SchedulerService:
         self._start()
         self._sched.report_progress(progress)
 
+    async def shard_ranks(self, pipeline: str) -> list[int]:
+        """The pipeline's shards the plan places now (dp ranks)."""
+        self._start()
+        return self._sched.shard_ranks(pipeline)
+
     async def hold(self) -> None:
         self._start()
         self._sched.hold()

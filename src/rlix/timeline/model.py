@@ -37,8 +37,8 @@ FREE = ("idle", "lost")
 CATEGORIES = HELD + FREE
 
 #: coordinator events that move weights / that sleep, wake or start shards
-SYNC_EVENTS = ("sync", "refit", "audit")
-SWITCH_EVENTS = ("wake", "sleep", "replace")
+SYNC_EVENTS = ("sync", "refit", "audit", "device_sync")
+SWITCH_EVENTS = ("wake", "sleep", "replace", "cool")
 #: events that make a shard serve
 ACTIVATING = ("activate", "replace")
 ACTIVATION_SLACK_S = 0.25
@@ -49,9 +49,11 @@ _BASE, _PREV_SLEEP, _SWITCH, _SYNC, _STEP = range(5)
 
 #: a step's phases in the order they run (StepRecord fields; cache and audit drawn as one)
 STEP_PHASES = (("generate", "generate_s"), ("wait GPUs", "wait_gpus_s"), ("reload", "reload_s"),
-               ("train", "train_s"), ("cache", ("cache_s", "audit_s")), ("offload", "offload_s"))
+               ("train", "train_s"), ("cache", ("cache_s", "audit_s")), ("sync shards", "device_sync_s"),
+               ("offload", "offload_s"))
 #: what each step phase counts as on the trainer's GPUs (those not named are not on its GPUs)
-PHASE_CATEGORY = {"reload": "switch", "train": "train", "cache": "sync", "offload": "switch"}
+PHASE_CATEGORY = {"reload": "switch", "train": "train", "cache": "sync", "sync shards": "sync",
+                  "offload": "switch"}
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class TrainerActor:
         # weights, optimizer state and step counter are saved as one consistent state
         self._state = threading.Lock()
         self._pusher: ShardWeightPusher | None = None
+        self._device_pusher: ShardWeightPusher | None = None  # from the GPU copy (CUDA IPC)
         # On a CPU device forward/backward run on a thread of their own that yields the cores to
         # control threads (rlix.threads), so cache builds, syncs and the shards' control calls
         # stay prompt. On CUDA they stay on the calling thread (the current device is per thread).
@@ -86,21 +87,44 @@ class TrainerActor:
     def compute_logprobs(self, samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[list[float]]:
         return self._run(self.trainer.compute_logprobs, _samples(samples))
 
-    def publish(self, version: int, audit: bool = False) -> PublishedVersion:
+    def publish(self, version: int, audit: bool = False, on_device: bool = False) -> PublishedVersion:
         """Snapshot the weights into the cache as `version` and make it the version shards are
         synced to (the cache keeps at most two). `audit`: also keep per-tensor checksums of it,
-        computed where the weights are (the GPU), for `weight_checksums`."""
+        computed where the weights are (the GPU), for `weight_checksums`. `on_device`: keep a
+        copy on the GPU too, for `sync_on_device` until the offload."""
         audit_s = 0.0
         if audit:
             t0 = time.perf_counter()
             self._checksums = {int(version): self._audit_checksums(self.trainer.state_for_sync())}
             audit_s = time.perf_counter() - t0
         started = time.perf_counter()
-        cache = self.trainer.build_cache(version)
+        cache = self.trainer.build_cache(version, on_device)
         cache.promote_active(version)
         return PublishedVersion(int(version), cache.layout.num_buckets, cache.layout.total_bytes,
                                 time.perf_counter() - started, list(cache.versions()),
-                                [s.name for s in cache.shm_segments()], audit_s)
+                                [s.name for s in cache.shm_segments()], audit_s,
+                                on_device=self._device_version() == int(version))
+
+    def build_device_copy(self, version: int) -> bool:
+        """The other ranks' part of `publish(on_device=True)`: the GPU copy only (rank 0 keeps
+        the host cache). False where there is none (no room, not on CUDA)."""
+        return self.trainer.build_device_copy(version) is not None
+
+    def _device_version(self) -> int | None:
+        copy = self.trainer.device_copy
+        return None if copy is None else copy.version
+
+    def sync_on_device(self, version: int, shards: Mapping[int, str]) -> SyncReport:
+        """Move these engine servers ({dp rank: url}), each asleep on this trainer's GPU, to
+        `version` from the GPU copy by CUDA IPC, waking their weights only (their KV cache
+        stays asleep until the scheduler gives them the GPU). Our engine's servers only."""
+        if self._device_version() != int(version):
+            raise WeightCacheError(f"no device copy of version {version} "
+                                   f"(it holds {self._device_version()})")
+        if self._device_pusher is None:
+            self._device_pusher = ShardWeightPusher(lambda: self.trainer.device_copy, self.api_key,
+                                                    transport="cuda_ipc", wake_tags=["weights"])
+        return self._device_pusher.sync(version, {int(r): u for r, u in shards.items()}, wake=list(shards))
 
     def _audit_checksums(self, state: Mapping[str, torch.Tensor]) -> dict[str, int | Digest]:
         """What a shard's served weights are compared with: per-tensor checksums (rlix's engine
@@ -179,9 +203,10 @@ class TrainerActor:
 
     def close(self) -> None:
         """Free the host cache (its shared memory is unlinked); the actor can then be killed."""
-        if self._pusher is not None:
-            self._pusher.close()
-            self._pusher = None
+        for pusher in (self._pusher, self._device_pusher):
+            if pusher is not None:
+                pusher.close()
+        self._pusher = self._device_pusher = None
         if self.trainer.cache is not None:
             self.trainer.cache.close()
             self.trainer.cache = None

@@ -71,6 +71,7 @@ class TrainerGroup:
         self.ranks: list[Any] = list(ranks)
         self.step_timeout_s = float(step_timeout_s)
         self._pids: list[int | None] = [None] * len(self.ranks)  # known once pids() ran
+        self.device_ranks: list[int] = []  # ranks holding a GPU copy of the newest version
 
     @property
     def world_size(self) -> int:
@@ -184,9 +185,24 @@ class TrainerGroup:
         return tasks[0].result()
 
     # -- weights: rank 0 holds the cache (the ranks' weights are identical) -----------------
-    async def publish(self, version: int, audit: bool = False) -> PublishedVersion:
-        """Rank 0 snapshots its weights into its cache as `version` (see TrainerActor.publish)."""
-        return await self.ranks[0].publish.remote(version, audit)
+    async def publish(self, version: int, audit: bool = False, on_device: bool = False) -> PublishedVersion:
+        """Rank 0 snapshots its weights into its cache as `version` (see TrainerActor.publish).
+        `on_device`: every rank also keeps a copy on its GPU until the offload, for the shards
+        there (`sync_on_device`); `device_ranks` then names the ranks that have one."""
+        if not on_device:
+            self.device_ranks = []
+            return await self.ranks[0].publish.remote(version, audit)
+        results = await self._on_all([self.ranks[0].publish.remote(version, audit, True)]
+                                     + [a.build_device_copy.remote(version) for a in self.ranks[1:]])
+        published: PublishedVersion = results[0]
+        self.device_ranks = [r for r, ok in enumerate([published.on_device, *results[1:]]) if ok]
+        return published
+
+    async def sync_on_device(self, version: int, by_rank: Mapping[int, Mapping[int, str]]) -> list[SyncReport]:
+        """Each trainer rank named moves the shards on its GPU ({rank: {dp rank: url}}) to
+        `version` from its GPU copy (see TrainerActor.sync_on_device), all ranks at once."""
+        return list(await self._on_all(self.ranks[r].sync_on_device.remote(version, dict(shards))
+                                       for r, shards in sorted(by_rank.items())))
 
     async def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
         """Rank 0 moves these shards to cached `version` (see TrainerActor.sync_weights)."""

@@ -30,8 +30,9 @@ from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
-from rlix.weights.buckets import DEFAULT_BUCKET_BYTES
+from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, plan_layout
 from rlix.weights.cache import BucketCache, HostMemory
+from rlix.weights.device_copy import DeviceCopy
 
 # All-reduce gradients in flat buckets of at most this many bytes: few collectives, bounded copy.
 _GRAD_BUCKET_BYTES = 64 << 20
@@ -86,6 +87,7 @@ class PolicyTrainer:
         self.rank, self.world_size = int(rank), int(world_size)
         self.seed = int(seed)
         self.cache_bucket_bytes, self.cache_host = cache_bucket_bytes, cache_host
+        self.device_copy: DeviceCopy | None = None  # the newest version packed on the GPU
         torch.manual_seed(self.seed)
 
         # `offloaded`: built in host memory, the GPU untouched until the first reload() (a
@@ -319,15 +321,36 @@ class PolicyTrainer:
                    for n, t in out.items()}
         return out
 
-    def build_cache(self, version: int) -> BucketCache:
+    def build_cache(self, version: int, on_device: bool = False) -> BucketCache:
         """Snapshot the weights into the host bucket cache as `version` (the cache is allocated
-        once, pinned with CUDA else shared memory, and reused for every later version)."""
+        once, pinned with CUDA else shared memory, and reused for every later version).
+        `on_device`: pack them on the GPU first (`build_device_copy`) and fill the cache from
+        that copy, which stays for the shards on this GPU until `offload`."""
         state = self.state_for_sync()
         if self.cache is None:
             self.cache = BucketCache.for_model(state, bucket_bytes=self.cache_bucket_bytes,
                                                host=self.cache_host)
-        self.cache.build_latest(int(version), state)
+        copied = self.build_device_copy(version, state) if on_device else None
+        if copied is None:
+            self.cache.build_latest(int(version), state)
+        else:
+            self.cache.write_version(int(version), lambda host: _copy_buckets(copied, host))
         return self.cache
+
+    def build_device_copy(self, version: int, state: dict[str, torch.Tensor] | None = None
+                          ) -> list[torch.Tensor] | None:
+        """Pack the weights as `version` into a buffer on this trainer's GPU (weights/device_copy),
+        from which a shard on the same GPU is synced before the trainer offloads. None (no copy)
+        off CUDA, offloaded, or where the GPU has no room for it and a shard's staging beside it."""
+        if self.device.type != "cuda" or not self.on_device:
+            return None
+        state = self.state_for_sync() if state is None else state
+        if self.device_copy is None:
+            layout = self.cache.layout if self.cache is not None else plan_layout(state, self.cache_bucket_bytes)
+            self.device_copy = DeviceCopy(layout, self.device)
+        if not self.device_copy.nbytes and not DeviceCopy.fits(self.device_copy.layout, self.device):
+            return None
+        return self.device_copy.build(version, state)
 
     # -- offload ----------------------------------------------------------------------------
     def _require_on_device(self) -> None:
@@ -388,6 +411,8 @@ class PolicyTrainer:
         """Model, reference model and AdamW state to (pinned) CPU memory, the freed GPU memory
         given back to the driver; returns the device memory measured afterwards, so the caller
         can confirm the GPU is free before anyone else is given it."""
+        if self.device_copy is not None:  # before the memory is measured free
+            self.device_copy.free()
         if self.on_device:
             self.optimizer.zero_grad(set_to_none=True)
             self._move(torch.device("cpu"))
@@ -458,3 +483,10 @@ class PolicyTrainer:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(json.loads((root / "trainer.json").read_text())["step"])
+
+
+def _copy_buckets(device: list[torch.Tensor], host: list[torch.Tensor]) -> None:
+    """The device copy's buckets into the host cache's: one copy per bucket, waited for once."""
+    for d, h in zip(device, host):
+        h.copy_(d, non_blocking=True)
+    torch.cuda.synchronize()

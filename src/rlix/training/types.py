@@ -64,3 +64,4 @@ class PublishedVersion:
     versions: list[int]  # every version the cache holds now
     shm_segments: list[str]  # the cache's shared-memory segments (empty when pinned instead)
     audit_s: float = 0.0  # checksumming it for the weight audit (not part of `seconds`)
+    on_device: bool = False  # a copy stays on the trainer's GPU until its offload (sync_on_device)

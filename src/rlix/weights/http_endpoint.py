@@ -102,12 +102,14 @@ class HttpShardEndpoint:
         return int(out.get("weight_version", version))
 
     async def sync(self, version: int, layout_id: str, transfer: dict[str, Any],
-                    messages: list[Mapping[str, Any]], wake_up: bool = False) -> int:
+                    messages: list[Mapping[str, Any]], wake_up: bool | list[str] = False) -> int:
         """Start, every message and finish in one call (/sync_weights), waking the engine first
-        if asked; returns the version the shard says it serves afterwards."""
+        if asked (True: everything; a list: those wake-up tags); returns the version the shard
+        says it serves afterwards."""
         out = await self._post("/sync_weights", {
             "weight_version": int(version), "layout_id": layout_id, "transfer": transfer,
-            "updates": [encode_message(m) for m in messages], "wake_up": bool(wake_up)})
+            "updates": [encode_message(m) for m in messages],
+            "wake_up": list(wake_up) if isinstance(wake_up, list) else bool(wake_up)})
         return int(out["weight_version"])
 
     async def push_tensors(self, tensors: Mapping[str, Any], version: int | None = None) -> int:

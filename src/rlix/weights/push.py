@@ -15,13 +15,16 @@ from collections.abc import Callable, Iterable, Mapping
 from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.api import SyncReport
 from rlix.weights.cache import BucketCache
+from rlix.weights.device_copy import DeviceCopy
 from rlix.weights.sync import WeightSync
 
 
 class ShardWeightPusher:
-    def __init__(self, cache: Callable[[], BucketCache], api_key: str, transport: str = "shm",
-                 idle_timeout_s: float = 60.0, endpoint: type[HttpShardEndpoint] = HttpShardEndpoint) -> None:
+    def __init__(self, cache: Callable[[], BucketCache | DeviceCopy], api_key: str, transport: str = "shm",
+                 idle_timeout_s: float = 60.0, endpoint: type[HttpShardEndpoint] = HttpShardEndpoint,
+                 wake_tags: list[str] | None = None) -> None:
         self._cache, self.api_key, self.transport = cache, api_key, transport
+        self.wake_tags = wake_tags  # what a wake inside a sync brings back (None: everything)
         self.endpoint = endpoint  # the shards' weight protocol: rlix's engine server, or vLLM's
         self.idle_timeout_s = idle_timeout_s
         self._sync: WeightSync | None = None
@@ -39,7 +42,8 @@ class ShardWeightPusher:
     async def _run(self, version: int, urls: dict[int, str], wake: list[int]) -> SyncReport:
         cache = self._cache()
         if self._sync is None or self._sync.cache is not cache:
-            self._sync = WeightSync(cache, {}, self.transport, idle_timeout_s=self.idle_timeout_s)
+            self._sync = WeightSync(cache, {}, self.transport, idle_timeout_s=self.idle_timeout_s,
+                                    wake_tags=self.wake_tags)
         for rank, url in urls.items():
             known = self._sync.endpoints.get(rank)
             if not isinstance(known, self.endpoint) or known.url != url.rstrip("/"):

@@ -108,6 +108,16 @@ class ShardUpdater:
             raise self._fail(WeightUpdateError(f"an update to version {self._session.version} is "
                                                f"in progress"), context)
         await self.wait_teardown()
+        kind = transfer.get("transport")
+        if kind is not None and kind != self.transport.kind:
+            # one layout, two senders (the host cache by shared memory, the trainer's device
+            # copy by CUDA IPC): each start names its transport
+            try:
+                receiver = make_receiver(str(kind), self.device)
+            except Exception as exc:
+                raise self._fail(exc, context) from None
+            self.transport.close()
+            self.transport = receiver
         try:
             self.transport.open(dict(transfer))
             await self.engine.start_weight_update(int(version))

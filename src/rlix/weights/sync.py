@@ -33,7 +33,7 @@ class WeightSync:
     def __init__(self, cache: BucketCache, endpoints: Mapping[int, ShardEndpoint] | None = None,
                  transport: Transport | str = "shm", *, verify: bool = False, partial: bool = False,
                  transport_options: Mapping[str, Any] | None = None, idle_timeout_s: float = 60.0,
-                 one_call: bool = True) -> None:
+                 one_call: bool = True, wake_tags: list[str] | None = None) -> None:
         self.cache = cache
         self.endpoints: dict[int, ShardEndpoint] = dict(endpoints or {})
         if isinstance(transport, str):
@@ -45,6 +45,9 @@ class WeightSync:
         self.verify, self.partial = verify, partial
         self.idle_timeout_s = idle_timeout_s  # a shard aborts an update whose sender went quiet
         self.one_call = one_call  # whole update in one call per shard where the transport allows
+        # what a wake inside the sync brings back (None: everything; ["weights"]: the weights
+        # only, the KV cache staying asleep, for a shard synced beside the trainer)
+        self.wake_tags = wake_tags
         self._initialised: dict[int, str] = {}  # rank -> layout id it accepted
         self._busy: set[int] = set()
 
@@ -119,7 +122,7 @@ class WeightSync:
                 for r in live:
                     offsets[r] = 1 + total
                     total += self.endpoints[r].transport_ranks
-                info = sender.open(total)
+                info = {**sender.open(total), "transport": self.transport.kind}
                 jobs = [self.endpoints[r].start(version, layout.layout_id, {**info, "rank": offsets[r]})
                         for r in live]
                 results = await asyncio.gather(asyncio.to_thread(sender.connect), *jobs,
@@ -168,10 +171,12 @@ class WeightSync:
         """Each live shard: [wake,] start, every message, finish, in one call. A shard aborts a
         failed update itself, so there is nothing to clean up here."""
         layout = self.cache.layout
-        info = sender.open(len(live))
+        info = {**sender.open(len(live)), "transport": self.transport.kind}
         t1 = time.perf_counter()
+        tags = self.wake_tags
         results = await asyncio.gather(
-            *(self.endpoints[r].sync(version, layout.layout_id, {**info, "rank": 1 + i}, bundle, r in wake)
+            *(self.endpoints[r].sync(version, layout.layout_id, {**info, "rank": 1 + i}, bundle,
+                                     (tags if tags is not None else True) if r in wake else False)
               for i, r in enumerate(live)), return_exceptions=True)
         seconds = time.perf_counter() - t1
         reported: dict[int, int] = {}

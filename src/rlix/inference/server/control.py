@@ -86,7 +86,9 @@ class ControlPlane:
         if mode not in ("abort", "wait"):
             raise InvalidRequestError("sleep mode must be abort or wait: keep would need the KV cache "
                                       "that sleeping frees", param="mode")
-        if not self.engine.is_sleeping():
+        # asleep but with its weights woken (synced beside a trainer): the sleep drops them
+        weights_awake = getattr(self.engine, "weights_awake", None)
+        if not self.engine.is_sleeping() or (callable(weights_awake) and weights_awake()):
             if mode == "wait" and not self.engine.is_paused():
                 await self.engine.pause(mode)  # type: ignore[arg-type]
                 self._resume_on_wake = True
@@ -213,7 +215,7 @@ class ControlPlane:
             raise InvalidRequestError("updates must be a non-empty list of bucket messages "
                                       "(each like an /update_weights update_info)", param="updates")
         if body.wake_up:
-            await self.wake_up(None)
+            await self.wake_up(None if body.wake_up is True else list(body.wake_up))
         await self.start_weight_update(StartWeightUpdateBody(
             weight_version=body.weight_version, layout_id=body.layout_id, transfer=body.transfer))
         for message in messages:

@@ -66,7 +66,7 @@ class SyncWeightsBody(_Body):
     layout_id: str = Field(min_length=1)
     transfer: dict[str, Any] = Field(default_factory=dict)
     updates: list[dict[str, Any]] = Field(min_length=1)
-    wake_up: StrictBool = False
+    wake_up: StrictBool | list[Literal["weights", "kv_cache"]] = False  # a list: those tags only
 
 
 class AbortWeightUpdateBody(_Body):

@@ -33,6 +33,15 @@ class CudaIpcSender(StagedSender):
                checksums: Sequence[int] | None) -> Iterator[Message]:
         yield from self.stream_staged(version, buckets, checksums)
 
+    def references(self, version: int, buckets: Sequence[torch.Tensor],
+                   checksums: Sequence[int] | None) -> list[Message] | None:
+        """Every bucket's handle at once when all of them already live on the device (the
+        trainer's device copy): nothing to stage, so a shard gets the whole update in one call."""
+        if not all(b.is_cuda for b in buckets):
+            return None
+        return [self.send(version, i, b, None if checksums is None else checksums[i])
+                for i, b in enumerate(buckets)]
+
     def close(self) -> None:
         self.close_stager()
         if torch.cuda.is_available():
