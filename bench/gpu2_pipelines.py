@@ -330,6 +330,7 @@ def gate3(args: argparse.Namespace, base: dict, out: Path, bench: Bench) -> dict
         "gate3_train_phases": len(windows), "gate3_both_shards_synced_after": both_synced,
         # the sync of both shards at once, and (after the trainer's release) their KV wake
         "gate3_sync_ms": _med3([1000 * e[4] for e in beside]),
+        "gate3_sync_call_ms": _med3(list(s.get("device_sync_calls_ms", []))),  # sender-timed, no Ray hops
         "gate3_host_sync_ms": _med3([1000 * e[4] for e in syncs if e[1] == "sync"]),
         "gate3_syncs_from_trainer_gpu": sum(len(e[2]) for e in beside),
         "gate3_syncs_from_host_cache": sum(len(e[2]) for e in syncs if e[1] == "sync"),

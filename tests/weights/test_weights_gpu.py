@@ -256,7 +256,7 @@ def test_a_shard_asleep_beside_the_trainer_takes_its_gpu_copy_by_cuda_ipc(tiny_m
     cfg = EngineBackendConfig(backend="embedded", model=str(tiny_model_dir), device="cuda",
                               max_num_seqs=8, max_model_len=256)
     shard = ShardProcess(EmbeddedBackend(cfg), key)
-    trainer = PolicyTrainer(str(tiny_model_dir), device="cuda", lr=0.05, dtype="bfloat16")
+    trainer = PolicyTrainer(str(tiny_model_dir), device="cuda", lr=0.05)  # the shard's dtype
     pusher = ShardWeightPusher(lambda: trainer.device_copy, key, transport="cuda_ipc", wake_tags=["weights"])
     host = ShardWeightPusher(lambda: trainer.cache, key)
     http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"})

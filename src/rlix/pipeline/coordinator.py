@@ -75,6 +75,9 @@ class CoordinatorStats:
     sleep_phases_ms: dict[str, float] = field(default_factory=dict)  # preemption phases, summed
     deaths: list[dict] = field(default_factory=list)  # shard processes found dead
     replacements: list[dict] = field(default_factory=list)  # new processes for dead assigned shards
+    # per sync beside the trainer: its slowest shard's call, timed by the sender (its
+    # `device_sync` event adds the hops to the trainer ranks)
+    device_sync_calls_s: list[float] = field(default_factory=list)
 
 
 async def engine_checksums(fleet: ShardFleet, ranks: list[int]) -> dict[int, dict]:
@@ -391,6 +394,8 @@ class ShardCoordinator:
                 self.history.setdefault(r, []).append(got)
             self.warm.update(synced)
             self.stats.sync_seconds += dt
+            self.stats.device_sync_calls_s.append(max((rep.seconds + rep.setup_seconds for rep in reports),
+                                                      default=0.0))
             self._event("device_sync", synced, version, dt)
             log.info("synced shards %s to version %d from the trainer's GPU in %.4fs", synced, version, dt)
             if self._audit is not None and synced:

@@ -453,6 +453,7 @@ class PipelineRunner:
             "sync_s": coord.stats.sync_seconds, "sleep_s": coord.stats.sleep_seconds,
             "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s,
             "sleep_phases_ms": {k: round(v, 1) for k, v in coord.stats.sleep_phases_ms.items()},
+            "device_sync_calls_ms": [round(1000 * s, 3) for s in coord.stats.device_sync_calls_s],
             "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
             "device": self.devices.device, "gpu_memory": self.memory_log(),
             "trainer_placement": self.trainer_placement,

@@ -55,10 +55,15 @@ class CudaIpcReceiver(ReceiverBase):
     def __init__(self, device: str | torch.device = "cuda") -> None:
         self.device = torch.device(device)
         self._held: dict[int, torch.Tensor] = {}
+        # one bucket per sender allocation kept open until the sync ends: buckets that are views
+        # of one buffer (the trainer's device copy) then open its handle once, not once each
+        self._open: dict[bytes, torch.Tensor] = {}
 
     def receive(self, message: Message) -> torch.Tensor:
-        tensor = open_cuda_ipc(tuple(message["ipc"]))
+        args = tuple(message["ipc"])
+        tensor = open_cuda_ipc(args)
         self._held[int(message["bucket"])] = tensor
+        self._open.setdefault(bytes(args[7]), tensor)  # the storage's IPC handle
         return tensor
 
     def release(self, message: Message) -> None:
@@ -66,6 +71,7 @@ class CudaIpcReceiver(ReceiverBase):
 
     def end(self) -> None:
         self._held.clear()
+        self._open.clear()
 
 
 class CudaIpcTransport:
