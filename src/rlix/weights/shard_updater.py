@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,6 +57,7 @@ class ShardUpdater:
         self._session: ReceiveSession | None = None
         self._bucket_target: Callable[[int], tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None] | None = None
         self.last_error: str | None = None
+        self.bucket_ms: dict[str, float] = {}  # the last update's bucket time, by part
         self._teardown: concurrent.futures.Future | None = None
 
     @property
@@ -125,30 +127,39 @@ class ShardUpdater:
             self.transport.end()
             raise self._fail(exc, context) from None
         self._session = ReceiveSession(self._assembler, int(version), self.verify)
+        self.bucket_ms = {"receive": 0.0, "unpack": 0.0, "stage": 0.0, "wait": 0.0}
 
     async def bucket(self, message: Message) -> None:
         session, transport = self._require()
+        clock = time.perf_counter
         try:
+            t0 = clock()
             target = self._bucket_target(message.get("bucket")) if self._bucket_target else None
             landed = target is not None and getattr(transport, "receives_into", False)
             if landed:
                 tensor = transport.receive(message, out=target[0])  # straight into staging
             else:
                 tensor = transport.receive(message)
+            t1 = clock()
             if target is not None:  # the engine keeps its weights in bucket layout: one copy
                 dest, named = target
                 view = session.check(message, tensor)
                 if view.data_ptr() != dest.data_ptr():
                     dest.copy_(view)
+                t2 = clock()
                 await self.engine.update_weights(named)
             else:
                 named = session.accept(message, tensor, cache_views=transport.persistent)
+                t2 = clock()
                 if named:
                     await self.engine.update_weights(dict(named))
+            t3 = clock()
             if tensor.is_cuda and not landed:
                 # consumed: the transport may reuse its buffer. Bytes that landed in staging need
                 # no wait here (finish synchronises), so the sender's next bucket follows at once.
                 torch.cuda.current_stream(tensor.device).synchronize()
+            for k, a, b in (("receive", t0, t1), ("unpack", t1, t2), ("stage", t2, t3), ("wait", t3, clock())):
+                self.bucket_ms[k] += 1000 * (b - a)
             del named, tensor
             transport.release(message)
         except Exception as exc:

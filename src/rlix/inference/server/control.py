@@ -60,6 +60,7 @@ class ControlPlane:
         self._updater: ShardUpdater | None = None  # made on the first bucket transfer
         self._resume_on_wake = False
         self.idle_timeout_s = 60.0  # a bucket update idle this long is aborted (sender gone)
+        self.last_sync_ms: dict[str, float] = {}  # the last /sync_weights, by phase
         self._last_activity = 0.0
         self._watchdog: asyncio.Task | None = None
 
@@ -214,13 +215,21 @@ class ControlPlane:
         if any(m is None for m in messages):
             raise InvalidRequestError("updates must be a non-empty list of bucket messages "
                                       "(each like an /update_weights update_info)", param="updates")
+        t = [time.perf_counter()]
         if body.wake_up:
             await self.wake_up(None if body.wake_up is True else list(body.wake_up))
+        t.append(time.perf_counter())
         await self.start_weight_update(StartWeightUpdateBody(
             weight_version=body.weight_version, layout_id=body.layout_id, transfer=body.transfer))
+        t.append(time.perf_counter())
         for message in messages:
             await self.update_bucket(message)  # type: ignore[arg-type]
+        t.append(time.perf_counter())
         await self.finish_weight_update(FinishWeightUpdateBody(weight_version=body.weight_version))
+        t.append(time.perf_counter())
+        # where the last one-call sync's time went (transfer_status shows it)
+        self.last_sync_ms = {k: round(1000 * (b - a), 3)
+                             for k, a, b in zip(("wake", "start", "buckets", "finish"), t, t[1:])}
         return {"message": "Weight update finished", "weight_version": self.engine.weight_version,
                 "is_sleeping": self.engine.is_sleeping()}
 
@@ -238,7 +247,9 @@ class ControlPlane:
         got, total = updater.progress() if updater is not None else (0, 0)
         return {"weight_version": self.engine.weight_version, "updating": self._updating,
                 "buckets_received": got, "buckets_total": total,
-                "last_error": updater.last_error if updater is not None else None}
+                "last_error": updater.last_error if updater is not None else None,
+                "last_sync_ms": dict(self.last_sync_ms),
+                "last_buckets_ms": dict(updater.bucket_ms) if updater is not None else {}}
 
     def _touch(self) -> None:
         """Note sender activity; a watchdog aborts a bucket update whose sender went quiet, so a
