@@ -15,8 +15,9 @@ weight cache's shared memory as a shard maps it, then copy at full bandwidth whi
 bucket is being taken apart) and waited for once, when the update is judged at finish: the
 bytes handed in must therefore stay unchanged until finish or abort (rlix's senders lease the
 cache slot for the whole sync). A reload after a level-2 sleep stages each batch (a bucket)
-into one allocation carved per parameter, not one allocation per tensor: after a level-2 sleep
-every allocation is a fresh cudaMalloc, and the staged tensors become the parameters.
+into one allocation, not one per tensor (after a level-2 sleep every allocation is a fresh
+cudaMalloc, and the staged tensors become the parameters); tensors that are views of one
+source buffer come over in one copy of the span they cover.
 """
 
 from __future__ import annotations
@@ -43,16 +44,54 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-def carve(specs: list[ParamSpec], device: torch.device) -> list[torch.Tensor]:
-    """One uninitialised allocation for all `specs`, as one tensor view per spec, each starting
-    on an ALIGN boundary (any kernel's alignment needs hold)."""
+def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """A reload's batch (each spec with its incoming tensor) staged in ONE allocation on
+    `device`, as one view per spec, each on an ALIGN boundary. Tensors that are contiguous views
+    of one source buffer (a bucket: of the host cache, or of the trainer's device copy) come
+    over in one copy of the span they cover and keep their relative offsets; the others (a
+    tensor split over buckets, reassembled) are placed after them and copied one by one.
+    Hundreds of small copies cost more than the bytes: 7 ms for a 0.5B model's 3 buckets on an
+    H100, where the bytes take 0.5 ms. The copies are issued without waiting."""
+    groups: dict[int, list[tuple[ParamSpec, torch.Tensor]]] = {}
+    single: list[tuple[ParamSpec, torch.Tensor]] = []
+    for spec, tensor in checked:
+        if tensor.is_contiguous() and tensor.numel() and tensor.data_ptr() % ALIGN == 0:
+            groups.setdefault(tensor.untyped_storage().data_ptr(), []).append((spec, tensor))
+        else:
+            single.append((spec, tensor))
+    spans: list[tuple[int, int, list[tuple[ParamSpec, torch.Tensor]]]] = []  # (base, bytes, members)
+    for members in groups.values():
+        if len(members) < 2:
+            single.extend(members)
+            continue
+        base = min(t.data_ptr() for _, t in members)
+        end = max(t.data_ptr() + t.numel() * t.element_size() for _, t in members)
+        spans.append((base, end - base, members))
     offsets, total = [], 0
-    for spec in specs:
+    for _, size, _ in spans:
         offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    placed = []
+    for spec, _ in single:
+        placed.append(total)
         total += -(-spec.numel * spec.dtype.itemsize // ALIGN) * ALIGN
     flat = torch.empty(total, dtype=torch.uint8, device=device)
-    return [flat[o: o + s.numel * s.dtype.itemsize].view(s.dtype).view(s.shape)
-            for o, s in zip(offsets, specs)]
+
+    def view(at: int, spec: ParamSpec) -> torch.Tensor:
+        return flat[at: at + spec.numel * spec.dtype.itemsize].view(spec.dtype).view(spec.shape)
+
+    out: dict[str, torch.Tensor] = {}
+    for (base, size, members), at in zip(spans, offsets):
+        storage = members[0][1].untyped_storage()
+        source = torch.empty(0, dtype=torch.uint8, device=members[0][1].device).set_(
+            storage, base - storage.data_ptr(), (size,))
+        flat[at: at + size].copy_(source, non_blocking=True)
+        for spec, tensor in members:
+            out[spec.name] = view(at + tensor.data_ptr() - base, spec)
+    for (spec, tensor), at in zip(single, placed):
+        out[spec.name] = view(at, spec)
+        out[spec.name].copy_(tensor.detach(), non_blocking=True)
+    return out
 
 
 class ServedWeights:
@@ -165,12 +204,13 @@ class WeightStaging:
             return
         # A reload (level-2 sleep: these become the parameters) takes one allocation per batch;
         # an in-place update stages tensor by tensor, freed once copied over the served ones.
-        specs = [spec for spec, _ in checked]
-        dests = (carve(specs, self.weights.device) if not self.weights.loaded else
-                 [torch.empty(s.shape, dtype=s.dtype, device=self.weights.device) for s in specs])
-        for (spec, tensor), staged in zip(checked, dests):
-            staged.copy_(tensor.detach(), non_blocking=True)
-            self.staged[spec.name] = staged
+        if not self.weights.loaded:
+            self.staged.update(stage_reload(checked, self.weights.device))
+        else:
+            for spec, tensor in checked:
+                staged = torch.empty(spec.shape, dtype=spec.dtype, device=self.weights.device)
+                staged.copy_(tensor.detach(), non_blocking=True)
+                self.staged[spec.name] = staged
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.weights.device))
         self._copies.append(event)
