@@ -6,7 +6,8 @@ put to sleep at level 2 before each round, is synced in one /sync_weights call b
 waking its weights only (what the pipeline does before the trainer offloads). Per round: the
 sender-timed call, the server's own phases (wake, start, buckets, finish; buckets split into
 receive, unpack, stage, wait) and the trainer's device-copy build. Bounds measured in the same
-run: one device-to-device copy of the same bytes, a pinned host-to-device copy of them (the
+run: one device-to-device copy of the same bytes, allocating them (what a shard woken from a
+level-2 sleep must do first) in one piece and in 11, a pinned host-to-device copy of them (the
 path from the host cache), and with two GPUs an NCCL broadcast of them (issue 21's gate 3
 bound). Medians over --rounds after one warm-up round.
 
@@ -49,6 +50,22 @@ def d2d_seconds(total: int, rounds: int) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return t
+
+
+def alloc_seconds(total: int, pieces: int, rounds: int) -> float:
+    """Allocating `total` bytes in `pieces` on a GPU the caching allocator gave back (as after
+    a level-2 sleep): each piece a fresh cudaMalloc."""
+    def alloc() -> None:
+        held = [torch.empty(total // pieces, dtype=torch.uint8, device="cuda:0") for _ in range(pieces)]
+        torch.cuda.synchronize()
+        del held
+
+    def timed() -> float:
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        alloc()
+        return time.perf_counter() - t0
+    return min(timed() for _ in range(rounds))
 
 
 def main() -> None:
@@ -96,6 +113,8 @@ def main() -> None:
     fig = {"refit_bytes": total, "refit_buckets": buckets, **{f"refit_{k}": v for k, v in med.items()},
            "refit_first_call_ms": round(rows[0]["call_ms"], 3),
            "d2d_copy_ms": round(d2d, 3), "h2d_copy_ms": round(h2d, 3),
+           "alloc_1_ms": round(1000 * alloc_seconds(total, 1, 5), 3),
+           "alloc_11_ms": round(1000 * alloc_seconds(total, 11, 5), 3),
            "refit_call_vs_d2d": round(d2d / med["call_ms"], 3),
            "refit_call_vs_h2d": round(h2d / med["call_ms"], 3)}
     if torch.cuda.device_count() >= 2:

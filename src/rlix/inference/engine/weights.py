@@ -44,9 +44,34 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
-def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+def aligned_bytes(spec: ParamSpec) -> int:
+    return -(-spec.numel * spec.dtype.itemsize // ALIGN) * ALIGN
+
+
+class Arena:
+    """One allocation for a whole reload, handed out in ALIGN-sized pieces: after a level-2
+    sleep each allocation is a fresh cudaMalloc, whose cost is per call (about 2 ms on an H100,
+    whatever the size), so a reload in 11 buckets paid 11 of them. Beyond its size it
+    allocates afresh."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // ALIGN) * ALIGN
+        if self.used + size > self.flat.numel():
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        out = self.flat[self.used: self.used + nbytes]
+        self.used += size
+        return out
+
+
+def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.device,
+                 arena: Arena | None = None) -> dict[str, torch.Tensor]:
     """A reload's batch (each spec with its incoming tensor) staged in ONE allocation on
-    `device`, as one view per spec, each on an ALIGN boundary. Tensors that are contiguous views
+    `device` (a piece of `arena` if given), as one view per spec, each on an ALIGN boundary. Tensors that are contiguous views
     of one source buffer (a bucket: of the host cache, or of the trainer's device copy) come
     over in one copy of the span they cover and keep their relative offsets; the others (a
     tensor split over buckets, reassembled) are placed after them and copied one by one.
@@ -55,18 +80,21 @@ def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.de
     groups: dict[int, list[tuple[ParamSpec, torch.Tensor]]] = {}
     single: list[tuple[ParamSpec, torch.Tensor]] = []
     for spec, tensor in checked:
-        if tensor.is_contiguous() and tensor.numel() and tensor.data_ptr() % ALIGN == 0:
+        if tensor.is_contiguous() and tensor.numel():
             groups.setdefault(tensor.untyped_storage().data_ptr(), []).append((spec, tensor))
         else:
             single.append((spec, tensor))
     spans: list[tuple[int, int, list[tuple[ParamSpec, torch.Tensor]]]] = []  # (base, bytes, members)
     for members in groups.values():
-        if len(members) < 2:
-            single.extend(members)
-            continue
         base = min(t.data_ptr() for _, t in members)
-        end = max(t.data_ptr() + t.numel() * t.element_size() for _, t in members)
-        spans.append((base, end - base, members))
+        # the span keeps offsets relative to its first tensor: they must be aligned (a bucket's are)
+        aligned = [(s, t) for s, t in members if (t.data_ptr() - base) % ALIGN == 0]
+        single.extend((s, t) for s, t in members if (t.data_ptr() - base) % ALIGN)
+        if len(aligned) < 2:
+            single.extend(aligned)
+            continue
+        end = max(t.data_ptr() + t.numel() * t.element_size() for _, t in aligned)
+        spans.append((base, end - base, aligned))
     offsets, total = [], 0
     for _, size, _ in spans:
         offsets.append(total)
@@ -74,8 +102,8 @@ def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.de
     placed = []
     for spec, _ in single:
         placed.append(total)
-        total += -(-spec.numel * spec.dtype.itemsize // ALIGN) * ALIGN
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+        total += aligned_bytes(spec)
+    flat = arena.take(total) if arena is not None else torch.empty(total, dtype=torch.uint8, device=device)
 
     def view(at: int, spec: ParamSpec) -> torch.Tensor:
         return flat[at: at + spec.numel * spec.dtype.itemsize].view(spec.dtype).view(spec.shape)
@@ -178,6 +206,9 @@ class WeightStaging:
         self.staged: dict[str, torch.Tensor] = {}
         self._cuda = weights.device.type == "cuda"
         self._copies: list[torch.cuda.Event] = []  # one per add(): its copies issued so far
+        # a reload on CUDA: every parameter's memory in one allocation, taken now
+        self._arena = (Arena(sum(aligned_bytes(s) for s in weights.specs.values()), weights.device)
+                       if self._cuda and not weights.loaded else None)
 
     def add(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Validate the whole batch first, then stage it; raise WeightUpdateError on any mismatch."""
@@ -205,7 +236,7 @@ class WeightStaging:
         # A reload (level-2 sleep: these become the parameters) takes one allocation per batch;
         # an in-place update stages tensor by tensor, freed once copied over the served ones.
         if not self.weights.loaded:
-            self.staged.update(stage_reload(checked, self.weights.device))
+            self.staged.update(stage_reload(checked, self.weights.device, self._arena))
         else:
             for spec, tensor in checked:
                 staged = torch.empty(spec.shape, dtype=spec.dtype, device=self.weights.device)
