@@ -48,30 +48,9 @@ def aligned_bytes(spec: ParamSpec) -> int:
     return -(-spec.numel * spec.dtype.itemsize // ALIGN) * ALIGN
 
 
-class Arena:
-    """One allocation for a whole reload, handed out in ALIGN-sized pieces: after a level-2
-    sleep each allocation is a fresh cudaMalloc, whose cost is per call (about 2 ms on an H100,
-    whatever the size), so a reload in 11 buckets paid 11 of them. Beyond its size it
-    allocates afresh."""
-
-    def __init__(self, nbytes: int, device: torch.device) -> None:
-        self.device = device
-        self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.used = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        size = -(-nbytes // ALIGN) * ALIGN
-        if self.used + size > self.flat.numel():
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        out = self.flat[self.used: self.used + nbytes]
-        self.used += size
-        return out
-
-
-def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.device,
-                 arena: Arena | None = None) -> dict[str, torch.Tensor]:
+def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
     """A reload's batch (each spec with its incoming tensor) staged in ONE allocation on
-    `device` (a piece of `arena` if given), as one view per spec, each on an ALIGN boundary. Tensors that are contiguous views
+    `device`, as one view per spec, each on an ALIGN boundary. Tensors that are contiguous views
     of one source buffer (a bucket: of the host cache, or of the trainer's device copy) come
     over in one copy of the span they cover and keep their relative offsets; the others (a
     tensor split over buckets, reassembled) are placed after them and copied one by one.
@@ -103,7 +82,7 @@ def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.de
     for spec, _ in single:
         placed.append(total)
         total += aligned_bytes(spec)
-    flat = arena.take(total) if arena is not None else torch.empty(total, dtype=torch.uint8, device=device)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
 
     def view(at: int, spec: ParamSpec) -> torch.Tensor:
         return flat[at: at + spec.numel * spec.dtype.itemsize].view(spec.dtype).view(spec.shape)
@@ -206,9 +185,6 @@ class WeightStaging:
         self.staged: dict[str, torch.Tensor] = {}
         self._cuda = weights.device.type == "cuda"
         self._copies: list[torch.cuda.Event] = []  # one per add(): its copies issued so far
-        # a reload on CUDA: every parameter's memory in one allocation, taken now
-        self._arena = (Arena(sum(aligned_bytes(s) for s in weights.specs.values()), weights.device)
-                       if self._cuda and not weights.loaded else None)
 
     def add(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Validate the whole batch first, then stage it; raise WeightUpdateError on any mismatch."""
@@ -236,7 +212,7 @@ class WeightStaging:
         # A reload (level-2 sleep: these become the parameters) takes one allocation per batch;
         # an in-place update stages tensor by tensor, freed once copied over the served ones.
         if not self.weights.loaded:
-            self.staged.update(stage_reload(checked, self.weights.device, self._arena))
+            self.staged.update(stage_reload(checked, self.weights.device))
         else:
             for spec, tensor in checked:
                 staged = torch.empty(spec.shape, dtype=spec.dtype, device=self.weights.device)
