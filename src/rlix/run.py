@@ -21,6 +21,7 @@ from typing import TextIO
 import ray
 
 from rlix import env
+from rlix.interrupts import InterruptFlag
 from rlix.simulated_cluster import SimulatedCluster
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
@@ -162,7 +163,9 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
     shared one). Raises PipelineFailedError when every pipeline failed."""
     supervisor: Supervisor | None = None
     ending = "finished"
+    interrupt = InterruptFlag()
     try:
+        interrupt.__enter__()
         supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=env.api_key() or
                                 secrets.token_urlsafe(24), devices=devices, scheduler=scheduler, say=say,
                                 on_step=say.step, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
@@ -170,10 +173,11 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
                                 all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
                                 role_log_from=role_log_from, experiment_log=cfg.logging)
         supervisor.start_all()
-        supervisor.wait_setup()
+        supervisor.wait_setup(interrupt.check)
+        interrupt.check()
         if first_plan_held:
             ray.get(scheduler.resume.remote())
-        supervisor.drive()
+        supervisor.drive(interrupt.check)
     except KeyboardInterrupt:
         ending = "interrupted"
         say("interrupted: stopping every pipeline (each saves a checkpoint)")
@@ -182,6 +186,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
         ending = f"failed: {one_line(exc)}"
         raise
     finally:
+        interrupt.__exit__()  # a Ctrl-C while stopping raises where it lands
         t_stop = time.perf_counter()
         if supervisor is not None:
             supervisor.stop_all()

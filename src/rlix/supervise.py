@@ -112,17 +112,20 @@ class Supervisor:
         slot.started = slot.progress_sent = time.monotonic()
         slot.seen_deaths, slot.answered = 0, False
 
-    def wait_setup(self) -> None:
-        """Until every pipeline has set up or failed (the scheduler's first plan waits for this)."""
+    def wait_setup(self, check: Callable[[], None] = lambda: None) -> None:
+        """Until every pipeline has set up or failed (the scheduler's first plan waits for this).
+        `check()` runs every turn (it raises to stop: a Ctrl-C noted by rlix.interrupts)."""
         while any(s.state == "setup" for s in self.slots.values()):
+            check()
             self._poll_setup(timeout_s=0.25)
             self._poll_progress()
             self._check_heartbeats()
 
     # ------------------------------------------------------------------ following
-    def drive(self) -> None:
-        """Until every pipeline is done or failed for good."""
+    def drive(self, check: Callable[[], None] = lambda: None) -> None:
+        """Until every pipeline is done or failed for good; `check()` runs every turn."""
         while any(s.live for s in self.slots.values()):
+            check()
             self._poll_setup(timeout_s=0.0)
             self._poll_runs(timeout_s=0.25)
             self._poll_scheduler()
