@@ -329,3 +329,49 @@ def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weig
         beside.close()
         if trainer.cache is not None:
             trainer.cache.close()
+
+
+def test_a_failed_sync_beside_the_trainer_leaves_the_shard_to_the_host_cache(ray_local, tiny_model_dir):
+    """The device sync raises: nothing is lost; the shard is marked as holding nothing known
+    (synced at its wake from the host cache) and its weights, if any came, are cooled when the
+    scheduler does not give it its GPU."""
+    from rlix.training.trainer import PolicyTrainer
+    from rlix.weights.push import ShardWeightPusher
+
+    trainer = PolicyTrainer(str(tiny_model_dir), lr=0.05)
+    host = ShardWeightPusher(lambda: trainer.cache, KEY)
+
+    async def sync(version, urls, wake):  # noqa: ANN001, ANN202
+        return await asyncio.to_thread(host.sync, version, urls, wake)
+
+    async def device_sync(version, plan):  # noqa: ANN001, ANN202
+        raise RuntimeError("CUDA IPC unavailable")
+
+    async def main() -> None:
+        _, client, _, fleet = _embedded_fleet(tiny_model_dir)
+        coord = ShardCoordinator(fleet, sync, wake_in_sync=True, device_sync=device_sync)
+        try:
+            trainer.build_cache(0).promote_active(0)
+            await coord.start([0], version=0)
+            await coord.resize_inference([], {0: [0]})
+            await coord.resize_inference([0], {})
+            trainer.train_step(batch(1))
+            trainer.build_cache(1).promote_active(1)
+            assert await coord.sync_beside_trainer(1, [0], [0]) == []
+            assert coord.versions[0] is None and coord.warm == {0}
+            assert fleet.shards[0].asleep is None  # whatever it holds: any sleep asks it
+            coord.announce(1)
+            n = len(coord.stats.events)
+            await coord.resize_inference([], {0: [0]})
+            assert [e.kind for e in coord.stats.events[n:]] == ["sync", "activate"]
+            assert coord.versions[0] == 1 and coord.warm == set()
+        finally:
+            await fleet.shutdown()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        host.close()
+        if trainer.cache is not None:
+            trainer.cache.close()

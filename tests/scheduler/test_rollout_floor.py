@@ -62,10 +62,15 @@ class WaitLog:
             span[2] = min(span[2], free)
 
 
+#: the domain's own methods, wrapped afresh for every example (hypothesis runs many examples in
+#: one test call, and its function-scoped monkeypatch is undone only at the end: wrapping what
+#: is there would nest one more spy per example)
+ORIGINAL = {method: getattr(Domain, method) for method in ("_changed", "report")}
+
+
 def watched(monkeypatch) -> WaitLog:
     log = WaitLog()
-    for method in ("_changed", "report"):
-        original = getattr(Domain, method)
+    for method, original in ORIGINAL.items():
 
         def spy(self, *args, _original=original):
             _original(self, *args)

@@ -84,9 +84,14 @@ class SchedulerHooks:
             await ref
 
     async def shard_ranks(self) -> set[int] | None:
-        """The shards the scheduler's plan places now, once the release in flight is answered."""
+        """The shards the scheduler's plan places now, once the release in flight is answered
+        (its error is raised, as `before_training` would); None if the scheduler cannot say."""
         await self.settle()
-        return set(await self.scheduler.shard_ranks.remote(self.pipeline))
+        try:
+            return set(await self.scheduler.shard_ranks.remote(self.pipeline))
+        except Exception as exc:  # noqa: BLE001 - the shards stay warm until a later step asks
+            log.warning("%s: the scheduler did not say which shards it places: %r", self.pipeline, exc)
+            return None
 
     def _progress(self, collected: int, target: int, step: int,
                   shard_load: dict[int, int] | None = None, turns_outstanding: int | None = None,
