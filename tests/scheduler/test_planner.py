@@ -173,6 +173,22 @@ def test_training_waits_until_aged_rather_than_take_a_peers_last_shard():
     assert [g.pipeline for g in step(led, 100.0, [req]).grants] == ["a"]
 
 
+def test_a_replan_timed_for_an_ageing_deadline_finds_it_aged_in_floats():
+    """The deadline submitted_at + aging_s computed in floats can come out a hair short of
+    aging_s again; the re-plan at that instant must grant, not plan a timer for `now` (a timer
+    not in the future is never armed, and one due later was lost behind it)."""
+    submitted = 86.55341358101067
+    now = submitted + PARAMS.aging_s
+    assert now - submitted < PARAMS.aging_s  # the float case itself
+    led = make(1, 4, PipelineSpec("a", train_gpus=4, max_shards=4), PipelineSpec("b", max_shards=4))
+    step(led, 0.0)
+    req = GpuRequest(1, "a", Stage.TRAIN, 4, submitted)
+    assert not step(led, submitted, [req]).grants
+    p = step(led, now, [req])
+    assert [g.pipeline for g in p.grants] == ["a"]
+    assert p.wake_at is None or p.wake_at > now
+
+
 def test_a_peers_last_shard_on_the_trainers_home_moves_to_an_idle_gpu_at_once():
     """The floor reservation protects a pipeline from having no shard, not a GPU: when idle
     GPUs elsewhere can take that shard in the same plan, a fixed-home training request does not

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from rlix.scheduler.planning.pool import Pool
-from rlix.scheduler.planning.shares import Demand, floor_order, rollout_targets
+from rlix.scheduler.planning.shares import TIME_SLACK_S, Demand, floor_order, rollout_targets
 from rlix.scheduler.planning.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
 from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Role, Stage
@@ -83,8 +83,10 @@ def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progres
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
     training = pool.training | {g.pipeline for g in grants}
     wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training)
+    # only times still ahead: a deadline reached now was acted on by this pass, and a timer for
+    # it would hide a later one (a rotation due after it was then never planned)
     wakes = [t for t in (wake_requests, wake_rollout, _stale_at(ledger, progress, demand, now, stale_s))
-             if t is not None]
+             if t is not None and t > now]
     return Plan(grants=grants, shrinks=pool.shrinks, expands=pool.expands,
                 wake_at=min(wakes) if wakes else None)
 
@@ -104,8 +106,12 @@ def _stale_at(ledger: Ledger, progress: dict[str, Progress], demand: dict[str, i
 def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
                     progress: dict[str, Progress], demand: dict[str, int],
                     now: float, params: PlannerParams) -> tuple[list[Grant], float | None]:
+    def is_aged(r: GpuRequest) -> bool:
+        # with float slack: a timer set for submitted_at + aging_s must find the request aged
+        return now - r.submitted_at >= params.aging_s - TIME_SLACK_S
+
     def order(r: GpuRequest):
-        if now - r.submitted_at >= params.aging_s:
+        if is_aged(r):
             return (0, r.submitted_at, r.id)
         prio = ledger.pipelines[r.pipeline].priority if r.pipeline in ledger.pipelines else 0
         return (1, int(r.stage), -prio, r.submitted_at, r.id)
@@ -119,7 +125,7 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
             continue
         if ledger.stage_holding(r.pipeline, r.stage) is not None:
             continue
-        aged = now - r.submitted_at >= params.aging_s
+        aged = is_aged(r)
         chosen = placer.choose(spec, r.gpus) if r.gpus <= pool.unlocked() else None
         # Rollout floor reservation: until it ages, a grant may not take the last shard of a
         # pipeline of the same or a higher tier that still has rollout demand, unless idle GPUs

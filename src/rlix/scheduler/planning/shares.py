@@ -18,6 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+#: float slack on planned times: a re-plan timed for a deadline must find it reached
+TIME_SLACK_S = 1e-6
+
 
 @dataclass(frozen=True)
 class Demand:
@@ -41,7 +44,7 @@ def floor_order(d: Demand, rotate_s: float) -> tuple:
         return (-d.priority, 3, -d.current, d.waiting_since, d.seq)
     if d.current > 0:
         # (a wake-up planned for `since + rotate_s` must see the spell as over: float slack)
-        return (-d.priority, 0 if d.held_s < rotate_s - 1e-6 else 2, d.held_s, d.seq)
+        return (-d.priority, 0 if d.held_s < rotate_s - TIME_SLACK_S else 2, d.held_s, d.seq)
     return (-d.priority, 1, d.waiting_since, d.seq)
 
 
