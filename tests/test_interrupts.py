@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from rlix.interrupts import InterruptFlag
+from rlix.supervise import InterruptFlag
 
 
 class RaisesInFinaliser:

@@ -21,7 +21,6 @@ from typing import TextIO
 import ray
 
 from rlix import env
-from rlix.interrupts import InterruptFlag
 from rlix.simulated_cluster import SimulatedCluster
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
@@ -32,7 +31,7 @@ from rlix.httpkit import check_ray_address
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.scheduler.service import start_scheduler, topology_from_ray
-from rlix.supervise import Supervisor
+from rlix.supervise import InterruptFlag, Supervisor
 from rlix.run_log import RunLog
 from rlix.timeline import account_lines, run_fields, write_timeline
 
@@ -165,7 +164,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
     ending = "finished"
     interrupt = InterruptFlag()
     try:
-        interrupt.__enter__()
+        interrupt.install()
         supervisor = Supervisor(cfg.pipelines, mode=mode, run_dir=run_dir, api_key=env.api_key() or
                                 secrets.token_urlsafe(24), devices=devices, scheduler=scheduler, say=say,
                                 on_step=say.step, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
@@ -186,7 +185,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
         ending = f"failed: {one_line(exc)}"
         raise
     finally:
-        interrupt.__exit__()  # a Ctrl-C while stopping raises where it lands
+        interrupt.restore()  # a Ctrl-C while stopping raises where it lands
         t_stop = time.perf_counter()
         if supervisor is not None:
             supervisor.stop_all()

@@ -12,8 +12,11 @@ The other pipelines never notice.
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +117,7 @@ class Supervisor:
 
     def wait_setup(self, check: Callable[[], None] = lambda: None) -> None:
         """Until every pipeline has set up or failed (the scheduler's first plan waits for this).
-        `check()` runs every turn (it raises to stop: a Ctrl-C noted by rlix.interrupts)."""
+        `check()` runs every turn (it raises to stop: a Ctrl-C noted by InterruptFlag)."""
         while any(s.state == "setup" for s in self.slots.values()):
             check()
             self._poll_setup(timeout_s=0.25)
@@ -418,3 +421,48 @@ def reap_shared_memory(wait: dict[str, list[int]] | None = None, wait_s: float =
     for names in ray.get(refs, timeout=60):
         removed.extend(names)
     return removed
+
+
+class InterruptFlag:
+    """Ctrl-C noted, and raised where the driver polls, not wherever Python happens to be.
+
+    Python raises KeyboardInterrupt at the next bytecode of the main thread, which may be inside a
+    finaliser (an object's `__del__`, a weakref callback), where the exception is printed as
+    "ignored" and lost: a run driven by a polling loop that makes garbage every turn then carries
+    on as if nothing happened (seen once in CI: the SIGINT sent after a few steps, the run went on
+    to its last step and exited 0). `InterruptFlag` replaces the handler for its block: the first
+    SIGINT only sets a flag, which the loop's `check()` turns into KeyboardInterrupt at a point of
+    its choosing; a second SIGINT raises at once (a user pressing Ctrl-C twice wants out).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._previous: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            self._previous = signal.signal(signal.SIGINT, self._note)
+            self._installed = True
+
+    def restore(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+    def __enter__(self) -> InterruptFlag:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C came (the caller's loop calls this every turn)."""
+        if self.count:
+            raise KeyboardInterrupt

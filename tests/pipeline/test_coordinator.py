@@ -264,21 +264,51 @@ time.sleep(600)
         owner.wait(10)
 
 
-def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weights(ray_local, tiny_model_dir):
+class TrainerHere:
+    """A PolicyTrainer in the test's process with its host cache, and pushers over that cache
+    (closed by `close`): `sync` is what the pipeline's trainer does for the coordinator; a
+    pusher waking the weights only is the CPU stand-in for the sync from the trainer's GPU."""
+
+    def __init__(self, model_dir) -> None:  # noqa: ANN001
+        from rlix.training.trainer import PolicyTrainer
+
+        self.trainer = PolicyTrainer(str(model_dir), lr=0.05)
+        self.pushers: list = []
+        self.host = self.pusher()
+
+    def pusher(self, wake_tags: list[str] | None = None):  # noqa: ANN201
+        from rlix.weights.push import ShardWeightPusher
+
+        self.pushers.append(ShardWeightPusher(lambda: self.trainer.cache, KEY, wake_tags=wake_tags))
+        return self.pushers[-1]
+
+    async def sync(self, version, urls, wake):  # noqa: ANN001, ANN201
+        return await asyncio.to_thread(self.host.sync, version, urls, wake)
+
+    def publish(self, version: int) -> None:
+        self.trainer.build_cache(version).promote_active(version)
+
+    def close(self) -> None:
+        for p in self.pushers:
+            p.close()
+        if self.trainer.cache is not None:
+            self.trainer.cache.close()
+
+
+@pytest.fixture()
+def here(tiny_model_dir):
+    t = TrainerHere(tiny_model_dir)
+    yield t
+    t.close()
+
+
+def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weights(ray_local, tiny_model_dir, here):
     """sync_beside_trainer against real engine servers (the CPU stand-in for the trainer's GPU
     copy: the host cache, with the same weights-only wake): the shards asleep on the trainer's
     GPUs get the new version while their KV cache stays asleep; the one the scheduler gives its
     GPU back wakes with no sync; the other is cooled (weights dropped) and synced at its wake."""
-    from rlix.training.trainer import PolicyTrainer
-    from rlix.weights.push import ShardWeightPusher
-
-    trainer = PolicyTrainer(str(tiny_model_dir), lr=0.05)
-    host = ShardWeightPusher(lambda: trainer.cache, KEY)
-    beside = ShardWeightPusher(lambda: trainer.cache, KEY, wake_tags=["weights"])
+    beside = here.pusher(wake_tags=["weights"])
     device_calls: list[dict] = []
-
-    async def sync(version, urls, wake):  # noqa: ANN001, ANN202
-        return await asyncio.to_thread(host.sync, version, urls, wake)
 
     async def device_sync(version, plan):  # noqa: ANN001, ANN202
         device_calls.append({r: sorted(s) for r, s in plan.items()})
@@ -286,15 +316,15 @@ def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weig
 
     async def main() -> None:
         router, client, _, fleet = _embedded_fleet(tiny_model_dir)
-        coord = ShardCoordinator(fleet, sync, wake_in_sync=True, device_sync=device_sync)
+        coord = ShardCoordinator(fleet, here.sync, wake_in_sync=True, device_sync=device_sync)
         http = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"})
         try:
-            trainer.build_cache(0).promote_active(0)
+            here.publish(0)
             await coord.start([0, 1, 2], version=0)
             await coord.resize_inference([], {0: [0], 1: [1], 2: [2]})
             await coord.resize_inference([0, 1], {})  # the trainer takes GPUs 0 and 1
-            trainer.train_step(batch(1))
-            trainer.build_cache(1).promote_active(1)
+            here.trainer.train_step(batch(1))
+            here.publish(1)
             synced = await coord.sync_beside_trainer(1, trainer_gpus=[0, 1], device_ranks=[0, 1])
             assert synced == [0, 1] and device_calls == [{0: [0], 1: [1]}]  # rank i -> the shard on GPU i
             assert coord.versions == {0: 1, 1: 1, 2: 0} and coord.warm == {0, 1}
@@ -322,41 +352,26 @@ def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weig
             await fleet.shutdown()
             await client.aclose()
 
-    try:
-        asyncio.run(main())
-    finally:
-        host.close()
-        beside.close()
-        if trainer.cache is not None:
-            trainer.cache.close()
+    asyncio.run(main())
 
 
-def test_a_failed_sync_beside_the_trainer_leaves_the_shard_to_the_host_cache(ray_local, tiny_model_dir):
+def test_a_failed_sync_beside_the_trainer_leaves_the_shard_to_the_host_cache(ray_local, tiny_model_dir, here):
     """The device sync raises: nothing is lost; the shard is marked as holding nothing known
     (synced at its wake from the host cache) and its weights, if any came, are cooled when the
     scheduler does not give it its GPU."""
-    from rlix.training.trainer import PolicyTrainer
-    from rlix.weights.push import ShardWeightPusher
-
-    trainer = PolicyTrainer(str(tiny_model_dir), lr=0.05)
-    host = ShardWeightPusher(lambda: trainer.cache, KEY)
-
-    async def sync(version, urls, wake):  # noqa: ANN001, ANN202
-        return await asyncio.to_thread(host.sync, version, urls, wake)
-
     async def device_sync(version, plan):  # noqa: ANN001, ANN202
         raise RuntimeError("CUDA IPC unavailable")
 
     async def main() -> None:
         _, client, _, fleet = _embedded_fleet(tiny_model_dir)
-        coord = ShardCoordinator(fleet, sync, wake_in_sync=True, device_sync=device_sync)
+        coord = ShardCoordinator(fleet, here.sync, wake_in_sync=True, device_sync=device_sync)
         try:
-            trainer.build_cache(0).promote_active(0)
+            here.publish(0)
             await coord.start([0], version=0)
             await coord.resize_inference([], {0: [0]})
             await coord.resize_inference([0], {})
-            trainer.train_step(batch(1))
-            trainer.build_cache(1).promote_active(1)
+            here.trainer.train_step(batch(1))
+            here.publish(1)
             assert await coord.sync_beside_trainer(1, [0], [0]) == []
             assert coord.versions[0] is None and coord.warm == {0}
             assert fleet.shards[0].asleep is None  # whatever it holds: any sleep asks it
@@ -369,9 +384,4 @@ def test_a_failed_sync_beside_the_trainer_leaves_the_shard_to_the_host_cache(ray
             await fleet.shutdown()
             await client.aclose()
 
-    try:
-        asyncio.run(main())
-    finally:
-        host.close()
-        if trainer.cache is not None:
-            trainer.cache.close()
+    asyncio.run(main())

@@ -41,7 +41,8 @@ from typing import Any
 from rlix.errors import GpuMemoryError, RlixError, ShardDiedError
 from rlix.inference.fleet.fleet import ShardFleet
 from rlix.weights.api import SyncReport
-from rlix.weights.vllm.names import PACKED_AWAY_DIGEST, Digest, digest_matches
+from rlix.pipeline.weight_audit import engine_checksums, mismatches
+from rlix.weights.vllm.names import Digest
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -78,27 +79,6 @@ class CoordinatorStats:
     # per sync beside the trainer: its slowest shard's call, timed by the sender (its
     # `device_sync` event adds the hops to the trainer ranks)
     device_sync_calls_s: list[float] = field(default_factory=list)
-
-
-async def engine_checksums(fleet: ShardFleet, ranks: list[int]) -> dict[int, dict]:
-    """rlix's engine server: per-tensor checksums of what it serves, by the trainer's names."""
-    answers = await fleet.client.fan_out("GET", "/weight_checksums", ranks)
-    return {r: answers[r]["checksums"] for r in ranks}
-
-
-#: a served checksum that says the tensor's value cannot be read back (not a mismatch)
-UNOBSERVABLE = "unobservable"
-
-
-async def vllm_checksums(fleet: ShardFleet, ranks: list[int]) -> dict[int, dict]:
-    """A vLLM server: its own /weight_checker digests, by its names, without the worker prefix;
-    weights its CPU backend packed away (vllm.names.packed_away) are UNOBSERVABLE."""
-    answers = await fleet.client.fan_out("POST", "/weight_checker", ranks, json={"action": "checksum"})
-    out = {}
-    for r in ranks:
-        got = {n.rsplit(":", 1)[-1]: d for n, d in answers[r]["checksums"].items()}
-        out[r] = {n: (UNOBSERVABLE if d == PACKED_AWAY_DIGEST else d) for n, d in got.items()}
-    return out
 
 
 class ShardCoordinator:
@@ -510,11 +490,7 @@ class ShardCoordinator:
         want = dict(await self._audit(version))  # type: ignore[misc]
         answers = await self._served_checksums(self.fleet, ranks)
         for r in ranks:
-            got = answers[r]
-            bad = sorted(n for n in want if not digest_matches(want[n], got.get(n)) and got.get(n) != UNOBSERVABLE)
-            extra = sorted(set(got) - set(want))
-            if got and all(d == UNOBSERVABLE for d in got.values()):
-                bad = ["(no served weight is observable)"]
+            bad, extra = mismatches(want, answers[r])
             self.stats.checksum_checks += 1
             if bad or extra:
                 self.stats.checksum_mismatches.append(

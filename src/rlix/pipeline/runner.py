@@ -27,7 +27,7 @@ from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.envs import make_task
 from rlix.errors import ConfigError, TrainerDiedError, one_line
 from rlix.inference.fleet.api import EngineBackend
-from rlix.inference.fleet.backends import VLLM_DEFAULT_MEMORY_UTILIZATION, EngineBackendConfig, make_backend
+from rlix.inference.fleet.backends import make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.actors import RayLauncher
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
@@ -37,7 +37,9 @@ from rlix.models.presets import resolve_model
 from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
-from rlix.pipeline.coordinator import ShardCoordinator, vllm_checksums
+from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.pipeline.shard_engine import served_dtype, shard_engine
+from rlix.pipeline.weight_audit import vllm_checksums
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experiment_log
 from rlix.pipeline.hooks import RLixHooks
@@ -100,7 +102,8 @@ class PipelineRunner:
     async def setup(self) -> dict:
         t0 = time.perf_counter()
         path = resolve_model(self.cfg.model)
-        self.engine_cfg = self._engine_config(str(path))
+        self.engine_cfg = shard_engine(self.cfg, self.devices, str(path), self.vllm_python,
+                                       self.dir / "generations")
         self.backend = make_backend(self.engine_cfg)
         self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
         # the scheduler may place shards from now on
@@ -143,7 +146,7 @@ class PipelineRunner:
         self.trainer = TrainerGroup.start(
             path, cfg.train, ranks, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
             cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda",
-            engine=cfg.engine, served_dtype=self.served_dtype, **extra)
+            engine=cfg.engine, served_dtype=served_dtype(self.devices), **extra)
         ckpt = self.checkpoint_dir
         metrics = self.dir / "metrics.jsonl"
         if self.resume and ckpt.exists():
@@ -204,6 +207,7 @@ class PipelineRunner:
             self.weight_routes = WeightRoutes(sync, self.trainer.ranks[0], self.trainer_placement["node_id"],
                                               self.fleet.node_of, api_key=self.api_key, engine=backend.name)
             sync = self.weight_routes
+        beside = dev.device == "cuda" and not vllm and not dev.multi_node
         self.coordinator = ShardCoordinator(self.fleet, sync, initial_version=0,
                                             wake_in_sync=True,  # our engine serves /sync_weights
                                             placed=placed,
@@ -211,40 +215,12 @@ class PipelineRunner:
                                             served_checksums=vllm_checksums if vllm else None,
                                             # on GPUs, our engine's shards asleep beside a trainer
                                             # rank take the new version from its GPU (CUDA IPC)
-                                            device_sync=(self.trainer.sync_on_device
-                                                         if dev.device == "cuda" and not vllm
-                                                         and not dev.multi_node else None))
+                                            device_sync=self.trainer.sync_on_device if beside else None)
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)
         self.coordinator.announce(self.start_step)
         return ranks
-
-    def _engine_config(self, path: str) -> EngineBackendConfig:
-        """The shards' engine, from the pipeline's `engine:` and `vllm:` and the run's devices."""
-        cfg, ro, dev = self.cfg, self.cfg.rollout, self.devices
-        common = dict(model=path, served_model_name=cfg.name, device=dev.device,
-                      max_model_len=ro.max_model_len)
-        if cfg.engine == "embedded":
-            return EngineBackendConfig(backend="embedded", dtype=dev.dtype, max_num_seqs=ro.max_num_seqs,
-                                       cpu_threads=cfg.cpu_threads, **common,
-                                       record_generations=str(self.dir / "generations") if cfg.record_rollouts
-                                       else None)
-        v = cfg.vllm
-        return EngineBackendConfig(
-            backend="vllm", python=self.vllm_python, dtype=self.served_dtype,
-            max_num_seqs=v.max_num_seqs or ro.max_num_seqs,
-            # on a slice of a shared GPU vLLM must size its cache to the slice, not the device
-            gpu_memory_utilization=v.gpu_memory_utilization or (
-                round(VLLM_DEFAULT_MEMORY_UTILIZATION * dev.memory_share, 3) if dev.memory_share < 1 else None),
-            enforce_eager=v.enforce_eager, cpu_kvcache_gib=v.cpu_kvcache_gib,
-            startup_timeout_s=v.startup_timeout_s, extra_args=tuple(v.extra_args), **common)
-
-    @property
-    def served_dtype(self) -> str:
-        """The dtype the shards serve in. vLLM is told it (its audit hashes the trainer's weights
-        cast to it); bfloat16 unless the run names one."""
-        return self.devices.dtype or "bfloat16"
 
     async def _start_collector(self, path: str) -> None:
         cfg = self.cfg

@@ -183,10 +183,6 @@ class TorchEngine:
     def is_sleeping(self) -> bool:
         return self._core.sleeping
 
-    def weights_awake(self) -> bool:
-        """The weights are on the device (possibly while the KV cache sleeps: woken for a sync)."""
-        return self._core.weights.on_device
-
     def num_running(self) -> int:
         return len(self._core.running)
 

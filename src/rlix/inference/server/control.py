@@ -87,15 +87,13 @@ class ControlPlane:
         if mode not in ("abort", "wait"):
             raise InvalidRequestError("sleep mode must be abort or wait: keep would need the KV cache "
                                       "that sleeping frees", param="mode")
-        # asleep but with its weights woken (synced beside a trainer): the sleep drops them
-        weights_awake = getattr(self.engine, "weights_awake", None)
-        if not self.engine.is_sleeping() or (callable(weights_awake) and weights_awake()):
-            if mode == "wait" and not self.engine.is_paused():
-                await self.engine.pause(mode)  # type: ignore[arg-type]
-                self._resume_on_wake = True
-            # abort: the engine's sleep aborts what is in flight itself, in the same step (one
-            # trip to the engine thread, which matters on a preemption path)
-            await self.engine.sleep(level)
+        if mode == "wait" and not self.engine.is_sleeping() and not self.engine.is_paused():
+            await self.engine.pause(mode)  # type: ignore[arg-type]
+            self._resume_on_wake = True
+        # Always to the engine, asleep or not: one whose KV cache sleeps may hold weights woken
+        # for a sync (beside a trainer), which this sleep drops. abort: the engine's sleep aborts
+        # what is in flight itself, in the same step (one trip to its thread, on a preemption path)
+        await self.engine.sleep(level)
         # the release confirmation: what this process still holds on its device, measured
         report = self.engine.sleep_report() if hasattr(self.engine, "sleep_report") else {}
         return {"status": "sleeping", "level": level, "memory": {**self.memory(), **report}}
