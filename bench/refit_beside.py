@@ -11,7 +11,7 @@ level-2 sleep must do first) in one piece and in 11, a pinned host-to-device cop
 path from the host cache), and with two GPUs an NCCL broadcast of them (issue 21's gate 3
 bound). Medians over --rounds after one warm-up round.
 
-    python3 bench/refit_beside.py [--model qwen2-0.5b-shape] [--rounds 8]
+    python3 bench/refit_beside.py [--model qwen2-0.5b-shape] [--rounds 8] [--bucket-mb 64]
 Ends by printing one JSON line of the headline figures.
 """
 
@@ -72,9 +72,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2-0.5b-shape")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=int, default=64, help="the trainer's bucket size (the pipeline's default: 64)")
     args = ap.parse_args()
     path = resolve_model(args.model)
-    trainer = PolicyTrainer(str(path), device="cuda:0", dtype="bfloat16")
+    trainer = PolicyTrainer(str(path), device="cuda:0", dtype="bfloat16", cache_bucket_bytes=args.bucket_mb << 20)
     shard = ShardProcess(EmbeddedBackend(EngineBackendConfig(
         backend="embedded", model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8,
         max_model_len=256)), KEY)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlix.errors import WeightUpdateError
-from rlix.weights.buckets import pack, plan_layout, unpack
+from rlix.weights.buckets import fusion_order, pack, plan_layout, unpack
 from rlix.weights.wire import BucketAssembler, Layout, ReceiveError, bucket_checksum
 from rlix.weights.transport import header
 
@@ -187,3 +187,32 @@ def test_property_pack_unpack_is_bit_identical(specs, bucket_kib, alignment, see
     assert set(out) == set(sd)
     for name, t in sd.items():
         assert same_bits(out[name], t), name
+
+
+def test_fusion_order_puts_fused_projections_end_to_end_and_keeps_everything_else():
+    names = ["model.embed_tokens.weight"]
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        for m in ("q_proj", "k_proj", "v_proj"):
+            names += [f"{p}.self_attn.{m}.weight", f"{p}.self_attn.{m}.bias"]
+        names += [f"{p}.self_attn.o_proj.weight", f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight",
+                  f"{p}.mlp.down_proj.weight", f"{p}.input_layernorm.weight"]
+    names += ["other.q_proj.weight", "other.k_proj.weight", "lm_head.weight"]  # no v_proj: left alone
+    tensors = {n: torch.full((16, 8), float(i)) for i, n in enumerate(names)}
+    ordered = fusion_order(tensors)
+    assert sorted(ordered) == sorted(names)
+    assert all(ordered[n] is tensors[n] for n in names)
+    got = list(ordered)
+    p = "model.layers.1.self_attn"
+    at = got.index(f"{p}.q_proj.weight")
+    assert got[at: at + 6] == [f"{p}.{m}_proj.{a}" for a in ("weight", "bias") for m in "qkv"]
+    at = got.index("model.layers.1.mlp.gate_proj.weight")
+    assert got[at + 1] == "model.layers.1.mlp.up_proj.weight"
+    assert got.index("other.q_proj.weight") + 1 == got.index("other.k_proj.weight")
+    assert got[0] == "model.embed_tokens.weight" and got[-1] == "lm_head.weight"
+    assert list(fusion_order(ordered)) == got  # already in order: unchanged
+    # planned from this order, each fused group is one contiguous run of bytes
+    layout = plan_layout(ordered, bucket_bytes=4096, alignment=256)
+    starts = {e.name: layout.bucket_offsets()[e.bucket] + e.offset for e in layout.entries}
+    q, k, v = (starts[f"{p}.{m}_proj.weight"] for m in "qkv")
+    assert k - q == v - k == 16 * 8 * 4

@@ -13,7 +13,7 @@ import torch
 
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.weights import ALIGN
+from rlix.inference.engine.weights import ALIGN, SEGMENT_GRANULE
 from rlix.weights import BucketCache, InProcessEndpoint, ShardUpdater, WeightSync, pack
 from rlix.weights.transport.shm import ShmReceiver, ShmSender
 
@@ -157,9 +157,9 @@ async def greedy_tokens(engine: TorchEngine) -> list[int]:
     return list(last.token_ids)
 
 
-def test_level2_reload_stages_into_one_allocation_that_becomes_the_parameters(tiny_model_dir):
-    """After a level-2 sleep the reload allocates once per bucket (not per tensor; no extra
-    bucket on the GPU either) and those bytes are then the parameters."""
+def test_level2_reload_lands_in_one_allocation_that_becomes_the_parameters(tiny_model_dir):
+    """After a level-2 sleep the reload lands in one allocation in the sender's bucket layout
+    (not one per tensor; no extra bucket on the GPU either) and those bytes are the parameters."""
     from safetensors.torch import load_file
 
     async def main() -> None:
@@ -180,9 +180,10 @@ def test_level2_reload_stages_into_one_allocation_that_becomes_the_parameters(ti
                 peak = torch.cuda.max_memory_allocated() - base
             params = list(engine.model.parameters())
             weights = sum(p.numel() * p.element_size() for p in params)
-            # one allocation per bucket, no more; nothing else on the GPU meanwhile
-            assert len({p.untyped_storage().data_ptr() for p in params}) <= cache.layout.num_buckets
-            slack = ALIGN * len(params) + 512 * cache.layout.num_buckets
+            # the layout (fusion order) covers the model: one store of whole 2 MiB pages holds
+            # every parameter; nothing else on the GPU meanwhile
+            assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+            slack = ALIGN * len(params) + SEGMENT_GRANULE
             assert peak <= weights + slack, f"peak extra {peak}, weights {weights}"
             assert engine.weight_version == 1
             assert await greedy_tokens(engine) == before

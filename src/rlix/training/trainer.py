@@ -30,7 +30,7 @@ from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
-from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, plan_layout
+from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, fusion_order, plan_layout
 from rlix.weights.cache import BucketCache, HostMemory
 from rlix.weights.device_copy import DeviceCopy
 
@@ -346,7 +346,7 @@ class PolicyTrainer:
             return None
         state = self.state_for_sync() if state is None else state
         if self.device_copy is None:
-            layout = self.cache.layout if self.cache is not None else plan_layout(state, self.cache_bucket_bytes)
+            layout = self.cache.layout if self.cache is not None else plan_layout(fusion_order(state), self.cache_bucket_bytes)
             self.device_copy = DeviceCopy(layout, self.device)
         if not self.device_copy.nbytes and not DeviceCopy.fits(self.device_copy.layout, self.device):
             return None

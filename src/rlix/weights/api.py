@@ -21,7 +21,10 @@ from rlix.weights.transport.base import Message
 class WeightTarget(Protocol):
     """The part of EngineAPI a shard needs to receive weights (EngineAPI satisfies it). An engine
     may also offer `weight_specs()` (name -> (shape, dtype), to refuse a mismatched layout up
-    front) and `weight_destination(name)` (a staging tensor to assemble split tensors into)."""
+    front), `weight_destination(name)` (a staging tensor to assemble split tensors into), and
+    `adopt_layout(layout) -> bool` with `weight_bucket(index) -> (bytes, named) | None`: an engine
+    that keeps (some of) its updates in the sender's bucket layout takes each bucket with one copy
+    into `bytes`, then gets `named` (its own views) through update_weights."""
 
     weight_version: int
 

@@ -46,6 +46,44 @@ def named_weights(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[
     return out
 
 
+#: projections engines fuse into one matmul (vLLM's qkv_proj and gate_up_proj; rlix's fused
+#: decoder), in the order they are concatenated
+FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fusion_order(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors, reordered so that the weights (then the biases) of projections an engine
+    fuses are adjacent, in their fusing order, where the first of them was. In a layout planned
+    from this order, a receiver that keeps its parameters in the bucket layout (one flat buffer)
+    takes each fused matrix as a view of it instead of a concatenated copy."""
+    def group_of(name: str) -> tuple[tuple[str, int, str], int] | None:
+        """((parent module, group, weight or bias), position in the group), if fusable."""
+        head, _, attr = name.rpartition(".")
+        parent, _, module = head.rpartition(".")
+        for g, members in enumerate(FUSED_GROUPS):
+            if module in members:
+                return (parent, g, attr), members.index(module)
+        return None
+
+    groups: dict[tuple[str, int, str], dict[int, str]] = {}
+    for name in tensors:
+        found = group_of(name)
+        if found is not None:
+            groups.setdefault(found[0], {})[found[1]] = name
+    out: dict[str, torch.Tensor] = {}
+    for name in tensors:
+        if name in out:
+            continue
+        found = group_of(name)
+        members = groups[found[0]] if found is not None else {}
+        if found is not None and len(members) == len(FUSED_GROUPS[found[0][1]]):
+            for position in sorted(members):  # a complete group: all of it, here
+                out[members[position]] = tensors[members[position]]
+        else:
+            out[name] = tensors[name]
+    return out
+
+
 def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
     """Per-tensor checksums of the raw bytes, computed where the tensors are (a shard's GPU
     parameters, a trainer's weights): the audit that a shard serves exactly what was sent."""

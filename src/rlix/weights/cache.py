@@ -23,8 +23,8 @@ from typing import Literal
 import torch
 
 from rlix.errors import HostMemoryError, WeightCacheError
-from rlix.weights.buckets import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, bucket_views, named_weights,
-                                  pack, plan_layout)
+from rlix.weights.buckets import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, bucket_views, fusion_order,
+                                  named_weights, pack, plan_layout)
 from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
 from rlix.weights.wire import SHM_DIR, Layout, ShmSegment, bucket_checksum
 
@@ -86,7 +86,7 @@ class BucketCache:
                   host: HostMemory = "auto", reserve_bytes: int = 0,
                   meminfo: str = "/proc/meminfo") -> BucketCache:
         """Plan the layout from the model's tensors (the trainer side does this once)."""
-        layout = plan_layout(named_weights(source), bucket_bytes, alignment)
+        layout = plan_layout(fusion_order(named_weights(source)), bucket_bytes, alignment)
         return cls(layout, host=host, reserve_bytes=reserve_bytes, meminfo=meminfo)
 
     # -- memory -----------------------------------------------------------------------------

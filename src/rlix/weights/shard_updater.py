@@ -154,9 +154,10 @@ class ShardUpdater:
                 if named:
                     await self.engine.update_weights(dict(named))
             t3 = clock()
-            if tensor.is_cuda and not landed:
-                # consumed: the transport may reuse its buffer. Bytes that landed in staging need
-                # no wait here (finish synchronises), so the sender's next bucket follows at once.
+            if tensor.is_cuda and not landed and not message.get("lasting"):
+                # consumed: the transport may reuse its buffer. Bytes that landed in staging, or
+                # a source that lasts until the sync ends (the trainer's device copy), need no
+                # wait here (finish synchronises), so the next bucket follows at once.
                 torch.cuda.current_stream(tensor.device).synchronize()
             for k, a, b in (("receive", t0, t1), ("unpack", t1, t2), ("stage", t2, t3), ("wait", t3, clock())):
                 self.bucket_ms[k] += 1000 * (b - a)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from os import PathLike
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
 from rlix.inference.engine.weights import WeightStaging
 from rlix.models.presets import resolve_model
 from rlix.threads import yield_cores_to_control
+
+if TYPE_CHECKING:
+    from rlix.weights.wire import Layout
 
 log = logging.getLogger(__name__)
 
@@ -445,10 +448,27 @@ class TorchEngine:
             self._staging = WeightStaging(self._weights, int(version), allow_partial)
             self._staging_failure = None
 
+    def adopt_layout(self, layout: Layout) -> bool:
+        """Reloads (after a level-2 sleep) land in this bucket layout when it sends exactly the
+        served parameters (weights.py: WeightStore); the shard's receiver asks once per layout."""
+        with self._staging_lock:
+            return self._staging is None and self._weights.adopt(layout)
+
+    def weight_bucket(self, index: int) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None:
+        """During a reload into the adopted layout: where bucket `index`'s bytes go, and the
+        tensors they complete (hand that mapping to update_weights once copied); else None."""
+        with self._staging_lock:
+            staging = self._staging
+            return None if staging is None else staging.bucket_target(index)
+
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Validate and stage a batch of tensors. On CUDA the copies are asynchronous and waited
         for at finish: the caller keeps the source bytes unchanged until finish or abort (rlix's
-        senders hold the cache slot that long); on CPU they are copied at once."""
+        senders hold the cache slot that long); on CPU they are copied at once. A mapping that
+        weight_bucket handed out is already in place: only noted."""
+        with self._staging_lock:
+            if self._staging is not None and self._staging.take_landed(named_tensors):
+                return
         await asyncio.to_thread(self._stage, dict(named_tensors))
 
     def _stage(self, named_tensors: dict[str, torch.Tensor]) -> None:
@@ -458,6 +478,7 @@ class TorchEngine:
                 staging.add(named_tensors)
             except WeightUpdateError as exc:
                 self._staging, self._staging_failure = None, str(exc)
+                staging.abandon()
                 raise
 
     def _require_staging(self) -> WeightStaging:
@@ -476,12 +497,14 @@ class TorchEngine:
             return int(await self._call(lambda: self._core.apply_update(staging)))
         except WeightUpdateError as exc:
             self._staging_failure = str(exc)
+            staging.abandon()
             raise
 
     async def abort_weight_update(self, reason: str) -> None:
         with self._staging_lock:
             if self._staging is not None:
                 log.info("weight update to version %d aborted: %s", self._staging.version, reason)
+                self._staging.abandon()
             self._staging, self._staging_failure = None, None
 
 

@@ -18,6 +18,12 @@ cache slot for the whole sync). A reload after a level-2 sleep stages each batch
 into one allocation, not one per tensor (after a level-2 sleep every allocation is a fresh
 cudaMalloc, and the staged tensors become the parameters); tensors that are views of one
 source buffer come over in one copy of the span they cover.
+
+Where the sender's bucket layout covers exactly the served parameters (`ServedWeights.adopt`),
+a reload lands instead: the parameters' storage becomes a `WeightStore`, one flat buffer with
+the layout's buckets end to end, and each arriving bucket is one copy into it (no per-tensor
+work); every parameter is a view of it, and projections laid out adjacent (buckets.fusion_order)
+fuse as views too. In-place updates of loaded weights take the per-tensor path above.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from rlix.errors import WeightUpdateError
+from rlix.weights.wire import Layout
 
 ALIGN = 256  # bytes: each parameter carved out of a shared staging buffer starts on this boundary
+SEGMENT_GRANULE = 2 << 20  # bytes: CUDA's caching allocator rounds large segments to this
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,55 @@ def stage_reload(checked: list[tuple[ParamSpec, torch.Tensor]], device: torch.de
     return out
 
 
+class WeightStore:
+    """Parameter storage in a sender's bucket layout: one flat buffer, the buckets end to end, so
+    bucket i is one slice of it and every tensor (a split one too) one contiguous view. The views
+    are made once; freeing resizes the storage to nothing, and allocating again re-points every
+    view at the new memory (nothing that still holds one keeps the bytes alive)."""
+
+    def __init__(self, layout: Layout, device: torch.device) -> None:
+        self.layout = layout
+        # whole 2 MiB pages (the CUDA caching allocator's segment granule): no tail of its
+        # segment is left for another allocation, which would keep the segment from being
+        # returned to the driver when the store is freed
+        self.nbytes = -(-layout.total_bytes // SEGMENT_GRANULE) * SEGMENT_GRANULE
+        self.flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        offsets = layout.bucket_offsets()
+        self.buckets = [self.flat[o: o + n] for o, n in zip(offsets, layout.bucket_sizes)]
+        self.views: dict[str, torch.Tensor] = {}
+        for e in layout.entries:
+            start = offsets[e.bucket] + e.offset
+            self.views[e.name] = (self.flat[start: start + e.nbytes].view(e.dtype).view(e.shape)
+                                  if e.nbytes else torch.empty(e.shape, dtype=e.dtype, device=device))
+        #: per bucket, the tensors it completes (their last byte lies in it), as views
+        self.completes: list[dict[str, torch.Tensor]] = [{} for _ in layout.bucket_sizes]
+        for parts in layout.parts_by_bucket:
+            for part in parts:
+                entry = layout.entries[part.entry]
+                if part.start + part.nbytes == entry.nbytes:
+                    self.completes[part.bucket][entry.name] = self.views[entry.name]
+        self._completes_ids = {id(m) for m in self.completes}
+
+    @property
+    def allocated(self) -> bool:
+        return self.flat.untyped_storage().nbytes() > 0
+
+    def allocate(self) -> None:
+        if not self.allocated:
+            self.flat.untyped_storage().resize_(self.nbytes)
+
+    def free(self) -> None:
+        self.flat.untyped_storage().resize_(0)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of this store's (allocated) memory."""
+        return self.allocated and tensor.untyped_storage().data_ptr() == self.flat.untyped_storage().data_ptr()
+
+    def is_completion(self, named: Mapping[str, torch.Tensor]) -> bool:
+        """Whether `named` is one of this store's own per-bucket mappings (landed in place)."""
+        return id(named) in self._completes_ids
+
+
 class ServedWeights:
     """The model's unique parameters, by canonical name, with their aliases and sleep states."""
 
@@ -119,6 +176,38 @@ class ServedWeights:
         self.storage_version = 0  # bumped whenever parameter storage moves (CUDA graphs)
         self.values_version = 0  # bumped whenever parameter values change (prepacked copies)
         self._host_backup: dict[str, torch.Tensor] = {}
+        self.adopted: Layout | None = None  # a sender's layout reloads land in (adopt)
+        self.store: WeightStore | None = None
+
+    def adopt(self, layout: Layout) -> bool:
+        """Let reloads land in `layout` if it sends every served parameter exactly once, with
+        its shape and dtype (aliases by any of their names); False leaves the per-tensor path."""
+        seen: set[str] = set()
+        for e in layout.entries:
+            canonical = self.alias_of.get(e.name)
+            spec = self.specs.get(canonical) if canonical is not None else None
+            if spec is None or spec.shape != e.shape or spec.dtype != e.dtype or canonical in seen:
+                return False
+            seen.add(canonical)
+        if len(seen) != len(self.specs):
+            return False
+        self.adopted = layout
+        return True
+
+    def reload_store(self) -> WeightStore:
+        """The store a reload lands in, allocated, in the adopted layout (only while unloaded:
+        no parameter is a view of an old store then)."""
+        assert self.adopted is not None and not self.loaded
+        if self.store is None or self.store.layout.layout_id != self.adopted.layout_id:
+            if self.store is not None:
+                self.store.free()
+            self.store = WeightStore(self.adopted, self.device)
+        self.store.allocate()
+        return self.store
+
+    def _free_store(self) -> None:
+        if self.store is not None:
+            self.store.free()
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params.values())
@@ -137,6 +226,7 @@ class ServedWeights:
             torch.cuda.synchronize(self.device)
             for param in self.params.values():
                 param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+            self._free_store()  # wake brings them back as tensors of their own
             self.storage_version += 1
         self.on_device = False
 
@@ -144,6 +234,7 @@ class ServedWeights:
         """Sleep level 2: drop the weights (and any host backup); they must be reloaded."""
         for param in self.params.values():
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self._free_store()
         self._host_backup.clear()
         self.loaded = False
         self.on_device = False
@@ -185,6 +276,31 @@ class WeightStaging:
         self.staged: dict[str, torch.Tensor] = {}
         self._cuda = weights.device.type == "cuda"
         self._copies: list[torch.cuda.Event] = []  # one per add(): its copies issued so far
+        self._store: WeightStore | None = None  # a reload landing in the store (bucket_target)
+        self._landed: set[str] = set()  # names (the sender's) completed in the store
+
+    def bucket_target(self, index: int) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None:
+        """Where bucket `index` goes when this is a reload into an adopted layout: the store's
+        slice for it, and the tensors it completes there (to hand to take_landed once the bytes
+        are copied in); None means send named tensors as usual."""
+        if self.weights.loaded or self.weights.adopted is None:
+            return None
+        if self._store is None:
+            self._store = self.weights.reload_store()
+        return self._store.buckets[index], self._store.completes[index]
+
+    def take_landed(self, named: Mapping[str, torch.Tensor]) -> bool:
+        """Note the tensors of a bucket copied into the store; False if `named` is not one of
+        the store's own mappings (then it must be staged with add())."""
+        if self._store is None or not self._store.is_completion(named):
+            return False
+        self._landed.update(named)
+        return True
+
+    def abandon(self) -> None:
+        """An aborted reload frees what it landed (nothing serves from it)."""
+        if self._store is not None and not self.weights.loaded:
+            self._store.free()
 
     def add(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """Validate the whole batch first, then stage it; raise WeightUpdateError on any mismatch."""
@@ -235,6 +351,11 @@ class WeightStaging:
         """True if the update covers every parameter; raises if it must and does not. Waits for
         the staging copies first: the staged tensors are served right after this."""
         self.wait_copies()
+        if self._landed:
+            if self._cuda:
+                torch.cuda.synchronize(self.weights.device)  # the buckets' copies into the store
+            for name in self._landed:
+                self.staged[self.weights.alias_of[name]] = self._store.views[name]
         missing = self.missing()
         if missing and not self.allow_partial:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -1,6 +1,8 @@
 """CUDA IPC: sender and shard share one GPU. Each bucket is staged into one of two device
 buffers and shared as ONE IPC handle (not one per tensor: rebuilding thousands of handles is
-what makes per-tensor IPC slow); the receiver drops it as soon as the bucket is consumed."""
+what makes per-tensor IPC slow); the receiver drops it as soon as the bucket is consumed.
+Buckets that already live in one device allocation (the trainer's device copy) share one
+handle of it, opened once per sync."""
 
 from __future__ import annotations
 
@@ -35,12 +37,25 @@ class CudaIpcSender(StagedSender):
 
     def references(self, version: int, buckets: Sequence[torch.Tensor],
                    checksums: Sequence[int] | None) -> list[Message] | None:
-        """Every bucket's handle at once when all of them already live on the device (the
-        trainer's device copy): nothing to stage, so a shard gets the whole update in one call."""
+        """Every bucket at once when all of them already live on the device (the trainer's
+        device copy): nothing to stage, so a shard gets the whole update in one call. Buckets
+        of one allocation share ONE handle of it (each message says where its bucket starts):
+        exporting and opening a handle is the cost here, not the bytes."""
         if not all(b.is_cuda for b in buckets):
             return None
-        return [self.send(version, i, b, None if checksums is None else checksums[i])
-                for i, b in enumerate(buckets)]
+        from torch.multiprocessing.reductions import reduce_tensor  # deferred: CUDA buffers only
+
+        shared: dict[int, tuple] = {}  # storage address -> the handle of the whole storage
+        out: list[Message] = []
+        for i, b in enumerate(buckets):
+            storage = b.untyped_storage()
+            args = shared.get(storage.data_ptr())
+            if args is None:
+                whole = torch.empty(0, dtype=torch.uint8, device=b.device).set_(storage, 0, (storage.nbytes(),), (1,))
+                args = shared[storage.data_ptr()] = reduce_tensor(whole)[1]
+            out.append({**header(version, i, b.numel(), None if checksums is None else checksums[i]),
+                        "ipc": args, "at": b.data_ptr() - storage.data_ptr(), "lasting": True})
+        return out
 
     def close(self) -> None:
         self.close_stager()
@@ -61,9 +76,19 @@ class CudaIpcReceiver(ReceiverBase):
 
     def receive(self, message: Message) -> torch.Tensor:
         args = tuple(message["ipc"])
-        tensor = open_cuda_ipc(args)
+        if "at" in message:  # a bucket of a shared allocation, whose handle is opened once
+            whole = self._open.get(bytes(args[7]))
+            if whole is None:
+                whole = self._open[bytes(args[7])] = open_cuda_ipc(args)
+            at, nbytes = int(message["at"]), int(message["nbytes"])
+            if at < 0 or at + nbytes > whole.numel():
+                raise ValueError(f"bucket [{at}, {at + nbytes}) is outside the shared allocation "
+                                 f"of {whole.numel()} bytes")
+            tensor = whole[at: at + nbytes]
+        else:
+            tensor = open_cuda_ipc(args)
+            self._open.setdefault(bytes(args[7]), tensor)  # the storage's IPC handle
         self._held[int(message["bucket"])] = tensor
-        self._open.setdefault(bytes(args[7]), tensor)  # the storage's IPC handle
         return tensor
 
     def release(self, message: Message) -> None:

@@ -82,17 +82,35 @@ def _eps(norm: torch.nn.Module) -> float | None:
 
 
 def _fuse(modules: list[torch.nn.Module], attr: str) -> torch.Tensor | None:
-    """Concatenate the modules' `attr` (weight or bias) into one buffer and make each parameter
-    a view of its slice; None when the modules have no such parameter."""
+    """The modules' `attr` (weight or bias) as one tensor, each parameter a view of its slice:
+    a view of the memory they already share when they lie end to end in it (a reload into
+    the sender's bucket layout), else a concatenated copy; None when they have no such parameter."""
     params = [getattr(m, attr) for m in modules]
     if any(p is None for p in params):
         return None
-    fused = torch.cat([p.data for p in params])
+    fused = _end_to_end([p.data for p in params])
+    if fused is None:
+        fused = torch.cat([p.data for p in params])
     start = 0
     for p in params:
         p.data = fused[start: start + p.shape[0]]
         start += p.shape[0]
     return fused
+
+
+def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One view over `parts` when they are contiguous, of one dtype and row shape, and each
+    starts in the same storage where the previous one ends; else None."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for part in parts:
+        if (not part.is_contiguous() or part.dtype != first.dtype or part.shape[1:] != first.shape[1:]
+                or part.untyped_storage().data_ptr() != storage or part.data_ptr() != end):
+            return None
+        end += part.numel() * part.element_size()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 class _Step(NamedTuple):
@@ -206,11 +224,14 @@ class FusedDecoder:
             self.layers.append(_Layer(layer))
         fused = {id(p) for layer in self.decoder.layers for m in _fused_modules(layer)
                  for p in (m.weight, getattr(m, "bias", None)) if p is not None}
+        store = self.weights.store
         for param in self.weights.params.values():
             # After a reload the other parameters are views of the staging buffers, which would
-            # otherwise stay allocated for the q/k/v and gate/up slices that were fused away.
+            # otherwise stay allocated for the q/k/v and gate/up slices that were fused away. A
+            # store (the sender's layout) is the parameters' own storage: nothing to copy out.
             data = param.data
-            if id(param) not in fused and data.untyped_storage().nbytes() > data.nbytes:
+            if (id(param) not in fused and data.untyped_storage().nbytes() > data.nbytes
+                    and not (store is not None and store.holds(data))):
                 param.data = data.clone()
         self._version = self.weights.storage_version
         if self._cos is None or self._cos.device != self.weights.device:
