@@ -1,11 +1,18 @@
 """The main job on two GPUs of one host: issue 21's gates, through `rlix run` itself.
 
 gate 1 (`overlap`): one pipeline, inference on both GPUs (two shards), training on GPU 0 only
-  (`train_gpus: 1`, partial overlap), >= 20 steps, weight audit on. Passes when the shard on
-  GPU 1 generated tokens in every one of GPU 0's train phases (its tokens/s is shown per phase:
-  during GPU 0's training and outside it), the shard on GPU 0 slept and was woken every step,
-  the free GPU memory at the start of every train phase is within 1% of the first, and every
-  sync was checksum-audited equal.
+  (`train_gpus: 1`, partial overlap), >= 20 steps, weight audit on. Its rollouts are set up as
+  the case partial overlap is for, generation slower than training: a step's groups all in
+  flight at once, each shard decoding 32 sequences at a time (so each batch needs both shards;
+  with 64, one H100 shard nearly keeps up with the trainer alone and the batch is sometimes
+  complete when training ends: the scheduler then rightly gives GPU 0 straight back to the
+  trainer), and no checkpoint mid-run.
+  Passes when the shard on GPU 1 generated tokens in every one of GPU 0's train phases (its
+  tokens/s is shown per phase: during GPU 0's training and outside it), the shard on GPU 0
+  slept before every train phase and was woken after it, the free GPU memory at the start of
+  every train phase is within 1% of the first, and every sync was checksum-audited equal. The
+  run's last train phase has no rollout work in or after it: its tokens and wake are shown
+  apart and not asked for.
 gate 2 (`timeshared` vs `partition` vs `queue`): two pipelines, same seeds, one invocation, on
   each workload (`pattern`: GRPO on the pattern task at the 0.5B shape; `agentic`: the multi-turn
   tool-calling example, tools taking --tool-latency s): time-shared by the scheduler on both GPUs,
@@ -182,26 +189,35 @@ def gate1(args: argparse.Namespace, base: dict, out: Path, tokens: ShardTokens, 
         p["rollout"] = dict(p["rollout"], max_new_tokens=args.tokens, max_model_len=max(256, 2 * args.tokens))
     if args.groups:
         p["rollout"] = dict(p["rollout"], groups_per_step=args.groups)
+    # a step's groups all in flight at once: more sequences than one shard decodes at a time
+    # (max_num_seqs), so the shard on GPU 0 is needed after every train phase
+    p["rollout"] = dict(p["rollout"], concurrency=args.concurrency or p["rollout"]["groups_per_step"],
+                        max_num_seqs=args.max_num_seqs or p["rollout"]["max_num_seqs"])
+    p["checkpoint_every"] = 0  # one at the end: a save mid-run is a pause the gate is not about
     summary = run_config(pipeline_cfg(base, 2, pipelines=[p]), "overlap", out, bench)
     s = summary["pipelines"]["overlap"]
     recs = s["records"]
     after = recs[args.warmup - 1]["finished_at"] if args.warmup else 0.0
     windows = [w for w in train_windows(out / "overlap", 0) if w[0] >= after]
     # GPU 1's shard tokens/s inside each of GPU 0's train phases, and between them
-    inside = [tokens.tokens("1", a, b) / (b - a) for a, b in windows if b > a]
+    # (the last phase is the run's last step: no rollout is wanted in or after it)
+    inside = [tokens.tokens("1", a, b) / (b - a) for a, b in windows[:-1] if b > a]
+    inside_last = [tokens.tokens("1", a, b) / (b - a) for a, b in windows[-1:] if b > a]
     gaps = [(b0, a1) for (_, b0), (a1, _) in zip(windows, windows[1:]) if a1 > b0]
     outside = [tokens.tokens("1", a, b) / (b - a) for a, b in gaps]
     on0, on1 = ranks_on(s, 0), ranks_on(s, 1)
     # GPU 0's shard, around each of GPU 0's train phases: slept since the previous phase ended,
-    # and woken (woken and synced) before the next one began (the last phase: before the end)
+    # and woken (woken and synced) before the next one began. The last phase is the run's last
+    # step: no rollout is wanted after it, so no wake either (it is counted apart).
     # (an event is stamped when it ends: a sleep ends once the train role is granted, before the
     # trainer's reload; a wake starts after the role is released)
     edges = [after] + [b for _, b in windows]
     nexts = [a for a, _ in windows[1:]] + [float("inf")]
     slept = sum(1 for (_, b), lo in zip(windows, edges)
                 if any(lo <= e[0] <= b for e in events_of(s, "sleep", on0)))
-    woken = sum(1 for (_, b), hi in zip(windows, nexts)
-                if any(b <= e[0] - e[4] <= hi for k in ("sync", "wake") for e in events_of(s, k, on0)))
+    woke = [any(b <= e[0] - e[4] <= hi for k in ("sync", "wake") for e in events_of(s, k, on0))
+            for (_, b), hi in zip(windows, nexts)]
+    woken, woken_after_last = sum(woke[:-1]), bool(woke and woke[-1])
     sleeps1 = len(events_of(s, "sleep", on1 - on0, after))
     drift, free = memory_drift(s)
     n = len(recs) - args.warmup
@@ -211,8 +227,13 @@ def gate1(args: argparse.Namespace, base: dict, out: Path, tokens: ShardTokens, 
                                                 "phases": len(inside)},
         "gate1_gpu1_tok_s_between_trains": {"median": _med(outside), "phases": len(outside)},
         "gate1_gpu1_train_phases_with_tokens": sum(1 for v in inside if v > 0) / max(1, len(inside)),
+        "gate1_gpu1_tok_s_in_last_train": _med(inside_last),
         "gate1_train_phases": len(windows),
-        "gate1_gpu0_shard_slept_before_train": slept, "gate1_gpu0_shard_woken_after_train": woken,
+        "gate1_gpu0_shard_slept_before_train": slept,
+        # of the phases with a step after them (all but the last)
+        "gate1_gpu0_shard_woken_after_train": woken, "gate1_phases_with_a_step_after": len(windows) - 1,
+        "gate1_gpu0_shard_woken_after_last": woken_after_last,
+        "gate1_rollout_concurrency": p["rollout"]["concurrency"], "gate1_max_num_seqs": p["rollout"]["max_num_seqs"],
         "gate1_gpu1_shard_sleeps": sleeps1,
         "gate1_free_at_train_start_max_drift": drift, "gate1_free_at_train_start_gib": free,
         "gate1_checksum_checks": s["checksum_checks"], "gate1_checksum_mismatches": len(s["checksum_mismatches"]),
@@ -222,7 +243,8 @@ def gate1(args: argparse.Namespace, base: dict, out: Path, tokens: ShardTokens, 
                                         "offload_s", "sync_s", "step_s")},
     }
     out_fig["gate1_pass"] = bool(
-        inside and out_fig["gate1_gpu1_train_phases_with_tokens"] == 1.0 and slept == woken == len(windows) >= n
+        inside and out_fig["gate1_gpu1_train_phases_with_tokens"] == 1.0 and slept == len(windows) >= n
+        and woken == len(windows) - 1
         and drift is not None and drift <= 0.01 and s["checksum_checks"] >= len(recs)
         and not s["checksum_mismatches"] and len(recs) >= 20)
     return out_fig
@@ -306,6 +328,11 @@ def model_bytes(model: str) -> int:
     return total
 
 
+def _phase_medians(syncs: list[dict[str, dict[str, float]]]) -> dict[str, float]:
+    rows = [phases for one in syncs for phases in one.values()]
+    return {k: _med3([r[k] for r in rows if k in r]) for k in (rows[0] if rows else {})}
+
+
 def gate3(args: argparse.Namespace, base: dict, out: Path, bench: Bench) -> dict:
     p = dict(base["pipelines"][0], name="dp", steps=args.gate3_steps, audit_weights=True, train_gpus=2,
              min_shards=1, max_shards=2, partial_overlap=True)
@@ -336,6 +363,8 @@ def gate3(args: argparse.Namespace, base: dict, out: Path, bench: Bench) -> dict
         "gate3_sync_ms": _med3([1000 * e[4] for e in beside]),
         # sender-timed, no Ray hops: one per device_sync event, in order (the warm-up's dropped)
         "gate3_sync_call_ms": _med3(list(s.get("device_sync_calls_ms", []))[-len(beside):] if beside else []),
+        # where the shards' time went (each shard's own timing of its call; medians over both)
+        "gate3_shard_phases_ms": _phase_medians(list(s.get("device_sync_phases_ms", []))[-len(beside):] if beside else []),
         "gate3_host_sync_ms": _med3([1000 * e[4] for e in syncs if e[1] == "sync"]),
         "gate3_syncs_from_trainer_gpu": sum(len(e[2]) for e in beside),
         "gate3_syncs_from_host_cache": sum(len(e[2]) for e in syncs if e[1] == "sync"),
@@ -378,6 +407,12 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=16,
                     help="gate 1's groups_per_step (0: the example's): enough rollouts a step that one "
                          "shard cannot make the next batch while the other GPU trains, so both are needed")
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="gate 1's groups in flight at once (0: groups_per_step: a step's sequences, "
+                         "more than one shard's max_num_seqs)")
+    ap.add_argument("--max-num-seqs", type=int, default=32,
+                    help="gate 1's sequences one shard decodes at once (0: the example's 64): generation "
+                         "slower than training, so each batch needs both shards (partial overlap's case)")
     ap.add_argument("--gate2-steps", type=int, default=12)
     ap.add_argument("--gate3-steps", type=int, default=8)
     ap.add_argument("--gate3-model", default="", help="gate 3's model preset (default: the example's, "

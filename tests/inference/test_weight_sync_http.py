@@ -213,6 +213,11 @@ def test_one_call_sync_wakes_a_sleeping_shard_and_it_reports_the_new_version(fou
                 cache.build_latest(target, new)
                 report = await WeightSync(cache, http_endpoints(urls, KEY), "shm").sync(target, [0], wake=[0])
             assert report.bundled and report.reported == {0: target} and report.buckets > 20
+            # where the shard's time went, as it timed it: every phase, the buckets' split inside
+            phases = report.shard_phases_ms[0]
+            assert {"wake", "start", "buckets", "finish", "bucket_receive"} <= set(phases)
+            assert all(v >= 0 for v in phases.values()) and phases["wake"] > 0
+            assert sum(phases[k] for k in ("wake", "start", "buckets", "finish")) <= 1000 * report.seconds
             assert not await is_sleeping(http, urls[0])
             assert (await versions(http, urls))[0] == target
             after, spans = await greedy(http, urls[0])

@@ -85,6 +85,7 @@ def test_resolve_uses_the_env_cache_dir(monkeypatch, tmp_path):
     ("small", 512, 8, 8, 64, (20, 30)),
     ("qwen2-0.5b-shape", 896, 24, 14, 64, (300, 400)),
     ("qwen2-1.5b-shape", 1536, 28, 12, 128, (1300, 1600)),  # Qwen2-1.5B's own head dim
+    ("qwen2.5-3b-shape", 2048, 36, 16, 128, (2700, 2900)),
 ])
 def test_real_shapes(name, hidden, layers, heads, head_dim, params_m):
     config = preset_config(name, vocab_size=384, eos_token_id=2, pad_token_id=0)

@@ -53,6 +53,8 @@ PRESETS: dict[str, Preset] = {
                                why="GPU benchmark: Qwen2-0.5B's shape (0.36B with the small vocab)"),
     "qwen2-1.5b-shape": Preset(1536, 28, 12, 2, 8960, dtype="bfloat16",
                                why="GPU benchmark: Qwen2-1.5B's shape"),
+    "qwen2.5-3b-shape": Preset(2048, 36, 16, 2, 11008, dtype="bfloat16",
+                               why="GPU benchmark: Qwen2.5-3B's shape, where weight sync moves ~5.5 GB"),
 }
 
 

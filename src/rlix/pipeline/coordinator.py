@@ -79,6 +79,8 @@ class CoordinatorStats:
     # per sync beside the trainer: its slowest shard's call, timed by the sender (its
     # `device_sync` event adds the hops to the trainer ranks)
     device_sync_calls_s: list[float] = field(default_factory=list)
+    #: per sync beside the trainer: {rank: the shard's own phases (ms)}
+    device_sync_phases_ms: list[dict[int, dict[str, float]]] = field(default_factory=list)
 
 
 class ShardCoordinator:
@@ -376,6 +378,7 @@ class ShardCoordinator:
             self.stats.sync_seconds += dt
             self.stats.device_sync_calls_s.append(max((rep.seconds + rep.setup_seconds for rep in reports),
                                                       default=0.0))
+            self.stats.device_sync_phases_ms.append({r: p for rep in reports for r, p in rep.shard_phases_ms.items()})
             self._event("device_sync", synced, version, dt)
             log.info("synced shards %s to version %d from the trainer's GPU in %.4fs", synced, version, dt)
             if self._audit is not None and synced:

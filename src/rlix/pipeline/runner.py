@@ -430,6 +430,7 @@ class PipelineRunner:
             "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s,
             "sleep_phases_ms": {k: round(v, 1) for k, v in coord.stats.sleep_phases_ms.items()},
             "device_sync_calls_ms": [round(1000 * s, 3) for s in coord.stats.device_sync_calls_s],
+            "device_sync_phases_ms": [{str(r): p for r, p in one.items()} for one in coord.stats.device_sync_phases_ms],
             "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
             "device": self.devices.device, "gpu_memory": self.memory_log(),
             "trainer_placement": self.trainer_placement,

@@ -74,6 +74,9 @@ class SyncReport:
     failed: dict[int, str] = field(default_factory=dict)
     bundled: bool = False  # each shard got the whole update in one call
     reported: dict[int, int] = field(default_factory=dict)  # rank -> version it answered serving
+    #: rank -> where its one-call sync's time went, as the shard timed it (wake, start, buckets,
+    #: finish, ms); bundled syncs to servers that report it
+    shard_phases_ms: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:

@@ -52,6 +52,7 @@ class HttpShardEndpoint:
         self.transport_ranks = transport_ranks
         self.timeout_s = timeout_s
         self._http: tuple[asyncio.AbstractEventLoop, HttpPool] | None = None
+        self.last_phases_ms: dict[str, float] = {}  # the shard's own timing of the last sync call
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_http": None}
@@ -110,6 +111,8 @@ class HttpShardEndpoint:
             "weight_version": int(version), "layout_id": layout_id, "transfer": transfer,
             "updates": [encode_message(m) for m in messages],
             "wake_up": list(wake_up) if isinstance(wake_up, list) else bool(wake_up)})
+        phases = out.get("phases_ms")
+        self.last_phases_ms = {str(k): float(v) for k, v in phases.items()} if isinstance(phases, dict) else {}
         return int(out["weight_version"])
 
     async def push_tensors(self, tensors: Mapping[str, Any], version: int | None = None) -> int:

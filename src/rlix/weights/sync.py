@@ -188,8 +188,9 @@ class WeightSync:
             else:
                 reported[r] = int(res)
         ok = _succeeded(version, ranks, failed)
+        phases = {r: dict(p) for r in reported if (p := getattr(self.endpoints[r], "last_phases_ms", None))}
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
-                          t1 - t0, bundled=True, reported=reported)
+                          t1 - t0, bundled=True, reported=reported, shard_phases_ms=phases)
 
     async def _wake(self, live: list[int], wake: set[int], failed: dict[int, str]) -> list[int]:
         """Wake these shards before a step-by-step sync (the bundled one wakes in its call)."""

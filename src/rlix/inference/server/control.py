@@ -229,7 +229,12 @@ class ControlPlane:
         self.last_sync_ms = {k: round(1000 * (b - a), 3)
                              for k, a, b in zip(("wake", "start", "buckets", "finish"), t, t[1:])}
         return {"message": "Weight update finished", "weight_version": self.engine.weight_version,
-                "is_sleeping": self.engine.is_sleeping()}
+                "is_sleeping": self.engine.is_sleeping(), "phases_ms": self.sync_phases_ms()}
+
+    def sync_phases_ms(self) -> dict[str, float]:
+        """The last one-call sync's phases, with the receiver's split of its buckets."""
+        buckets = self._updater.bucket_ms if self._updater is not None else {}
+        return {**self.last_sync_ms, **{f"bucket_{k}": v for k, v in buckets.items()}}
 
     async def abort_weight_update(self, body: AbortWeightUpdateBody) -> dict:
         """rlix extension: drop the update in progress (if any); the old weights keep serving."""
