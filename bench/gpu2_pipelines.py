@@ -3,10 +3,11 @@
 gate 1 (`overlap`): one pipeline, inference on both GPUs (two shards), training on GPU 0 only
   (`train_gpus: 1`, partial overlap), >= 20 steps, weight audit on. Its rollouts are set up as
   the case partial overlap is for, generation slower than training: a step's groups all in
-  flight at once, each shard decoding 32 sequences at a time (so each batch needs both shards;
-  with 64, one H100 shard nearly keeps up with the trainer alone and the batch is sometimes
-  complete when training ends: the scheduler then rightly gives GPU 0 straight back to the
-  trainer), and no checkpoint mid-run.
+  flight at once, each shard decoding 8 sequences at a time (as a shard whose KV cache holds
+  few long sequences would), so each batch needs both shards, and no checkpoint mid-run. (With
+  64 at a time one H100 shard alone nearly keeps up with the trainer at this size: the next
+  batch was sometimes complete when a train phase ended, and the scheduler then rightly gave
+  GPU 0 straight back to the trainer instead of waking its shard for nothing.)
   Passes when the shard on GPU 1 generated tokens in every one of GPU 0's train phases (its
   tokens/s is shown per phase: during GPU 0's training and outside it), the shard on GPU 0
   slept before every train phase and was woken after it, the free GPU memory at the start of
@@ -410,7 +411,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=0,
                     help="gate 1's groups in flight at once (0: groups_per_step: a step's sequences, "
                          "more than one shard's max_num_seqs)")
-    ap.add_argument("--max-num-seqs", type=int, default=32,
+    ap.add_argument("--max-num-seqs", type=int, default=8,
                     help="gate 1's sequences one shard decodes at once (0: the example's 64): generation "
                          "slower than training, so each batch needs both shards (partial overlap's case)")
     ap.add_argument("--gate2-steps", type=int, default=12)

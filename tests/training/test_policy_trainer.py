@@ -221,3 +221,14 @@ def test_loss_mask_leaves_context_tokens_out_of_the_loss(tiny_model_dir, samples
     with pytest.raises(TrainingError, match="loss-mask entries"):
         trainer.train_step([TrainSample(base[0].prompt_ids, base[0].response_ids, base[0].behaviour_logprobs,
                                         1.0, 0, [1])])
+
+
+def test_sync_buckets_are_64_mib_on_cpu_256_on_cuda_unless_the_config_names_a_size(tiny_model_dir):
+    from rlix.config.models import TrainConfig
+    from rlix.weights.buckets import default_bucket_bytes
+
+    assert default_bucket_bytes("cuda:0") == 256 << 20 and default_bucket_bytes("cpu") == 64 << 20
+    assert PolicyTrainer.from_config(str(tiny_model_dir), TrainConfig()).cache_bucket_bytes == 64 << 20
+    named = PolicyTrainer.from_config(str(tiny_model_dir), TrainConfig(bucket_mib=8))
+    assert named.cache_bucket_bytes == 8 << 20
+    assert named.build_cache(1).layout.bucket_bytes == 8 << 20

@@ -133,7 +133,10 @@ class TrainConfig(_Strict):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial model (0 = no reference model)")
     aggregation: Literal["token", "sequence"] = Field("token", description="loss mean over tokens or sequences")
     max_grad_norm: float = Field(1.0, gt=0)
-    bucket_mib: int = Field(64, ge=1, description="weight-sync bucket size in MiB")
+    bucket_mib: int | None = Field(None, ge=1, description="weight-sync bucket size in MiB (null: 256 on "
+                                                         "CUDA, where each bucket's fixed cost, a "
+                                                         "message and a copy launch, outweighs its "
+                                                         "bytes at 64; 64 on CPU)")
 
 
 class PipelineConfig(_Strict):

@@ -30,7 +30,7 @@ from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
-from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, fusion_order, plan_layout
+from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, default_bucket_bytes, fusion_order, plan_layout
 from rlix.weights.cache import BucketCache, HostMemory
 from rlix.weights.device_copy import DeviceCopy
 
@@ -116,7 +116,9 @@ class PolicyTrainer:
         return cls(model, lr=train.lr, weight_decay=train.weight_decay,
                    micro_batch_size=train.micro_batch_size, clip_eps=train.clip_eps,
                    kl_coef=train.kl_coef, aggregation=train.aggregation,
-                   max_grad_norm=train.max_grad_norm, cache_bucket_bytes=train.bucket_mib << 20,
+                   max_grad_norm=train.max_grad_norm,
+                   cache_bucket_bytes=(train.bucket_mib << 20 if train.bucket_mib
+                                       else default_bucket_bytes(kwargs.get("device", "cpu"))),
                    **kwargs)
 
     def _load(self, dtype: torch.dtype | None) -> torch.nn.Module:
