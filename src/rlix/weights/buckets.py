@@ -19,6 +19,9 @@ from rlix.weights.wire import (DTYPE_CODES, BucketAssembler, Layout, ReceiveErro
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 CPU_BUCKET_BYTES = 64 << 20  # copies at a few GB/s: smaller buckets pipeline better there
+DEFAULT_ALIGNMENT = 256
+
+TensorSpec = tuple[str, Sequence[int], torch.dtype]
 
 
 def default_bucket_bytes(device: str | torch.device) -> int:
@@ -26,9 +29,6 @@ def default_bucket_bytes(device: str | torch.device) -> int:
     (its message, checks and copy launch, ~80 us) would outweigh moving 64 MiB (~20 us at
     device bandwidth)."""
     return DEFAULT_BUCKET_BYTES if torch.device(device).type == "cuda" else CPU_BUCKET_BYTES
-DEFAULT_ALIGNMENT = 256
-
-TensorSpec = tuple[str, Sequence[int], torch.dtype]
 
 
 def _align(n: int, a: int) -> int:
