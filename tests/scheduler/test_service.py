@@ -92,6 +92,54 @@ def test_release_with_progress_hands_the_gpu_back_where_the_new_demand_is():
     assert run(main(False)) == (0, 2)  # a's stale "no demand": both went to b
 
 
+def test_a_cycle_trains_again_without_lending_the_gpu_to_another_pipelines_rollouts():
+    """A pipeline whose next batch is complete releases and asks again: released on its own,
+    the next plan gives its GPU to the other pipeline's rollouts (a shard start there, which
+    the request a moment later must wait for); cycled, no plan sees the GPU free."""
+    async def main(cycled: bool) -> tuple[list[dict], list]:
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        a, b = Gated(), Gated()
+        s.register(PipelineSpec("a", train_gpus=1, max_shards=2), a)
+        s.register(PipelineSpec("b", max_shards=2), b)
+        s.report_progress(Progress("a", remaining=0, target=64))
+        s.report_progress(Progress("b", remaining=64, target=64))
+        await s.settle()
+        first = await s.request("a", "train", 1)
+        since = len(s.core.role_changes())
+        n_b = len(b.calls)
+        done = Progress("a", remaining=0, target=64, step=1)  # the next batch is complete too
+        if cycled:
+            second = await s.cycle("a", "train", 1, done)
+        else:
+            s.release("a", Stage.TRAIN, done)
+            await s.settle()
+            second = await s.request("a", "train", 1)
+        await s.settle()
+        changes = [c for c in s.core.role_changes()[since:] if c["gpu"] in first]
+        expanded_b = [c for c in b.calls[n_b:] if c[1]]
+        await s.close()
+        assert second == first
+        return changes, expanded_b
+
+    changes, expanded_b = run(main(cycled=True))
+    assert [c["after"] for c in changes] == ["idle", "a/train"] and not expanded_b
+    changes, expanded_b = run(main(cycled=False))  # what the cycle avoids
+    assert any(c["after"].startswith("b/generate") for c in changes) and expanded_b
+
+
+def test_a_cycle_of_a_stage_not_held_is_a_request():
+    async def main() -> list[int]:
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        s.register(PipelineSpec("a", train_gpus=1, max_shards=2), Gated())
+        gpus = await s.cycle("a", "train", 1)
+        with pytest.raises(SchedulerError, match="not cycled"):
+            await s.cycle("a", "rollout", 1)
+        await s.close()
+        return gpus
+
+    assert len(run(main())) == 1
+
+
 def test_progress_sent_with_a_request_is_applied_before_its_plan():
     async def main() -> tuple[int, list[int], int]:
         s = AsyncScheduler(Topology((2,)), PARAMS)
@@ -327,6 +375,35 @@ def test_scheduler_hooks_send_the_release_and_collect_its_answer_later(cluster):
     asyncio.run(hooks.after_training(2))
     with pytest.raises(SchedulerError, match="holds no GPUs"):
         asyncio.run(hooks.settle())
+
+
+def test_scheduler_hooks_keep_the_gpus_when_the_next_batch_is_complete(cluster):
+    """No release when the next batch is complete: the next step's request cycles the stage in
+    the scheduler (release and request in one re-plan), through the Ray actor."""
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched, _ = cluster
+    hooks = SchedulerHooks(sched, "a", 2)
+
+    def held_by_a() -> list:
+        return [h for h in snap(sched)["ledger"]["holdings"] if h["pipeline"] == "a" and h["role"] == "train"]
+
+    async def steps() -> tuple[list[int], list, list[int], list]:
+        first = await hooks.before_training(0)
+        await hooks.after_training(0, demand=(64, 64))  # complete: the GPUs are kept
+        await hooks.settle()
+        between = held_by_a()
+        second = await hooks.before_training(1)  # released and asked for again in one call
+        await hooks.after_training(1, demand=(64, 64))
+        kept_at_the_end = held_by_a()
+        await hooks.leave()  # the run ends holding them: released, then unregistered
+        return first, between, second, kept_at_the_end
+
+    first, between, second, kept = asyncio.run(steps())
+    assert len(first) == 2 and len(second) == 2 and between and kept
+    assert held_by_a() == [] and "a" not in snap(sched)["pipelines"]
+    ray.get(sched.register.remote(PipelineSpec("a", train_gpus=2, max_shards=1),
+                                  cluster[1]["a"]))  # as the later tests expect
 
 
 def test_dead_coordinator_returns_its_gpus_and_others_go_on(cluster):

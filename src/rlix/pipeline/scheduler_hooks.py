@@ -31,6 +31,9 @@ class SchedulerHooks:
         self.wait_s = 0.0
         self._releasing: Any = None  # the release call in flight (a Ray ObjectRef)
         self._complete: Progress | None = None  # "batch complete", held for the next request
+        # the next batch was complete when training ended: the GPUs are kept, and the next
+        # request releases and asks again in one call (scheduler.cycle)
+        self._cycling: Progress | None = None
 
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """Every shard it may use; the scheduler decides where and when each runs."""
@@ -51,6 +54,9 @@ class SchedulerHooks:
         """The last release is collected (its error logged), then the pipeline unregisters."""
         try:
             await self.settle()
+            if self._cycling is not None:  # the run ended holding the GPUs for a step it never took
+                self._cycling = None
+                await self.scheduler.release.remote(self.pipeline, "train")
         except Exception as exc:  # noqa: BLE001 - leaving anyway; the scheduler frees its GPUs
             log.warning("%s: the last release failed: %r", self.pipeline, exc)
         await self.scheduler.unregister.remote(self.pipeline)
@@ -63,8 +69,13 @@ class SchedulerHooks:
         complete, self._complete = self._complete, None
         if complete is not None and complete.step != step:
             complete = None  # an older batch's (the step is the weight version collected for)
-        self.granted = list(await self.scheduler.request.remote(self.pipeline, "train", self.train_gpus,
-                                                                complete))
+        cycling, self._cycling = self._cycling, None
+        if cycling is not None:
+            self.granted = list(await self.scheduler.cycle.remote(self.pipeline, "train", self.train_gpus,
+                                                                  complete or cycling))
+        else:
+            self.granted = list(await self.scheduler.request.remote(self.pipeline, "train", self.train_gpus,
+                                                                    complete))
         self.wait_s += time.perf_counter() - t0
         return self.granted
 
@@ -74,6 +85,14 @@ class SchedulerHooks:
         collected by the next `before_training` or `settle`."""
         progress = None if demand is None else self._progress(demand[0], demand[1], step + 1)
         await self.settle()
+        if progress is not None and progress.remaining == 0:
+            # The next batch is already complete: this pipeline trains again at once. Released
+            # now, its GPUs would be lent to another pipeline's rollouts in the next plan, and
+            # the request a moment later would wait for that shard's start (or wake) and sleep.
+            # The next before_training releases and asks again in one re-plan, where requests
+            # already waiting for these GPUs compete as usual.
+            self._cycling = progress
+            return
         self._releasing = self.scheduler.release.remote(self.pipeline, "train", progress)
         self.granted = []
 

@@ -223,6 +223,32 @@ class AsyncScheduler:
         if isinstance(recovered, Holding):
             self._save()  # the progress that came with it
             return await self._grant_again(recovered)
+        return await self._wait_for_grant(pipeline, stage, gpus, recovered, "request")
+
+    async def cycle(self, pipeline: str, stage: Stage | str | int, gpus: int,
+                    progress: Progress | None = None) -> list[int]:
+        """Release a stage and ask for it again, in one re-plan: a pipeline whose next batch is
+        complete when a train step ends trains again without its GPUs being seen free in
+        between (where the planner would lend them to another pipeline's rollouts, and the
+        request that follows a moment later would wait for that shard's start or wake and its
+        sleep). Other pending requests compete for them as usual. A stage not held (a restart
+        lost it) is simply requested."""
+        stage = parse_stage(stage)
+        if stage is Stage.ROLLOUT:
+            raise SchedulerError("rollout shards are placed by the planner, not cycled")
+        if progress is not None:
+            self.core.report_progress(progress)
+        self._retry_releases.pop(pipeline, None)
+        if self.core.ledger.stage_holding(pipeline, stage) is not None:
+            try:
+                self.core.release(pipeline, stage)
+            except SchedulerError:
+                self._save()
+                raise
+        return await self._wait_for_grant(pipeline, stage, gpus, None, "cycle")
+
+    async def _wait_for_grant(self, pipeline: str, stage: Stage, gpus: int, recovered: GpuRequest | None,
+                              why: str) -> list[int]:
         try:
             req = recovered or self.core.submit_request(pipeline, stage, gpus)
         except SchedulerError:
@@ -230,7 +256,7 @@ class AsyncScheduler:
             raise
         fut = asyncio.get_running_loop().create_future()
         self._waiters[req.id] = (pipeline, fut)
-        self._replan(f"request {pipeline}/{stage.name.lower()} x{gpus}")
+        self._replan(f"{why} {pipeline}/{stage.name.lower()} x{gpus}")
         try:
             return await fut
         except asyncio.CancelledError:

@@ -284,6 +284,12 @@ class SchedulerService:
         self._start()
         return self._sched.release(pipeline, stage, progress)
 
+    async def cycle(self, pipeline: str, stage: Stage | str | int, gpus: int = 0,
+                    progress: Progress | None = None) -> list[int]:
+        """Release a stage and request it again in one re-plan (AsyncScheduler.cycle)."""
+        self._start()
+        return await self._sched.cycle(pipeline, stage, gpus, progress)
+
     async def report_progress(self, progress: Progress) -> None:
         self._start()
         self._sched.report_progress(progress)
