@@ -63,7 +63,7 @@ class SchedulerHooks:
 
     async def before_training(self, step: int) -> list[int]:
         """Blocks until the scheduler grants the training GPUs (it shrinks shards there first).
-        A held "batch complete" report goes with the request."""
+        A held "batch complete" report goes with the request (a cycle, when the GPUs were kept)."""
         t0 = time.perf_counter()
         await self.settle()  # an async actor may run calls out of order: the release goes first
         complete, self._complete = self._complete, None
@@ -82,7 +82,8 @@ class SchedulerHooks:
     async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
         """One call: the new demand and the release are applied before one re-plan. Sent, not
         awaited: the step goes on while the scheduler re-plans; its answer (or error) is
-        collected by the next `before_training` or `settle`."""
+        collected by the next `before_training` or `settle`. With the next batch complete,
+        nothing is sent: the GPUs are kept and the next `before_training` cycles them."""
         progress = None if demand is None else self._progress(demand[0], demand[1], step + 1)
         await self.settle()
         if progress is not None and progress.remaining == 0:
