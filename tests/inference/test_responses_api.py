@@ -29,6 +29,17 @@ def test_input_items_become_chat_messages():
     assert to_chat({"input": "hi"})["messages"] == [{"role": "user", "content": "hi"}]
 
 
+def test_sampling_extras_reach_the_chat_completion_and_stateless_fields_change_nothing():
+    """vLLM's extras (sent through the openai client's extra_body) must not be dropped: an
+    `ignore_eos` lost here lets a random model stop early."""
+    chat = to_chat({"input": "hi", "ignore_eos": True, "seed": 7, "top_k": 5, "stop": ["x"],
+                    "repetition_penalty": 1.1, "store": False, "metadata": {"a": "b"},
+                    "parallel_tool_calls": True, "text": {"format": {"type": "text"}}, "top_p": None})
+    assert {k: chat[k] for k in ("ignore_eos", "seed", "top_k", "stop", "repetition_penalty")} == \
+        {"ignore_eos": True, "seed": 7, "top_k": 5, "stop": ["x"], "repetition_penalty": 1.1}
+    assert set(chat) == {"messages", "ignore_eos", "seed", "top_k", "stop", "repetition_penalty"}
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "stream": True}, "stream"),
     ({"input": "x", "previous_response_id": "r"}, "previous_response_id"),
@@ -38,6 +49,8 @@ def test_input_items_become_chat_messages():
     ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
     ({"input": [{"type": "function_call_output", "output": "5"}]}, "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),
+    ({"input": "x", "max_tool_calls": 2}, "max_tool_calls"),
 ])
 def test_what_is_not_supported_is_refused_by_name(body, param):
     with pytest.raises(InvalidRequestError) as err:

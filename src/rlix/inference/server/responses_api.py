@@ -5,6 +5,8 @@ function calls and outputs of earlier turns; it is answered by running the same 
 (so the router's stickiness and re-dispatch apply unchanged) and turning its message into
 Responses output items: an `output_text` message and one `function_call` item per tool call.
 Stateless: `previous_response_id` and streaming are refused with 400 rather than half-served.
+vLLM's sampling extras (`ignore_eos`, `seed`, `top_k`, penalties, ...) are passed on to the chat
+completion; a field that is neither passed on nor known to change nothing here is refused by name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from typing import Any
 from rlix.errors import InvalidRequestError
 
 _ROLES = {"user", "system", "developer", "assistant"}
+#: Responses fields with a chat completion field of another name
+_RENAMED = {"max_output_tokens": "max_tokens"}
+#: fields passed to the chat completion as they are (OpenAI's and vLLM's sampling extras)
+_PASSED = ("model", "temperature", "top_p", "tool_choice", "top_k", "seed", "stop", "stop_token_ids",
+           "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+           "skip_special_tokens")
+#: fields read here, or that change nothing in a stateless answer (nothing is stored)
+_READ = {"input", "instructions", "tools", "stream", "previous_response_id", "metadata", "store", "user",
+         "parallel_tool_calls", "truncation", "include", "service_tier"}
 
 
 def _text(content: Any, where: str) -> str:
@@ -89,10 +100,17 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
         else:
             raise InvalidRequestError(f"{where}: item type {kind!r} is not supported", param="input")
     chat: dict[str, Any] = {"messages": messages}
-    for src, dst in (("model", "model"), ("temperature", "temperature"), ("top_p", "top_p"),
-                     ("max_output_tokens", "max_tokens"), ("tool_choice", "tool_choice")):
-        if body.get(src) is not None:
-            chat[dst] = body[src]
+    for name, value in body.items():
+        if name in _RENAMED or name in _PASSED:
+            if value is not None:
+                chat[_RENAMED.get(name, name)] = value
+        elif name == "text":
+            fmt = value.get("format") if isinstance(value, dict) else value
+            if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                raise InvalidRequestError("text.format: only plain text output is supported", param="text")
+        elif name not in _READ:
+            raise InvalidRequestError(f"unknown or unsupported field `{name}` on /v1/responses "
+                                      "(refused rather than ignored)", param=name)
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
