@@ -28,6 +28,7 @@ import torch
 from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.batching import plan_prefill_groups, request_leaders, samples_from
+from rlix.inference.engine.prefix_cache import PrefixCache
 from rlix.inference.engine.runner.memory import release_memory, used_bytes
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
@@ -47,7 +48,8 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, detokenizer: Detokenizer, *, max_num_seqs: int,
                  eos_ids: Iterable[int], max_prefill_tokens: int = 4096,
                  max_prefill_padding: float | None = None, min_admit_batch: int | None = None,
-                 max_admit_delay_steps: int | None = None, overlap: bool | None = None) -> None:
+                 max_admit_delay_steps: int | None = None, overlap: bool | None = None,
+                 prefix_cache_bytes: int = 0) -> None:
         self.runner = runner
         self.weights = runner.weights
         self.detokenizer = detokenizer
@@ -78,6 +80,10 @@ class EngineCore:
         self.last_sleep_phases_ms: dict[str, float] = {}
         self._touched: dict[Sequence, None] = {}
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
+        #: finished rows' keys and values, for prompts that start with their tokens (a multi-turn
+        #: episode's next turn); where the prefill can start mid-prompt (packed prefill, CPU)
+        self.prefixes = (PrefixCache(prefix_cache_bytes)
+                         if prefix_cache_bytes > 0 and runner.packs_prefill else None)
         self.forked_rows = 0  # samples that copied another's prefill instead of running their own
         self.profile = StepProfile()
         #: overlapped decode (module docstring): None = wherever decode runs through CUDA graphs
@@ -324,8 +330,10 @@ class EngineCore:
         cache.ensure_capacity(width, live_rows=len(self.running), live_len=self._live_len())
         first_row = len(self.running)
         every = frozenset(i for i, s in enumerate(group) if s.params.prompt_logprobs is not None)
-        logits, full = self.runner.prefill_all([s.prompt_token_ids for s in group], first_row, every)
-        self.prefill_tokens += sum(len(s.prompt_token_ids) for s in group)
+        offsets = self._reuse_prefixes(group, first_row, every)
+        logits, full = self.runner.prefill_all([s.prompt_token_ids for s in group], first_row, every,
+                                               offsets)
+        self.prefill_tokens += sum(len(s.prompt_token_ids) for s in group) - sum(offsets or ())
         self.running.extend(group)
         seqs, rows = list(group), list(range(len(group)))
         for i, leader in enumerate(group):
@@ -347,6 +355,36 @@ class EngineCore:
         if len(seqs) > len(group):
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         self._append(seqs, sample(logits, [s.sampling for s in seqs]))
+
+    def _reuse_prefixes(self, group: list[Sequence], first_row: int,
+                        every: frozenset[int]) -> list[int] | None:
+        """Copy each prompt's longest cached prefix into its row; how many positions each got
+        (None without a prefix cache). A prompt whose logprobs are asked for is run whole."""
+        if self.prefixes is None:
+            return None
+        kv = self.runner.cache.kv
+        assert kv is not None
+        offsets = []
+        for i, seq in enumerate(group):
+            hit = None if i in every else self.prefixes.match(seq.prompt_token_ids, self.weight_version)
+            if hit is not None:
+                kv[:, :, first_row + i, :, : hit.length].copy_(hit.entry.kv[..., : hit.length, :])
+            offsets.append(hit.length if hit is not None else 0)
+        return offsets
+
+    def _keep_prefixes(self, rows: list[int]) -> None:
+        """Copy these finished rows' keys and values into the prefix cache (those computed by
+        the weights now served only: a row refitted mid-request holds older keys)."""
+        kv = self.runner.cache.kv
+        if self.prefixes is None or kv is None:
+            return
+        for row in rows:
+            seq = self.running[row]
+            current = all(v == self.weight_version for _, v in seq.weight_versions)
+            if seq.finish_reason in ("stop", "length") and seq.output_ids and current:
+                n = seq.cached_len
+                tokens = [*seq.prompt_token_ids, *seq.output_ids][:n]
+                self.prefixes.put(tokens, kv[:, :, row, :, :n].clone(), self.weight_version)
 
     def _decode(self) -> None:
         running = self.running
@@ -385,6 +423,7 @@ class EngineCore:
         if not any(s.finish_reason is not None for s in running):
             return list(range(len(running)))
         origin = {id(s): row for row, s in enumerate(running)}
+        self._keep_prefixes([row for row, s in enumerate(running) if s.finish_reason is not None])
         for row in range(len(running) - 1, -1, -1):
             if running[row].finish_reason is None:
                 continue
@@ -410,6 +449,8 @@ class EngineCore:
         t1 = time.perf_counter()
         self.runner.release_graphs()
         self.runner.cache.free()
+        if self.prefixes is not None:
+            self.prefixes.clear()
         self.kv_asleep = True
         if level == 2:
             self.weights.discard()
@@ -443,6 +484,8 @@ class EngineCore:
         complete = staging.check_complete()
         self.weights.swap_in(staging.staged, complete)
         self.weight_version = staging.version
+        if self.prefixes is not None:  # computed by the old weights
+            self.prefixes.clear()
         return self.weight_version
 
 

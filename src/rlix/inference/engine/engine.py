@@ -25,6 +25,7 @@ from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParam
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
+from rlix.inference.engine.prefix_cache import DEFAULT_BUDGET_BYTES
 from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
 from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
@@ -69,7 +70,8 @@ class TorchEngine:
                  max_num_seqs: int = 32, max_model_len: int | None = None,
                  max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
                  cuda_graphs: bool = True, fused: bool | None = None,
-                 overlap_steps: bool | None = None, compute_threads: int | None = None) -> None:
+                 overlap_steps: bool | None = None, compute_threads: int | None = None,
+                 prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -87,7 +89,8 @@ class TorchEngine:
         self._weights = runner.weights
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
                                 eos_ids=_eos_ids(model, tokenizer),
-                                max_prefill_tokens=max_prefill_tokens, overlap=overlap_steps)
+                                max_prefill_tokens=max_prefill_tokens, overlap=overlap_steps,
+                                prefix_cache_bytes=prefix_cache_bytes)
         self._core.on_prefilled = self._post_deltas
         self._cv = threading.Condition()
         # (command, future for its result, answer before the request deltas it produced)
@@ -139,6 +142,12 @@ class TorchEngine:
     def prefill_tokens(self) -> int:
         """Prompt tokens run through prefill forwards so far (a request's n samples count once)."""
         return self._core.prefill_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
+        prefixes = self._core.prefixes
+        return prefixes.hit_tokens if prefixes is not None else 0
 
     @property
     def forked_rows(self) -> int:

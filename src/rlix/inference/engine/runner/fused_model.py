@@ -366,16 +366,20 @@ class FusedDecoder:
         norm = self.decoder.norm
         return triton_ops.add_rms_norm(x, down, norm.weight, _eps(norm))
 
-    def prefill_packed(self, ids: torch.Tensor, lengths: list[int], first_row: int) -> torch.Tensor:
+    def prefill_packed(self, ids: torch.Tensor, lengths: list[int], first_row: int,
+                       offsets: list[int] | None = None) -> torch.Tensor:
         """Prompts concatenated without padding (ids [T], T = sum(lengths)) into cache rows
         first_row, first_row + 1, ...: every matmul runs once over all T tokens (one pass over
         the weights, no padding computed), attention per prompt. Returns the final normalised
         hidden states [T, H]. The prefill for CPU, where padding is compute and a pass over the
-        weights is a memory-bound floor; a GPU prefers fixed shapes (graphs)."""
+        weights is a memory-bound floor; a GPU prefers fixed shapes (graphs).
+        `offsets[j]`: prompt j's first offsets[j] positions are already in its cache row (a
+        prefix-cache hit); its `lengths[j]` tokens are the rest, at positions from there on."""
         assert self._cos is not None and self._sin is not None
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk_heads, total = heads + kv_heads, ids.shape[0]
-        positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])
+        offsets = offsets or [0] * len(lengths)
+        positions = torch.cat([torch.arange(o, o + n, device=ids.device) for o, n in zip(offsets, lengths)])
         cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
         starts = [sum(lengths[:j]) for j in range(len(lengths))]
         x = F.embedding(ids, self.decoder.embed_tokens.weight)
@@ -385,15 +389,27 @@ class FusedDecoder:
             q, k, v = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1), qkv[:, qk_heads:].transpose(0, 1)
             keys, values = self.cache.keys[i], self.cache.values[i]
             parts = []
-            for j, (start, n) in enumerate(zip(starts, lengths)):
-                seg = slice(start, start + n)
-                keys[first_row + j, :, :n] = k[:, seg]
-                values[first_row + j, :, :n] = v[:, seg]
-                out = F.scaled_dot_product_attention(q[None, :, seg], k[None, :, seg], v[None, :, seg],
-                                                     is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
+            for j, (start, n, o) in enumerate(zip(starts, lengths, offsets)):
+                seg, row = slice(start, start + n), first_row + j
+                keys[row, :, o: o + n] = k[:, seg]
+                values[row, :, o: o + n] = v[:, seg]
+                if o:  # the new queries see the cached prefix and, causally, each other
+                    out = F.scaled_dot_product_attention(
+                        q[None, :, seg], keys[row: row + 1, :, : o + n], values[row: row + 1, :, : o + n],
+                        attn_mask=self._offset_causal(o, n, ids.device), scale=self.scale,
+                        enable_gqa=self.group > 1)
+                else:
+                    out = F.scaled_dot_product_attention(q[None, :, seg], k[None, :, seg], v[None, :, seg],
+                                                         is_causal=True, scale=self.scale,
+                                                         enable_gqa=self.group > 1)
                 parts.append(out[0].transpose(0, 1).reshape(n, heads * dim))
             x = self._mlp(layer, _mm_add(x, torch.cat(parts), layer.o_w, layer.o_p))
         return self.final(x)
+
+    @staticmethod
+    def _offset_causal(offset: int, n: int, device: torch.device) -> torch.Tensor:
+        """[n, offset + n] bool: query i (at position offset + i) sees keys 0 .. offset + i."""
+        return torch.arange(offset + n, device=device)[None, :] <= (offset + torch.arange(n, device=device))[:, None]
 
     def prefill(self, ids: torch.Tensor, rows: int | torch.Tensor) -> torch.Tensor:
         """Run right-padded prompts ids [P, W] into cache rows `rows` (the first of P

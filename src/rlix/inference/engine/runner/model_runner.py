@@ -133,14 +133,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_all(self, prompts: list[list[int]], first_row: int,
-                    every_position: frozenset[int] = frozenset()
+                    every_position: frozenset[int] = frozenset(), offsets: list[int] | None = None
                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """prefill, plus the logits of every position [L_i, V] of the prompts in
-        `every_position` (their prompt logprobs); the LM head runs on those positions only."""
+        `every_position` (their prompt logprobs); the LM head runs on those positions only.
+        `offsets` (where `packs_prefill`): prompt i's first offsets[i] positions are already in
+        its row (a prefix-cache hit) and only the rest is run."""
+        if self.packs_prefill:
+            offsets = offsets or [0] * len(prompts)
+            rest = [p[o:] for p, o in zip(prompts, offsets)]
+            return self._prefill_packed(rest, [len(p) for p in rest], first_row, every_position, offsets)
+        if offsets and any(offsets):
+            raise ValueError("prefix offsets need the packed prefill (fused decoder on CPU)")
         lengths = [len(p) for p in prompts]
         width = max(lengths)
-        if self.packs_prefill:
-            return self._prefill_packed(prompts, lengths, first_row, every_position)
         if self.prefill_graphs is not None and not every_position:
             shape = self.prefill_graphs.shape(len(prompts), width, first_row)
             if shape is not None:
@@ -168,11 +174,12 @@ class ModelRunner:
         return head(hidden[rows, last]), full
 
     def _prefill_packed(self, prompts: list[list[int]], lengths: list[int], first_row: int,
-                        every_position: frozenset[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                        every_position: frozenset[int], offsets: list[int]
+                        ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         assert self.fused is not None
         self.fused.refresh()
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
-        hidden = self.fused.prefill_packed(ids, lengths, first_row)
+        hidden = self.fused.prefill_packed(ids, lengths, first_row, offsets)
         ends = torch.tensor(lengths, device=self.device).cumsum(0)
         full = {i: self.fused.logits(hidden[int(ends[i]) - lengths[i]: int(ends[i])]) for i in sorted(every_position)}
         return self.fused.logits(hidden[ends - 1]), full

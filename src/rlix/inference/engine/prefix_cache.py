@@ -1,0 +1,124 @@
+"""Keys and values of finished sequences, kept so that a later prompt starting with the same
+tokens prefills only what follows them.
+
+Why: an agent's turn k+1 is turn k's prompt and answer plus a tool's output, so without this
+every turn prefills the whole conversation again (on CPU, half of a shard's time in a multi-turn
+run was prefill). The router sends an episode's turns to the same shard, where its last turn's
+keys and values are still here.
+
+An entry is a copy of a retired row's first `cached_len` positions (prompt and output but the
+last sampled token, whose keys were never computed), all layers in one tensor, under the weight
+version that computed it. A lookup returns the entry sharing the longest token prefix with the
+prompt, capped so that at least one prompt token is still run (its logits give the first
+sampled token). Entries of another weight version never match; the engine also clears the store
+when weights change or the cache sleeps. A new entry replaces those whose tokens it extends
+(the same keys, and more); the least recently used go first when the byte budget is exceeded.
+Pure bookkeeping: the engine core copies rows in and out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+#: the engine's default budget for kept keys and values (host memory: the store is used where
+#: the prefill is packed, on CPU)
+DEFAULT_BUDGET_BYTES = 256 << 20
+#: prompts are bucketed by their first tokens: a lookup compares only entries that share them
+KEY_TOKENS = 8
+#: shorter shared prefixes are recomputed: copying them in saves less than it costs
+MIN_HIT_TOKENS = 16
+
+
+@dataclass
+class PrefixEntry:
+    tokens: tuple[int, ...]  # the tokens whose keys and values `kv` holds, in order
+    kv: torch.Tensor  # [layers, 2, kv_heads, len(tokens), head_dim]
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    entry: PrefixEntry
+    length: int  # positions of the prompt whose keys and values come from `entry`
+
+
+def shared_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Entries by their first KEY_TOKENS tokens, least recently used first, within `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int, min_hit_tokens: int = MIN_HIT_TOKENS) -> None:
+        self.budget_bytes = budget_bytes
+        self.min_hit_tokens = max(1, min_hit_tokens)
+        self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # by id(entry), LRU order
+        self._by_key: dict[tuple[int, ...], list[PrefixEntry]] = {}
+        self.nbytes = 0
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._by_key.clear()
+        self.nbytes = 0
+
+    def match(self, prompt: list[int], version: int) -> PrefixHit | None:
+        """The entry of weight `version` sharing the longest prefix with `prompt` (at most
+        len(prompt) - 1 tokens, at least min_hit_tokens), or None."""
+        best: PrefixHit | None = None
+        for entry in self._by_key.get(tuple(prompt[:KEY_TOKENS]), ()):
+            if entry.version != version:
+                continue
+            length = min(shared_length(entry.tokens, prompt), len(prompt) - 1)
+            if length >= self.min_hit_tokens and (best is None or length > best.length):
+                best = PrefixHit(entry, length)
+        if best is not None:
+            self._entries.move_to_end(id(best.entry))
+            self.hits += 1
+            self.hit_tokens += best.length
+        return best
+
+    def put(self, tokens: list[int], kv: torch.Tensor, version: int) -> None:
+        """Keep `kv` (already a copy) for `tokens`; entries it extends go, then the oldest while
+        over budget. An entry larger than the whole budget is not kept."""
+        if len(tokens) < self.min_hit_tokens or self.budget_bytes <= 0:
+            return
+        entry = PrefixEntry(tuple(tokens), kv, version)
+        if entry.nbytes > self.budget_bytes:
+            return
+        key = entry.tokens[:KEY_TOKENS]
+        bucket = self._by_key.setdefault(key, [])
+        for old in [e for e in bucket if e.version != version or
+                    (len(e.tokens) <= len(entry.tokens) and entry.tokens[:len(e.tokens)] == e.tokens)]:
+            self._drop(old)
+        self._by_key.setdefault(key, []).append(entry)
+        self._entries[id(entry)] = entry
+        self.nbytes += entry.nbytes
+        while self.nbytes > self.budget_bytes:
+            self._drop(next(iter(self._entries.values())))
+
+    def _drop(self, entry: PrefixEntry) -> None:
+        if self._entries.pop(id(entry), None) is None:
+            return
+        self.nbytes -= entry.nbytes
+        key = entry.tokens[:KEY_TOKENS]
+        bucket = self._by_key.get(key, [])
+        bucket[:] = [e for e in bucket if e is not entry]
+        if not bucket:
+            self._by_key.pop(key, None)
