@@ -308,7 +308,7 @@ def test_a_group_of_eight_shares_one_prefill(engine):
         app = create_app(engine, engine.tokenizer, "tiny", KEY)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://engine")
         client = openai.AsyncOpenAI(base_url="http://engine/v1", api_key=KEY, http_client=http, max_retries=0)
-        before = engine.prefill_tokens
+        before, hits = engine.prefill_tokens, engine.prefix_hit_tokens
         r = await client.chat.completions.create(model="tiny", messages=CHAT, n=8, max_tokens=6,
                                                  temperature=1.0, extra_body={"ignore_eos": True})
         shared = engine.prefill_tokens - before
@@ -316,9 +316,11 @@ def test_a_group_of_eight_shares_one_prefill(engine):
             model="tiny", messages=CHAT, n=8, max_tokens=6, temperature=1.0, stream=True,
             extra_body={"ignore_eos": True})]
         await client.close()
-        return r, shared, engine.prefill_tokens - before - shared, chunks
+        return r, shared, engine.prefill_tokens - before - shared, engine.prefix_hit_tokens - hits, chunks
 
-    r, first, second, chunks = asyncio.run(main())
+    r, first, second, cached, chunks = asyncio.run(main())
     assert len(r.choices) == 8 and len({c.message.content for c in r.choices}) == 8
-    assert first == second == r.usage.prompt_tokens  # one prefill per request of 8 samples
+    assert first == r.usage.prompt_tokens  # one prefill per request of 8 samples
+    # the same prompt again: all but its last token from the prefix cache, then one prefill
+    assert (second, cached) == (1, r.usage.prompt_tokens - 1)
     assert sorted(_by_index(chunks)) == list(range(8))

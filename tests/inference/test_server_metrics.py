@@ -64,6 +64,7 @@ def test_metrics_move_with_generations(engine, prompt, h):
     assert a[("vllm:request_generation_tokens_sum", ())] == 11
     assert a[("vllm:num_requests_running", ())] == 0 and a[("vllm:kv_cache_usage_perc", ())] == 0
     assert a[("rlix:weight_version", ())] == engine.weight_version
+    assert a[("rlix:prefix_cache_hit_tokens", ())] == engine.prefix_hit_tokens == 0  # short prompts
 
     assert m[("vllm:num_requests_running", ())] == 1
     assert 0 < m[("vllm:kv_cache_usage_perc", ())] == m[("vllm:gpu_cache_usage_perc", ())] < 1

@@ -51,8 +51,10 @@ class PrefixHit:
 
 def shared_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
     """How many leading tokens `a` and `b` have in common."""
-    n = min(len(a), len(b))
-    i = 0
+    a, b = tuple(a), tuple(b)
+    n, i, step = min(len(a), len(b)), 0, 64
+    while i + step <= n and a[i: i + step] == b[i: i + step]:  # slices compare in C
+        i += step
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -82,10 +84,11 @@ class PrefixCache:
         """The entry of weight `version` sharing the longest prefix with `prompt` (at most
         len(prompt) - 1 tokens, at least min_hit_tokens), or None."""
         best: PrefixHit | None = None
-        for entry in self._by_key.get(tuple(prompt[:KEY_TOKENS]), ()):
+        wanted = tuple(prompt)
+        for entry in self._by_key.get(wanted[:KEY_TOKENS], ()):
             if entry.version != version:
                 continue
-            length = min(shared_length(entry.tokens, prompt), len(prompt) - 1)
+            length = min(shared_length(entry.tokens, wanted), len(prompt) - 1)
             if length >= self.min_hit_tokens and (best is None or length > best.length):
                 best = PrefixHit(entry, length)
         if best is not None:

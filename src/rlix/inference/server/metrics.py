@@ -96,6 +96,8 @@ class _EngineGauges:
             ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name). 1 means 100 percent usage.",
              usage() if usage is not None else None),
             ("rlix:weight_version", "Weight version being served.", engine.weight_version),
+            ("rlix:prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache instead of "
+             "prefilled, since the start.", getattr(engine, "prefix_hit_tokens", None)),
         ):
             if value is None:
                 continue
