@@ -81,9 +81,9 @@ class EngineCore:
         self._touched: dict[Sequence, None] = {}
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
         #: finished rows' keys and values, for prompts that start with their tokens (a multi-turn
-        #: episode's next turn); where the prefill can start mid-prompt (packed prefill, CPU)
+        #: episode's next turn); where the prefill can start mid-prompt (the fused decoder)
         self.prefixes = (PrefixCache(prefix_cache_bytes)
-                         if prefix_cache_bytes > 0 and runner.packs_prefill else None)
+                         if prefix_cache_bytes > 0 and runner.reuses_prefixes else None)
         self.forked_rows = 0  # samples that copied another's prefill instead of running their own
         self.profile = StepProfile()
         #: overlapped decode (module docstring): None = wherever decode runs through CUDA graphs

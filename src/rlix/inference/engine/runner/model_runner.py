@@ -106,6 +106,9 @@ class ModelRunner:
         #: prompts prefilled back to back without padding (fused decoder on CPU): groups need
         #: no padding bound
         self.packs_prefill = self.fused is not None and device.type == "cpu"
+        #: a prefill can start mid-prompt over keys already in the row (the prefix cache): the
+        #: fused decoder's packed prefill, eager where prefills are otherwise padded graphs
+        self.reuses_prefixes = self.fused is not None
 
     def capture_graphs(self) -> None:
         """Capture the decode and common prefill CUDA graphs now instead of at first use (a
@@ -137,14 +140,15 @@ class ModelRunner:
                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """prefill, plus the logits of every position [L_i, V] of the prompts in
         `every_position` (their prompt logprobs); the LM head runs on those positions only.
-        `offsets` (where `packs_prefill`): prompt i's first offsets[i] positions are already in
-        its row (a prefix-cache hit) and only the rest is run."""
-        if self.packs_prefill:
+        `offsets` (where `reuses_prefixes`): prompt i's first offsets[i] positions are already in
+        its row (a prefix-cache hit) and only the rest is run, packed (on a GPU eagerly, not
+        through the padded prefill graphs)."""
+        if self.packs_prefill or (offsets and any(offsets)):
+            if self.fused is None:
+                raise ValueError("prefix offsets need the fused decoder's packed prefill")
             offsets = offsets or [0] * len(prompts)
             rest = [p[o:] for p, o in zip(prompts, offsets)]
             return self._prefill_packed(rest, [len(p) for p in rest], first_row, every_position, offsets)
-        if offsets and any(offsets):
-            raise ValueError("prefix offsets need the packed prefill (fused decoder on CPU)")
         lengths = [len(p) for p in prompts]
         width = max(lengths)
         if self.prefill_graphs is not None and not every_position:
