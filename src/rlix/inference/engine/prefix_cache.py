@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: the engine's default budget for kept keys and values (host memory: the store is used where
-#: the prefill is packed, on CPU)
+#: the engine's default budget for kept keys and values (on the engine's device; a sleep frees it)
 DEFAULT_BUDGET_BYTES = 256 << 20
 #: prompts are bucketed by their first tokens: a lookup compares only entries that share them
 KEY_TOKENS = 8
