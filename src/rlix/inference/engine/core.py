@@ -380,8 +380,8 @@ class EngineCore:
             return
         for row in rows:
             seq = self.running[row]
-            current = all(v == self.weight_version for _, v in seq.weight_versions)
-            if seq.finish_reason in ("stop", "length") and seq.output_ids and current:
+            if seq.finish_reason in ("stop", "length") and seq.output_ids and all(
+                    v == self.weight_version for _, v in seq.weight_versions):
                 n = seq.cached_len
                 tokens = [*seq.prompt_token_ids, *seq.output_ids][:n]
                 self.prefixes.put(tokens, kv[:, :, row, :, :n].clone(), self.weight_version)

@@ -105,8 +105,7 @@ class PrefixCache:
         if entry.nbytes > self.budget_bytes:
             return
         key = entry.tokens[:KEY_TOKENS]
-        bucket = self._by_key.setdefault(key, [])
-        for old in [e for e in bucket if e.version != version or
+        for old in [e for e in self._by_key.get(key, ()) if e.version != version or
                     (len(e.tokens) <= len(entry.tokens) and entry.tokens[:len(e.tokens)] == e.tokens)]:
             self._drop(old)
         self._by_key.setdefault(key, []).append(entry)
