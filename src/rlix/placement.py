@@ -75,10 +75,13 @@ class GpuReservation:
         self.groups = list(groups)
 
     @classmethod
-    def reserve(cls, topology: Topology, timeout_s: float = 60.0, *, slices: int = 1) -> GpuReservation:
+    def reserve(cls, topology: Topology, timeout_s: float = 60.0, *, slices: int = 1,
+                fake: bool = False) -> GpuReservation:
         """Reserve every GPU of `topology` (physical GPUs) on the alive Ray nodes that have GPUs
         (in the scheduler's order); a clear error if Ray cannot give them within `timeout_s`.
-        The slots are the scheduler's GPUs: `slices` per physical GPU."""
+        The slots are the scheduler's GPUs: `slices` per physical GPU. `fake`: the run computes
+        on CPU, so Ray's GPUs are fake ones even on a node with NVIDIA devices, and may outnumber
+        them."""
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
         nodes.sort(key=lambda n: (n.get("NodeManagerAddress", ""), n.get("NodeID", "")))
         if len(nodes) < topology.num_nodes:
@@ -112,6 +115,8 @@ class GpuReservation:
         for gpu, (node, bundle, ref) in enumerate(probes):
             node_ip, node_id, ids, devices = ray.get(ref)
             physical = ids[0] if ids else str(bundle)
+            if fake:
+                devices = 0
             if devices and physical.isdigit() and int(physical) >= devices:
                 for g in groups:
                     remove_placement_group(g)

@@ -104,7 +104,7 @@ def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog)
 def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
                 resume: bool, t_start: float) -> dict:
     gpus = topology_from_ray() if cfg.cluster.is_auto else cfg.cluster.physical_topology()
-    reservation = GpuReservation.reserve(gpus, slices=cfg.cluster.gpu_slices)
+    reservation = GpuReservation.reserve(gpus, slices=cfg.cluster.gpu_slices, fake=cfg.device == "cpu")
     topology = gpus.sliced(cfg.cluster.gpu_slices)  # what the scheduler hands out
     scheduler = None
     try:

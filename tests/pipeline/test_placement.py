@@ -10,6 +10,7 @@ the previous holder's release confirmation came back.
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import signal
 import time
@@ -18,7 +19,7 @@ import pytest
 import ray
 
 from rlix import env
-from rlix.errors import GpuMemoryError
+from rlix.errors import ConfigError, GpuMemoryError
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
@@ -67,6 +68,23 @@ def test_reservation_places_actors_on_their_gpu_and_keeps_ray_from_giving_it_awa
     finally:
         reservation.release()
     assert ray.get(outsider, timeout=60) in ("0", "1")  # released: Ray may hand it out again
+
+
+@pytest.mark.gpu
+def test_a_cpu_run_on_a_gpu_host_may_have_more_fake_gpus_than_the_host_has(ray_two_gpus):
+    """Ray is told of 2 GPUs on a host with one NVIDIA device: a CUDA run is refused naming
+    the device count; a CPU run (fake GPUs) reserves both and places nothing on CUDA."""
+    devices = len(glob.glob("/dev/nvidia[0-9]*"))
+    if devices >= 2:
+        pytest.skip("needs a host with fewer NVIDIA devices than the 2 GPUs Ray is told of")
+    with pytest.raises(ConfigError, match=f"which has {devices} NVIDIA device"):
+        GpuReservation.reserve(Topology.uniform(1, 2))
+    reservation = GpuReservation.reserve(Topology.uniform(1, 2), fake=True)
+    try:
+        assert [s.gpu for s in reservation.slots] == [0, 1]
+        assert not reservation.has_cuda
+    finally:
+        reservation.release()
 
 
 def _fleet(model_dir, placement, release_timeout_s=None) -> ShardFleet:
