@@ -12,12 +12,18 @@ default), three ways in one invocation, same seeds:
   agentic_timeshared_vs_queue   total steps per second of step time, time-shared / queue (goal >= 1.6)
   agentic_timeshared_vs_pinned  the same, time-shared / pinned
 
+`--slices N` schedules every GPU as N slices (`cluster.gpu_slices`) in the time-shared and queue
+runs, each pipeline with one shard: its shard and its trainer then need not take turns, and two
+pipelines can be on one GPU at once while their episodes wait on tools. `--device cpu` computes on
+the CPU even where CUDA is (fake GPUs on a many-core GPU host).
+
 Throughput is counted over the steps after each pipeline's first (`--warmup`), from the end of
 that first step to the end of the last (setup and first starts excluded; the queue's two spans
 added). Episodes spend most of their time waiting on tools; time-sharing lets the other pipeline
 generate or train meanwhile, which the queue cannot.
 
-    .venv/bin/python bench/agentic_cpu.py [--steps N] [--tool-latency 0.5] [--keep raw.json]
+    .venv/bin/python bench/agentic_cpu.py [--steps N] [--tool-latency 0.5] [--slices N] [--device cpu]
+                                          [--keep raw.json]
 Ends by printing one JSON line of the figures.
 """
 
@@ -71,35 +77,44 @@ def main() -> None:
                     help="on a machine with CUDA: both pipelines on its one real GPU (time-shared vs queue; "
                          "no pinned mode: there is one GPU); figures named agentic_1gpu_*")
     ap.add_argument("--slices", type=int, default=1,
-                    help="with --one-gpu: the GPU scheduled as this many slices (cluster.gpu_slices), so "
-                         "both pipelines' shards and trainers can be on it at once; the queue gets the "
-                         "same slices (a job alone may use them too)")
+                    help="every GPU scheduled as this many slices (cluster.gpu_slices), so that two "
+                         "pipelines' shards and trainers can be on one GPU at once, and each pipeline "
+                         "keeps one shard; the queue gets the same slices (a job alone may use them "
+                         "too); pinned keeps whole GPUs (one per pipeline, as a dedicated job has)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                    help="the runs' device (default: the config's); cpu on a GPU host runs fake GPUs there")
     ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
     for p in cfg["pipelines"]:
         p["steps"] = args.steps
         p["env"] = dict(p.get("env") or {}, tool_latency_s=args.tool_latency)
-    modes = [("timeshared", "rlix", cfg["pipelines"]), ("pinned", "standalone", cfg["pipelines"]),
-             *[(f"queue{i}", "rlix", [p]) for i, p in enumerate(cfg["pipelines"])]]
+    if args.device:
+        cfg["device"] = args.device
+    pinned_cfg = json.loads(json.dumps(cfg))  # whole GPUs, pipeline i on GPU i
     if args.one_gpu:
         cfg["cluster"] = {"nodes": 1, "gpus_per_node": 1, "gpu_slices": args.slices}
-        cfg["device"] = "auto"
+        cfg["device"] = args.device or "auto"
         for p in cfg["pipelines"]:
             p.update(max_shards=1, min_shards=1, gpus=[0])
-        modes = [m for m in modes if m[0] != "pinned"]
     elif args.slices != 1:
-        ap.error("--slices needs --one-gpu")
+        cfg["cluster"] = dict(cfg["cluster"], gpu_slices=args.slices)
+        for p in cfg["pipelines"]:
+            p.update(max_shards=1, min_shards=1)
+    modes = [("timeshared", "rlix", cfg), ("pinned", "standalone", pinned_cfg),
+             *[(f"queue{i}", "rlix", dict(cfg, pipelines=[p])) for i, p in enumerate(cfg["pipelines"])]]
+    if args.one_gpu:
+        modes = [m for m in modes if m[0] != "pinned"]
     import ray
 
     t0 = time.perf_counter()
     raw: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="rlix-bench-agentic-") as tmp, \
             Bench("agentic_cpu", total=len(modes)) as bench:
-        for label, mode, pipelines in modes:
-            bench.phase(f"{label} ({mode}, {len(pipelines)} pipeline(s))")
+        for label, mode, run_cfg in modes:
+            bench.phase(f"{label} ({mode}, {len(run_cfg['pipelines'])} pipeline(s))")
             with bench.aside():  # the run draws its own bars
-                raw[label] = [one_run(dict(cfg, pipelines=pipelines), mode, Path(tmp) / label)]
+                raw[label] = [one_run(run_cfg, mode, Path(tmp) / label)]
                 ray.shutdown()
             bench.advance()
     if args.keep:
@@ -116,7 +131,7 @@ def main() -> None:
         "agentic_spans_s": {k: round(v[1], 1) for k, v in runs.items()},
         "agentic_reward_gain": {k: v[2] for k, v in runs.items()},
         "agentic_episodes": {k: episode_stats(rs[0]) for k, rs in raw.items()},
-        **({"gpu_slices": args.slices} if args.one_gpu else {}),
+        **({"gpu_slices": args.slices} if args.one_gpu or args.slices != 1 else {}),
         "tool_latency_s": args.tool_latency, "steps": args.steps, "warmup": args.warmup, "wall_s": round(time.perf_counter() - t0, 1),
     }
     for k, v in out.items():
