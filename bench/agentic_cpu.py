@@ -83,6 +83,8 @@ def main() -> None:
                          "too); pinned keeps whole GPUs (one per pipeline, as a dedicated job has)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                     help="the runs' device (default: the config's); cpu on a GPU host runs fake GPUs there")
+    ap.add_argument("--modes", default="timeshared,pinned,queue",
+                    help="which runs, comma-separated (all three by default; the ratios need theirs)")
     ap.add_argument("--keep", default=None, help="write every run's raw summary to this JSON file")
     args = ap.parse_args()
     cfg = yaml.safe_load(Path(args.config).read_text())
@@ -103,8 +105,12 @@ def main() -> None:
             p.update(max_shards=1, min_shards=1)
     modes = [("timeshared", "rlix", cfg), ("pinned", "standalone", pinned_cfg),
              *[(f"queue{i}", "rlix", dict(cfg, pipelines=[p])) for i, p in enumerate(cfg["pipelines"])]]
+    wanted = set(args.modes.split(","))
+    if wanted - {"timeshared", "pinned", "queue"} or "queue" not in wanted:
+        ap.error("--modes: a comma-separated subset of timeshared,pinned,queue that includes queue")
     if args.one_gpu:
-        modes = [m for m in modes if m[0] != "pinned"]
+        wanted.discard("pinned")
+    modes = [m for m in modes if m[0].rstrip("01") in wanted]
     import ray
 
     t0 = time.perf_counter()
@@ -125,8 +131,9 @@ def main() -> None:
     rate["queue"] = sum(s for s, _, _ in queue) / sum(t for _, t, _ in queue)
     tag = "agentic_1gpu" if args.one_gpu else "agentic"
     out = {
-        f"{tag}_timeshared_vs_queue": round(rate["timeshared"] / rate["queue"], 3),
-        **({"agentic_timeshared_vs_pinned": round(rate["timeshared"] / rate["pinned"], 3)} if "pinned" in rate else {}),
+        **({f"{tag}_timeshared_vs_queue": round(rate["timeshared"] / rate["queue"], 3)} if "timeshared" in rate else {}),
+        **({"agentic_timeshared_vs_pinned": round(rate["timeshared"] / rate["pinned"], 3)}
+           if "pinned" in rate and "timeshared" in rate else {}),
         "agentic_steps_per_min": {k: round(v * 60, 2) for k, v in rate.items()},
         "agentic_spans_s": {k: round(v[1], 1) for k, v in runs.items()},
         "agentic_reward_gain": {k: v[2] for k, v in runs.items()},
