@@ -39,6 +39,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +88,19 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 64))] for _ in range(n)]
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines, split at "\n" only: httpx's `aiter_lines` also splits at U+2028, U+0085
+    and the like, which JSON leaves unescaped, so a random model's text could cut an event."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
 async def run_load(http: httpx.AsyncClient, batch: list[list[int]], concurrency: int,
                    max_tokens: int) -> Measure:
     """Stream every prompt with at most `concurrency` in flight; tok/s and TTFT p50."""
@@ -106,7 +120,7 @@ async def run_load(http: httpx.AsyncClient, batch: list[list[int]], concurrency:
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
