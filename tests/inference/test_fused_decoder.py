@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlix.inference.engine.runner.fused_model import MEASURE, PACK_PROBE_ROWS, pack_threshold
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
 from rlix.models.presets import resolve_model
 
@@ -64,7 +63,6 @@ def test_reordered_bf16_weights_on_cpu_match_plain_matmuls_and_follow_updates(pr
         assert runner.fused is not None
         if pack:
             assert runner.fused.packed  # the default here
-            runner.fused.pack_from = 0  # the copies at every size, whichever is faster here
         else:
             runner.fused.packed = False
         runner.cache.allocate(256)
@@ -89,46 +87,6 @@ def test_reordered_bf16_weights_on_cpu_match_plain_matmuls_and_follow_updates(pr
     for a, b in zip(after_packed, after_plain):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
     assert (after_packed[1] - before).abs().max() > 0.1  # the reordered copies were remade
-
-
-def test_the_copies_are_used_from_the_fewest_rows_at_which_they_are_faster_at_every_larger_size():
-    # {rows: (seconds on the copies, seconds plain)}
-    assert pack_threshold({1: (1.0, 2.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}) == 0
-    assert pack_threshold({1: (2.0, 1.0), 8: (1.0, 2.0), 32: (1.0, 2.0)}) == 8
-    assert pack_threshold({1: (1.0, 2.0), 8: (2.0, 1.0), 32: (1.0, 2.0)}) == 32  # not "always"
-    assert pack_threshold({1: (1.0, 2.0), 8: (1.0, 2.0), 32: (2.0, 1.0)}) is None
-    assert pack_threshold({1: (2.0, 1.0), 8: (2.0, 1.0)}) is None
-
-
-@torch.inference_mode()
-def test_the_matmul_path_is_measured_at_the_first_packing_and_either_path_gives_the_same_logits(prompt):
-    """bf16 on CPU times the reordered copies against plain matmuls once; whichever it picks
-    (copies dropped when they are never faster), the logits are those of the other choices."""
-    path = resolve_model("tiny")
-    runners = []
-    for pack_from in (MEASURE, 0, None):
-        model, _ = load_model(path, torch.device("cpu"), torch.bfloat16)
-        runner = ModelRunner(model, device=torch.device("cpu"), num_rows=4, max_model_len=256,
-                             fused=True, cuda_graphs=False)
-        assert runner.fused is not None and runner.fused.pack_from == MEASURE
-        runner.fused.pack_from = pack_from
-        runner.cache.allocate(256)
-        runners.append(runner)
-    prompts = [prompt(40), prompt(5, salt=2)]
-    outs = []
-    for runner in runners:
-        first = runner.prefill(prompts, 0)
-        step = runner.decode([int(t) for t in first.argmax(-1)], [len(p) for p in prompts])
-        outs.append((first.float(), step.float()))
-    measured = runners[0].fused
-    assert measured.pack_from is None or measured.pack_from in (0, *PACK_PROBE_ROWS)
-    if measured.pack_from is None:  # no second copy kept
-        assert not measured.packed and all(layer.qkv_p is None for layer in measured.layers)
-    else:
-        assert all(layer.qkv_p is not None for layer in measured.layers)
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
 
 
 @pytest.mark.gpu

@@ -230,10 +230,6 @@ class TorchEngine:
         if self._compute_threads:
             torch.set_num_threads(self._compute_threads)
         core = self._core
-        try:  # before the first request, with the compute threads it will have
-            core.runner.prepare()
-        except Exception as exc:  # noqa: BLE001 - it recurs at the first forward, to its caller
-            log.warning("engine preparation failed (the first request will report it): %s", exc)
         while True:
             with self._cv:
                 while not self._inbox and not core.has_work() and not self._closed:

@@ -15,10 +15,7 @@ views of it, so in-place weight updates land in the fused buffer; whenever the p
 moves (wake, reload) the fusion is redone (`refresh`). On CPU in bf16 the matmuls run on copies
 of the weights reordered once into oneDNN's blocked layout (what vLLM's CPU backend and
 inductor's frozen linears do): plain bf16 `torch.mm` re-blocks the weights on every call and
-was measured 1.5-3.7x slower a matmul on one host this project ran on, and 0.85-0.9x the time
-of the copies on another. So which path a matmul of n rows takes is measured once, at the first
-packing (`pack_threshold`: the copies from the row count on which they are faster; dropped when
-they never are). On the copies' path the gate and up projections
+was measured 1.5-3.7x slower a matmul on this project's CPU. There the gate and up projections
 are two matmuls, SiLU in the first's epilogue and the product in the second's (oneDNN post-ops):
 5-14% less time for the MLP's first half than one matmul and two passes over its output
 (measured at 1-32 rows on the 0.5B shape). The copies are remade after every
@@ -30,8 +27,6 @@ layers (q/k/v/o and gate/up/down projections, RMSNorm, SiLU, rotary without dyna
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import NamedTuple
 
 import torch
@@ -138,26 +133,6 @@ def packs_weights(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-#: row counts at which the two matmul paths are timed against each other (decode to prefill)
-PACK_PROBE_ROWS = (1, 8, 32, 128)
-MEASURE = "measure"
-
-
-def pack_threshold(timings: dict[int, tuple[float, float]]) -> int | None:
-    """From {rows: (seconds on the reordered copies, seconds on plain matmuls)}: the fewest rows
-    from which the copies are faster at every measured size (0 when at all of them), or None
-    when they are not faster at the largest."""
-    threshold: int | None = None
-    for rows in sorted(timings, reverse=True):
-        packed_s, plain_s = timings[rows]
-        if packed_s >= plain_s:
-            break
-        threshold = rows
-    if threshold is not None and threshold == min(timings):
-        return 0
-    return threshold
-
-
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
@@ -233,9 +208,6 @@ class FusedDecoder:
         self.sdpa_decode = weights.device.type == "cpu"
         #: matmuls on oneDNN-reordered copies (CPU, bf16), remade when the values change
         self.packed = packs_weights(weights.device, self.head.weight.dtype)
-        #: rows from which a matmul takes the copies (0: always); MEASURE: timed at the first
-        #: packing; None: never (the copies are then dropped)
-        self.pack_from: int | str | None = MEASURE if self.packed else None
         self._head_p: torch.Tensor | None = None
         self._packed_values: int | None = None
         self._cos = self._sin = None
@@ -279,42 +251,6 @@ class FusedDecoder:
             layer.pack()
         self._head_p = _pack(self.head.weight)
         self._packed_values = self.weights.values_version
-        if self.pack_from == MEASURE:
-            self.pack_from = pack_threshold(self._time_matmul_paths())
-            if self.pack_from is None:  # never faster here: keep no second copy of the weights
-                self.packed = False
-                for layer in self.layers:
-                    layer.qkv_p = layer.o_p = layer.gate_p = layer.up_p = layer.down_p = None
-                self._head_p = None
-
-    @torch.no_grad()
-    def _time_matmul_paths(self, rounds: int = 3) -> dict[int, tuple[float, float]]:
-        """Every layer's matmuls at each of PACK_PROBE_ROWS, on the copies and plain, the two
-        interleaved: {rows: (median seconds on the copies, median seconds plain)}."""
-        hidden = self.head.weight.shape[1]
-        out: dict[int, tuple[float, float]] = {}
-        for rows in PACK_PROBE_ROWS:
-            x = torch.randn(rows, hidden, dtype=self.head.weight.dtype, device=self.weights.device) * 0.1
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for i in range(rounds):
-                for packed in ((True, False) if i % 2 else (False, True)):
-                    started = time.perf_counter()
-                    for layer in self.layers:
-                        self._layer_matmuls(layer, x, packed)
-                    times[packed].append(time.perf_counter() - started)
-            out[rows] = (statistics.median(times[True]), statistics.median(times[False]))
-        return out
-
-    def _layer_matmuls(self, layer: _Layer, x: torch.Tensor, packed: bool) -> None:
-        qkv = _mm(x, layer.qkv_w, layer.qkv_p if packed else None, layer.qkv_b)
-        x = _mm_add(x, qkv[:, : x.shape[1]].contiguous(), layer.o_w, layer.o_p if packed else None)
-        self._mlp_matmuls(layer, x, packed)
-
-    def _packs(self, rows: int) -> bool:
-        return isinstance(self.pack_from, int) and rows >= self.pack_from
-
-    def _o_copy(self, layer: _Layer, rows: int) -> torch.Tensor | None:
-        return layer.o_p if self._packs(rows) else None
 
     def _tables(self) -> None:
         """cos and sign-folded sin per position, computed as transformers computes them."""
@@ -336,23 +272,17 @@ class FusedDecoder:
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
-        return self._mlp_matmuls(layer, h, self._packs(h.shape[0]), residual=x)
-
-    def _mlp_matmuls(self, layer: _Layer, h: torch.Tensor, packed: bool,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + down(silu(gate(h)) * up(h)) (residual h when None)."""
-        if packed and layer.gate_p is not None:  # SiLU and the product fused into the matmuls
+        if layer.gate_p is not None:  # silu(h @ gate.T) * (h @ up.T), fused into the two matmuls
             gate = torch.ops.mkldnn._linear_pointwise(h, layer.gate_p, None, "swish", [], "")
             act = torch.ops.mkldnn._linear_pointwise.binary(h, gate, layer.up_p, None, "mul")
         else:
             gate_up = _mm(h, layer.gate_up_w, None)
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
-        return _mm_add(h if residual is None else residual, act, layer.down_w,
-                       layer.down_p if packed else None)
+        return _mm_add(x, act, layer.down_w, layer.down_p)
 
     def _qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), layer.ln1, layer.eps1)
-        return _mm(h, layer.qkv_w, layer.qkv_p if self._packs(h.shape[0]) else None, layer.qkv_b)
+        return _mm(h, layer.qkv_w, layer.qkv_p, layer.qkv_b)
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
         norm = self.decoder.norm
@@ -360,7 +290,7 @@ class FusedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head over already-normalised hidden states."""
-        return _mm(hidden, self.head.weight, self._head_p if self._packs(hidden.shape[0]) else None)
+        return _mm(hidden, self.head.weight, self._head_p)
 
     def decode_context(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
                        rows: torch.Tensor) -> tuple[torch.Tensor, _Step]:
@@ -390,13 +320,13 @@ class FusedDecoder:
             q = qk[:, :heads].view(batch, kv_heads, self.group, dim)
             attn = F.scaled_dot_product_attention(q, keys[:batch, :, :kv_len], values[:batch, :, :kv_len],
                                                   attn_mask=step.mask, scale=self.scale)
-            return _mm_add(x, attn.reshape(batch, heads * dim), layer.o_w, self._o_copy(layer, batch))
+            return _mm_add(x, attn.reshape(batch, heads * dim), layer.o_w, layer.o_p)
         q = qk[:, :heads].reshape(batch * kv_heads, self.group, dim)
         k = keys[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
         v = values[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
         probs = torch.softmax(torch.baddbmm(step.mask, q, k.transpose(1, 2), alpha=self.scale), -1)
         attn = torch.bmm(probs, v).view(batch, heads * dim)
-        return _mm_add(x, attn, layer.o_w, self._o_copy(layer, batch))
+        return _mm_add(x, attn, layer.o_w, layer.o_p)
 
     def decode_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP half (norm .. down_proj + residual)."""
@@ -484,7 +414,7 @@ class FusedDecoder:
                                                          is_causal=True, scale=self.scale,
                                                          enable_gqa=self.group > 1)
                 parts.append(out[0].transpose(0, 1).reshape(n, heads * dim))
-            x = self._mlp(layer, _mm_add(x, torch.cat(parts), layer.o_w, self._o_copy(layer, x.shape[0])))
+            x = self._mlp(layer, _mm_add(x, torch.cat(parts), layer.o_w, layer.o_p))
         return self.final(x)
 
     @staticmethod
@@ -515,5 +445,5 @@ class FusedDecoder:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                  enable_gqa=self.group > 1)
             attn = out.transpose(1, 2).reshape(rows * width, heads * dim)
-            x = self._mlp(layer, _mm_add(x, attn, layer.o_w, self._o_copy(layer, x.shape[0])))
+            x = self._mlp(layer, _mm_add(x, attn, layer.o_w, layer.o_p))
         return self.final(x).view(rows, width, -1)

@@ -110,12 +110,6 @@ class ModelRunner:
         #: fused decoder's packed prefill, eager where prefills are otherwise padded graphs
         self.reuses_prefixes = self.fused is not None
 
-    def prepare(self) -> None:
-        """What the first forward would do first: fuse the layers (on CPU in bf16 also reorder
-        the weights and time the two matmul paths, a few seconds at 0.5B)."""
-        if self.fused is not None:
-            self.fused.refresh()
-
     def capture_graphs(self) -> None:
         """Capture the decode and common prefill CUDA graphs now instead of at first use (a
         benchmark's or a server's start). Only while no sequence is running."""
