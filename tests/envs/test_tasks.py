@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -90,6 +91,17 @@ def test_jsonl_task_with_builtin_and_custom_verifiers(tmp_path, monkeypatch):
         custom.reward(custom.items[0], "boom")
     with pytest.raises(TaskError, match="NaN"):
         custom.reward(custom.items[0], "nan")
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """JSON strings may hold U+2028, U+0085 or a form feed unescaped (json.dumps with
+    ensure_ascii=False writes them raw): they are part of the prompt, not line breaks."""
+    data = tmp_path / "data.jsonl"
+    texts = ["first\u2028second", "a\x85b\x0cc", "plain"]
+    data.write_text("".join(json.dumps({"prompt": t, "answer": i}, ensure_ascii=False) + "\r\n"
+                            for i, t in enumerate(texts)), encoding="utf-8")
+    task = make_task({"name": "jsonl", "path": str(data)})
+    assert [p.text for p in task.items] == texts and [p.answer for p in task.items] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("content,match", [

@@ -19,7 +19,9 @@ def read_prompts(path: Path) -> list[Prompt]:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (task jsonl)")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # lines end at "\n" only: str.splitlines also breaks at U+2028, U+0085 and the like,
+        # which JSON strings may hold unescaped (ensure_ascii=False writers, multilingual text)
+        lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8").split("\n")]
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     items: list[Prompt] = []
