@@ -30,6 +30,7 @@ Ends by printing one JSON line of the figures.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -93,24 +94,23 @@ def main() -> None:
         p["env"] = dict(p.get("env") or {}, tool_latency_s=args.tool_latency)
     if args.device:
         cfg["device"] = args.device
-    pinned_cfg = json.loads(json.dumps(cfg))  # whole GPUs, pipeline i on GPU i
+    wanted = set(args.modes.split(","))
+    if wanted - {"timeshared", "pinned", "queue"} or "queue" not in wanted:
+        ap.error("--modes: a comma-separated subset of timeshared,pinned,queue that includes queue")
+    pinned_cfg = copy.deepcopy(cfg)  # whole GPUs, pipeline i on GPU i
     if args.one_gpu:
         cfg["cluster"] = {"nodes": 1, "gpus_per_node": 1, "gpu_slices": args.slices}
         cfg["device"] = args.device or "auto"
         for p in cfg["pipelines"]:
             p.update(max_shards=1, min_shards=1, gpus=[0])
+        wanted.discard("pinned")  # one GPU: nothing to pin a second pipeline to
     elif args.slices != 1:
         cfg["cluster"] = dict(cfg["cluster"], gpu_slices=args.slices)
         for p in cfg["pipelines"]:
             p.update(max_shards=1, min_shards=1)
-    modes = [("timeshared", "rlix", cfg), ("pinned", "standalone", pinned_cfg),
-             *[(f"queue{i}", "rlix", dict(cfg, pipelines=[p])) for i, p in enumerate(cfg["pipelines"])]]
-    wanted = set(args.modes.split(","))
-    if wanted - {"timeshared", "pinned", "queue"} or "queue" not in wanted:
-        ap.error("--modes: a comma-separated subset of timeshared,pinned,queue that includes queue")
-    if args.one_gpu:
-        wanted.discard("pinned")
-    modes = [m for m in modes if m[0].rstrip("01") in wanted]
+    modes = [("timeshared", "rlix", cfg)] if "timeshared" in wanted else []
+    modes += [("pinned", "standalone", pinned_cfg)] if "pinned" in wanted else []
+    modes += [(f"queue{i}", "rlix", dict(cfg, pipelines=[p])) for i, p in enumerate(cfg["pipelines"])]
     import ray
 
     t0 = time.perf_counter()
