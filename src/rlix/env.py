@@ -155,3 +155,20 @@ def process_env(pid: int, name: str) -> str | None:
 def process_visible_devices(pid: int) -> str | None:
     """`CUDA_VISIBLE_DEVICES` another process of ours was started with (see process_env)."""
     return process_env(pid, VISIBLE_DEVICES_VAR)
+
+
+def c_compiler() -> str | None:
+    """The C compiler that builds rlix's CPU kernels: `CC`, else `cc` or `gcc` on the PATH;
+    None when there is none (the engine then keeps torch's matmuls)."""
+    import shutil
+
+    value = os.environ.get("CC", "").strip()
+    if value:
+        return shutil.which(value) or (value if Path(value).exists() else None)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def cpu_kernels_enabled() -> bool:
+    """`RLIX_CPU_KERNELS=0` keeps the embedded engine on torch's matmuls on CPU (for A/B timing
+    or a compiler that miscompiles); on by default."""
+    return os.environ.get("RLIX_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
