@@ -26,7 +26,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().t()).float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32, 75])  # 75: three passes
 def test_linear_equals_the_matmul_with_bias_and_residual(kernels, rows):
     torch.manual_seed(rows)
     k, n = 160, 37  # n not a multiple of the kernel's block of 4 weight rows
@@ -45,7 +45,7 @@ def test_linear_equals_the_matmul_with_bias_and_residual(kernels, rows):
                                torch.addmm(residual, x, w.t()), atol=0.04, rtol=0.02)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 32])
+@pytest.mark.parametrize("rows", [1, 3, 8, 32, 40])
 def test_silu_gate_up_equals_the_mlp_first_half(kernels, rows):
     torch.manual_seed(100 + rows)
     k, inter = 64, 45
@@ -60,7 +60,8 @@ def test_fits_refuses_what_the_kernels_cannot_take(kernels):
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
     assert kernels.fits(torch.zeros(4, 32, dtype=torch.bfloat16), w)
     assert not kernels.fits(torch.zeros(4, 32), w)  # fp32
-    assert not kernels.fits(torch.zeros(cpu_kernels.MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)
+    assert kernels.fits(torch.zeros(cpu_kernels.MAX_ROWS + 1, 32, dtype=torch.bfloat16), w)
+    assert not kernels.fits(torch.zeros(0, 32, dtype=torch.bfloat16), w)
     assert not kernels.fits(torch.zeros(4, 24, dtype=torch.bfloat16), torch.zeros(8, 24, dtype=torch.bfloat16))
     assert not kernels.fits(torch.zeros(32, 4, dtype=torch.bfloat16).t(), w[:, :4])  # not contiguous
 
@@ -76,7 +77,8 @@ def test_fused_decoder_uses_them_for_few_rows_and_gives_the_plain_logits(kernels
         r = ModelRunner(model, device=torch.device("cpu"), num_rows=4, max_model_len=128,
                         fused=True, cuda_graphs=False)
         assert r.fused is not None
-        assert r.fused.row_kernels is kernels and r.fused.kernel_rows >= 2
+        assert r.fused.row_kernels is kernels
+        assert r.fused.kernel_rows is None or r.fused.kernel_rows >= 2
         if not use_kernels:
             r.fused.kernel_rows = 0
         r.cache.allocate(128)

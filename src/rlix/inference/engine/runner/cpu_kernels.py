@@ -31,36 +31,36 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_rows.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-#: rows of x one call takes (MAX_ROWS in the C file)
+#: rows of x per pass over the weights (MAX_ROWS in the C file); more rows take more passes
 MAX_ROWS = 32
 _BUILD_TIMEOUT_S = 120
 
 
 class Bf16RowKernels:
-    """The loaded library: bf16 `linear` and the MLP's `silu_gate_up` for up to MAX_ROWS rows."""
+    """The loaded library: bf16 `linear` and the MLP's `silu_gate_up`."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         ptr, i32 = ctypes.c_void_p, ctypes.c_int
         self._linear = lib.rlix_linear_bf16
         self._linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32]
-        self._linear.restype = None
+        self._linear.restype = ctypes.c_int
         self._gate_up = lib.rlix_silu_gate_up_bf16
         self._gate_up.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32]
-        self._gate_up.restype = None
+        self._gate_up.restype = ctypes.c_int
         self.path = path
 
     @staticmethod
     def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether x @ weight.T can run here: bf16 on CPU, contiguous, rows <= MAX_ROWS, K % 16 == 0."""
+        """Whether x @ weight.T can run here: bf16 on CPU, 2-D, contiguous, K % 16 == 0."""
         return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
-                and x.device.type == "cpu" and 0 < x.shape[0] <= MAX_ROWS
+                and x.device.type == "cpu" and x.shape[0] > 0
                 and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0
                 and x.is_contiguous() and weight.is_contiguous())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """(residual +) x @ weight.T (+ bias), x [M, K] with M <= MAX_ROWS, weight [N, K]."""
+        """(residual +) x @ weight.T (+ bias), x [M, K], weight [N, K]."""
         rows, n = x.shape[0], weight.shape[0]
         out = torch.empty(rows, n, dtype=x.dtype)
         if bias is not None:
@@ -68,17 +68,22 @@ class Bf16RowKernels:
         if residual is not None:
             residual = residual.contiguous()
             assert residual.shape == out.shape and residual.dtype == out.dtype
-        self._linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                     residual.data_ptr() if residual is not None else None, out.data_ptr(),
-                     rows, n, x.shape[1], torch.get_num_threads())
+        status = self._linear(x.data_ptr(), weight.data_ptr(),
+                              bias.data_ptr() if bias is not None else None,
+                              residual.data_ptr() if residual is not None else None, out.data_ptr(),
+                              rows, n, x.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"rlix_linear_bf16: no memory for {rows} x {x.shape[1]} fp32 rows")
         return out
 
     def silu_gate_up(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) for gate_up = [gate; up] ([2I, K])."""
         rows, inter = x.shape[0], gate_up.shape[0] // 2
         out = torch.empty(rows, inter, dtype=x.dtype)
-        self._gate_up(x.data_ptr(), gate_up.data_ptr(), out.data_ptr(), rows, inter, x.shape[1],
-                      torch.get_num_threads())
+        status = self._gate_up(x.data_ptr(), gate_up.data_ptr(), out.data_ptr(), rows, inter,
+                               x.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"rlix_silu_gate_up_bf16: no memory for {rows} x {x.shape[1]} fp32 rows")
         return out
 
 

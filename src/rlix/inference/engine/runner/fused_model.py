@@ -12,10 +12,12 @@ SDPA, causal, over the right-padded prompts.
 
 The q/k/v and gate/up weights are fused into one buffer each and the model's parameters become
 views of it, so in-place weight updates land in the fused buffer; whenever the parameter storage
-moves (wake, reload) the fusion is redone (`refresh`). On CPU in bf16 the matmuls run on copies
-of the weights reordered once into oneDNN's blocked layout (what vLLM's CPU backend and
-inductor's frozen linears do): plain bf16 `torch.mm` re-blocks the weights on every call and
-was measured 1.5-3.7x slower a matmul on this project's CPU. There the gate and up projections
+moves (wake, reload) the fusion is redone (`refresh`). On CPU in bf16 a decode step's few rows
+go through rlix's own row kernels (`cpu_kernels`: they stream the weights near the memory's read
+rate, which neither library path does at few rows). Larger matmuls, where the CPU has oneDNN's
+bf16 path (AVX-512 or AMX), run on copies of the weights reordered once into oneDNN's blocked
+layout (what vLLM's CPU backend and inductor's frozen linears do): plain bf16 `torch.mm`
+re-blocks the weights on every call and was measured 1.5-3.7x slower a matmul on such a CPU. There the gate and up projections
 are two matmuls, SiLU in the first's epilogue and the product in the second's (oneDNN post-ops):
 5-14% less time for the MLP's first half than one matmul and two passes over its output
 (measured at 1-32 rows on the 0.5B shape). The copies are remade after every
@@ -142,16 +144,16 @@ KERNEL_ROWS_BESIDE_ONEDNN = 4
 
 
 def _row_kernels(device: torch.device, dtype: torch.dtype,
-                 onednn: bool) -> tuple[cpu_kernels.Bf16RowKernels | None, int]:
-    """The row kernels and up to how many rows they run, where they apply (CPU, bf16): on an
-    AVX2-only CPU (no oneDNN bf16 path) torch's bf16 matmul is several times slower at every row
-    count a decode step has, so the kernels take all of them (up to their MAX_ROWS)."""
+                 onednn: bool) -> tuple[cpu_kernels.Bf16RowKernels | None, int | None]:
+    """The row kernels and up to how many rows they run (None: every matmul), where they apply
+    (CPU, bf16). On an AVX2-only CPU (no oneDNN bf16 path) torch's bf16 matmul is several times
+    slower at every row count, prefill's included, so the kernels take all of them."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return None, 0
     kernels = cpu_kernels.load()
     if kernels is None:
         return None, 0
-    return kernels, KERNEL_ROWS_BESIDE_ONEDNN if onednn else cpu_kernels.MAX_ROWS
+    return kernels, KERNEL_ROWS_BESIDE_ONEDNN if onednn else None
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -231,7 +233,7 @@ class FusedDecoder:
         self.packed = packs_weights(weights.device, self.head.weight.dtype)
         self._head_p: torch.Tensor | None = None
         self._packed_values: int | None = None
-        #: rlix's bf16 kernels for a decode step's few rows (CPU, bf16), used up to kernel_rows
+        #: rlix's bf16 row kernels (CPU, bf16), for matmuls of up to kernel_rows rows (None: all)
         self.row_kernels, self.kernel_rows = _row_kernels(weights.device, self.head.weight.dtype,
                                                           self.packed)
         self._cos = self._sin = None
@@ -295,7 +297,8 @@ class FusedDecoder:
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
 
     def _row_kernel(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (x.shape[0] <= self.kernel_rows and self.row_kernels is not None
+        return (self.row_kernels is not None
+                and (self.kernel_rows is None or x.shape[0] <= self.kernel_rows)
                 and self.row_kernels.fits(x, weight))
 
     def _matmul(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,

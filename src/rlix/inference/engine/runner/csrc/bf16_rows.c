@@ -18,7 +18,7 @@
 
 #define ROW_BLOCK 4   /* weight rows per block: their loads are shared by the rows of x */
 #define STACK_FLOATS 32768
-#define MAX_ROWS 32   /* rows of x per call; the caller sends more as several calls */
+#define MAX_ROWS 32   /* rows of x per pass over the weights */
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -107,14 +107,9 @@ static void block_dots(const float *xs, int rows, int k, const uint16_t *const *
     for (int r = 0; r < nr; r++) dots_1x1(xs + (size_t)m * k, k, w + r, out + m * nr + r, nr);
 }
 
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) (+ residual[M, N]); bf16, contiguous, K % 16 == 0,
- * M <= MAX_ROWS (the caller checks). */
-void rlix_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
-                      const uint16_t *residual, uint16_t *y, int M, int N, int K, int threads) {
-  float stack[STACK_FLOATS];
-  float *xs = (size_t)M * K <= STACK_FLOATS ? stack : malloc(sizeof(float) * (size_t)M * K);
-  if (!xs) return;
-  split_rows(x, M, K, xs);
+/* y = x @ w^T (+ bias) (+ residual) for rows <= MAX_ROWS rows of x, already split into xs */
+static void linear_rows(const float *xs, const uint16_t *w, const uint16_t *bias,
+                        const uint16_t *residual, uint16_t *y, int rows, int N, int K, int threads) {
   int blocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int b = 0; b < blocks; b++) {
@@ -122,8 +117,8 @@ void rlix_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
     const uint16_t *w_rows[ROW_BLOCK];
     float out[MAX_ROWS * ROW_BLOCK];
     for (int r = 0; r < nr; r++) w_rows[r] = w + (size_t)(n0 + r) * K;
-    block_dots(xs, M, K, w_rows, nr, out);
-    for (int m = 0; m < M; m++)
+    block_dots(xs, rows, K, w_rows, nr, out);
+    for (int m = 0; m < rows; m++)
       for (int r = 0; r < nr; r++) {
         float v = out[m * nr + r];
         if (bias) v = round_bf16(v) + bf16_to_float(bias[n0 + r]);
@@ -131,17 +126,11 @@ void rlix_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
         y[(size_t)m * N + n0 + r] = float_to_bf16(v);
       }
   }
-  if (xs != stack) free(xs);
 }
 
-/* y[M, I] = silu(x @ w[0:I]^T) * (x @ w[I:2I]^T): the MLP's gate and up halves of one fused
- * weight [2I, K], each gate row read beside its up row. Same limits as rlix_linear_bf16. */
-void rlix_silu_gate_up_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int I, int K,
-                            int threads) {
-  float stack[STACK_FLOATS];
-  float *xs = (size_t)M * K <= STACK_FLOATS ? stack : malloc(sizeof(float) * (size_t)M * K);
-  if (!xs) return;
-  split_rows(x, M, K, xs);
+/* act = silu(x @ gate^T) * (x @ up^T) for rows <= MAX_ROWS rows, already split into xs */
+static void silu_gate_up_rows(const float *xs, const uint16_t *w, uint16_t *y, int rows, int I,
+                              int K, int threads) {
   const int pairs = ROW_BLOCK / 2;
   int blocks = (I + pairs - 1) / pairs;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -153,13 +142,48 @@ void rlix_silu_gate_up_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, i
       w_rows[2 * r] = w + (size_t)(j0 + r) * K;
       w_rows[2 * r + 1] = w + (size_t)(I + j0 + r) * K;
     }
-    block_dots(xs, M, K, w_rows, 2 * nj, out);
-    for (int m = 0; m < M; m++)
+    block_dots(xs, rows, K, w_rows, 2 * nj, out);
+    for (int m = 0; m < rows; m++)
       for (int r = 0; r < nj; r++) {
         float gate = round_bf16(out[m * 2 * nj + 2 * r]);
         float up = round_bf16(out[m * 2 * nj + 2 * r + 1]);
         y[(size_t)m * I + j0 + r] = float_to_bf16(round_bf16(gate / (1.0f + expf(-gate))) * up);
       }
   }
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) (+ residual[M, N]); bf16, contiguous, K % 16 == 0.
+ * Rows go MAX_ROWS at a time (each chunk one pass over the weights). Returns 0, or -1 when the
+ * buffer for x could not be allocated. */
+int rlix_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                     const uint16_t *residual, uint16_t *y, int M, int N, int K, int threads) {
+  float stack[STACK_FLOATS];
+  int chunk = M < MAX_ROWS ? M : MAX_ROWS;
+  float *xs = (size_t)chunk * K <= STACK_FLOATS ? stack : malloc(sizeof(float) * (size_t)chunk * K);
+  if (!xs) return -1;
+  for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
+    int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+    split_rows(x + (size_t)m0 * K, rows, K, xs);
+    linear_rows(xs, w, bias, residual ? residual + (size_t)m0 * N : NULL, y + (size_t)m0 * N, rows,
+                N, K, threads);
+  }
   if (xs != stack) free(xs);
+  return 0;
+}
+
+/* y[M, I] = silu(x @ w[0:I]^T) * (x @ w[I:2I]^T): the MLP's gate and up halves of one fused
+ * weight [2I, K], each gate row read beside its up row. Same conditions as rlix_linear_bf16. */
+int rlix_silu_gate_up_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int I, int K,
+                           int threads) {
+  float stack[STACK_FLOATS];
+  int chunk = M < MAX_ROWS ? M : MAX_ROWS;
+  float *xs = (size_t)chunk * K <= STACK_FLOATS ? stack : malloc(sizeof(float) * (size_t)chunk * K);
+  if (!xs) return -1;
+  for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
+    int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+    split_rows(x + (size_t)m0 * K, rows, K, xs);
+    silu_gate_up_rows(xs, w, y + (size_t)m0 * I, rows, I, K, threads);
+  }
+  if (xs != stack) free(xs);
+  return 0;
 }
