@@ -6,6 +6,7 @@ Everything else asks this module, so the full set of knobs is visible in one fil
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Literal
@@ -160,8 +161,6 @@ def process_visible_devices(pid: int) -> str | None:
 def c_compiler() -> str | None:
     """The C compiler that builds rlix's CPU kernels: `CC`, else `cc` or `gcc` on the PATH;
     None when there is none (the engine then keeps torch's matmuls)."""
-    import shutil
-
     value = os.environ.get("CC", "").strip()
     if value:
         return shutil.which(value) or (value if Path(value).exists() else None)
