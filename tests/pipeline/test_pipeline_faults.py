@@ -159,6 +159,7 @@ def test_killed_shard_server_is_replaced_and_its_pipeline_goes_on(tmp_path, fres
     assert port_free(killer.processes["shard_urls"][killed_rank])
 
 
+@pytest.mark.slow  # ~70 s on the 2-core CI machine: runs in CI's slow step
 def test_killed_trainer_fails_its_pipeline_which_resumes_from_its_checkpoint(tmp_path, fresh_ray):
     summary, killer = run_with_fault(tmp_path, lambda procs: procs.get("trainer"),
                                      restart="on_failure", max_restarts=1)
@@ -210,6 +211,7 @@ def _metrics(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "run" / "pb" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # ~100 s on the 2-core CI machine: runs in CI's slow step
 def test_ctrl_c_saves_checkpoints_and_summary_and_resume_says_where_it_starts(tmp_path):
     """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) during `rlix run`:
     exit 130, every pipeline saved a checkpoint on the way out, summary.json says interrupted,
