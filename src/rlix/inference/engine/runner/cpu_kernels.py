@@ -14,13 +14,13 @@ keeps torch's matmuls. `RLIX_CPU_KERNELS=0` turns the kernels off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import platform
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -87,19 +87,13 @@ class Bf16RowKernels:
         return out
 
 
-_lock = threading.Lock()
-_loaded: dict[str, Bf16RowKernels | None] = {}
-
-
+@functools.cache
 def load() -> Bf16RowKernels | None:
     """The kernels, built on first use; None where they cannot run here (the reason logged once)."""
-    with _lock:
-        if "lib" not in _loaded:
-            kernels, reason = _build_and_load()
-            if kernels is None:
-                log.info("rlix CPU kernels off: %s; bf16 matmuls stay on torch", reason)
-            _loaded["lib"] = kernels
-        return _loaded["lib"]
+    kernels, reason = _build_and_load()
+    if kernels is None:
+        log.info("rlix CPU kernels off: %s; bf16 matmuls stay on torch", reason)
+    return kernels
 
 
 def unavailable_reason() -> str | None:
