@@ -149,3 +149,67 @@ def test_a_shard_that_does_not_drain_is_paused_by_force():
     assert "/pause?mode=abort" in paths and "/sleep" not in " ".join(paths)
     assert paths.index("/pause?mode=abort") > max(i for i, p in enumerate(paths) if p == "/metrics")
     assert paths[-1] == "/resume"
+
+
+def _sleeping_with(memory_of):
+    """A handler whose /sleep answers carry `memory_of(n)` (n: the how-many-th sleep)."""
+    count = {"n": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/sleep":
+            count["n"] += 1
+            return httpx.Response(200, json={"status": "sleeping", "memory": memory_of(count["n"])})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='vllm:num_requests_running{engine="0"} 0\n'
+                                             'vllm:num_requests_waiting{engine="0"} 0\n')
+        return httpx.Response(200, json={"status": "ok"})
+    return handler, count
+
+
+def test_a_sleeping_shards_residue_does_not_fail_its_hand_off_while_its_gpu_has_room() -> None:
+    """684 MiB kept by a sleeping shard (over the old fixed 512 MiB allowance) on a GPU with room
+    for what it freed: the shard lives on, asleep."""
+    gib = 1 << 30
+    memory = {"device": "cuda:0", "reserved": 684 << 20, "allocated": 0, "device_free": 70 * gib,
+              "device_total": 80 * gib, "freed_bytes": 6 * gib, "at": 0.0}
+
+    async def main():
+        fleet, router, client, _, _ = _fleet(FakeLauncher())
+        handler, count = _sleeping_with(lambda n: memory)
+        _install(client, handler)
+        await fleet.start([0])
+        fleet.shards[0].gpus = (0,)
+        await fleet.sleep_partial([0], level=2)
+        return fleet, count
+
+    fleet, count = asyncio.run(main())
+    assert 0 in fleet.shards and fleet.shards[0].asleep is True
+    assert count["n"] == 1  # held at once: not measured again
+
+
+def test_a_shard_that_leaves_its_gpu_short_is_measured_again_then_killed_with_the_bytes_named(monkeypatch) -> None:
+    import rlix.devices as devices
+    monkeypatch.setattr(devices, "RELEASE_RETRY_S", 0.0)  # the retries' spacing is not what is tested
+    gib = 1 << 30
+
+    def memory(n: int) -> dict:  # keeps 6 GiB; the GPU has 2 GiB free where it freed 4
+        return {"device": "cuda:0", "reserved": 6 * gib, "allocated": 0, "device_free": 2 * gib,
+                "device_total": 80 * gib, "freed_bytes": 4 * gib if n == 1 else 0, "at": 0.0}
+
+    async def main():
+        from rlix.errors import GpuMemoryError
+        launcher = FakeLauncher()
+        fleet, router, client, _, _ = _fleet(launcher)
+        handler, count = _sleeping_with(memory)
+        _install(client, handler)
+        await fleet.start([0])
+        fleet.shards[0].gpus = (3,)
+        with pytest.raises(GpuMemoryError) as err:
+            await fleet.sleep_partial([0], level=2)
+        return fleet, launcher, count, str(err.value)
+
+    fleet, launcher, count, msg = asyncio.run(main())
+    assert 0 not in fleet.shards and 0 not in launcher.running, "killed: its GPU is free"
+    assert count["n"] == 4  # the sleep and three more measurements
+    for part in ("GPU 3", "shard 0", "6144 MiB", "2.00 GiB", "needs 4.00 GiB"):
+        assert part in msg, (part, msg)

@@ -17,9 +17,12 @@ class FakeTrainer:
         self.finish = asyncio.Event()
 
     async def reload(self, *args):
-        return SimpleNamespace(reserved=0, as_dict=lambda: {})
+        return SimpleNamespace(reserved=0, device_free=None, as_dict=lambda: {})
 
     offload = reload
+
+    async def reload_bytes(self):
+        return 0
 
     async def train_step(self, samples):
         self.started.set()
@@ -128,7 +131,7 @@ def test_shards_beside_the_trainer_are_synced_from_its_gpu_before_the_offload_an
 
         async def offload(self, *args):
             calls.append(("offload",))
-            return SimpleNamespace(reserved=0, as_dict=lambda: {})
+            return SimpleNamespace(reserved=0, device_free=None, as_dict=lambda: {})
 
     class Coordinator(FakeCoordinator):
         syncs_on_device = True

@@ -164,6 +164,10 @@ class TrainerActor:
         """Offload, then the device memory measured afterwards (the release confirmation)."""
         return self.trainer.offload()
 
+    def reload_bytes(self) -> int:
+        """What this rank needs free on its GPU to reload (the hand-off check's need)."""
+        return self.trainer.reload_bytes()
+
     def reload(self, timeout_s: float = 60.0, gpu: str | None = None) -> DeviceMemory:
         """Reload once the GPU has room (measured); GpuMemoryError naming `gpu` otherwise."""
         return self.trainer.reload(timeout_s, gpu)

@@ -151,6 +151,10 @@ class TrainerGroup:
         reports = await self._on_all(a.reload.remote(timeout_s, g) for a, g in zip(self.ranks, labels))
         return _worst(reports)
 
+    async def reload_bytes(self) -> int:
+        """The most any rank needs free on its GPU to reload."""
+        return max(await self._on_all(a.reload_bytes.remote() for a in self.ranks))
+
     async def offload(self) -> DeviceMemory:
         """Every rank off its GPU; the worst rank's measurement afterwards, since the release
         check must hold for every GPU the group gives back."""

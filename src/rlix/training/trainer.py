@@ -383,6 +383,10 @@ class PolicyTrainer:
         """Bytes the trainer's state takes on the device (what a reload allocates)."""
         return sum(t.numel() * t.element_size() for _, t, _ in self._state_tensors())
 
+    def reload_bytes(self) -> int:
+        """What a reload waits to find free on the device: the state and a margin."""
+        return self.state_bytes() + RELOAD_MARGIN_BYTES
+
     def _move(self, device: torch.device) -> None:
         """Move the state. With CUDA the host side is pinned buffers, allocated once and reused
         by every offload (pinning costs ~0.5 s/GiB; pinned copies run ~6x faster than pageable)."""
@@ -427,7 +431,7 @@ class PolicyTrainer:
         previous holder must have let go of it. Raises GpuMemoryError naming the GPU otherwise."""
         if self.on_device:
             return measure(self.device)
-        report = wait_for_free(self.device, self.state_bytes() + RELOAD_MARGIN_BYTES,
+        report = wait_for_free(self.device, self.reload_bytes(),
                                holder="the trainer", gpu=gpu or str(self.device), timeout_s=timeout_s)
         try:
             self._move(self.device)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlix import env
-from rlix.devices import RELEASE_SLACK_BYTES
+from rlix.devices import DeviceMemory, confirm_release, memory_report
 from rlix.errors import GpuMemoryError, InvalidRequestError
 from rlix.inference.fleet.api import EngineBackend, RouterControl, ShardLauncher
 from rlix.inference.fleet.client import RemoteInferenceClient
@@ -116,6 +116,7 @@ class ShardFleet:
         # sleep should not meet running requests.
         self.drain_before_sleep = drain_before_sleep
         self.shards: dict[int, ShardInfo] = {}
+        self._need_bytes: dict[int, int] = {}  # per rank: the most a sleep of it freed (its size)
         self._locks: dict[int, asyncio.Lock] = {}
 
     def _lock(self, rank: int) -> asyncio.Lock:
@@ -288,11 +289,29 @@ class ShardFleet:
         if memory:
             self.memory_log.append({"event": "release", "holder": name, "gpus": list(self.shards[rank].gpus),
                                     **memory})
-            if self.shards[rank].gpus and memory.get("reserved", 0) > RELEASE_SLACK_BYTES:
-                raise await self.kill_for(
-                    rank, f"still held {memory['reserved'] / 2**20:.0f} MiB after sleeping at level {level} "
-                          f"(allowed {RELEASE_SLACK_BYTES >> 20} MiB)")
+            if self.shards[rank].gpus:
+                await self._confirm_release(rank, level, memory)
         return phases
+
+    async def _confirm_release(self, rank: int, level: int, memory: dict) -> None:
+        """A sleeping shard's residue (a resident engine keeps its CUDA context and graph pool)
+        is tolerated while its GPU has room for what the shard just freed, i.e. for a holder of
+        its size; a shortfall is measured again (a repeated sleep frees and measures) and only a
+        lasting one kills the shard, with the bytes named."""
+        info = self.shards[rank]
+        need = max(int(memory.get("freed_bytes") or 0), self._need_bytes.get(rank, 0))
+        self._need_bytes[rank] = need
+        gpu = ",".join(map(str, info.gpus))
+
+        async def remeasure() -> DeviceMemory:
+            answer = (await self.client.sleep(level, [rank], mode="abort"))[rank]
+            return memory_report(answer.get("memory") or {})
+
+        try:
+            await confirm_release(memory_report(memory), remeasure, holder=self.describe(rank), gpu=gpu,
+                                  need_bytes=need)
+        except GpuMemoryError as exc:
+            raise await self.kill_for(rank, f"left its GPU short after sleeping at level {level}: {exc}") from None
 
     async def kill_for(self, rank: int, why: str) -> GpuMemoryError:
         """A shard failed its GPU hand-off: end its process by PID (its GPU is then free) and
