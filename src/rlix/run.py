@@ -251,7 +251,8 @@ def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:
         raise ConfigError("device is cuda but the Ray cluster's GPUs are not CUDA devices "
                           "(no /dev/nvidia* on their nodes); use device: cpu or auto")
     return DevicePlan(device=device, dtype=resolve_dtype(cfg.dtype, device), reservation=reservation,
-                      release_timeout_s=cfg.release_timeout_s)
+                      release_timeout_s=cfg.release_timeout_s,
+                      resident_engines=cfg.cluster.resident_engines and device == "cuda")
 
 
 def memory_ledger(summaries: dict[str, dict]) -> dict[str, list[dict]]:

@@ -212,14 +212,45 @@ def test_a_dead_shard_given_other_gpus_is_recorded_and_started_anew(ray_local, t
             await coord.resize_inference([], {0: [0]})
             assert fleet.active_ranks() == [0] and fleet.shards[0].gpus == (0,)
             await coord.resize_inference([0], {})  # taken back: asleep
-            server, guard = launcher.server_pids()[0], launcher.pids()[0]
+            server, guard = fleet.server_pids()[0], fleet.pids()[0]
             os.kill(server, signal.SIGKILL)
             assert _wait_gone(guard)
             await coord.resize_inference([], {0: [1]})  # given other GPUs
             assert [d["pid"] for d in coord.stats.deaths] == [guard]
             assert fleet.active_ranks() == [0] and fleet.shards[0].gpus == (1,)
-            assert launcher.server_pids()[0] != server and launcher.procs[0].alive()
+            assert fleet.server_pids()[0] != server and launcher.procs[fleet.shards[0].key].alive()
             assert coord.versions[0] == 0 and await greedy(fleet.shards[0].url)
+        finally:
+            await fleet.shutdown()
+            await client.aclose()
+
+    _with_trainer(tiny_model_dir, main)
+
+
+def test_a_shard_moved_back_wakes_its_resident_engine_and_is_synced_to_the_latest_version(ray_local, tiny_model_dir):
+    """Placed shards: rank 0 serves on GPU 0, moves to GPU 1 (a process starts there: none
+    waited), a new version is published while it is away, and it moves back: it takes the
+    engine left asleep on GPU 0 (no third process), which is synced to the new version before
+    it is routed to."""
+    async def main(trainer) -> None:  # noqa: ANN001
+        router, client, launcher, fleet = _embedded_fleet(
+            tiny_model_dir, {"placement": lambda gpus: {"RLIX_TEST_GPUS": ",".join(map(str, gpus))}},
+            restart_on_move=True)
+        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, placed=True)
+        try:
+            ray.get(trainer.publish.remote(0))
+            await coord.resize_inference([], {0: [0]})
+            on_gpu0 = fleet.pids()[0]
+            await coord.resize_inference([0], {0: [1]})
+            on_gpu1 = fleet.pids()[0]
+            assert on_gpu1 != on_gpu0 and list(fleet.resident_pids().values()) == [on_gpu0]
+            ray.get(trainer.publish.remote(1))
+            coord.announce(1)
+            await coord.resize_inference([0], {0: [0]})
+            assert fleet.pids()[0] == on_gpu0 and list(fleet.resident_pids().values()) == [on_gpu1]
+            assert fleet.active_ranks() == [0] and coord.versions[0] == 1
+            assert [e.kind for e in coord.stats.events if e.kind in ("start", "rebind")] == ["start", "start", "rebind"]
+            assert len(fleet.placements) == 2 and await greedy(fleet.shards[0].url)
         finally:
             await fleet.shutdown()
             await client.aclose()

@@ -22,7 +22,7 @@ from rlix import env
 from rlix.errors import ConfigError, GpuMemoryError
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
-from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.fleet.fleet import LocalLauncher, Placed, ShardFleet
 from rlix.inference.router.router import Router
 from rlix.placement import GpuReservation
 from rlix.scheduler.async_scheduler import AsyncScheduler
@@ -106,7 +106,9 @@ def _alive(pid: int) -> bool:
         return fh.read().split(") ", 1)[1][0] != "Z"
 
 
-def test_a_placed_shard_sees_only_its_gpu_and_moves_by_restarting(tiny_model_dir):
+def test_a_placed_shard_sees_only_its_gpu_and_a_move_leaves_its_engine_resident(tiny_model_dir):
+    """A rank moved to another GPU gets a process there (none waited there), while its old one
+    stays alive and asleep on GPU 1; moved back, it wakes that one: no third process."""
     physical = {0: "0", 1: "1"}  # what a reservation maps rlix GPUs to on this node
 
     def placement(gpus):
@@ -115,23 +117,78 @@ def test_a_placed_shard_sees_only_its_gpu_and_moves_by_restarting(tiny_model_dir
     async def main() -> None:
         fleet = _fleet(tiny_model_dir, placement)
         try:
-            assert await fleet.place({0: [1]}) == [0]
-            first = fleet.launcher.pids()[0]
+            assert (await fleet.place({0: [1]})).started == [0]
+            first = fleet.pids()[0]
             assert env.process_visible_devices(first) == "1"
-            assert await fleet.place({0: [1]}) == []  # already there: the same process
-            assert fleet.launcher.pids()[0] == first
+            assert await fleet.place({0: [1]}) == Placed([], [])  # already there: the same process
+            assert fleet.pids()[0] == first
             await fleet.sleep_partial([0])
-            assert await fleet.place({0: [0]}) == [0]  # moved: a new process on GPU 0
-            second = fleet.launcher.pids()[0]
-            assert second != first and not _alive(first)
+            assert (await fleet.place({0: [0]})).started == [0]  # moved: a new process on GPU 0
+            second = fleet.pids()[0]
+            assert second != first and _alive(first), "the old engine stays, asleep, on GPU 1"
             assert env.process_visible_devices(second) == "0"
+            assert list(fleet.resident_pids().values()) == [first]
+            await fleet.sleep_partial([0])
+            assert await fleet.place({0: [1]}) == Placed([], [0])  # back: the resident engine
+            assert fleet.pids()[0] == first and fleet.shards[0].asleep is True
+            assert list(fleet.resident_pids().values()) == [second] and _alive(second)
+            await fleet.expand([0])  # it wakes (level 1 on CPU: its own weights) and is routed to
+            assert fleet.shards[0].asleep is False and fleet.active_ranks() == [0]
+            assert not (await fleet.client.is_sleeping([0]))[0]
             assert [(p["rank"], p["gpus"], p["visible_devices"]) for p in fleet.placements] == \
                 [(0, [1], "1"), (0, [0], "0")]
         finally:
             await fleet.shutdown()
             await fleet.client.aclose()
+        assert not _alive(first) and not _alive(second), "shutdown ends resident engines too"
 
     asyncio.run(main())
+
+
+def test_engines_started_at_setup_wait_asleep_and_placing_a_rank_wakes_one(tiny_model_dir):
+    """prestart: one engine per GPU, started together and put to sleep; placing ranks there
+    takes them (no process start after set-up); a resident engine that dies is forgotten and
+    a rank placed there later starts a process, counted as a start after set-up."""
+    def placement(gpus):
+        return {env.VISIBLE_DEVICES_VAR: ",".join(str(g) for g in gpus)}
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            engines = await fleet.prestart([(0,), (1,)])
+            assert sorted(e.gpus for e in engines) == [(0,), (1,)] and len(fleet.resident) == 2
+            probe = fleet.client.with_shards({e.key: e.url for e in engines})
+            try:
+                assert all((await probe.is_sleeping()).values())
+            finally:
+                await probe.aclose()
+            fleet.setup_done = True
+            pids = fleet.resident_pids()
+            assert await fleet.place({0: [1]}) == Placed([], [0])
+            assert fleet.pids()[0] == pids[fleet.shards[0].key]
+            await fleet.expand([0])
+            assert fleet.active_ranks() == [0]
+            # the engine waiting on GPU 0 dies: forgotten; rank 1 placed there starts one
+            dead = next(k for k in fleet.resident)
+            os.kill(fleet.launcher.server_pids()[dead], signal.SIGKILL)
+            assert _wait_dead(fleet.launcher.pids()[dead])
+            assert await fleet.dead_ranks() == [] and fleet.resident == {}
+            assert (await fleet.place({1: [0]})).started == [1]
+            assert fleet.starts_after_setup == 1
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
+def _wait_dead(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_move_between_slices_of_one_gpu_keeps_the_process(tiny_model_dir):
@@ -143,14 +200,14 @@ def test_a_move_between_slices_of_one_gpu_keeps_the_process(tiny_model_dir):
     async def main() -> None:
         fleet = _fleet(tiny_model_dir, placement)
         try:
-            assert await fleet.place({0: [0]}) == [0]
-            first = fleet.launcher.pids()[0]
+            assert (await fleet.place({0: [0]})).started == [0]
+            first = fleet.pids()[0]
             await fleet.sleep_partial([0])
-            assert await fleet.place({0: [1]}) == []  # the other slice of device 0: same process
-            assert fleet.launcher.pids()[0] == first and fleet.shards[0].gpus == (1,)
-            assert await fleet.place({0: [2]}) == [0]  # device 1: a new process
-            assert fleet.launcher.pids()[0] != first and not _alive(first)
-            assert env.process_visible_devices(fleet.launcher.pids()[0]) == "1"
+            assert await fleet.place({0: [1]}) == Placed([], [])  # the other slice of device 0: same process
+            assert fleet.pids()[0] == first and fleet.shards[0].gpus == (1,)
+            assert (await fleet.place({0: [2]})).started == [0]  # device 1: a new process
+            assert fleet.pids()[0] != first and _alive(first)  # the old one waits, asleep
+            assert env.process_visible_devices(fleet.pids()[0]) == "1"
         finally:
             await fleet.shutdown()
             await fleet.client.aclose()
@@ -164,7 +221,7 @@ def test_a_shard_that_cannot_confirm_its_release_is_killed_and_named(tiny_model_
         try:
             await fleet.place({0: [0]})
             await fleet.activate([0])
-            pid = fleet.launcher.server_pids()[0]
+            pid = fleet.server_pids()[0]
             os.kill(pid, signal.SIGSTOP)  # hung: it will never answer the sleep
             t0 = time.monotonic()
             with pytest.raises(GpuMemoryError) as err:
@@ -175,7 +232,7 @@ def test_a_shard_that_cannot_confirm_its_release_is_killed_and_named(tiny_model_
             assert "shard 0 of pipeline tiny on GPU 0" in message and f"pid {pid}" in message
             assert "within 2 s" in message
             assert not _alive(pid)  # killed by its PID: the GPU is free for the next holder
-            assert 0 not in fleet.shards and 0 not in fleet.launcher.pids()
+            assert 0 not in fleet.shards and 0 not in fleet.pids() and fleet.launcher.pids() == {}
         finally:
             await fleet.shutdown()
             await fleet.client.aclose()

@@ -30,6 +30,12 @@ class ClusterConfig(_Strict):
                                                        "trainers of several pipelines then share one GPU "
                                                        "at once; every GPU count and id in the config "
                                                        "counts slices")
+    resident_engines: bool = Field(True, description="on CUDA, start each pipeline's engine on every GPU "
+                                                     "it may run a shard on during set-up, and keep them "
+                                                     "asleep there: a shard moved to a GPU wakes the "
+                                                     "engine waiting there instead of starting a process "
+                                                     "(each sleeping engine keeps its CUDA context and "
+                                                     "graphs on its GPU, about 1 GiB)")
 
     @model_validator(mode="after")
     def _positive(self) -> "ClusterConfig":

@@ -57,7 +57,7 @@ DeviceSyncFn = Callable[[int, dict[int, dict[int, str]]], Awaitable[list[SyncRep
 @dataclass
 class ShardEvent:
     at: float
-    kind: str  # start | sleep | wake | sync | refit | device_sync | cool | activate | audit | died | replace
+    kind: str  # start | rebind | sleep | wake | sync | refit | device_sync | cool | activate | audit | died | replace
     ranks: tuple[int, ...]
     version: int | None = None
     seconds: float = 0.0
@@ -246,12 +246,17 @@ class ShardCoordinator:
         """(Under the lock.) Dead processes are recorded and dropped first: placing would
         otherwise restart (or, where moves keep the process, keep) a dead one unnoticed."""
         await self._drop_dead()
-        for r in await self.fleet.place({int(r): gpus for r, gpus in add.items()}):
+        placed = await self.fleet.place({int(r): gpus for r, gpus in add.items()})
+        for r in placed.started:
             # a new process serves the weights on disk: the initial version
             self.versions[r] = self.initial_version
             if not self.history.get(r):
                 self.history[r] = [self.initial_version]
             self._event("start", [r], self.initial_version)
+        for r in placed.resident:  # asleep, its weights dropped or of no known version: synced at wake
+            self.versions[r] = None
+            self.history.setdefault(r, [])
+            self._event("rebind", [r])
 
     async def _start_new(self, ranks: list[int]) -> None:
         """New processes for unplaced ranks; inactive, serving the weights on disk."""
@@ -307,10 +312,10 @@ class ShardCoordinator:
 
     def _death(self, rank: int) -> str:
         """Record a dead shard; returns how errors and logs name it."""
-        code = getattr(self.fleet.launcher, "exit_code", lambda r: None)(rank)
-        pid = self.fleet.launcher.pids().get(rank)
+        code = self.fleet.exit_code(rank)
+        pid = self.fleet.pids().get(rank)
         why = f"{self.fleet.describe(rank)} (pid {pid}) died (exit code {code})"
-        tail = getattr(self.fleet.launcher, "log_tail", lambda r: "")(rank)
+        tail = self.fleet.log_tail(rank)
         self.stats.deaths.append({"rank": rank, "pid": pid, "exit_code": code, "at": time.time(),
                                   "assigned": rank in self.assigned, "what": why,
                                   "log_tail": tail[-2000:]})

@@ -18,6 +18,16 @@ class DevicePlan:
     #: the run's GPUs as physical devices; None: processes are not placed (tests, no Ray GPUs)
     reservation: GpuReservation | None = None
     release_timeout_s: float = 60.0  # a holder's release confirmation, at most
+    #: start a time-shared pipeline's engines on every GPU during set-up (cluster.resident_engines)
+    resident_engines: bool = False
+
+    def resident_gpu_sets(self, tp: int) -> list[tuple[int, ...]]:
+        """Where a time-shared pipeline's engines are started during set-up: one per GPU of
+        this node's reservation (slices of one device share a process). None for `tp` > 1 (a
+        shard's GPUs are chosen at placement) or several nodes (shards are Ray actors there)."""
+        if not self.resident_engines or self.reservation is None or self.multi_node or tp != 1:
+            return []
+        return [(s.gpu,) for s in self.reservation.slots]
 
     @property
     def sleep_level(self) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fleet
     from rlix.config.models import PipelineConfig
     from rlix.pipeline.coordinator import ShardCoordinator
+    from rlix.pipeline.device_plan import DevicePlan
 
 
 @runtime_checkable
@@ -23,6 +24,11 @@ class RLixHooks(Protocol):
 
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """The dp ranks this pipeline starts, each with its GPUs if fixed (else [])."""
+        ...
+
+    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan) -> list[tuple[int, ...]]:
+        """Where the pipeline's engines start during set-up, before any rank is placed: resident
+        engines that a shard moved there wakes ([]: shards start where they are placed)."""
         ...
 
     async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
@@ -77,6 +83,10 @@ class NoOpHooks:
 
     def __init__(self, gpus: list[int] | None = None) -> None:
         self.gpus = list(gpus or [])
+
+    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan) -> list[tuple[int, ...]]:
+        """Its shards start on their fixed GPUs at join: nothing else to start."""
+        return []
 
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """One shard per `tp` fixed GPUs (at least one)."""

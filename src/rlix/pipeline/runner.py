@@ -115,6 +115,7 @@ class PipelineRunner:
         ranks = await self._start_shards(str(path))
         await self._start_collector(str(path))
         await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
+        self.fleet.setup_done = True  # type: ignore[union-attr]
         self.ready.set()
         self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,  # type: ignore[arg-type]
                              collector=self.collector, buffer=self.buffer, hooks=self.hooks,  # type: ignore[arg-type]
@@ -219,6 +220,8 @@ class PipelineRunner:
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)
+        else:  # ... where their engines may wait, started now, asleep
+            await self.fleet.prestart(self.hooks.resident_gpu_sets(cfg, dev))
         self.coordinator.announce(self.start_step)
         return ranks
 
@@ -316,12 +319,13 @@ class PipelineRunner:
 
     def processes(self) -> dict:
         """This pipeline's processes by PID (the fault tests kill them; operators look here)."""
-        launcher = self.fleet.launcher if self.fleet is not None else None
+        fleet = self.fleet
         return {"pipeline": os.getpid(), "trainer": self.trainer_placement.get("pid"),
                 "trainer_ranks": [r["pid"] for r in self.trainer_placement.get("ranks", [])],
                 "trainer_node": self.trainer_placement.get("node_id"),
-                "shard_guards": dict(launcher.pids()) if launcher is not None else {},
-                "shards": dict(launcher.server_pids()) if hasattr(launcher, "server_pids") else {},
+                "shard_guards": fleet.pids() if fleet is not None else {},
+                "shards": fleet.server_pids() if fleet is not None else {},
+                "resident_shard_guards": fleet.resident_pids() if fleet is not None else {},
                 "shard_urls": {r: i.url for r, i in self.fleet.shards.items()} if self.fleet else {},
                 "shard_nodes": {r: self.fleet.node_of(r) for r in self.fleet.shards} if self.fleet else {},
                 "active_shards": self.fleet.active_ranks() if self.fleet else [],
@@ -435,6 +439,7 @@ class PipelineRunner:
             "device": self.devices.device, "gpu_memory": self.memory_log(),
             "trainer_placement": self.trainer_placement,
             "shard_placements": list(self.fleet.placements) if self.fleet is not None else [],
+            "shard_starts_after_setup": self.fleet.starts_after_setup if self.fleet is not None else 0,
             "replications": list(self.weight_routes.replications) if self.weight_routes is not None else [],
             **({"env": self.env.stats()} if self.env is not None else {}),
         }

@@ -13,6 +13,7 @@ from rlix.scheduler.types import Progress
 if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fleet
     from rlix.config.models import PipelineConfig
     from rlix.pipeline.coordinator import ShardCoordinator
+    from rlix.pipeline.device_plan import DevicePlan
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -38,6 +39,11 @@ class SchedulerHooks:
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """Every shard it may use; the scheduler decides where and when each runs."""
         return {r: [] for r in range(cfg.max_shards)}
+
+    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan) -> list[tuple[int, ...]]:
+        """Any GPU may be given to this pipeline's shards: an engine waits, asleep, on each (a
+        move is then a wake, not a process start), where the run keeps engines resident."""
+        return devices.resident_gpu_sets(cfg.tp)
 
     async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
         """Register; the scheduler answers with the training home, where the trainer is placed.

@@ -264,7 +264,7 @@ class FleetActor:
         return await self.router.shards()
 
     def pids(self) -> dict[int, int]:
-        return self.fleet.launcher.pids()
+        return self.fleet.pids()
 
     async def shutdown(self) -> None:
         await self.fleet.shutdown()

@@ -86,6 +86,30 @@ class ShardInfo:
     asleep: bool | None = False  # None: not known (a wake inside a failed call); ask the shard
     active: bool = False
     gpus: tuple[int, ...] = ()  # where its process runs (placed fleets), () if not placed
+    proc: int | None = None  # the launcher's key of its process (None: the rank itself)
+
+    @property
+    def key(self) -> int:
+        return self.rank if self.proc is None else self.proc
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What `ShardFleet.place` did: ranks on a new process (serving the weights on disk) and
+    ranks that took a resident engine (asleep, serving no known version)."""
+
+    started: list[int]
+    resident: list[int]
+
+
+@dataclass
+class ResidentEngine:
+    """A started engine process that no rank uses now: asleep on its GPUs, kept so that a rank
+    placed there later wakes it instead of starting a process (seconds on a GPU)."""
+
+    key: int
+    url: str
+    gpus: tuple[int, ...]
 
 
 class ShardFleet:
@@ -116,6 +140,13 @@ class ShardFleet:
         # sleep should not meet running requests.
         self.drain_before_sleep = drain_before_sleep
         self.shards: dict[int, ShardInfo] = {}
+        # placed fleets: processes no rank uses now, asleep where they run (by launcher key)
+        self.resident: dict[int, ResidentEngine] = {}
+        self._keys = 0  # launcher keys of placed processes: never reused within the fleet
+        # processes started once the pipeline's set-up is done (`setup_done`): a death, or a GPU
+        # where it had no resident engine
+        self.starts_after_setup = 0
+        self.setup_done = False
         self._need_bytes: dict[int, int] = {}  # per rank: the most a sleep of it freed (its size)
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -160,48 +191,153 @@ class ShardFleet:
         return dict(zip(ranks, results))  # type: ignore[arg-type]
 
     async def shutdown(self, ranks: Iterable[int] | None = None) -> None:
-        """End these shards' processes (default: all) by PID and forget them."""
-        ranks = sorted(set(self.shards) | set(self.launcher.pids())) if ranks is None else sorted(ranks)
-        await asyncio.gather(*(self.kill(r) for r in ranks))
+        """End these shards' processes (default: all, resident ones included) by PID and forget
+        them."""
+        if ranks is not None:
+            await asyncio.gather(*(self.kill(r) for r in sorted(ranks)))
+            return
+        await asyncio.gather(*(self.kill(r) for r in sorted(self.shards)))
+        self.resident.clear()
+        # whatever else the launcher still runs (a start that raced a failure)
+        await asyncio.gather(*(self.launcher.stop(k) for k in sorted(self.launcher.pids())))
 
-    async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> list[int]:
-        """Make each rank's process run on its GPUs, seeing only them: started if it has no
-        process, restarted if its process sits on other GPUs (it is asleep: nothing in flight is
-        lost). A move that changes nothing the process sees (another slice of the same GPU,
-        `cluster.gpu_slices`) keeps the process: a start costs ~15 s on a GPU. A new process is
-        INACTIVE and serves the weights on disk. Returns the ranks whose process is new."""
-        async def one(rank: int) -> bool:
+    def _new_key(self) -> int:
+        self._keys += 1
+        return self._keys - 1
+
+    async def prestart(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> list[ResidentEngine]:
+        """Start an engine process on each GPU set at once, then put each to sleep: resident
+        engines that ranks placed there later wake instead of starting (as standalone mode
+        starts its shards during set-up). Sets that see the same devices as another get one
+        process. A failed start ends them all and raises."""
+        wanted: list[tuple[int, ...]] = []
+        for gpus in gpu_sets:
+            want = tuple(int(g) for g in gpus)
+            if want and not any(self._sees_the_same(w, want) or w == want for w in wanted):
+                wanted.append(want)
+
+        async def one(gpus: tuple[int, ...]) -> ResidentEngine:
+            key = self._new_key()
+            url = await self.launcher.start(key, gpus)
+            engine = ResidentEngine(key, url, gpus)
+            self.resident[key] = engine
+            self.placements.append({"rank": None, "gpus": list(gpus), "at": time.time(), "resident": True,
+                                    **self._process_info(key)})
+            if self.supports_sleep:  # asleep until a rank is placed here: its GPU is not its own yet
+                one_shard = self.client.with_shards({key: url})
+                try:
+                    await one_shard.sleep(level or self.sleep_level, [key])
+                finally:
+                    await one_shard.aclose()
+            return engine
+
+        results = await asyncio.gather(*(one(g) for g in wanted), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.shutdown()
+            raise failed[0]
+        return list(results)  # type: ignore[arg-type]
+
+    async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> Placed:
+        """Make each rank's process run on its GPUs, seeing only them. A rank that must move
+        leaves its process resident where it was (asleep) and takes the resident engine on its
+        new GPUs if there is one (a wake, not a start); only where none is does a process start
+        (~15 s on a GPU). A move that changes nothing the process sees (another slice of the
+        same GPU, `cluster.gpu_slices`) keeps the process. A rank bound to another process is
+        INACTIVE; a new process serves the weights on disk, a resident one is asleep. Returns the
+        ranks that got a new process and those that took a resident one."""
+        async def one(rank: int) -> str | None:
             want = tuple(int(g) for g in gpus_of[rank])
             info = self.shards.get(rank)
             if info is not None and info.gpus == want:
-                return False
+                return None
             if info is not None and (not self.restart_on_move or self._sees_the_same(info.gpus, want)):
                 info.gpus = want
-                return False
-            if info is not None:
-                await self.kill(rank)
-            url = await self.launcher.start(rank, want)
-            self.shards[rank] = ShardInfo(rank, url, gpus=want)
-            self.placements.append({"rank": rank, "gpus": list(want), "at": time.time(), **self._process_info(rank)})
-            self.client.shard_urls[rank] = url
-            await self.router.set_shard(rank, url, ShardState.INACTIVE.value)
-            return True
-        started = await self._each(sorted(int(r) for r in gpus_of), one)
-        return [r for r, new in started.items() if new]
+                return None
+            if info is not None:  # asleep (nothing in flight is lost): its process stays resident
+                await self._unbind(rank)
+            engine = self._resident_on(want)
+            how = "resident"
+            if engine is not None:
+                del self.resident[engine.key]
+                self.shards[rank] = ShardInfo(rank, engine.url, asleep=True, gpus=want, proc=engine.key)
+            else:
+                how = "started"
+                key = self._new_key()
+                url = await self.launcher.start(key, want)
+                self.shards[rank] = ShardInfo(rank, url, gpus=want, proc=key)
+                if self.setup_done:
+                    self.starts_after_setup += 1
+                self.placements.append({"rank": rank, "gpus": list(want), "at": time.time(),
+                                        **self._process_info(key)})
+            self.client.shard_urls[rank] = self.shards[rank].url
+            await self.router.set_shard(rank, self.shards[rank].url, ShardState.INACTIVE.value)
+            return how
+        how = await self._each(sorted(int(r) for r in gpus_of), one)
+        return Placed(started=sorted(r for r, h in how.items() if h == "started"),
+                      resident=sorted(r for r, h in how.items() if h == "resident"))
 
-    def _process_info(self, rank: int) -> dict:
-        """Where a rank's process runs, read from the process (its node's launcher asks there)."""
+    def _resident_on(self, gpus: tuple[int, ...]) -> ResidentEngine | None:
+        """A resident engine whose process sees what a process placed on `gpus` would."""
+        for engine in self.resident.values():
+            if engine.gpus == gpus or self._sees_the_same(engine.gpus, gpus):
+                return engine
+        return None
+
+    async def _unbind(self, rank: int) -> None:
+        """The rank leaves its process, which stays resident (asleep) where it runs; a process
+        whose sleep is not confirmed is ended instead (it may hold the GPU)."""
+        info = self.shards.pop(rank)
+        self.client.shard_urls.pop(rank, None)
+        try:
+            await self.router.remove_shard(rank)
+        except Exception:  # noqa: BLE001 - the router may be gone already
+            pass
+        if info.asleep is True and self.supports_sleep:
+            self.resident[info.key] = ResidentEngine(info.key, info.url, info.gpus)
+        else:
+            await self.launcher.stop(info.key)
+
+    def pids(self) -> dict[int, int]:
+        """Each rank's process (its guard's PID)."""
+        pids = self.launcher.pids()
+        return {r: pids[i.key] for r, i in self.shards.items() if i.key in pids}
+
+    def server_pids(self) -> dict[int, int]:
+        """Each rank's server process (under its guard), where the launcher knows it."""
+        server_pids = getattr(self.launcher, "server_pids", None)
+        pids = server_pids() if server_pids is not None else {}
+        return {r: pids[i.key] for r, i in self.shards.items() if i.key in pids}
+
+    def resident_pids(self) -> dict[int, int]:
+        """The resident engines' guard PIDs, by launcher key."""
+        pids = self.launcher.pids()
+        return {k: pids[k] for k in self.resident if k in pids}
+
+    def exit_code(self, rank: int) -> int | None:
+        fn = getattr(self.launcher, "exit_code", None)
+        info = self.shards.get(rank)
+        return fn(info.key) if fn is not None and info is not None else None
+
+    def log_tail(self, rank: int) -> str:
+        fn = getattr(self.launcher, "log_tail", None)
+        info = self.shards.get(rank)
+        return fn(info.key) if fn is not None and info is not None else ""
+
+    def _process_info(self, key: int) -> dict:
+        """Where a process runs, read from the process (its node's launcher asks there)."""
         info = getattr(self.launcher, "process_info", None)
         if info is not None:
-            return info(rank)
-        pid = self.launcher.pids().get(rank)
+            return info(key)
+        pid = self.launcher.pids().get(key)
         return {"pid": pid, "visible_devices": env.process_visible_devices(pid) if pid else None,
                 "memory_share": env.process_env(pid, env.GPU_MEMORY_SHARE_VAR) if pid else None}
 
     def node_of(self, rank: int) -> str | None:
         """The Ray node a rank's process runs on, where the launcher knows (None: this one)."""
         fn = getattr(self.launcher, "node_of_rank", None)
-        return fn(rank) if fn is not None else None
+        info = self.shards.get(rank)
+        return fn(info.key if info is not None else rank) if fn is not None else None
 
     def _sees_the_same(self, old: Sequence[int], new: Sequence[int]) -> bool:
         """A process placed on `old` would be started on `new` with the same environment."""
@@ -214,14 +350,19 @@ class ShardFleet:
             await self.router.remove_shard(rank)
         except Exception:  # noqa: BLE001 - the router may be gone already
             pass
-        await self.launcher.stop(rank)
-        self.shards.pop(rank, None)
+        info = self.shards.pop(rank, None)
+        await self.launcher.stop(info.key if info is not None else rank)
         self.client.shard_urls.pop(rank, None)
 
     async def dead_ranks(self) -> list[int]:
         """Shards of this fleet whose process has exited (killed, crashed): the coordinator
-        replaces them."""
-        return [r for r in await self.launcher.dead_ranks() if r in self.shards]
+        replaces them. A resident engine that died is ended and forgotten here (no rank used it:
+        a later placement starts a process where it was)."""
+        dead = set(await self.launcher.dead_ranks())
+        for key in sorted(dead & set(self.resident)):
+            del self.resident[key]
+            await self.launcher.stop(key)
+        return sorted(r for r, i in self.shards.items() if i.key in dead)
 
     async def confirm_dead(self, ranks: Iterable[int], within_s: float = 1.0) -> list[int]:
         """Those of `ranks` whose process is gone, waiting up to `within_s` for the exit to show
@@ -229,7 +370,7 @@ class ShardFleet:
         ranks = set(ranks)
         deadline = time.monotonic() + within_s
         while True:
-            dead = [r for r in await self.launcher.dead_ranks() if r in ranks]
+            dead = [r for r in await self.dead_ranks() if r in ranks]
             if dead or time.monotonic() >= deadline:
                 return dead
             await asyncio.sleep(0.05)
@@ -316,8 +457,7 @@ class ShardFleet:
     async def kill_for(self, rank: int, why: str) -> GpuMemoryError:
         """A shard failed its GPU hand-off: end its process by PID (its GPU is then free) and
         return the error that names it, its GPU and what went wrong."""
-        server_pids = getattr(self.launcher, "server_pids", None)  # the server under its guard
-        pid = (server_pids() if server_pids else {}).get(rank) or self.launcher.pids().get(rank)
+        pid = self.server_pids().get(rank) or self.pids().get(rank)  # the server under its guard
         name = self.describe(rank)
         await self.kill(rank)
         return GpuMemoryError(f"{name} {why}; its process (pid {pid}) was killed to free the GPU")
