@@ -109,3 +109,25 @@ def test_scheduler_hooks_send_the_pending_work_evidence_with_the_report():
     asyncio.run(hooks.report_progress(12, 64, 2))
     sent = [c[1][0] for c in sched.calls]
     assert [(p.remaining, p.pending_work) for p in sent] == [(54, True), (52, False)]
+
+
+def test_scheduler_hooks_release_the_last_steps_gpus_at_once():
+    """After the last step (nothing more wanted: target 0) the GPUs are released with the
+    report, not kept for a next step that never comes; a complete next batch still cycles."""
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched = _FakeScheduler()
+    hooks = SchedulerHooks(sched, "p", 1)
+
+    async def main() -> None:
+        await hooks.before_training(3)
+        await hooks.after_training(3, demand=(64, 64))  # the next batch is complete: kept
+        await hooks.before_training(4)
+        await hooks.after_training(4, demand=(0, 0))  # the last step: released now
+        await hooks.settle()
+
+    sched.cycle = _Method(sched.calls, "cycle", [0])
+    asyncio.run(main())
+    assert [n for n, _ in sched.calls] == ["request", "cycle", "release"]
+    released = sched.calls[2][1][2]
+    assert (released.remaining, released.target, released.step) == (0, 0, 5)

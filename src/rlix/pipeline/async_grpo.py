@@ -170,7 +170,9 @@ class GrpoLoop:
                 # (reported after it, a GPU went to the other pipeline and came back one report
                 # later: a wasted sleep, wake and sync)
                 self.collector.set_version(new)
-                demand = self.collector.demand_for_release()
+                # after the last step nothing is wanted: the GPUs go back at once, not when the
+                # pipeline has finished leaving
+                demand = (0, 0) if new >= self.steps else self.collector.demand_for_release()
             except BaseException:
                 await self.hooks.after_training(version)
                 raise

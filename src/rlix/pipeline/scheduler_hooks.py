@@ -92,7 +92,7 @@ class SchedulerHooks:
         nothing is sent: the GPUs are kept and the next `before_training` cycles them."""
         progress = None if demand is None else self._progress(demand[0], demand[1], step + 1)
         await self.settle()
-        if progress is not None and progress.remaining == 0:
+        if progress is not None and progress.target > 0 and progress.remaining == 0:
             # The next batch is already complete: this pipeline trains again at once. Released
             # now, its GPUs would be lent to another pipeline's rollouts in the next plan, and
             # the request a moment later would wait for that shard's start (or wake) and sleep.
