@@ -125,6 +125,15 @@ class GpuMemoryError(RlixError):
     little free (or ran out). The message names the GPU and the holder."""
 
 
+class VirtualMemoryError(GpuMemoryError):
+    """A CUDA virtual memory call failed: `call` names it and `code` is its CUresult (None for a
+    check of rlix's own, such as torch copying a buffer instead of viewing it)."""
+
+    def __init__(self, message: str, call: str | None = None, code: int | None = None) -> None:
+        super().__init__(message)
+        self.call, self.code = call, code
+
+
 class ShardDiedError(InferenceError):
     """A shard's server process kept dying (each death is replaced until a limit)."""
 

@@ -29,7 +29,7 @@ from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.batching import plan_prefill_groups, request_leaders, samples_from
 from rlix.inference.engine.prefix_cache import PrefixCache
-from rlix.inference.engine.runner.memory import release_memory, used_bytes
+from rlix.inference.engine.runner.memory import device_resident_bytes, release_memory, used_bytes
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.profile import StepProfile
@@ -78,6 +78,12 @@ class EngineCore:
         self.weight_version = 0
         self.last_sleep_freed_bytes = 0
         self.last_sleep_phases_ms: dict[str, float] = {}
+        #: whether the last sleep kept the CUDA graphs (every address they hold was virtual)
+        self.last_sleep_kept_graphs = False
+        #: what the process still held on its CUDA device once the last sleep had released
+        #: (torch's reserved memory + mapped virtual memory); None on CPU
+        self.last_sleep_resident_bytes: int | None = None
+        self.last_sleep_mapped_bytes = 0  # this engine's virtual memory still mapped (0 when sound)
         self._touched: dict[Sequence, None] = {}
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
         #: finished rows' keys and values, for prompts that start with their tokens (a multi-turn
@@ -440,14 +446,22 @@ class EngineCore:
 
     # -- sleep ---------------------------------------------------------------------------
     def sleep(self, level: int) -> int:
-        """Abort everything in flight, free the KV cache and offload (1) or drop (2) weights."""
+        """Abort everything in flight, free the KV cache and offload (1) or drop (2) weights.
+
+        The CUDA graphs are dropped first, unless every address they hold stays put across the
+        sleep (virtual KV cache and weight store, vmm.py): then their memory pool stays on the
+        device while asleep and the wake needs no capture."""
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
         t0 = time.perf_counter()
         self.abort(None)  # settles the step in flight first
         before = used_bytes(self.runner.device)
         t1 = time.perf_counter()
-        self.runner.release_graphs()
+        keep = self.runner.graphs_survive_sleep()
+        if keep:
+            self.runner.release_moved_graphs()
+        else:
+            self.runner.release_graphs()
         self.runner.cache.free()
         if self.prefixes is not None:
             self.prefixes.clear()
@@ -457,9 +471,12 @@ class EngineCore:
         elif self.weights.on_device:
             self.weights.offload()
         t2 = time.perf_counter()
-        release_memory(self.runner.device)
+        release_memory(self.runner.device, keep_workspaces=keep)
         t3 = time.perf_counter()
         self.last_sleep_freed_bytes = max(0, before - used_bytes(self.runner.device))
+        self.last_sleep_kept_graphs = keep
+        self.last_sleep_resident_bytes = device_resident_bytes(self.runner.device)
+        self.last_sleep_mapped_bytes = self.runner.cache.mapped_bytes() + self.weights.mapped_bytes()
         ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731
         self.last_sleep_phases_ms = {"abort": ms(t0, t1), "free": ms(t1, t2), "release": ms(t2, t3)}
         return self.last_sleep_freed_bytes

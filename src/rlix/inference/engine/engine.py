@@ -71,7 +71,8 @@ class TorchEngine:
                  max_prefill_tokens: int = 4096, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
                  cuda_graphs: bool = True, fused: bool | None = None,
                  overlap_steps: bool | None = None, compute_threads: int | None = None,
-                 prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
+                 prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
+                 virtual_memory: bool | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -84,7 +85,7 @@ class TorchEngine:
         runner = ModelRunner(model, device=self.device, num_rows=max_num_seqs,
                              max_model_len=self.max_model_len,
                              kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs,
-                             fused=fused)
+                             fused=fused, virtual_memory=virtual_memory)
         self.vocab_size = runner.vocab_size
         self._weights = runner.weights
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
@@ -156,12 +157,20 @@ class TorchEngine:
 
     def sleep_report(self) -> dict:
         """What the last sleep took (ms per phase) and the CUDA graph captures so far: the
-        part of a wake's cost paid later, in the first decode steps."""
-        graphs = [g for g in (self._core.runner.graphs, self._core.runner.prefill_graphs)
-                  if g is not None]
-        return {"sleep_phases_ms": dict(self._core.last_sleep_phases_ms),
+        part of a wake's cost paid later, in the first decode steps. With virtual memory
+        (runner/vmm.py) a sleep may keep the graphs (`graphs_kept`): `resident_bytes` is what
+        the process still held on the device once that sleep had released (torch's reserved
+        memory, the kept graphs' pools included, plus mapped virtual memory; None on CPU), and
+        `vmm_mapped_bytes` this engine's virtual memory still mapped then (0 when sound)."""
+        core = self._core
+        graphs = [g for g in (core.runner.graphs, core.runner.prefill_graphs) if g is not None]
+        return {"sleep_phases_ms": dict(core.last_sleep_phases_ms),
                 "graph_captures": sum(g.captures for g in graphs),
-                "graph_capture_ms": round(sum(g.capture_s for g in graphs) * 1000, 1)}
+                "graph_capture_ms": round(sum(g.capture_s for g in graphs) * 1000, 1),
+                "virtual_memory": core.runner.virtual,
+                "graphs_kept": core.last_sleep_kept_graphs,
+                "resident_bytes": core.last_sleep_resident_bytes,
+                "vmm_mapped_bytes": core.last_sleep_mapped_bytes}
 
     async def capture_graphs(self) -> None:
         """Capture the CUDA graphs now rather than during the first steps (idle engine only)."""

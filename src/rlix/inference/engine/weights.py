@@ -24,6 +24,15 @@ a reload lands instead: the parameters' storage becomes a `WeightStore`, one fla
 the layout's buckets end to end, and each arriving bucket is one copy into it (no per-tensor
 work); every parameter is a view of it, and projections laid out adjacent (buckets.fusion_order)
 fuse as views too. In-place updates of loaded weights take the per-tensor path above.
+
+On CUDA with virtual memory management (`virtual`, runner/vmm.py) the store's buffer keeps its
+device addresses for its whole life: a level-2 sleep unmaps it (the memory goes back to the
+driver) and the reload after the wake maps new memory at the same addresses and lands there; a
+level-1 sleep copies it to pinned host memory before unmapping, and the wake copies it back.
+While every parameter is a view of such a store, a sleep parks the parameters (they read as
+empty tensors while asleep) and the wake or reload puts the same views back, so
+`storage_version` does not move and the CUDA graphs captured over them stay valid. Weights
+outside a store (loaded from disk, before any adopted reload) keep the per-tensor paths.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from rlix.errors import WeightUpdateError
+from rlix.inference.engine.runner.vmm import VirtualBuffer
 from rlix.weights.wire import Layout
 
 ALIGN = 256  # bytes: each parameter carved out of a shared staging buffer starts on this boundary
@@ -113,15 +123,21 @@ class WeightStore:
     """Parameter storage in a sender's bucket layout: one flat buffer, the buckets end to end, so
     bucket i is one slice of it and every tensor (a split one too) one contiguous view. The views
     are made once; freeing resizes the storage to nothing, and allocating again re-points every
-    view at the new memory (nothing that still holds one keeps the bytes alive)."""
+    view at the new memory (nothing that still holds one keeps the bytes alive). A `virtual`
+    store's buffer is a VirtualBuffer: freeing unmaps it and allocating maps new memory at the
+    same addresses, so the views (and what captured them) stay where they are."""
 
-    def __init__(self, layout: Layout, device: torch.device) -> None:
+    def __init__(self, layout: Layout, device: torch.device, virtual: bool = False) -> None:
         self.layout = layout
         # whole 2 MiB pages (the CUDA caching allocator's segment granule): no tail of its
         # segment is left for another allocation, which would keep the segment from being
         # returned to the driver when the store is freed
         self.nbytes = -(-layout.total_bytes // SEGMENT_GRANULE) * SEGMENT_GRANULE
-        self.flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.virtual = virtual
+        self._buffer = VirtualBuffer(self.nbytes, device) if virtual else None
+        self.flat = (self._buffer.tensor(torch.uint8, (self.nbytes,)) if self._buffer is not None
+                     else torch.empty(self.nbytes, dtype=torch.uint8, device=device))
+        self._host: torch.Tensor | None = None  # a virtual store's pinned copy (level-1 sleep)
         offsets = layout.bucket_offsets()
         self.buckets = [self.flat[o: o + n] for o, n in zip(offsets, layout.bucket_sizes)]
         self.views: dict[str, torch.Tensor] = {}
@@ -140,14 +156,52 @@ class WeightStore:
 
     @property
     def allocated(self) -> bool:
+        if self._buffer is not None:
+            return self._buffer.mapped
         return self.flat.untyped_storage().nbytes() > 0
 
     def allocate(self) -> None:
-        if not self.allocated:
+        """Memory for the store again (its contents undefined: a reload lands in it)."""
+        if self._buffer is not None:
+            self._buffer.remap()
+        elif not self.allocated:
             self.flat.untyped_storage().resize_(self.nbytes)
 
     def free(self) -> None:
-        self.flat.untyped_storage().resize_(0)
+        if self._buffer is not None:
+            self._buffer.unmap()
+        else:
+            self.flat.untyped_storage().resize_(0)
+
+    def close(self) -> None:
+        """Free the store for good (a virtual one gives its addresses back too): nothing may
+        use its views after."""
+        self.free()
+        self._host = None
+        if self._buffer is not None:
+            self._buffer.close()
+
+    def offload(self) -> None:
+        """A virtual store to (reused) pinned host memory, then unmapped."""
+        assert self._buffer is not None and self.allocated
+        if self._host is None:
+            self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self._host.copy_(self.flat, non_blocking=True)
+        self._buffer.unmap()  # waits for the device: the copy has landed
+
+    def restore(self) -> None:
+        """Map a virtual store's memory again at the same addresses and copy the host copy back."""
+        assert self._buffer is not None and self._host is not None
+        self._buffer.remap()
+        self.flat.copy_(self._host, non_blocking=True)
+        torch.cuda.synchronize(self.flat.device)
+
+    def drop_host_copy(self) -> None:
+        self._host = None
+
+    def mapped_bytes(self) -> int:
+        """Device memory mapped into a virtual store now (0 otherwise, or while it sleeps)."""
+        return self._buffer.nbytes if self._buffer is not None and self._buffer.mapped else 0
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a view of this store's (allocated) memory."""
@@ -159,10 +213,14 @@ class WeightStore:
 
 
 class ServedWeights:
-    """The model's unique parameters, by canonical name, with their aliases and sleep states."""
+    """The model's unique parameters, by canonical name, with their aliases and sleep states.
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    `virtual`: reload stores are VirtualBuffers (module docstring), whose addresses a sleep
+    keeps; only on CUDA devices that support it (the model runner decides)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, virtual: bool = False) -> None:
         self.device = device
+        self.virtual = virtual
         self.params: dict[str, torch.nn.Parameter] = {}
         self.alias_of: dict[str, str] = {}
         by_identity: dict[int, str] = {}
@@ -178,6 +236,9 @@ class ServedWeights:
         self._host_backup: dict[str, torch.Tensor] = {}
         self.adopted: Layout | None = None  # a sender's layout reloads land in (adopt)
         self.store: WeightStore | None = None
+        #: while a virtual store sleeps: each parameter's view of it, put back by the wake
+        #: (level 1) or compared with what a reload brings (level 2)
+        self._parked: dict[str, torch.Tensor] | None = None
 
     def adopt(self, layout: Layout) -> bool:
         """Let reloads land in `layout` if it sends every served parameter exactly once, with
@@ -200,8 +261,8 @@ class ServedWeights:
         assert self.adopted is not None and not self.loaded
         if self.store is None or self.store.layout.layout_id != self.adopted.layout_id:
             if self.store is not None:
-                self.store.free()
-            self.store = WeightStore(self.adopted, self.device)
+                self.store.close()
+            self.store = WeightStore(self.adopted, self.device, virtual=self.virtual)
         self.store.allocate()
         return self.store
 
@@ -212,9 +273,38 @@ class ServedWeights:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params.values())
 
+    def mapped_bytes(self) -> int:
+        """Device memory mapped into the virtual weight store now (0 without one)."""
+        return self.store.mapped_bytes() if self.store is not None else 0
+
+    def in_virtual_store(self) -> bool:
+        """Whether every parameter is a view of a mapped virtual store (a sleep then keeps
+        their addresses)."""
+        store = self.store
+        return (store is not None and store.virtual and store.allocated and self.loaded
+                and self.on_device
+                and all(p.numel() == 0 or store.holds(p.data) for p in self.params.values()))
+
+    def keeps_addresses(self) -> bool:
+        """Whether the parameters come back where they are now after a sleep: in a virtual
+        store, or already parked by a sleep that kept them (the CUDA graphs may stay)."""
+        return self._parked is not None or self.in_virtual_store()
+
+    def _park(self) -> None:
+        """Set each parameter's view of the virtual store aside; the parameters read as empty
+        tensors until the views come back (nothing can touch unmapped memory through them)."""
+        self._parked = {name: param.data for name, param in self.params.items()}
+        for param in self.params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+
     def offload(self) -> None:
-        """Sleep level 1: CUDA weights go to (reused, pinned) host buffers; CPU weights stay."""
-        if self.device.type == "cuda" and self.loaded:
+        """Sleep level 1: CUDA weights go to (reused, pinned) host buffers; CPU weights stay.
+        A virtual store is copied out whole and unmapped, its addresses kept."""
+        if self.device.type == "cuda" and self.loaded and self.in_virtual_store():
+            assert self.store is not None
+            self._park()
+            self.store.offload()
+        elif self.device.type == "cuda" and self.loaded:
             for name, param in self.params.items():
                 backup = self._host_backup.get(name)
                 if backup is None:
@@ -231,7 +321,18 @@ class ServedWeights:
         self.on_device = False
 
     def discard(self) -> None:
-        """Sleep level 2: drop the weights (and any host backup); they must be reloaded."""
+        """Sleep level 2: drop the weights (and any host backup); they must be reloaded. A
+        virtual store is unmapped, its addresses kept for the reload to land in."""
+        if self.keeps_addresses():
+            assert self.store is not None
+            if self._parked is None:
+                self._park()
+            self.store.free()
+            self.store.drop_host_copy()
+            self._host_backup.clear()
+            self.loaded = False
+            self.on_device = False
+            return  # storage_version: the reload says whether the addresses moved (swap_in)
         for param in self.params.values():
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self._free_store()
@@ -242,7 +343,13 @@ class ServedWeights:
 
     def wake(self) -> None:
         """Back on the device: from the host backup (level 1), or still unloaded (level 2)."""
-        if self.loaded and self.device.type == "cuda" and self._host_backup:
+        if self.loaded and self.device.type == "cuda" and self._parked is not None:
+            assert self.store is not None
+            self.store.restore()
+            for name, param in self.params.items():
+                param.data = self._parked[name]
+            self._parked = None
+        elif self.loaded and self.device.type == "cuda" and self._host_backup:
             for name, param in self.params.items():
                 param.data = self._host_backup[name].to(self.device, non_blocking=True)
             torch.cuda.synchronize(self.device)
@@ -251,7 +358,8 @@ class ServedWeights:
 
     def swap_in(self, staged: Mapping[str, torch.Tensor], complete: bool) -> None:
         """Loaded weights are overwritten in place (storage stays put, so CUDA graphs stay
-        valid); after a level-2 sleep the staged tensors become the parameters."""
+        valid); after a level-2 sleep the staged tensors become the parameters, and the
+        storage counts as moved unless every parameter is back at its parked address."""
         for name, tensor in staged.items():
             param = self.params[name]
             if self.loaded:
@@ -259,7 +367,10 @@ class ServedWeights:
             else:
                 param.data = tensor
         if not self.loaded:
-            self.storage_version += 1
+            parked, self._parked = self._parked, None
+            if parked is None or any(p.numel() and parked[n].data_ptr() != p.data.data_ptr()
+                                     for n, p in self.params.items()):
+                self.storage_version += 1
         self.values_version += 1
         if complete:
             self.loaded = True

@@ -12,6 +12,8 @@ logprobs into one small buffer, so a step costs one host->device copy of its inp
 positions, uniforms, temperatures), one replay and one device->host read. Graphs hold raw
 pointers, so they are dropped and lazily re-captured whenever the KV cache or the parameter
 storage moves (sleep, wake, reload after a level-2 sleep); in-place weight updates keep them.
+Where the KV cache and the weights live at fixed virtual addresses (vmm.py) a sleep frees
+their memory without moving them, `storage_key` stays the same, and the graphs are kept.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlix.inference.engine.runner import vmm
 from rlix.inference.engine.sampling import Sampled, sample_plain
 
 if TYPE_CHECKING:
@@ -46,8 +49,23 @@ def kv_span(length: int, capacity: int) -> int:
     return min(span, capacity)
 
 
+_warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream that captures warm up on, per device. cuBLAS keeps a workspace per
+    stream it ran on: a new stream per capture left one per capture, which a sleep that keeps
+    the graphs (and so the workspaces, `release_memory`) would keep too."""
+    key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _warmup_streams:
+        _warmup_streams[key] = torch.cuda.Stream(key)
+    return _warmup_streams[key]
+
+
 def storage_key(runner: ModelRunner) -> tuple[int, int, int]:
-    """What a captured graph's raw pointers depend on: the KV cache's and the parameters' storage."""
+    """What a captured graph's raw pointers depend on: the KV cache's and the parameters'
+    storage. Each version moves whenever an address moves (a virtual cache or weight store
+    unmapped and mapped again at its addresses does not move them)."""
     cache = runner.cache
     return cache.storage_version, runner.weights.storage_version, cache.capacity
 
@@ -67,7 +85,7 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
         self._outs: list[torch.Tensor] | None = None  # two pinned [2, rows] buffers for launches' picks
         self._next_out = 0
-        self.capture_s = 0.0  # every capture so far (each wake recaptures the sizes it uses)
+        self.capture_s = 0.0  # every capture so far (a wake that moved storage recaptures)
         self.captures = 0
 
     def release(self) -> None:
@@ -75,6 +93,11 @@ class DecodeGraphs:
         self._graphs.clear()
         self._pool = None
         self._key = None
+
+    def release_if_moved(self) -> None:
+        """Drop the graphs if the storage moved since they were captured."""
+        if self._key is not None and self._key != storage_key(self.runner):
+            self.release()
 
     def _refresh(self) -> None:
         key = storage_key(self.runner)
@@ -118,14 +141,14 @@ class DecodeGraphs:
     def _capture(self, size: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         device = self.runner.device
-        side = torch.cuda.Stream(device)
+        side = warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the graph, as capture requires
             for _ in range(2):
                 self._forward(size, span)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with vmm.capturing(), torch.cuda.graph(graph, pool=self._pool):
             logits, picks = self._forward(size, span)
         self._graphs[(size, span)] = (graph, logits, picks)
         torch.cuda.current_stream(device).synchronize()
@@ -256,6 +279,11 @@ class PrefillGraphs:
         self._pool = None
         self._key = None
 
+    def release_if_moved(self) -> None:
+        """Drop the graphs if the storage moved since they were captured."""
+        if self._key is not None and self._key != storage_key(self.runner):
+            self.release()
+
     def shape(self, prompts: int, width: int, first_row: int) -> tuple[int, int] | None:
         """The graph (P, W) that serves this prefill, or None to run it eagerly (too large,
         or its padding prompts would reach past the cache's rows)."""
@@ -305,13 +333,13 @@ class PrefillGraphs:
     def _capture(self, size: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         t0 = time.perf_counter()
         device = self.runner.device
-        side = torch.cuda.Stream(device)
+        side = warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             self._forward(size, span)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with vmm.capturing(), torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(size, span)
         self._graphs[(size, span)] = (graph, logits)
         torch.cuda.current_stream(device).synchronize()

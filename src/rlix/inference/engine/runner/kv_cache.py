@@ -12,11 +12,18 @@ not 2 x layers small ones launched from Python.
 
 Transformers calls `update(key_states, value_states, layer_idx)` from every attention layer; the
 engine sets the step's geometry (`set_prefill` / `set_decode`) before each forward.
+
+With `virtual=True` (CUDA graphs on a device with virtual memory management, vmm.py) the
+tensor lives at addresses reserved once, at full max_len: `free` gives its memory back to the
+driver and `allocate` maps new memory at the same addresses, so the captured graphs that hold
+them stay valid across a sleep (`storage_version` moves only when the addresses do).
 """
 
 from __future__ import annotations
 
 import torch
+
+from rlix.inference.engine.runner.vmm import VirtualBuffer
 
 
 #: Positions per row allocated up front (the cache doubles, up to max_len, when a sequence
@@ -31,7 +38,7 @@ class SlotKVCache:
 
     def __init__(self, *, num_layers: int, num_rows: int, num_kv_heads: int, head_dim: int,
                  max_len: int, dtype: torch.dtype, device: torch.device,
-                 initial_capacity: int = DEFAULT_INITIAL_CAPACITY) -> None:
+                 initial_capacity: int = DEFAULT_INITIAL_CAPACITY, virtual: bool = False) -> None:
         self.num_layers = num_layers
         self.num_rows = num_rows
         self.num_kv_heads = num_kv_heads
@@ -42,6 +49,9 @@ class SlotKVCache:
         self.initial_capacity = max(1, min(initial_capacity, max_len))
         self.capacity = 0
         self.storage_version = 0  # bumped whenever the storage moves (CUDA graphs hold pointers)
+        #: the tensor lives in a VirtualBuffer (module docstring); made at the first allocate
+        self.virtual = virtual
+        self._buffer: VirtualBuffer | None = None
         self.kv: torch.Tensor | None = None  # [layers, 2, rows, kv_heads, capacity, head_dim]
         self.keys: list[torch.Tensor] = []  # views of kv, one per layer
         self.values: list[torch.Tensor] = []
@@ -59,23 +69,52 @@ class SlotKVCache:
         return self.capacity > 0
 
     def allocate(self, capacity: int | None = None) -> None:
-        """(Re)allocate zeroed storage; zeros so that host RSS / device memory really hold it."""
+        """(Re)allocate zeroed storage; zeros so that host RSS / device memory really hold it.
+        A virtual cache is always max_len positions, mapped again at the same addresses."""
+        if self.virtual:
+            self._allocate_virtual()
+            return
         capacity = min(self.max_len, capacity or self.initial_capacity)
         shape = (self.num_layers, 2, self.num_rows, self.num_kv_heads, capacity, self.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.keys = [self.kv[i, 0] for i in range(self.num_layers)]
-        self.values = [self.kv[i, 1] for i in range(self.num_layers)]
-        self.capacity = capacity
+        self._views(torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.storage_version += 1
 
+    def _allocate_virtual(self) -> None:
+        shape = (self.num_layers, 2, self.num_rows, self.num_kv_heads, self.max_len, self.head_dim)
+        if self._buffer is None:
+            nbytes = self.dtype.itemsize
+            for n in shape:
+                nbytes *= n
+            self._buffer = VirtualBuffer(nbytes, self.device)
+            self.storage_version += 1  # the first addresses: nothing captured holds them yet
+        else:
+            self._buffer.remap()
+        kv = self._buffer.tensor(self.dtype, shape)
+        kv.zero_()
+        self._views(kv)
+
+    def _views(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.keys = [kv[i, 0] for i in range(self.num_layers)]
+        self.values = [kv[i, 1] for i in range(self.num_layers)]
+        self.capacity = kv.shape[4]
+
     def free(self) -> None:
-        """Drop the storage (the caller then trims host memory / empties the CUDA cache)."""
+        """Drop the storage (the caller then trims host memory / empties the CUDA cache); a
+        virtual cache unmaps its memory and keeps its addresses for the next allocate."""
         self.kv, self.keys, self.values = None, [], []
         self.capacity = 0
+        if self._buffer is not None:
+            self._buffer.unmap()
+            return
         self.storage_version += 1
 
     def nbytes(self) -> int:
         return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+    def mapped_bytes(self) -> int:
+        """Device memory mapped into a virtual cache now (0 otherwise, or while it sleeps)."""
+        return self._buffer.nbytes if self._buffer is not None and self._buffer.mapped else 0
 
     def ensure_capacity(self, length: int, live_rows: int, live_len: int) -> None:
         """Grow (doubling, capped at max_len) so positions < length fit; copies live data."""

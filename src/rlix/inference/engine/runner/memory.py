@@ -3,7 +3,9 @@
 Host: resident set size from /proc/self/statm; after dropping tensors, `malloc_trim(0)` makes
 glibc hand free heap pages back to the OS (large blocks are unmapped anyway, but glibc's dynamic
 mmap threshold keeps many mid-sized tensors on the heap). CUDA: `torch.cuda.mem_get_info` after
-emptying the caching allocator.
+emptying the caching allocator; what the process still holds asleep is torch's reserved memory
+(CUDA graph pools of graphs kept across the sleep included) plus the virtual buffers' mapped
+memory (vmm.py), which torch's allocator does not see.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from functools import lru_cache
 import torch
 
 from rlix.devices import free_cuda_caches
+from rlix.inference.engine.runner import vmm
 
 
 def host_rss_bytes() -> int:
@@ -43,14 +46,22 @@ def _malloc_trim():  # type: ignore[no-untyped-def]
     return fn
 
 
-def release_memory(device: torch.device) -> None:
-    """Return freed memory to the OS (host) or the driver (CUDA)."""
+def release_memory(device: torch.device, keep_workspaces: bool = False) -> None:
+    """Return freed memory to the OS (host) or the driver (CUDA). `keep_workspaces`: leave
+    cuBLAS's workspaces allocated (CUDA graphs kept across a sleep have the workspace of their
+    capture baked in: freed, its memory could go to a later capture's tensors, which the kept
+    graphs' matmuls would then overwrite)."""
     # Tensors are freed by reference counting as soon as they are dropped; a full collection
     # (100+ ms with a model loaded, paid on every preemption) would only find rare cycles, so
     # only the youngest generation is collected. malloc_trim hands freed host memory back.
     gc.collect(0)
     if device.type == "cuda":  # what the next holder needs is device memory: host stays as it is
-        free_cuda_caches(device)
+        vmm.release_orphans()
+        if keep_workspaces:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        else:
+            free_cuda_caches(device)
         return
     trim = _malloc_trim()
     if trim is not None:
@@ -63,3 +74,11 @@ def used_bytes(device: torch.device) -> int:
         free, total = torch.cuda.mem_get_info(device)
         return total - free
     return host_rss_bytes()
+
+
+def device_resident_bytes(device: torch.device) -> int | None:
+    """What this process holds on its CUDA device besides the context: torch's reserved memory
+    and the virtual buffers' mapped memory. None on CPU (no device memory to speak of)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.memory_reserved(device) + vmm.mapped_bytes(device)

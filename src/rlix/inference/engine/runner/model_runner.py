@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlix.errors import ConfigError
+from rlix.inference.engine.runner import vmm
 from rlix.inference.engine.runner.cuda_graphs import (PREFILL_GROUP_TOKENS, DecodeGraphs, DecodeLaunch, PrefillGraphs,
                                                       gather_inputs)
 from rlix.inference.engine.runner.fused_model import FusedDecoder, unsupported_reason
@@ -62,11 +63,15 @@ class ModelRunner:
     On CUDA (unless cuda_graphs=False) decode runs through captured graphs (cuda_graphs.py);
     the KV cache is then allocated at full max_model_len capacity so it never moves.
     `fused` None: FusedDecoder whenever the model is supported; False: transformers' modules.
+    `virtual_memory` (with CUDA graphs only; None: wherever the device supports it, vmm.py): the
+    KV cache and the reload stores of the weights keep their device addresses across a sleep,
+    so the graphs survive it (`graphs_survive_sleep`) instead of being captured again.
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, num_rows: int,
                  max_model_len: int, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
-                 cuda_graphs: bool = True, fused: bool | None = None) -> None:
+                 cuda_graphs: bool = True, fused: bool | None = None,
+                 virtual_memory: bool | None = None) -> None:
         config = model.config
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
@@ -80,8 +85,14 @@ class ModelRunner:
             raise ConfigError(f"{type(model).__name__} has no decoder / output embeddings")
         self.vocab_size = int(config.vocab_size)
         self.dtype = next(model.parameters()).dtype
-        self.weights = ServedWeights(model, device)
         use_graphs = cuda_graphs and device.type == "cuda"
+        if virtual_memory and not (use_graphs and vmm.available(device)):
+            raise ConfigError(f"virtual memory needs CUDA graphs on a CUDA device whose driver "
+                              f"supports virtual memory management; not so for {device}")
+        #: KV cache and weight stores at fixed device addresses (vmm.py)
+        self.virtual = use_graphs and (virtual_memory if virtual_memory is not None
+                                       else vmm.available(device))
+        self.weights = ServedWeights(model, device, virtual=self.virtual)
         if use_graphs:
             kv_initial_capacity = max_model_len
         num_heads = config.num_attention_heads
@@ -90,7 +101,7 @@ class ModelRunner:
             num_layers=config.num_hidden_layers, num_rows=num_rows,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim, max_len=max_model_len, dtype=self.dtype, device=device,
-            initial_capacity=kv_initial_capacity)
+            initial_capacity=kv_initial_capacity, virtual=self.virtual)
         self.mask_min = torch.finfo(self.dtype).min
         why_not = unsupported_reason(model)
         if fused and why_not:
@@ -196,6 +207,21 @@ class ModelRunner:
             self.prefill_graphs.release()
         if self.fused is not None:
             self.fused.release()
+
+    def graphs_survive_sleep(self) -> bool:
+        """Whether a sleep may keep the CUDA graphs: every address they hold comes back where it
+        is. The KV cache is virtual, and every parameter is a view of a virtual weight store
+        (the fused q/k/v and gate/up matrices too: where fusing had to copy, the parameters are
+        views of the copy, so they are not in the store), or a sleep already parked them there."""
+        return self.graphs is not None and self.cache.virtual and self.weights.keeps_addresses()
+
+    def release_moved_graphs(self) -> None:
+        """Drop only the graphs captured over addresses that have moved since (a reload that
+        landed elsewhere): their next use would capture them again, and a sleep that keeps
+        graphs would keep their memory pools for nothing."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release_if_moved()
 
     def decode_logits(self, ids: torch.Tensor, pos: torch.Tensor, kv_len: int,
                       rows: torch.Tensor) -> torch.Tensor:
