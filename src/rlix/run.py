@@ -113,7 +113,7 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
         say(f"rlix run {config_path}: {len(cfg.pipelines)} pipeline(s), mode {mode}, {gpus.num_gpus} GPU(s)"
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
-            params = cfg.scheduler.params()
+            params = cfg.scheduler.params(resident_engines=devices.resident_engines)
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
                                         metrics_port=cfg.scheduler.metrics_port,
                                         dashboard_port=cfg.scheduler.dashboard_port)

@@ -48,6 +48,19 @@ def test_auto_cluster_is_accepted_and_must_be_resolved(tmp_path):
     ("scheduler: {dwell_s: fast}\npipelines: [{name: a}]", "scheduler.dwell_s", "valid number"),
     ("scheduler: {report_stale_s: 0}\npipelines: [{name: a}]", "scheduler.report_stale_s", "greater than 0"),
     ("scheduler: {rotate_s: -1}\npipelines: [{name: a}]", "scheduler.rotate_s", "greater than or equal to 0"),
+    # rollout.length_tail: a heavy-tailed limit per sample
+    ("pipelines: [{name: a, rollout: {length_tail: {dist: weibull, median: 8, sigma: 1}}}]",
+     "pipelines[0].rollout.length_tail.dist", "'lognormal' or 'pareto'"),
+    ("pipelines: [{name: a, rollout: {length_tail: {dist: lognormal, median: 8}}}]",
+     "pipelines[0].rollout.length_tail", "dist lognormal needs sigma"),
+    ("pipelines: [{name: a, rollout: {length_tail: {dist: pareto, median: 8, alpha: 1.5, sigma: 1}}}]",
+     "pipelines[0].rollout.length_tail", "sigma is not a parameter of dist pareto"),
+    ("pipelines: [{name: a, rollout: {length_tail: {dist: pareto, median: 8, alpha: 0}}}]",
+     "pipelines[0].rollout.length_tail.alpha", "greater than 0"),
+    ("pipelines: [{name: a, rollout: {length_tail: {dist: lognormal, median: 8, sigma: 1, min: 9}}}]",
+     "pipelines[0].rollout.length_tail", "min (9) must not exceed median (8)"),
+    ("pipelines: [{name: a, rollout: {max_new_tokens: 16, length_tail: {dist: lognormal, median: 64, sigma: 1}}}]",
+     "pipelines[0].rollout", "length_tail.median (64) must not exceed max_new_tokens (16)"),
 ])
 def test_bad_field_is_named(tmp_path, body, field, reason):
     path = write(tmp_path, body + "\n")
@@ -55,6 +68,14 @@ def test_bad_field_is_named(tmp_path, body, field, reason):
         load_config(path)
     msg = str(exc.value)
     assert msg.startswith(str(path)) and f"{field}" in msg and reason in msg and "\n" not in msg
+
+
+def test_length_tail_loads_and_defaults_to_none(tmp_path):
+    cfg = load_config(write(tmp_path, "pipelines:\n  - {name: a, rollout: {max_new_tokens: 1024, length_tail: "
+                                      "{dist: lognormal, median: 64, sigma: 1.0, min: 8}}}\n  - {name: b}\n"))
+    tail = cfg.pipelines[0].rollout.length_tail
+    assert tail is not None and (tail.dist, tail.median, tail.sigma, tail.alpha, tail.min) == ("lognormal", 64, 1.0, None, 8)
+    assert cfg.pipelines[1].rollout.length_tail is None  # today's behaviour
 
 
 def test_scheduler_knobs_reach_the_planner(tmp_path):

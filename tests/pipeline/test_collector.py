@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 
 import pytest
 
-from rlix.config.models import RolloutConfig
+from rlix.config.models import LengthTail, RolloutConfig
 from rlix.envs import PatternTask
 from rlix.errors import CollectorError, InvalidRequestError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.rollout.buffer import ReplayBuffer
-from rlix.pipeline.rollout.collector import TrajectoryCollector, parse_versions
+from rlix.pipeline.rollout.collector import TrajectoryCollector, length_limit, parse_versions, sample_seed
 from rlix.pipeline.hooks import ProgressThrottle
 
 
@@ -50,6 +51,8 @@ class FakeEngine:
         self.delay, self.split, self.version_label = delay, split, version_label
         self.rng = random.Random(0)
         self.seen: list[tuple[tuple[int, ...], int, str | None]] = []
+        self.limits: dict[int, int] = {}  # sampling seed -> the request's max_tokens
+        self.ignore_eos: set[object] = set()  # what the requests said of ignore_eos (None: nothing)
         self.on_call = None
         self.hold_after: int | None = None  # calls after this many wait for `gate`
         self.gate = asyncio.Event()
@@ -57,6 +60,8 @@ class FakeEngine:
     async def __call__(self, ids, params, session):  # type: ignore[no-untyped-def]
         self.calls += 1
         self.seen.append((tuple(ids), params["seed"], session))
+        self.limits[params["seed"]] = params["max_tokens"]
+        self.ignore_eos.add(params.get("ignore_eos"))
         if self.on_call is not None:
             self.on_call()
         if self.error is not None and self.calls <= self.fail_first:
@@ -78,7 +83,8 @@ class FakeEngine:
 
 
 def collector(engine, buffer, hooks, **kw):  # type: ignore[no-untyped-def]
-    rollout = dict(group_size=4, groups_per_step=3, max_new_tokens=5, temperature=1.0, concurrency=8)
+    rollout = dict(group_size=4, groups_per_step=3, max_new_tokens=5, temperature=1.0, concurrency=8,
+                   length_tail=None, ignore_eos=False)
     rollout.update({k: kw.pop(k) for k in list(kw) if k in rollout})
     settings = dict(max_age=1, seed=7, retry_delay_s=0.001)
     settings.update(kw)
@@ -398,3 +404,63 @@ def test_one_good_group_resets_the_failure_streak():
         finally:
             await col.stop()
     asyncio.run(main())
+
+
+# -- rollout.length_tail: each sample's generation limit from a heavy-tailed distribution -------
+LOGNORMAL = LengthTail(dist="lognormal", median=64, sigma=1.0, min=8)  # the documented example
+
+
+def draws(tail: LengthTail, seed: int, cap: int = 1024, groups: int = 2500, size: int = 8) -> list[int]:
+    return [length_limit(tail, cap, seed, g, i) for g in range(1, groups + 1) for i in range(size)]
+
+
+def p(values: list[int], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+@pytest.mark.parametrize("tail, tail_ratio", [
+    (LOGNORMAL, 4.0),  # exp(2.33 sigma) = 10.2 uncapped
+    (LengthTail(dist="pareto", median=64, alpha=1.5, min=8), 4.0),  # 50^(1/alpha) = 13.6 uncapped
+])
+def test_length_limits_are_reproducible_bounded_and_heavy_tailed(tail, tail_ratio):
+    a, b, c = draws(tail, 7), draws(tail, 7), draws(tail, 8)
+    assert a == b and a != c  # the seed decides them, nothing else
+    assert min(a) >= 8 and max(a) <= 1024 and 1024 in a  # within [min, max_new_tokens], the cap reached
+    assert 48 <= statistics.median(a) <= 80  # median near 64
+    assert p(a, 99) / p(a, 50) >= tail_ratio  # most short, a few very long
+    assert sum(x <= 128 for x in a) / len(a) >= 0.7
+    # no tail: every sample may run to max_new_tokens
+    assert {length_limit(None, 1024, 7, g, i) for g in range(5) for i in range(8)} == {1024}
+    # a small cap clips the whole distribution into [min, cap]
+    assert set(draws(tail, 7, cap=16, groups=50)) <= set(range(8, 17))
+
+
+def test_requests_carry_their_drawn_length_limits_reproducibly():
+    async def run(tail, seed=7, ignore_eos=False):  # type: ignore[no-untyped-def]
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = collector(engine, buf, Hooks(), seed=seed, max_new_tokens=300, length_tail=tail,
+                        ignore_eos=ignore_eos)
+        col.start()
+        await col.wait_for(3)
+        groups = buf.take(3, 0, 1)
+        await col.stop()
+        return engine, groups, col.stats()
+
+    engine, groups, stats = asyncio.run(run(LOGNORMAL))
+    # every request's max_tokens is the draw for its sample's place (seed -> group index, sample)
+    expected = {sample_seed(7, g, i): length_limit(LOGNORMAL, 300, 7, g, i) for g in range(1, 50) for i in range(4)}
+    assert engine.limits and all(engine.limits[s] == expected[s] for s in engine.limits)
+    assert len(set(engine.limits.values())) > 3 and all(8 <= v <= 300 for v in engine.limits.values())
+    for g in groups:  # the fake engine generates up to the limit: the trajectories are that long
+        for t in g.trajectories:  # ids "g{seed}-{group index}-{sample}"
+            index, i = (int(x) for x in t.id.split("-")[1:])
+            assert len(t.response_ids) == length_limit(LOGNORMAL, 300, 7, index, i)
+    assert stats["length_limits"]["n"] == len(engine.limits) and stats["length_limits"]["max"] <= 300
+    again, _, _ = asyncio.run(run(LOGNORMAL))
+    assert {s: v for s, v in again.limits.items() if s in engine.limits} == \
+        {s: v for s, v in engine.limits.items() if s in again.limits}
+    assert engine.ignore_eos == {None}  # the model may still end a sample before its limit
+    plain, _, plain_stats = asyncio.run(run(None))  # no tail: today's requests
+    assert set(plain.limits.values()) == {300} and "length_limits" not in plain_stats
+    # rollout.ignore_eos: every request says so (samples run to their limit)
+    assert asyncio.run(run(LOGNORMAL, ignore_eos=True))[0].ignore_eos == {True}

@@ -131,3 +131,25 @@ def test_scheduler_hooks_release_the_last_steps_gpus_at_once():
     assert [n for n, _ in sched.calls] == ["request", "cycle", "release"]
     released = sched.calls[2][1][2]
     assert (released.remaining, released.target, released.step) == (0, 0, 5)
+
+
+def test_scheduler_hooks_carry_the_measured_rate_on_every_report():
+    """The rate measured by the collector goes with its report and with the reports that ride
+    on a training request or a release (the planner's expected work needs it)."""
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched = _FakeScheduler()
+    hooks = SchedulerHooks(sched, "p", 1)
+
+    async def main() -> None:
+        await hooks.report_progress(10, 64, 2, seconds_per_trajectory=0.25)
+        await hooks.report_progress(64, 64, 2)  # complete: rides on the request
+        await hooks.before_training(2)
+        await hooks.after_training(2, demand=(0, 64))
+        await hooks.settle()
+
+    asyncio.run(main())
+    sent = [args for name, args in sched.calls]
+    assert sent[0][0].seconds_per_trajectory == 0.25
+    assert sent[1][3].seconds_per_trajectory == 0.25  # with the training request
+    assert sent[2][2].seconds_per_trajectory == 0.25  # with the release

@@ -353,3 +353,137 @@ def test_a_free_gpu_gets_a_rank_that_never_ran_not_the_one_sleeping_on_a_busy_gp
             led.release("b", Stage.TRAIN)
             step(led, 10.0, progress=prog)
             assert sorted((r, h.gpus) for r, h in led.shards_of("b").items()) == [(0, (0,)), (1, (1,))]
+
+
+# ---------------------------------------------------------------------- move costs (issue 35)
+# Default table: a move (sleep 0.3 + wake 0.1 + graph recapture 0.6) costs 1 s, x margin 2: a
+# move must buy 2 shard-seconds of work; with a process start (15 s) 32.
+COSTS = PARAMS.move_costs
+
+
+def rated(name: str, remaining: int, spt: float | None, at: float = 0.0) -> Progress:
+    return Progress(name, remaining=remaining, target=remaining, reported_at=at,
+                    seconds_per_trajectory=spt)
+
+
+def two_on_four(b_spt: float | None, a_spt: float | None = 1.0, a_left: int = 64):
+    """a holds 3 of 4 GPUs, b one (its floor); b's demand wants a second shard of a's."""
+    led = make(1, 4, PipelineSpec("a", max_shards=4), PipelineSpec("b", max_shards=4))
+    step(led, 0.0, progress={"a": rated("a", 64, a_spt), "b": rated("b", 0, b_spt)})
+    assert shard_counts(led) == {"a": 4, "b": 0}
+    prog = {"a": rated("a", a_left, a_spt, 10.0), "b": rated("b", 32, b_spt, 10.0)}
+    step(led, 10.0, progress=prog)  # b's first shard: the floor, whatever it costs
+    assert shard_counts(led) == {"a": 3, "b": 1}
+    return led, prog
+
+
+def test_move_costs_defaults_and_the_work_a_move_needs():
+    assert (COSTS.sleep_s, COSTS.wake_sync_s, COSTS.cold_start_s, COSTS.margin) == (0.3, 0.1, 15.0, 2.0)
+    assert COSTS.margin * (COSTS.sleep_s + COSTS.wake_s) == pytest.approx(2.0)
+    assert rated("x", 10, 0.5).work_s() == pytest.approx(5.0) and rated("x", 10, None).work_s() is None
+
+
+def test_a_shard_is_not_taken_for_less_work_than_the_move_costs():
+    # b: 32 trajectories x 0.1 s = 3.2 shard-s over 2 shards = 1.6 s < margin x 1 s: no move
+    led, prog = two_on_four(b_spt=0.1)
+    p = step(led, 100.0, progress=prog)
+    assert p.is_empty() and shard_counts(led) == {"a": 3, "b": 1}
+    # rate unknown: today's behaviour, the fair share moves a shard at once
+    led, prog = two_on_four(b_spt=None)
+    p = step(led, 100.0, progress=prog)
+    assert len(p.shrinks) == 1 and shard_counts(led) == {"a": 2, "b": 2}
+
+
+def test_a_shard_is_taken_when_the_work_repays_the_move_and_a_start_only_when_it_repays_that():
+    # 32 x 0.2 s over 2 shards = 3.2 s: repays a wake (2 s) but not a process start (32 s);
+    # b's rank 1 never ran, so it would start anew: refused
+    led, prog = two_on_four(b_spt=0.2)
+    assert step(led, 100.0, progress=prog).is_empty()
+    # ... unless one of its ranks has an engine on a GPU of a's: that one is woken there
+    led, prog = two_on_four(b_spt=0.2)
+    gpu = sorted(h.gpus for h in led.shards_of("a").values())[-1]
+    led.last_shard_gpus[("b", 1)] = gpu
+    p = step(led, 100.0, progress=prog)
+    assert [s.gpus for s in p.shrinks] == [gpu] and [(e.dp_rank, e.gpus) for e in p.expands] == [(1, gpu)]
+    # 32 x 2.5 s over 2 shards = 40 s: repays even a process start
+    led, prog = two_on_four(b_spt=2.5)
+    p = step(led, 100.0, progress=prog)
+    assert len(p.shrinks) == 1 and shard_counts(led) == {"a": 2, "b": 2}
+
+
+def test_an_idle_gpu_is_filled_however_little_work_it_gets():
+    led = make(1, 4, PipelineSpec("a", max_shards=2), PipelineSpec("b", max_shards=4))
+    prog = {"a": rated("a", 64, 1.0), "b": rated("b", 16, 0.001)}
+    step(led, 0.0, progress=prog)
+    assert shard_counts(led) == {"a": 2, "b": 2} and led.idle_gpus() == []
+
+
+def test_a_pipeline_about_to_finish_keeps_its_shards_but_not_a_peers_first_one():
+    # a: 8 trajectories x 0.5 s = 4 s over its 3 shards (1.3 s each) ends before a move repays
+    led, prog = two_on_four(b_spt=2.5, a_left=8, a_spt=0.5)
+    assert step(led, 100.0, progress=prog).is_empty()
+    # a's rate unknown: a's shard goes to b as before
+    led, prog = two_on_four(b_spt=2.5, a_left=8, a_spt=None)
+    assert len(step(led, 100.0, progress=prog).shrinks) == 1
+    # b's first shard is the floor: taken from a even though a is about to finish
+    led = make(1, 2, PipelineSpec("a", max_shards=2), PipelineSpec("b", max_shards=2))
+    step(led, 0.0, progress={"a": rated("a", 64, 1.0), "b": rated("b", 0, 1.0)})
+    p = step(led, 100.0, progress={"a": rated("a", 2, 0.5, 100.0), "b": rated("b", 16, 1.0, 100.0)})
+    assert shard_counts(led) == {"a": 1, "b": 1} and len(p.shrinks) == 1
+
+
+def test_a_training_home_about_to_be_wanted_back_is_not_filled_and_the_plan_wakes_after():
+    def run(t_spt):
+        led = make(1, 3, PipelineSpec("t", train_gpus=1, max_shards=1, fixed_trainer=True),
+                   PipelineSpec("c", max_shards=2))
+        home = next(iter(led.train_home["t"]))
+        others = [g for g in range(3) if g != home]
+        # t generates on another GPU and has 1 trajectory x 0.5 s left: its train step comes
+        # within a move's worth, and a second shard of c's on its home would sleep again at once
+        led.last_shard_gpus[("t", 0)] = (others[0],)
+        led.last_shard_gpus[("c", 0)] = (others[1],)
+        step(led, 0.0, progress={"t": rated("t", 64, t_spt), "c": rated("c", 8, 1.0)})
+        assert shard_counts(led) == {"t": 1, "c": 1} and led.idle_gpus() == [home]
+        prog = {"t": rated("t", 1, t_spt, 5.0), "c": rated("c", 64, 1.0, 5.0)}
+        return led, home, step(led, 5.0, progress=prog)
+
+    led, home, p = run(0.5)
+    assert shard_counts(led) == {"t": 1, "c": 1} and led.idle_gpus() == [home]
+    assert p.wake_at == pytest.approx(5.0 + 0.5 + 2.0)  # when that estimate has run out
+    led, home, p = run(None)  # t's rate unknown: the idle GPU is filled, as before
+    assert shard_counts(led) == {"t": 1, "c": 2} and led.idle_gpus() == []
+
+
+def test_a_trainers_request_is_not_delayed_by_move_costs():
+    led, prog = two_on_four(b_spt=0.1)
+    p = step(led, 100.0, [GpuRequest(1, "b", Stage.TRAIN, 2, 100.0)], progress=prog)
+    assert [(g.pipeline, len(g.gpus)) for g in p.grants] == [("b", 2)]
+
+
+def test_a_rate_that_is_not_a_positive_number_is_refused():
+    from rlix.errors import SchedulerError
+    from rlix.scheduler.core import SchedulerCore
+
+    core = SchedulerCore(Topology.uniform(1, 2))
+    core.register(PipelineSpec("a"))
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(SchedulerError, match="seconds_per_trajectory"):
+            core.report_progress(Progress("a", remaining=4, seconds_per_trajectory=bad))
+    core.report_progress(Progress("a", remaining=4, seconds_per_trajectory=0.25))
+
+
+def test_the_cost_table_is_read_from_a_file_and_a_bad_one_names_the_field(tmp_path):
+    from rlix.errors import ConfigError
+    from rlix.scheduler.costs import MoveCosts, load_move_costs, save_move_costs
+
+    path = save_move_costs(tmp_path / "costs.json", MoveCosts(sleep_s=0.05, cold_start_s=11.0), "test")
+    assert load_move_costs(path) == MoveCosts(sleep_s=0.05, cold_start_s=11.0)
+    (tmp_path / "bad.yaml").write_text("costs:\n  sleep_s: 0.1\n  wake_s: 0.2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: costs.wake_s: unknown field"):
+        load_move_costs(tmp_path / "bad.yaml")
+    (tmp_path / "neg.yaml").write_text("costs:\n  margin: -1\n")
+    with pytest.raises(ConfigError, match=r"costs.margin: Input should be greater than or equal to 0"):
+        load_move_costs(tmp_path / "neg.yaml")
+    (tmp_path / "top.yaml").write_text("costs: {}\nwhen: today\n")
+    with pytest.raises(ConfigError, match=r"top.yaml: when: unknown field"):
+        load_move_costs(tmp_path / "top.yaml")

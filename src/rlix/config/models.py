@@ -11,7 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlix.envs.agent_config import EnvConfig
+from rlix.errors import ConfigError
 from rlix.envs.config import TaskConfig
+from rlix.scheduler.costs import MoveCosts, load_move_costs
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
@@ -88,6 +90,22 @@ class SchedulerConfig(_Strict):
                                                                          "127.0.0.1 at this port (0: a "
                                                                          "free one, printed by rlix run); "
                                                                          "null: not served")
+    move_costs: MoveCosts = Field(default_factory=MoveCosts, description="seconds each move of a GPU "
+                                  "costs (sleep_s, wake_sync_s, sync_s, recapture_s, trainer_reload_s, "
+                                  "trainer_offload_s, cold_start_s) and the margin by which the work "
+                                  "a move buys must exceed it (rlix.scheduler.costs.MoveCosts), inline, "
+                                  "or the path of a measured table (YAML/JSON with `costs:`)")
+
+    @field_validator("move_costs", mode="before")
+    @classmethod
+    def _cost_table(cls, value: object) -> object:
+        """A path names a measured table: read here, so a bad one is refused with the config."""
+        if isinstance(value, str):
+            try:
+                return load_move_costs(value)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("dashboard_port")
     @classmethod
@@ -97,10 +115,40 @@ class SchedulerConfig(_Strict):
             raise ValueError("the same port as scheduler.metrics_port; give each its own (or 0)")
         return port
 
-    def params(self) -> PlannerParams:
-        """The planner's knobs as this config sets them."""
+    def params(self, resident_engines: bool = False) -> PlannerParams:
+        """The planner's knobs as this config sets them. `resident_engines`: every shard process
+        is started at set-up (cluster.resident_engines on real GPUs), so no move starts one and
+        the planner plans with no cold start."""
+        costs = self.move_costs
+        if resident_engines:
+            costs = costs.model_copy(update={"cold_start_s": 0.0})
         return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s, rotate_s=self.rotate_s,
-                             report_stale_s=self.report_stale_s)
+                             report_stale_s=self.report_stale_s, move_costs=costs)
+
+
+class LengthTail(_Strict):
+    """Each sample's generation limit drawn from a heavy-tailed distribution, as RL response
+    lengths vary (most short, a few very long): `lognormal` is median x exp(sigma x N(0, 1));
+    `pareto` has shape `alpha` (smaller: heavier) and scale median / 2^(1/alpha), so that its
+    median is `median`. A draw is rounded, then kept within [min, rollout.max_new_tokens]."""
+
+    dist: Literal["lognormal", "pareto"] = Field(description="lognormal (needs sigma) or pareto (needs alpha)")
+    median: float = Field(gt=0, description="the draws' median, in tokens")
+    sigma: float | None = Field(None, gt=0, description="lognormal: sigma of the underlying normal "
+                                                        "(1.0: p99 is ~10x the median)")
+    alpha: float | None = Field(None, gt=0, description="pareto: the tail index (1.0: p99 is ~50x the median)")
+    min: int = Field(1, ge=1, description="the shortest limit drawn, in tokens")
+
+    @model_validator(mode="after")
+    def _its_shape(self) -> "LengthTail":
+        need, other = ("sigma", "alpha") if self.dist == "lognormal" else ("alpha", "sigma")
+        if getattr(self, need) is None:
+            raise ValueError(f"dist {self.dist} needs {need}")
+        if getattr(self, other) is not None:
+            raise ValueError(f"{other} is not a parameter of dist {self.dist} (it takes {need})")
+        if self.min > self.median:
+            raise ValueError(f"min ({self.min}) must not exceed median ({self.median:g})")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -113,6 +161,25 @@ class RolloutConfig(_Strict):
     concurrency: int = Field(8, ge=1, description="groups in flight at once")
     max_model_len: int = Field(256, ge=16, description="the shards' context length (prompt + response)")
     max_num_seqs: int = Field(64, ge=1, description="sequences one shard decodes at once")
+    length_tail: LengthTail | None = Field(None, description="draw each sample's token limit (its request's "
+                                                             "max_tokens) from a heavy-tailed distribution, "
+                                                             "capped at max_new_tokens, reproducibly from the "
+                                                             "pipeline's seed; null: every sample may run to "
+                                                             "max_new_tokens. Agent episodes (`env:`) ignore it")
+    ignore_eos: bool = Field(False, description="samples run to their token limit whatever the model samples "
+                                                "(benchmarks of random-weight models, whose end-of-text "
+                                                "tokens would cut every length short at random; not for "
+                                                "real training). Agent episodes (`env:`) ignore it")
+
+    @model_validator(mode="after")
+    def _tail_within_limit(self) -> "RolloutConfig":
+        tail = self.length_tail
+        if tail is not None and tail.min > self.max_new_tokens:
+            raise ValueError(f"length_tail.min ({tail.min}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        if tail is not None and tail.median > self.max_new_tokens:
+            raise ValueError(f"length_tail.median ({tail.median:g}) must not exceed max_new_tokens "
+                             f"({self.max_new_tokens})")
+        return self
 
 
 class VllmOptions(_Strict):

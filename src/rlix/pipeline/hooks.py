@@ -59,9 +59,11 @@ class RLixHooks(Protocol):
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None,
                               turns_outstanding: int | None = None,
-                              pending_work: bool = False) -> None:
+                              pending_work: bool = False,
+                              seconds_per_trajectory: float | None = None) -> None:
         """Rollout demand: trajectories collected vs needed for the next step; `pending_work`:
-        groups in flight or the trainer waiting for its batch (evidence beside the figure)."""
+        groups in flight or the trainer waiting for its batch (evidence beside the figure);
+        `seconds_per_trajectory`: what one costs its shards, measured (rollout/rate.py)."""
         ...
 
     async def clear_progress(self) -> None: ...
@@ -111,7 +113,8 @@ class NoOpHooks:
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None,
                               turns_outstanding: int | None = None,
-                              pending_work: bool = False) -> None:
+                              pending_work: bool = False,
+                              seconds_per_trajectory: float | None = None) -> None:
         return None
 
     async def clear_progress(self) -> None:

@@ -239,7 +239,8 @@ class PipelineRunner:
             self._generate, tokenizer, make_task(cfg.task), self.buffer,
             self.hooks, cfg.rollout, max_age=cfg.max_staleness,
             seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step,
-            max_failed_groups=cfg.max_failed_groups, episodes=episodes)
+            max_failed_groups=cfg.max_failed_groups, episodes=episodes,
+            active_shards=lambda: len(self.fleet.active_ranks()) if self.fleet is not None else 0)
         self.collector.pipeline = cfg.name
         self.collector.set_version(self.start_step)
 

@@ -35,6 +35,9 @@ class SchedulerHooks:
         # the next batch was complete when training ended: the GPUs are kept, and the next
         # request releases and asks again in one call (scheduler.cycle)
         self._cycling: Progress | None = None
+        # the latest measured shard-seconds per trajectory: every report carries it, the one
+        # that rides on a training request or a release too
+        self._rate: float | None = None
 
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """Every shard it may use; the scheduler decides where and when each runs."""
@@ -124,16 +127,19 @@ class SchedulerHooks:
                   pending_work: bool = False) -> Progress:
         return Progress(self.pipeline, remaining=max(int(target) - int(collected), 0), target=int(target),
                         step=int(step), shard_load=dict(shard_load or {}), turns_outstanding=turns_outstanding,
-                        pending_work=bool(pending_work))
+                        pending_work=bool(pending_work), seconds_per_trajectory=self._rate)
 
     async def report_progress(self, collected: int, target: int, step: int,
                               shard_load: dict[int, int] | None = None,
                               turns_outstanding: int | None = None,
-                              pending_work: bool = False) -> None:
+                              pending_work: bool = False,
+                              seconds_per_trajectory: float | None = None) -> None:
         """A complete batch is not reported on its own: the loop's next call is the training
         request, which carries it. Alone, "no demand left" let the planner give this
         pipeline's shard to another pipeline just before the training request took that
         GPU back (a wasted wake, sync and sleep; ~40% more sleeps in a two-pipeline run)."""
+        if seconds_per_trajectory is not None:
+            self._rate = seconds_per_trajectory
         progress = self._progress(collected, target, step, shard_load, turns_outstanding, pending_work)
         if target > 0 and collected >= target:
             self._complete = progress

@@ -211,6 +211,11 @@ class SchedulerCore:
         self.require(progress.pipeline)
         if progress.remaining < 0 or progress.target < 0:
             raise SchedulerError(f"{progress.pipeline}: remaining/target must be >= 0")
+        spt = progress.seconds_per_trajectory
+        if spt is not None and not (isinstance(spt, (int, float)) and not isinstance(spt, bool)
+                                    and 0 < spt < float("inf")):
+            raise SchedulerError(f"{progress.pipeline}: seconds_per_trajectory must be a positive "
+                                 f"finite number or None (unknown), got {spt!r}")
         # Stamped with our clock: the reporter's clock is another process's.
         self.progress[progress.pipeline] = dataclasses.replace(progress, reported_at=self.clock())
 

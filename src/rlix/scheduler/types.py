@@ -113,6 +113,12 @@ class Progress:
     `pending_work`: generation work is waiting on this pipeline now (requests outstanding at
     its router, or a train step waiting for its batch). Evidence beside `remaining`: the
     planner keeps it a floor of one shard whatever `remaining` says.
+    `seconds_per_trajectory`: measured shard-seconds per finished trajectory (the seconds its
+    active shards were held, summed over shards, over the trajectories they finished in that
+    time: the inverse of one shard's throughput as the pipeline runs). With it the planner
+    knows a pipeline's expected work, `remaining x seconds_per_trajectory` shard-seconds, and
+    moves a GPU only where that work repays the move (`rlix.scheduler.costs.MoveCosts`).
+    None: unknown, and moves are planned as if they cost nothing.
     """
 
     pipeline: str
@@ -123,6 +129,12 @@ class Progress:
     turns_outstanding: int | None = None
     reported_at: float = 0.0
     pending_work: bool = False
+    seconds_per_trajectory: float | None = None
+
+    def work_s(self) -> float | None:
+        """Expected shard-seconds of generation left, or None when the rate is unknown."""
+        spt = self.seconds_per_trajectory
+        return None if spt is None else self.remaining * spt
 
 
 @dataclass(frozen=True)

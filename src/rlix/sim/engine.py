@@ -86,7 +86,8 @@ class Domain:
         self._next_id = 1
         self._wakes: set[float] = set()
         self.plan_calls = 0
-        self.transition_gpu_s = 0.0  # sleep + wake + sync GPU-seconds
+        self.transition_gpu_s = 0.0  # GPU-seconds of moves: sleeps, wakes, syncs, process starts,
+        #                             trainer reloads and offloads
         self.trace = trace  # records the run for its timeline (rlix sim --out)
         self.account = HoldAccount()  # GPU-seconds held per pipeline and role
 
@@ -176,6 +177,11 @@ class Domain:
                                 now, self.params)
         if not plan.is_empty():
             self.account.advance(now)
+            # where a rank's process is not (read before the plan moves it there): it starts anew
+            last = self.ledger.last_shard_gpus
+            cold = {(m.pipeline, m.dp_rank) for m in plan.expands
+                    if not self.runs[m.pipeline].setup.resident_engines
+                    and last.get((m.pipeline, m.dp_rank)) != tuple(m.gpus)}
             self.ledger.apply(plan, now)
             self._changed()
             self._note(None)
@@ -186,7 +192,7 @@ class Domain:
             for move in sorted(plan.shrinks, key=by_shard):
                 run = self.runs[move.pipeline]
                 run.on_shrink(move.dp_rank)
-                sleep = run.transitions.sleep_s
+                sleep = run.costs.sleep_s
                 free_at = self._ready_at(move.gpus) + sleep
                 for g in move.gpus:
                     self.busy_until[g] = free_at
@@ -200,18 +206,25 @@ class Domain:
                 for g in grant.gpus:
                     self.busy_until[g] = start + run.hold_s
                     self.claimed_from[g] = start
+                self.transition_gpu_s += (run.reload_s + run.offload_s) * len(grant.gpus)
                 run.on_grant(start)
             for move in sorted(plan.expands, key=by_shard):
                 run = self.runs[move.pipeline]
-                cost = run.transitions.wake_s + run.transitions.sync_s
+                costs = run.costs
                 begin = self._ready_at(move.gpus)
-                ready = begin + cost
+                if (move.pipeline, move.dp_rank) in cold:  # its process starts here first
+                    up = begin + costs.cold_start_s
+                    self._event(run, begin, "start", move.dp_rank, 0.0)
+                else:  # its engine sleeps here (or the set-up is still starting it)
+                    up = max(begin, run.engines_ready_at)
+                ready = up + costs.wake_s
                 for g in move.gpus:
                     self.busy_until[g] = ready
                     self.claimed_from[g] = begin
-                self.transition_gpu_s += cost * len(move.gpus)
-                self._event(run, ready - run.transitions.sync_s, "wake", move.dp_rank, run.transitions.wake_s)
-                self._event(run, ready, "sync", move.dp_rank, run.transitions.sync_s)
+                self.transition_gpu_s += (ready - begin) * len(move.gpus)
+                synced = ready - costs.sync_s
+                self._event(run, synced, "wake", move.dp_rank, synced - begin)
+                self._event(run, ready, "sync", move.dp_rank, costs.sync_s)
                 run.on_expand(move.dp_rank, move.gpus, ready)
                 touched[run.name] = run
             for run in touched.values():

@@ -59,7 +59,13 @@ class PipelineRun:
         self.name = spec.name
         self.workload = workload
         self.engine = setup.engine
-        self.transitions = setup.transitions
+        self.costs = setup.costs
+        # a stage that time-shares its GPUs with shards loads its model before it and puts it
+        # away after (its GPUs are held throughout); without partial overlap it stays resident
+        overlap = spec.partial_overlap
+        self.reload_s = self.costs.trainer_reload_s if overlap else 0.0
+        self.offload_s = self.costs.trainer_offload_s if overlap else 0.0
+        self.engines_ready_at = 0.0  # resident engines: when the set-up's process starts are done
         self.steps = len(workload.batches)
         self.batch_size = setup.rollout.batch
         self.train_s = setup.train_gpu_seconds / spec.train_gpus
@@ -108,10 +114,35 @@ class PipelineRun:
         self.queue_area = 0.0  # integral of queued turns over time (turn-seconds waiting)
         self._q_last = clock.now
         self.shardless = ShardlessClock()
+        # its rate, as its collector measures it: active shard-seconds per finished trajectory
+        self.active_shards = 0
+        self.active_shard_s = 0.0
+        self._active_last = clock.now
+        self.rated_trajectories = 0
 
     # ------------------------------------------------------------------ lifecycle
+    def _set_up(self) -> None:
+        """Its processes start: with resident engines every shard process at once (in parallel),
+        so no shard of it serves before `cold_start_s` from now."""
+        if self.setup.resident_engines:
+            self.engines_ready_at = self.clock.now + self.costs.cold_start_s
+
+    def _active_touch(self, delta: int = 0) -> None:
+        now = self.clock.now
+        self.active_shard_s += self.active_shards * (now - self._active_last)
+        self._active_last = now
+        self.active_shards += delta
+
+    def seconds_per_trajectory(self) -> float | None:
+        """Active shard-seconds per finished trajectory so far (None before the first)."""
+        if not self.rated_trajectories:
+            return None
+        self._active_touch()
+        return self.active_shard_s / self.rated_trajectories
+
     def start(self) -> None:
-        self.started_at = self._q_last = self.clock.now
+        self.started_at = self._q_last = self._active_last = self.clock.now
+        self._set_up()
         for f in self.setup.faults:
             if f.kind == "crash":
                 self.clock.at(self.started_at + f.at_s, self._crash, f.restart_after_s)
@@ -134,6 +165,7 @@ class PipelineRun:
         self.epoch += 1
         self.down = True
         self.shardless.close(self.clock.now)
+        self._active_touch(-self.active_shards)
         for rank in sorted(self.shards):
             shard = self.shards.pop(rank)
             shard.abort_all()
@@ -160,6 +192,7 @@ class PipelineRun:
 
     def resume(self) -> None:
         """Registered again after a crash: re-generate from the last finished step."""
+        self._set_up()
         self._release_batches()
         self._report(force=True)
 
@@ -177,6 +210,7 @@ class PipelineRun:
     def _finish(self) -> None:
         self.finished_at = self.clock.now
         self.shardless.close(self.clock.now)
+        self._active_touch(-self.active_shards)
         for rank in sorted(self.shards):
             shard = self.shards.pop(rank)
             shard.abort_all()
@@ -224,16 +258,18 @@ class PipelineRun:
             return  # the scheduler keeps the last report it got, and that report's time
         # pending_work: the router's evidence (turns released and not finished), sent even when
         # the demand figure is muted
+        rate = self.seconds_per_trajectory()
         if self.muted:
             self.domain.report(Progress(self.name, remaining=0, step=self.version,
-                                        reported_at=self.clock.now, pending_work=self.remaining > 0))
+                                        reported_at=self.clock.now, pending_work=self.remaining > 0,
+                                        seconds_per_trajectory=rate))
             return
         open_batches = sum(1 for k in range(self.version, self.released) if self.batch_left[k] > 0)
         load = {rank: sh.load for rank, sh in self.shards.items() if sh.state == ACTIVE}
         self.domain.report(Progress(self.name, remaining=self.remaining,
                                     target=open_batches * self.batch_size, step=self.version,
                                     shard_load=load, reported_at=self.clock.now,
-                                    pending_work=self.remaining > 0))
+                                    pending_work=self.remaining > 0, seconds_per_trajectory=rate))
 
     def turn_done(self, traj: Traj, shard: Shard) -> None:
         spec = traj.spec
@@ -259,6 +295,7 @@ class PipelineRun:
             raise RuntimeError(f"simulator bug: {self.name} batch {traj.batch} finished twice")
         traj.finished_at = self.clock.now
         self.finish_events += 1
+        self.rated_trajectories += 1
         self.batch_left[traj.batch] -= 1
         self.remaining -= 1
         if self.remaining == 0:
@@ -308,8 +345,9 @@ class PipelineRun:
 
     @property
     def hold_s(self) -> float:
-        """How long the phase being granted holds its GPUs."""
-        return self.phases[self.phase][3]
+        """How long the phase being granted holds its GPUs: its model's reload, its work, the
+        offload."""
+        return self.reload_s + self.phases[self.phase][3] + self.offload_s
 
     @property
     def phase_label(self) -> str:
@@ -323,7 +361,7 @@ class PipelineRun:
         if self.phase < len(self.phases) - 1:
             self.clock.at(start_at + self.hold_s, self._stage_end, self.epoch)
         else:
-            self.clock.at(start_at + self.train_s, self._train_end, self.epoch)
+            self.clock.at(start_at + self.hold_s, self._train_end, self.epoch)
 
     def _stage_end(self, epoch: int) -> None:
         """An extra stage is done: give its GPUs back and ask for the next phase."""
@@ -348,14 +386,14 @@ class PipelineRun:
             self.on_step(self.name)
         trace = self.domain.trace
         if trace is not None:
-            now, sync = self.clock.now, self.transitions.sync_s
+            now, sync = self.clock.now, self.costs.sync_s
             trace.step(self.name, self.version, self.started_at, self.requested_at, self.granted_at,
-                       self.train_s, now)
+                       self.train_s, now, self.reload_s, self.offload_s)
             active = [r for r, s in self.shards.items() if s.state == ACTIVE]
             if active and sync > 0 and self.version < self.steps:  # after the last, it ends
                 trace.event(self.name, now + sync, "refit", active, sync, self.version)
         for rank in sorted(self.shards):
-            self.shards[rank].pause(self.transitions.sync_s)
+            self.shards[rank].pause(self.costs.sync_s)
         if len(self.step_ends) == self.steps:
             self._finish()
             return
@@ -366,6 +404,8 @@ class PipelineRun:
     # ------------------------------------------------------------------ shards
     def on_shrink(self, dp_rank: int) -> None:
         shard = self.shards.pop(dp_rank)
+        if shard.state == ACTIVE:
+            self._active_touch(-1)
         decoding, prefilling = shard.abort_all()
         for traj in decoding:
             self.preempted_turns += 1
@@ -385,6 +425,7 @@ class PipelineRun:
         if shard.state != WAKING:
             return
         shard.activate()
+        self._active_touch(+1)
         if self.domain.trace is not None:
             self.domain.trace.event(self.name, self.clock.now, "activate", [shard.dp_rank])
         self.dispatch()

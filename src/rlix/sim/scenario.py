@@ -1,9 +1,18 @@
 """Simulator scenarios: pydantic models and YAML loading.
 
 A scenario is the whole experiment: the cluster, the scheduler's knobs, the inference engine's
-cost model, the role-switch costs and the pipelines with their workloads. Unknown keys are
-errors (a typo must not silently fall back to a default); every failure is one
-`ScenarioError` line naming the file, the field and the reason.
+cost model, the move costs and the pipelines with their workloads. Unknown keys are errors (a
+typo must not silently fall back to a default); every failure is one `ScenarioError` line
+naming the file, the field and the reason.
+
+Move costs: `costs:` is the scheduler's table (`rlix.scheduler.costs.MoveCosts`), inline or the
+path of a measured table file (relative to the scenario's folder); the simulator charges it and
+the planner plans on it. Without it the table's defaults apply. The older `transitions:`
+(sync_s, sleep_s, wake_s) is deprecated but still read: it means the table with sleep_s,
+wake_sync_s = wake_s + sync_s and sync_s, and every cost it does not name (recapture,
+trainer reload and offload, cold start) 0, as that model charged none of them. Giving both
+at one level is an error. A pipeline's own `transitions:` changes only what the simulator
+charges that pipeline; the planner plans on the scenario's table.
 """
 
 from __future__ import annotations
@@ -13,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlix.config.loader import load_model
 from rlix.errors import ConfigError, ScenarioError
+from rlix.scheduler.costs import MoveCosts, load_move_costs, problems
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
@@ -60,9 +70,10 @@ class SchedulerModel(_Strict):
     rotate_s: float = Field(PlannerParams.rotate_s, ge=0)
     report_stale_s: float | None = Field(None, gt=0)
 
-    def params(self) -> PlannerParams:
+    def params(self, move_costs: MoveCosts | None = None) -> PlannerParams:
         return PlannerParams(dwell_s=self.dwell_s, aging_s=self.aging_s, rotate_s=self.rotate_s,
-                             report_stale_s=self.report_stale_s)
+                             report_stale_s=self.report_stale_s,
+                             move_costs=move_costs if move_costs is not None else MoveCosts())
 
 
 class EngineModel(_Strict):
@@ -79,12 +90,19 @@ class EngineModel(_Strict):
 
 
 class TransitionModel(_Strict):
-    """Role-switch costs: a shrunk shard's GPUs stay busy `sleep_s`; a woken shard is usable
-    after `wake_s + sync_s`; a shard that stays active pauses `sync_s` after each train step."""
+    """Deprecated (use `costs:`): role-switch costs. A shrunk shard's GPUs stay busy `sleep_s`;
+    a woken shard is usable after `wake_s + sync_s`; a shard that stays active pauses `sync_s`
+    after each train step. Read as the cost table `costs()` returns."""
 
     sync_s: float = Field(5.0, ge=0)
     sleep_s: float = Field(2.0, ge=0)
     wake_s: float = Field(5.0, ge=0)
+
+    def costs(self, margin: float = MoveCosts().margin) -> MoveCosts:
+        """The same model as a cost table: what it does not name was not charged (0)."""
+        return MoveCosts(sleep_s=self.sleep_s, wake_sync_s=self.wake_s + self.sync_s,
+                         sync_s=self.sync_s, recapture_s=0.0, trainer_reload_s=0.0,
+                         trainer_offload_s=0.0, cold_start_s=0.0, margin=margin)
 
 
 class LogNormal(_Strict):
@@ -151,7 +169,7 @@ class PipelineModel(_Strict):
     partial_overlap: bool = True
     seqs_per_shard: int = Field(8, ge=1)
     engine: EngineModel | None = None
-    transitions: TransitionModel | None = None
+    transitions: TransitionModel | None = None  # deprecated: what the simulator charges it only
     rollout: RolloutModel
 
     @model_validator(mode="after")
@@ -195,14 +213,37 @@ Fault = Annotated[Union[CrashFault, ReportFault], Field(discriminator="kind")]
 
 
 class ScenarioModel(_Strict):
+    """`costs`: the move-cost table, inline or a table file's path (see the module docstring);
+    `transitions`: its deprecated form. `resident_engines`: every pipeline starts its shard
+    processes at set-up, in parallel (`cold_start_s` once, before its first shard serves), and
+    a shard then only wakes wherever it goes; false: a dp rank's process starts
+    (`cold_start_s`) the first time the rank runs on a GPU, and again where it moves."""
+
     name: str = Field(min_length=1)
     seed: int = 0
     cluster: ClusterModel
     scheduler: SchedulerModel = SchedulerModel()
     engine: EngineModel = EngineModel()
-    transitions: TransitionModel = TransitionModel()
+    costs: MoveCosts | str | None = None
+    transitions: TransitionModel | None = None
+    resident_engines: bool = True
     pipelines: list[PipelineModel] = Field(min_length=1)
     faults: list[Fault] = []
+
+    @field_validator("costs", mode="before")
+    @classmethod
+    def _table(cls, value: object) -> object:
+        """Inline: checked as the scheduler checks it (each problem named by its field)."""
+        if isinstance(value, dict):
+            try:
+                return MoveCosts.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError(problems(exc)) from None
+        if value is not None and not isinstance(value, (str, MoveCosts)):
+            raise ValueError(f"expected a mapping of costs or the path of a cost table, "
+                             f"got {type(value).__name__}")
+        return value
+
 
 
 @dataclass(frozen=True)
@@ -222,8 +263,9 @@ class PipelineSetup:
     max_staleness: int
     train_gpu_seconds: float
     engine: EngineModel
-    transitions: TransitionModel
+    costs: MoveCosts  # what the simulator charges it
     rollout: RolloutModel
+    resident_engines: bool = True
     arrive_s: float = 0.0
     min_train_gpus: int = 1
     stages: tuple[StageSetup, ...] = ()
@@ -246,6 +288,8 @@ class Scenario:
     topology: Topology
     params: PlannerParams
     pipelines: tuple[PipelineSetup, ...]
+    costs: MoveCosts = MoveCosts()  # the scenario's table (the planner's has no cold start
+    resident_engines: bool = True   # when engines are resident)
 
     @property
     def gpus(self) -> int:
@@ -263,9 +307,32 @@ def load_scenario(path: str | Path) -> Scenario:
     return build_scenario(model, str(path))
 
 
+def scenario_costs(model: ScenarioModel, source: str = "<scenario>") -> MoveCosts:
+    """The scenario's cost table: `costs` (a path is read relative to the scenario's folder),
+    else the deprecated `transitions`, else the table's defaults."""
+    costs = model.costs
+    if costs is not None and model.transitions is not None:
+        raise ScenarioError(f"{source}: transitions: deprecated and not allowed beside costs (give "
+                            f"the table only: sleep_s, wake_sync_s = wake_s + sync_s, sync_s)")
+    if isinstance(costs, str):
+        path = Path(costs).expanduser()
+        if not path.is_absolute() and source and not source.startswith("<"):
+            path = Path(source).parent / path
+        try:
+            return load_move_costs(path)
+        except ConfigError as exc:
+            raise ScenarioError(f"{source}: costs: {exc}") from None
+    if costs is not None:
+        return costs
+    if model.transitions is not None:
+        return model.transitions.costs()
+    return MoveCosts()
+
+
 def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario:
     """Expand copies, resolve per-pipeline overrides and check what needs the whole file."""
     topology = model.cluster.topology()
+    table = scenario_costs(model, source)
     total, biggest = topology.num_gpus, max(topology.gpus_per_node)
     setups: list[PipelineSetup] = []
     seen: dict[str, str] = {}
@@ -295,7 +362,8 @@ def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario
             setups.append(PipelineSetup(
                 index=len(setups), spec=spec, steps=p.steps, max_staleness=p.max_staleness,
                 train_gpu_seconds=p.train_gpu_seconds, engine=p.engine or model.engine,
-                transitions=p.transitions or model.transitions, rollout=p.rollout,
+                costs=p.transitions.costs(table.margin) if p.transitions is not None else table,
+                rollout=p.rollout, resident_engines=model.resident_engines,
                 arrive_s=p.arrive_s, min_train_gpus=p.min_train_gpus or 1,
                 stages=tuple(StageSetup(st.name, st.gpus, st.gpu_seconds) for st in p.stages)))
     faults: dict[str, list] = {}
@@ -305,5 +373,8 @@ def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario
                                 f"(pipelines: {', '.join(seen)})")
         faults.setdefault(f.pipeline, []).append(f)
     setups = [dataclasses.replace(s, faults=tuple(faults.get(s.name, ()))) for s in setups]
+    # resident engines: after set-up no process starts, so none is planned on
+    planned = table.model_copy(update={"cold_start_s": 0.0}) if model.resident_engines else table
     return Scenario(name=model.name, source=source, seed=model.seed, topology=topology,
-                    params=model.scheduler.params(), pipelines=tuple(setups))
+                    params=model.scheduler.params(planned), pipelines=tuple(setups),
+                    costs=table, resident_engines=model.resident_engines)

@@ -37,13 +37,16 @@ class SimTrace:
         self.events.setdefault(pipeline, []).append([at, kind, sorted(ranks), version, seconds])
 
     def step(self, pipeline: str, step: int, started: float, requested: float, granted: float,
-             train_s: float, finished: float) -> None:
+             train_s: float, finished: float, reload_s: float = 0.0, offload_s: float = 0.0) -> None:
         """A train step: the batch waited for from `started`, GPUs asked for at `requested`,
-        training from `granted` for `train_s`, the step ending at `finished`."""
+        granted at `granted`: the trainer's reload, `train_s` of training and its offload, the
+        step ending at `finished`."""
         start = max(self.step_start.get(pipeline, started), started)
-        self.records.setdefault(pipeline, []).append({
-            "step": step, "generate_s": max(0.0, requested - start), "wait_gpus_s": granted - requested,
-            "train_s": train_s, "step_s": finished - start, "finished_at": finished})
+        record = {"step": step, "generate_s": max(0.0, requested - start), "wait_gpus_s": granted - requested,
+                  "train_s": train_s, "step_s": finished - start, "finished_at": finished}
+        if reload_s or offload_s:
+            record.update(reload_s=reload_s, offload_s=offload_s)
+        self.records.setdefault(pipeline, []).append(record)
         self.step_start[pipeline] = finished
 
     def summary(self, name: str, policy: str, end: float, gpu_nodes: list[int],

@@ -13,12 +13,21 @@ group that still finishes too old is dropped and counted ("stale"). Demand goes 
 A failed request is retried a few times (the router already re-dispatches preempted ones); then
 its whole group is dropped with the reason. Every trajectory started is accounted for exactly
 once in the buffer's counters, whatever happens to its group.
+
+Response lengths: with `rollout.length_tail` set, each sample's request carries its own
+`max_tokens`, drawn from that heavy-tailed distribution (`length_limit`: keyed by the
+collector's seed and the sample's place, like its sampling seed, so the same config draws the
+same limits whatever the timing, and the prompts drawn are the same as without it) and capped
+at `max_new_tokens`. Agent episodes ignore it (their turns' limit is the environment's), and
+`rollout.ignore_eos` (samples run to their limit: benchmarks of random-weight models).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,12 +37,13 @@ from typing import Any
 from rlix.agents.episodes import Unstitchable
 from rlix.agents.protocol import Example
 from rlix.agents.rollout import AgentEpisodes
-from rlix.config.models import RolloutConfig
+from rlix.config.models import LengthTail, RolloutConfig
 from rlix.envs.tasks import Task
 from rlix.errors import CollectorError, EpisodeError, InvalidRequestError, PipelineStalledError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
+from rlix.pipeline.rollout.rate import ShardRate
 from rlix.pipeline.rollout.types import Group, Trajectory
 
 #: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router in-process
@@ -58,6 +68,22 @@ def sample_seed(seed: int, group_index: int, sample: int) -> int:
     """A per-sample sampling seed that depends only on the collector's seed and the sample's
     place, not on timing: the same config draws the same prompts and the same seeds."""
     return random.Random(f"{seed}/{group_index}/{sample}").randrange(1 << 31)
+
+
+def length_limit(tail: LengthTail | None, max_new_tokens: int, seed: int, group_index: int, sample: int) -> int:
+    """A sample's generation limit: `max_new_tokens` without a tail; else a draw from `tail`
+    (rounded, within [tail.min, max_new_tokens]) that depends only on the collector's seed and
+    the sample's place (its own stream, apart from prompts and sampling seeds)."""
+    if tail is None:
+        return max_new_tokens
+    rng = random.Random(f"{seed}/{group_index}/{sample}/length")
+    if tail.dist == "lognormal":
+        assert tail.sigma is not None
+        x = rng.lognormvariate(math.log(tail.median), tail.sigma)
+    else:  # pareto, scaled so that its median is tail.median
+        assert tail.alpha is not None
+        x = tail.median / 2 ** (1 / tail.alpha) * rng.paretovariate(tail.alpha)
+    return max(tail.min, min(max_new_tokens, round(x)))
 
 
 def parse_versions(spans: list[VersionSpan], n_tokens: int) -> list[int]:
@@ -87,14 +113,20 @@ class TrajectoryCollector:
     def __init__(self, generate: Generate, tokenizer: Any, task: Task, buffer: ReplayBuffer,
                  hooks: RLixHooks, rollout: RolloutConfig, *, max_age: int, seed: int = 0,
                  max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02,
-                 max_failed_groups: int = 32, episodes: AgentEpisodes | None = None) -> None:
+                 max_failed_groups: int = 32, episodes: AgentEpisodes | None = None,
+                 active_shards: Callable[[], int] | None = None) -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
         self.buffer, self.hooks = buffer, hooks
         self.episodes = episodes  # agent episodes instead of one generate per trajectory
+        # shard-seconds per trajectory, reported for the planner's move costs (None: not known)
+        self.rate = ShardRate(active_shards) if active_shards is not None else None
         self.group_size, self.groups_per_step = rollout.group_size, rollout.groups_per_step
         self.max_new_tokens, self.temperature = rollout.max_new_tokens, rollout.temperature
+        self.length_tail = rollout.length_tail  # None: every sample may run to max_new_tokens
+        self.length_limits: deque[int] = deque(maxlen=4096)  # the latest limits drawn (stats)
+        self.ignore_eos = rollout.ignore_eos  # samples run to their limit (random-weight benchmarks)
         self.max_age, self.concurrency = max_age, rollout.concurrency
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.seed = seed
@@ -213,7 +245,8 @@ class TrajectoryCollector:
                 "reports": self.reports, "errors": list(self.errors)[-5:],
                 "failed_in_a_row": self.failed_in_a_row,
                 **({"episode_turns": self.episodes.turns, "tool_calls": self.episodes.tool_calls,
-                    "episodes_running": self.episodes.running} if self.episodes else {})}
+                    "episodes_running": self.episodes.running} if self.episodes else {}),
+                **({"length_limits": _quantiles(self.length_limits)} if self.length_limits else {})}
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> bool:
@@ -283,7 +316,8 @@ class TrajectoryCollector:
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
-                samples = [tg.create_task(self._trajectory(gid, i, ids, prompt, sample_seed(self.seed, index, i)))
+                samples = [tg.create_task(self._trajectory(gid, index, i, ids, prompt,
+                                                           sample_seed(self.seed, index, i)))
                            for i in range(self.group_size)]
         except BaseExceptionGroup as eg:
             dropped = [e for e in eg.exceptions if isinstance(e, GroupDropped)]
@@ -292,6 +326,8 @@ class TrajectoryCollector:
             self.generate_s += time.perf_counter() - t0
         group = Group(gid, prompt.text, [s.result() for s in samples])
         self.groups_done += 1
+        if self.rate is not None:
+            self.rate.tick(True, len(group.trajectories))
         p = self._pending[gid]
         if not self.buffer.fresh(group.version, self.version, self.max_age):
             self.buffer.note_dropped(len(group), "stale")
@@ -299,10 +335,12 @@ class TrajectoryCollector:
             self.buffer.put(group)
         p.accounted = True  # from here on, cancellation must not count it again
 
-    async def _trajectory(self, gid: str, i: int, ids: list[int], prompt: Any, seed: int) -> Trajectory:
+    async def _trajectory(self, gid: str, index: int, i: int, ids: list[int], prompt: Any,
+                          seed: int) -> Trajectory:
         if self.episodes is not None:
             return await self._episode(gid, i, prompt, seed)
-        tokens, logprobs, versions, finish, started = await self._sample(gid, ids, seed)
+        limit = length_limit(self.length_tail, self.max_new_tokens, self.seed, index, i)
+        tokens, logprobs, versions, finish, started = await self._sample(gid, ids, seed, limit)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         try:
             reward = float(self.task.reward(prompt, text))
@@ -312,10 +350,13 @@ class TrajectoryCollector:
         return Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, reward, min(versions), versions, finish,
                           started, time.time())
 
-    async def _sample(self, gid: str, ids: list[int], seed: int
+    async def _sample(self, gid: str, ids: list[int], seed: int, max_tokens: int | None = None
                       ) -> tuple[list[int], list[float], list[int], str, float]:
-        params = {"temperature": self.temperature, "max_tokens": self.max_new_tokens, "logprobs": 1,
-                  "seed": seed}
+        max_tokens = self.max_new_tokens if max_tokens is None else max_tokens
+        if self.length_tail is not None:
+            self.length_limits.append(max_tokens)
+        params = {"temperature": self.temperature, "max_tokens": max_tokens, "logprobs": 1,
+                  "seed": seed, **({"ignore_eos": True} if self.ignore_eos else {})}
         started = time.time()
         for attempt in range(self.max_retries + 1):
             self.requests += 1
@@ -398,7 +439,12 @@ class TrajectoryCollector:
                 continue
             try:
                 turns = self.turns_outstanding(collected, target)
-                extra = {} if turns is None else {"turns_outstanding": turns}
+                extra: dict[str, Any] = {} if turns is None else {"turns_outstanding": turns}
+                if self.rate is not None:
+                    self.rate.tick(self.pending_work())
+                    spt = self.rate.seconds_per_trajectory()
+                    if spt is not None:
+                        extra["seconds_per_trajectory"] = spt
                 await self.hooks.report_progress(collected, target, self.version,
                                                  pending_work=self.pending_work(), **extra)
                 self.reports += 1
@@ -407,3 +453,10 @@ class TrajectoryCollector:
             except Exception as exc:  # noqa: BLE001 - kept in stats; the next change retries
                 self.errors.append(f"report_progress: {type(exc).__name__}: {exc}")
                 self.throttle.reset()
+
+
+def _quantiles(values: Any) -> dict[str, float]:
+    """The limits drawn lately: how many, and their median, p90, p99 and largest."""
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {"n": len(values), "p50": round(qs[49], 1), "p90": round(qs[89], 1), "p99": round(qs[98], 1),
+            "max": max(values)}

@@ -9,6 +9,9 @@ One pass, two phases:
      happen only to make room for a pipeline below its target, never to shards woken less
      than `dwell_s` ago (except to give a pipeline its first shard), and idle GPUs are then
      filled with shards for any pipeline whose demand is still unmet (work-conserving).
+     Where pipelines report their rate (`Progress.seconds_per_trajectory`), a shard is taken
+     from one pipeline for another only when the work it buys repays the move by
+     `MoveCosts.margin` (`_Gate`; a pipeline's first shard is never held back by it).
 The planner never mutates the ledger; `Ledger.apply(plan)` does, after checking invariants.
 """
 
@@ -18,7 +21,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from rlix.scheduler.planning.pool import Pool
+from rlix.scheduler.costs import MoveCosts
+from rlix.scheduler.planning.pool import LOCKED, Pool
 from rlix.scheduler.planning.shares import TIME_SLACK_S, Demand, floor_order, rollout_targets
 from rlix.scheduler.planning.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
@@ -39,18 +43,24 @@ class PlannerParams:
     report_stale_s: a progress report older than this counts as no report (full demand): the
       demand signal is evidence, and a pipeline whose reports stopped is not starved on an old
       one. None: reports never go stale.
+    move_costs: what each move of a GPU costs and the margin by which the work it buys must
+      exceed that (`rlix.scheduler.costs.MoveCosts`); used for pipelines that report their
+      rate (`Progress.seconds_per_trajectory`), the others are planned as if moves were free.
     """
 
     dwell_s: float = 30.0
     aging_s: float = 60.0
     rotate_s: float = 120.0
     report_stale_s: float | None = None
+    move_costs: MoveCosts = MoveCosts()
 
     def __post_init__(self) -> None:
         if self.dwell_s < 0 or self.aging_s < 0 or self.rotate_s < 0:
             raise ValueError("dwell_s, aging_s and rotate_s must be >= 0")
         if self.report_stale_s is not None and self.report_stale_s <= 0:
             raise ValueError("report_stale_s must be > 0 (or None: reports never go stale)")
+        if not isinstance(self.move_costs, MoveCosts):
+            raise ValueError(f"move_costs must be a MoveCosts, got {type(self.move_costs).__name__}")
 
 
 def report_is_stale(progress: Progress, now: float | None, stale_s: float | None) -> bool:
@@ -82,11 +92,12 @@ def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progres
               for name, spec in ledger.pipelines.items()}
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
     training = pool.training | {g.pipeline for g in grants}
-    wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training)
+    gate = _Gate(pool, ledger, progress, now, params, requests, training)
+    wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training, gate)
     # only times still ahead: a deadline reached now was acted on by this pass, and a timer for
     # it would hide a later one (a rotation due after it was then never planned)
-    wakes = [t for t in (wake_requests, wake_rollout, _stale_at(ledger, progress, demand, now, stale_s))
-             if t is not None and t > now]
+    wakes = [t for t in (wake_requests, wake_rollout, _stale_at(ledger, progress, demand, now, stale_s),
+                         gate.due_until) if t is not None and t > now]
     return Plan(grants=grants, shrinks=pool.shrinks, expands=pool.expands,
                 wake_at=min(wakes) if wakes else None)
 
@@ -152,7 +163,7 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
 # ---------------------------------------------------------------------- phase 2
 def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress],
                        demand: dict[str, int], now: float, params: PlannerParams,
-                       training: set[str]) -> float | None:
+                       training: set[str], gate: "_Gate") -> float | None:
     specs = ledger.pipelines
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
                       pool.shard_count[name], ledger.shardless_since.get(name, ledger.version),
@@ -166,7 +177,7 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
     def protected(h: Holding) -> bool:
         return now - h.since < params.dwell_s
 
-    victims = _Victims(pool, specs, target, progress, first)
+    victims = _Victims(pool, specs, target, progress, first, gate)
     wake_at: float | None = None
 
     # Pipelines below target claim shards one at a time, most starved (relative) first.
@@ -178,25 +189,40 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
         spec = specs[name]
         if pool.shard_count[name] >= target[name]:
             continue
+        first_shard = pool.shard_count[name] == 0
+        # taking a GPU from another pipeline: only where the work it buys repays the move
+        mode = ANY if first_shard else gate.claim(name, pool.shard_count[name])
+        free = pool.free_total >= spec.tp  # else no node has room without a shrink
+        if mode == NONE and not free:
+            continue
         rank = pool.next_rank(name, spec.max_shards)
         if rank is None:
             continue
-        exclude = ledger.shard_exclusion(name)
-        gpus = pool.place_shard(name, spec.tp, rank, exclude)
+        exclude = gate.exclude(name, first_shard)
+        gpus = pool.place_shard(name, spec.tp, rank, exclude) if free else None
         if gpus is None:
-            first_shard = pool.shard_count[name] == 0
-            gpus, blocked_until = victims.make_room(name, spec.tp, exclude, first_shard,
-                                                    protected, params.dwell_s)
+            if mode == NONE:
+                continue
+            warm = gate.warm_targets(name, spec.max_shards, exclude) if mode == WARM else None
+            if warm is not None:  # a start would not repay: only where an engine of it sleeps
+                gpus, blocked_until = victims.make_warm_room(name, warm, protected, params.dwell_s)
+            else:
+                gpus, blocked_until = victims.make_room(name, spec.tp, exclude, first_shard,
+                                                        protected, params.dwell_s)
             if gpus is None:
                 if blocked_until is not None:
                     wake_at = blocked_until if wake_at is None else min(wake_at, blocked_until)
                 continue
             rank = pool.next_rank(name, spec.max_shards)
+            last = ledger.last_shard_gpus.get((name, rank)) if name in gate.work else None
+            if last and last != gpus and all(pool.state[g] is None for g in last) \
+                    and not exclude.intersection(last):
+                gpus = last  # freed where this rank's engine is: it wakes, not starts anew
         pool.expand(name, rank, gpus, now)
         if pool.shard_count[name] < target[name]:
             heapq.heappush(heap, (-spec.priority, pool.shard_count[name] / target[name], first[name], name))
 
-    _fill_idle(pool, ledger, demand, now, first)
+    _fill_idle(pool, ledger, demand, now, first, gate)
     rotation = _rotation_at(pool, demands, ledger, now, params.rotate_s)
     if rotation is not None:
         wake_at = rotation if wake_at is None else min(wake_at, rotation)
@@ -222,19 +248,21 @@ def _rotation_at(pool: Pool, demands: list[Demand], ledger: Ledger, now: float,
 
 
 def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float,
-               first: dict[str, int]) -> None:
-    """Work conservation: idle GPUs go to whoever still has unmet demand that fits."""
+               first: dict[str, int], gate: "_Gate") -> None:
+    """Work conservation: idle GPUs go to whoever still has unmet demand that fits (a training
+    home whose owner wants it back sooner than a shard there would repay its wake excepted:
+    `_Gate.due`)."""
     specs = ledger.pipelines
     heap = [(-specs[n].priority, pool.shard_count[n] / d, first[n], n) for n, d in demand.items()
             if pool.shard_count[n] < d]
     heapq.heapify(heap)
-    while heap and any(pool.free_on_node):
+    while heap and pool.free_total:
         name = heapq.heappop(heap)[-1]
         spec = specs[name]
         rank = pool.next_rank(name, spec.max_shards)
         if rank is None:
             continue
-        gpus = pool.place_shard(name, spec.tp, rank, ledger.shard_exclusion(name))
+        gpus = pool.place_shard(name, spec.tp, rank, gate.exclude(name, pool.shard_count[name] == 0))
         if gpus is None:
             continue
         pool.expand(name, rank, gpus, now)
@@ -244,16 +272,18 @@ def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float,
 
 class _Victims:
     """Shards that may be shrunk to make room: those of pipelines above their target,
-    cheapest first (lowest tier, idle or least loaded, then the largest surplus)."""
+    cheapest first (lowest tier, idle or least loaded, then the largest surplus); for a claim
+    that is not a first shard, not those of a pipeline about to finish its work (`_Gate.short`)."""
 
     def __init__(self, pool: Pool, specs: dict[str, PipelineSpec], target: dict[str, int],
-                 progress: dict[str, Progress], first: dict[str, int]) -> None:
+                 progress: dict[str, Progress], first: dict[str, int], gate: "_Gate") -> None:
         self.pool, self.specs, self.target = pool, specs, target
-        self.progress, self.first = progress, first
+        self.progress, self.first, self.gate = progress, first, gate
         self.order: list[tuple] | None = None  # built at the first make_room: most passes need none
         # (tp, exclude, first_shard) -> blocked_until of a make_room that found no room. Room
         # only shrinks within a pass (claims add shards, victims only lose them; a claimant is
-        # below its target, so its own shards are never victims), so that answer stands.
+        # below its target, so its own shards are never victims), so that answer stands, and
+        # it stands for a wider shard or more GPUs excluded too.
         self.failed: dict[tuple, float | None] = {}
 
     def _build(self) -> list[tuple]:
@@ -271,10 +301,15 @@ class _Victims:
 
     def make_room(self, name: str, tp: int, exclude: frozenset[int], first_shard: bool,
                   protected, dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
+        """Shrink victims on one node until `tp` GPUs are free there; those GPUs."""
         pool = self.pool
         memo = (tp, exclude, first_shard)
         if memo in self.failed:
             return None, self.failed[memo]
+        for (tp0, exclude0, first0), until in self.failed.items():
+            if first0 == first_shard and tp >= tp0 and exclude0 <= exclude:
+                return None, until
+        gated = not first_shard and self.gate.work
         if self.order is None:
             self.order = self._build()
         usable: dict[int, list[tuple]] = {}
@@ -294,6 +329,8 @@ class _Victims:
                 t = h.since + dwell_s
                 blocked_until = t if blocked_until is None else min(blocked_until, t)
                 continue
+            if gated and self.gate.short(h.pipeline):
+                continue
             node = pool.node_of[h.gpus[0]]
             usable.setdefault(node, []).append(key)
             if node not in room:
@@ -309,3 +346,152 @@ class _Victims:
         self.order = kept
         self.failed[memo] = blocked_until
         return None, blocked_until
+
+    def make_warm_room(self, name: str, warm: dict[int, list[tuple[int, ...]]], protected,
+                       dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
+        """Free the GPUs of one of `name`'s sleeping engines (`_Gate.warm_targets`, in rank
+        order) where every shard on them may be shrunk (a victim, not within its dwell time,
+        not about to finish); those GPUs (a claim that is never a first shard)."""
+        pool, target, gate = self.pool, self.target, self.gate
+        blocked_until: float | None = None
+        for targets in warm.values():
+            for gpus in targets:
+                keys: set[tuple] = set()
+                until: float | None = None
+                for g in gpus:
+                    key = pool.state[g]
+                    if key is None:
+                        continue
+                    h = pool.shards.get(key) if key is not LOCKED else None
+                    if h is None or h.pipeline == name or gate.short(h.pipeline) \
+                            or pool.shard_count[h.pipeline] <= target.get(h.pipeline, 0):
+                        break
+                    if protected(h):
+                        until = max(until or 0.0, h.since + dwell_s)
+                    keys.add(key)
+                else:
+                    if until is not None:
+                        blocked_until = until if blocked_until is None else min(blocked_until, until)
+                        continue
+                    for k in sorted(keys, key=lambda k: (k[0], k[2])):
+                        pool.shrink(k)
+                    return gpus, None
+        return None, blocked_until
+
+
+#: what a claim that must take GPUs from another pipeline may do (`_Gate.claim`)
+ANY, WARM, NONE = 0, 1, 2
+
+
+class _Gate:
+    """Per pass: what moves cost (`PlannerParams.move_costs`) and each pipeline's expected
+    generation work in shard-seconds (`Progress.work_s`; only pipelines that report their rate,
+    with a report not stale). Three rules, none for a pipeline's first shard (the rollout floor
+    and its bound stay as they were) and none on non-rollout requests (phase 1 never asks):
+      (a) `claim`: a shard of one pipeline is shrunk to give another a shard only if the
+          receiver's work on it, work / (its shards + 1), is at least margin x (sleep + wake,
+          + a cold start where none of its ranks has an engine on the GPUs freed);
+      (b) `due`: idle GPUs of a training home whose owner wants them back sooner than margin x
+          (wake + sleep) are not filled (its request waits, or its work per shard ends within
+          that of its report); `due_until`: when the earliest such estimate runs out;
+      (d) `short`: a shard of a pipeline whose work per shard ends within margin x (sleep +
+          wake) is not shrunk for another's claim: it finishes first.
+    Filling an idle GPU is otherwise always allowed: nothing is lost."""
+
+    def __init__(self, pool: Pool, ledger: Ledger, progress: dict[str, Progress], now: float,
+                 params: PlannerParams, requests: list[GpuRequest], training: set[str]) -> None:
+        costs = params.move_costs
+        self.pool, self.ledger = pool, ledger
+        self.margin = costs.margin
+        self.move_s = costs.sleep_s + costs.wake_s  # a shard slept for another that wakes
+        self.cold_s = costs.cold_start_s
+        self.work: dict[str, float] = {}
+        self.due: frozenset[int] = frozenset()
+        self.due_until: float | None = None
+        self._short: dict[str, bool] = {}
+        self._exclude: dict[str, frozenset[int]] = {}
+        if not costs.gated:
+            return
+        stale_s = params.report_stale_s
+        pipelines = ledger.pipelines
+        for name, p in progress.items():
+            if p.seconds_per_trajectory is not None and name in pipelines \
+                    and not report_is_stale(p, now, stale_s):
+                self.work[name] = p.remaining * p.seconds_per_trajectory
+        if self.work and ledger.train_home:
+            self._find_due(progress, now, requests, training)
+
+    def _find_due(self, progress: dict[str, Progress], now: float, requests: list[GpuRequest],
+                  training: set[str]) -> None:
+        waiting = {r.pipeline for r in requests}
+        threshold = self.margin * self.move_s
+        due: set[int] = set()
+        for owner, home in self.ledger.train_home.items():
+            work = self.work.get(owner)
+            if work is None or owner in training:
+                continue
+            if owner in waiting:  # its request waits for GPUs of its home: it wants them now
+                due |= home
+                continue
+            shards = self.pool.shard_count[owner]
+            if work > 0 and shards == 0:
+                continue  # no shard, work left: its train step is not near
+            ends = progress[owner].reported_at + work / max(1, shards)
+            if ends - threshold <= now < ends + threshold:
+                due |= home
+                until = ends + threshold
+                self.due_until = until if self.due_until is None else min(self.due_until, until)
+        self.due = frozenset(due)
+
+    def exclude(self, name: str, first_shard: bool) -> frozenset[int]:
+        """GPUs a shard of `name` may not go to in this pass."""
+        base = self.ledger.shard_exclusion(name)
+        if first_shard or not self.due:
+            return base
+        out = self._exclude.get(name)
+        if out is None:
+            out = self._exclude[name] = base | self.due
+        return out
+
+    def claim(self, name: str, shards: int) -> int:
+        """ANY, WARM (only onto GPUs where one of its ranks has an engine) or NONE."""
+        work = self.work.get(name)
+        if work is None:
+            return ANY
+        per_shard = work / (shards + 1)
+        need = self.margin * self.move_s
+        if per_shard < need:
+            return NONE
+        return WARM if per_shard < need + self.margin * self.cold_s else ANY
+
+    def warm_targets(self, name: str, max_shards: int,
+                     exclude: frozenset[int]) -> dict[int, list[tuple[int, ...]]] | None:
+        """node -> last GPUs of each inactive rank of `name` not put to sleep in this pass (its
+        engine is there). None: anywhere (on slices a moved rank keeps its process, and one
+        has run)."""
+        pool, ledger = self.pool, self.ledger
+        active = pool.ranks[name]
+        slept = {m.dp_rank for m in pool.shrinks if m.pipeline == name}
+        whole = ledger.topology.slices == 1
+        out: dict[int, list[tuple[int, ...]]] = {}
+        for rank in range(max_shards):
+            if rank in active or rank in slept:
+                continue
+            last = ledger.last_shard_gpus.get((name, rank))
+            if last is None:
+                continue
+            if not whole:
+                return None
+            if not exclude.intersection(last):
+                out.setdefault(pool.node_of[last[0]], []).append(last)
+        return out
+
+    def short(self, pipeline: str) -> bool:
+        """Its work per shard ends sooner than a move of one of them would repay (decided at
+        the first look in a pass, so a pass's answers agree)."""
+        out = self._short.get(pipeline)
+        if out is None:
+            work = self.work.get(pipeline)
+            out = bool(work) and work / max(1, self.pool.shard_count[pipeline]) < self.margin * self.move_s
+            self._short[pipeline] = out
+        return out

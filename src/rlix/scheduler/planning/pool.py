@@ -52,6 +52,9 @@ class Pool:
                 for g in h.gpus:
                     state[g] = LOCKED
         self.locked_total = locked
+        #: free GPUs in the whole cluster (sum of free_on_node): a claim skips the search when
+        #: fewer than a shard's GPUs are free anywhere
+        self.free_total = sum(self.free_on_node)
         self.shrinks: list[ShardMove] = []
         self.expands: list[ShardMove] = []
 
@@ -92,6 +95,7 @@ class Pool:
         for g in h.gpus:
             self.state[g] = None
             self.free_on_node[self.node_of[g]] += 1
+        self.free_total += len(h.gpus)
         # A shard woken in this same pass and shrunk again never reaches the ledger.
         for i, e in enumerate(self.expands):
             if (e.pipeline, "shard", e.dp_rank) == key:
@@ -106,6 +110,7 @@ class Pool:
                 raise RuntimeError(f"planner bug: locking GPU {g} held by {self.state[g]}")
             self.state[g] = LOCKED
             self.free_on_node[self.node_of[g]] -= 1
+        self.free_total -= len(gpus)
         self.locked_total += len(gpus)
 
     def expand(self, pipeline: str, dp_rank: int, gpus: tuple[int, ...], now: float) -> None:
@@ -115,6 +120,7 @@ class Pool:
                 raise RuntimeError(f"planner bug: shard on GPU {g} held by {self.state[g]}")
             self.state[g] = key
             self.free_on_node[self.node_of[g]] -= 1
+        self.free_total -= len(gpus)
         self._count_in(Holding(pipeline, Role.GENERATE, gpus, now, dp_rank=dp_rank))
         self.expands.append(ShardMove(pipeline, dp_rank, gpus))
 
