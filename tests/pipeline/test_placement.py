@@ -182,6 +182,42 @@ def test_engines_started_at_setup_wait_asleep_and_placing_a_rank_wakes_one(tiny_
     asyncio.run(main())
 
 
+def test_engines_started_in_the_background_are_waited_for_never_doubled(tiny_model_dir):
+    """prestart_later: set-up goes on while the engines start; a rank placed on a GPU whose
+    engine is still starting waits for it (one process there, no start after set-up); a
+    shutdown during a background start ends that process too."""
+    def placement(gpus):
+        return {env.VISIBLE_DEVICES_VAR: ",".join(str(g) for g in gpus)}
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            fleet.prestart_later([(0,), (1,)])
+            fleet.setup_done = True
+            assert fleet.resident == {}  # returned at once: nothing started yet
+            assert await fleet.place({0: [1]}) == Placed([], [0])  # waited for the engine on GPU 1
+            assert fleet.starts_after_setup == 0 and len(fleet.placements) == 2
+            fleet.prestart_later([(1,), (0,)])  # nothing new: both GPUs have their engine
+            assert fleet._starting == {} or all(k == (0,) for k in fleet._starting)
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+        assert fleet.launcher.pids() == {}
+
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            fleet.prestart_later([(0,)])
+            await asyncio.sleep(0.5)  # its process runs, not yet healthy
+            guards = list(fleet.launcher.pids().values())
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+        assert guards and fleet.launcher.pids() == {}
+        assert all(_wait_dead(pid) for pid in guards), "a start cut by shutdown leaves no process"
+
+    asyncio.run(main())
+
+
 def _wait_dead(pid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:

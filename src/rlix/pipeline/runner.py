@@ -112,7 +112,7 @@ class PipelineRunner:
         self.experiment_log = await asyncio.to_thread(
             open_experiment_log, self.logging_cfg, pipeline=self.cfg.name, pipeline_dir=self.dir,
             start_step=self.start_step, config=self.cfg.model_dump(mode="json"))
-        ranks = await self._start_shards(str(path))
+        ranks = await self._start_shards(str(path), train_gpus)
         await self._start_collector(str(path))
         await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
         self.fleet.setup_done = True  # type: ignore[union-attr]
@@ -172,7 +172,7 @@ class PipelineRunner:
                                             for r in range(len(pids))]}
         await self.trainer.offload()
 
-    async def _start_shards(self, path: str) -> list[int]:
+    async def _start_shards(self, path: str, train_gpus: list[int]) -> list[int]:
         """The router on its own thread (control calls never queue behind rollout traffic on this
         actor's loop), the shard processes, and the coordinator over them; shards start
         inactive, serving the weights on disk as version 0."""
@@ -220,8 +220,12 @@ class PipelineRunner:
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)
-        else:  # ... where their engines may wait, started now, asleep
-            await self.fleet.prestart(self.hooks.resident_gpu_sets(cfg, dev))
+        else:  # ... where their engines may wait, started now, asleep: the one on the training
+            # home (where the first shard usually goes) during set-up, the others behind it
+            sets = self.hooks.resident_gpu_sets(cfg, dev)
+            home = [s for s in sets if set(s) <= set(train_gpus)]
+            await self.fleet.prestart(home)
+            self.fleet.prestart_later([s for s in sets if s not in home])
         self.coordinator.announce(self.start_step)
         return ranks
 

@@ -17,6 +17,7 @@ concurrently.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.inference.router.shard_table import ShardState
 from rlix.weights.http_endpoint import HttpShardEndpoint
+
+log = logging.getLogger("rlix.inference")
 
 
 class LocalLauncher:
@@ -142,6 +145,8 @@ class ShardFleet:
         self.shards: dict[int, ShardInfo] = {}
         # placed fleets: processes no rank uses now, asleep where they run (by launcher key)
         self.resident: dict[int, ResidentEngine] = {}
+        # background starts of resident engines (`prestart_later`), by the GPUs they start on
+        self._starting: dict[tuple[int, ...], asyncio.Task[ResidentEngine]] = {}
         self._keys = 0  # launcher keys of placed processes: never reused within the fleet
         # processes started once the pipeline's set-up is done (`setup_done`): a death, or a GPU
         # where it had no resident engine
@@ -196,6 +201,7 @@ class ShardFleet:
         if ranks is not None:
             await asyncio.gather(*(self.kill(r) for r in sorted(ranks)))
             return
+        await self._settle_starts()
         await asyncio.gather(*(self.kill(r) for r in sorted(self.shards)))
         self.resident.clear()
         # whatever else the launcher still runs (a start that raced a failure)
@@ -205,38 +211,73 @@ class ShardFleet:
         self._keys += 1
         return self._keys - 1
 
-    async def prestart(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> list[ResidentEngine]:
-        """Start an engine process on each GPU set at once, then put each to sleep: resident
-        engines that ranks placed there later wake instead of starting (as standalone mode
-        starts its shards during set-up). Sets that see the same devices as another get one
-        process. A failed start ends them all and raises."""
+    def _distinct(self, gpu_sets: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The sets not already served by a process of this fleet (bound, resident or starting),
+        one per group of sets that see the same devices."""
+        have = [i.gpus for i in self.shards.values()] + [e.gpus for e in self.resident.values()] \
+            + list(self._starting)
         wanted: list[tuple[int, ...]] = []
         for gpus in gpu_sets:
             want = tuple(int(g) for g in gpus)
-            if want and not any(self._sees_the_same(w, want) or w == want for w in wanted):
+            if want and not any(w == want or self._sees_the_same(w, want) for w in have + wanted):
                 wanted.append(want)
+        return wanted
 
-        async def one(gpus: tuple[int, ...]) -> ResidentEngine:
-            key = self._new_key()
-            url = await self.launcher.start(key, gpus)
-            engine = ResidentEngine(key, url, gpus)
-            self.resident[key] = engine
-            self.placements.append({"rank": None, "gpus": list(gpus), "at": time.time(), "resident": True,
-                                    **self._process_info(key)})
-            if self.supports_sleep:  # asleep until a rank is placed here: its GPU is not its own yet
-                one_shard = self.client.with_shards({key: url})
-                try:
-                    await one_shard.sleep(level or self.sleep_level, [key])
-                finally:
-                    await one_shard.aclose()
-            return engine
+    async def _start_resident(self, gpus: tuple[int, ...], level: int | None) -> ResidentEngine:
+        """One engine process on `gpus`, put to sleep at once: no rank uses it yet, and its GPU
+        is not its own until one is placed there."""
+        key = self._new_key()
+        url = await self.launcher.start(key, gpus)
+        engine = ResidentEngine(key, url, gpus)
+        self.resident[key] = engine
+        self.placements.append({"rank": None, "gpus": list(gpus), "at": time.time(), "resident": True,
+                                **self._process_info(key)})
+        if self.supports_sleep:
+            one_shard = self.client.with_shards({key: url})
+            try:
+                await one_shard.sleep(level or self.sleep_level, [key])
+            finally:
+                await one_shard.aclose()
+        return engine
 
-        results = await asyncio.gather(*(one(g) for g in wanted), return_exceptions=True)
+    async def prestart(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> list[ResidentEngine]:
+        """Start an engine process on each GPU set at once and put each to sleep: resident
+        engines that ranks placed there later wake instead of starting (as standalone mode
+        starts its shards during set-up). Sets that see the same devices as another get one
+        process. A failed start ends them all and raises."""
+        results = await asyncio.gather(*(self._start_resident(g, level) for g in self._distinct(gpu_sets)),
+                                       return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self.shutdown()
             raise failed[0]
         return list(results)  # type: ignore[arg-type]
+
+    def prestart_later(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> None:
+        """Start resident engines on these sets in the background: set-up does not wait for
+        them. A rank placed on one of them while it starts waits for that start (never a second
+        process); a start that fails is logged and forgotten (a rank placed there starts one)."""
+        for gpus in self._distinct(gpu_sets):
+            self._starting[gpus] = asyncio.ensure_future(self._start_resident(gpus, level))
+
+    async def _started_on(self, gpus: tuple[int, ...]) -> None:
+        """Wait for a background start of an engine that a process on `gpus` would be, if any."""
+        for key, task in list(self._starting.items()):
+            if key == gpus or self._sees_the_same(key, gpus):
+                try:
+                    await asyncio.shield(task)
+                except Exception as exc:  # noqa: BLE001 - the rank starts a process of its own
+                    log.warning("%s: the engine started in the background on GPU %s failed: %s",
+                                self.holder, ",".join(map(str, key)), exc)
+                self._starting.pop(key, None)
+
+    async def _settle_starts(self) -> None:
+        """Every background start ended (done or cancelled), its process left to shutdown."""
+        tasks = list(self._starting.values())
+        self._starting.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> Placed:
         """Make each rank's process run on its GPUs, seeing only them. A rank that must move
@@ -256,6 +297,7 @@ class ShardFleet:
                 return None
             if info is not None:  # asleep (nothing in flight is lost): its process stays resident
                 await self._unbind(rank)
+            await self._started_on(want)
             engine = self._resident_on(want)
             how = "resident"
             if engine is not None:
