@@ -47,3 +47,23 @@ def test_reload_waits_for_measured_free_memory_and_names_the_gpu(tiny_model_dir)
     assert all(torch.equal(before[n], after[n]) for n in before)
     trainer.train_step(batch())  # the optimizer state came back too
     trainer.offload()
+
+
+def test_an_offloaded_trainer_pins_its_host_state_at_set_up_and_the_first_offload_reuses_it(tiny_model_dir):
+    """The pinned host buffers (parameters and the AdamW moments-to-be) exist from set-up: the
+    first offload after the first step copies into them, allocating no pinned memory of its own."""
+    trainer = PolicyTrainer(tiny_model_dir, device="cuda", offloaded=True, lr=0.01)
+    assert all(p.is_pinned() for p in trainer.model.parameters())
+    moments = {k: t.data_ptr() for k, t in trainer._host.items() if k[0] == "opt"}
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert len(moments) == 2 * len(trainable)
+    trainer.reload(timeout_s=5, gpu="0")
+    trainer.train_step(batch())
+    trainer.offload()
+    after = {k: t.data_ptr() for k, t in trainer._host.items() if k[0] == "opt"}
+    assert after == moments, "the first offload reused the buffers pinned at set-up"
+    for param in trainable:
+        state = trainer.optimizer.state[param]
+        assert state["exp_avg"].is_pinned() and state["exp_avg"].data_ptr() == moments[("opt", id(param), "exp_avg")]
+    trainer.reload(timeout_s=5, gpu="0")
+    trainer.train_step(batch())

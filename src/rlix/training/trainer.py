@@ -10,6 +10,7 @@ step, destroyed at its end) so no communicator holds GPU memory while the GPUs s
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -40,6 +41,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _MODEL_FILES = {"config.json", "generation_config.json"}
 #: room a reload asks for beyond the state itself (the first micro-batch's activations start there)
 RELOAD_MARGIN_BYTES = 256 << 20
+HOST_ALIGN = 256  # bytes: each tensor carved out of the pinned host slab starts on this boundary
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -109,6 +111,34 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
         self.step = 0
         self.cache: BucketCache | None = None
+        if offloaded and self.device.type == "cuda":
+            self._pin_host_state()
+
+    def _pin_host_state(self) -> None:
+        """(CUDA, offloaded) The host side of every offload, made now, during set-up, while no
+        GPU is held: one page-locked slab carved into the parameters, buffers and the AdamW
+        moments that the first step will create (`zeros_like` each trainable parameter: its
+        shape and dtype). Made at the first offload instead, it cost seconds of pinning per
+        pipeline on a GPU that was held and idle; and the first reload copies from page-locked
+        memory (~6x faster than pageable). The parameters move into the slab here."""
+        specs: list[tuple[tuple, torch.Size, torch.dtype, torch.Tensor | None, Callable[[torch.Tensor], None] | None]]
+        specs = [(key, t.shape, t.dtype, t, put) for key, t, put in self._state_tensors()]
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    specs += [(("opt", id(param), k), param.shape, param.dtype, None, None)
+                              for k in ("exp_avg", "exp_avg_sq")]
+        sizes = [-(-math.prod(shape) * dtype.itemsize // HOST_ALIGN) * HOST_ALIGN for _, shape, dtype, _, _ in specs]
+        slab = torch.empty(max(1, sum(sizes)), dtype=torch.uint8, pin_memory=True)
+        offset = 0
+        for (key, shape, dtype, source, put), size in zip(specs, sizes):
+            nbytes = math.prod(shape) * dtype.itemsize
+            host = slab[offset:offset + nbytes].view(dtype).view(shape)
+            offset += size
+            if source is not None and put is not None:
+                host.copy_(source)
+                put(host)
+            self._host[key] = host
 
     @classmethod
     def from_config(cls, model: str | os.PathLike[str], train: TrainConfig, **kwargs: Any) -> PolicyTrainer:
