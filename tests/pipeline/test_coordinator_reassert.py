@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rlix.inference.fleet.fleet import ShardInfo
+from rlix.inference.fleet.fleet import Placed, ShardInfo
 from rlix.pipeline.coordinator import ShardCoordinator
 
 
@@ -35,7 +35,7 @@ class FakeFleet:
         for r, gpus in gpus_of.items():
             info = self.shards.setdefault(r, ShardInfo(r, f"http://shard-{r}"))
             info.gpus = tuple(gpus)
-        return new
+        return Placed(started=sorted(new), resident=[])
 
     async def sleep_partial(self, ranks, level=None):
         self.calls.append(("sleep", sorted(ranks)))

@@ -11,6 +11,7 @@ prefilled). A turn aborted by a shrink keeps the tokens it generated and is re-d
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import TYPE_CHECKING
 
 from rlix.sim.account import ShardlessClock
@@ -51,7 +52,7 @@ class PipelineRun:
     """Drives one pipeline inside one Domain (a ledger plus the planner)."""
 
     def __init__(self, clock: "Clock", domain: "Domain", setup: "PipelineSetup",
-                 spec: PipelineSpec, workload: Workload) -> None:
+                 spec: PipelineSpec, workload: Workload, setup_s: float | None = None) -> None:
         self.clock = clock
         self.domain = domain
         self.setup = setup
@@ -66,6 +67,13 @@ class PipelineRun:
         self.reload_s = self.costs.trainer_reload_s if overlap else 0.0
         self.offload_s = self.costs.trainer_offload_s if overlap else 0.0
         self.engines_ready_at = 0.0  # resident engines: when the set-up's process starts are done
+        self.setup_s = setup_s  # its policy's set-up (scenario `run:`); None: cold_start_s
+        # the collector's cap on trajectories in flight (None: none); those released beyond it
+        # wait in `held`, in release order, until one in flight finishes
+        self.in_flight_cap = setup.rollout.in_flight
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.held: deque[Traj] = deque()
         self.steps = len(workload.batches)
         self.batch_size = setup.rollout.batch
         self.train_s = setup.train_gpu_seconds / spec.train_gpus
@@ -123,9 +131,11 @@ class PipelineRun:
     # ------------------------------------------------------------------ lifecycle
     def _set_up(self) -> None:
         """Its processes start: with resident engines every shard process at once (in parallel),
-        so no shard of it serves before `cold_start_s` from now."""
+        so no shard of it serves before its set-up (`setup_s` of its policy where the scenario
+        gives one, else `cold_start_s`) from now."""
         if self.setup.resident_engines:
-            self.engines_ready_at = self.clock.now + self.costs.cold_start_s
+            setup_s = self.setup_s if self.setup_s is not None else self.costs.cold_start_s
+            self.engines_ready_at = self.clock.now + setup_s
 
     def _active_touch(self, delta: int = 0) -> None:
         now = self.clock.now
@@ -172,6 +182,8 @@ class PipelineRun:
             self.retired.append(shard)
         self._queue_touch()
         self.queue.clear()
+        self.held.clear()
+        self.in_flight = 0
         for k in range(self.version, self.released):
             self.lost_trajectories += len(self.trajs[k]) - self.batch_left[k]
             self.finish_events -= len(self.trajs[k]) - self.batch_left[k]
@@ -233,12 +245,26 @@ class PipelineRun:
             k = self.released
             batch = [Traj(spec, k) for spec in self.workload.batches[k]]
             self.trajs.append(batch)
-            for traj in batch:
-                self._enqueue(traj)
+            if self.in_flight_cap is None:
+                for traj in batch:
+                    self._enqueue(traj)
+            else:
+                self.held.extend(batch)
             self.remaining += len(batch)
             self.released += 1
+        self._admit()
         self.track_shardless()
         self.dispatch()
+
+    def _admit(self) -> None:
+        """Under the in-flight cap: let held trajectories into the router while there is room."""
+        cap = self.in_flight_cap
+        if cap is None:
+            return
+        while self.held and self.in_flight < cap:
+            self.in_flight += 1
+            self._enqueue(self.held.popleft())
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def _queue_touch(self) -> None:
         now = self.clock.now
@@ -298,6 +324,9 @@ class PipelineRun:
         self.rated_trajectories += 1
         self.batch_left[traj.batch] -= 1
         self.remaining -= 1
+        if self.in_flight_cap is not None:
+            self.in_flight -= 1
+            self._admit()  # dispatched by the caller (the shard, after its finished turns)
         if self.remaining == 0:
             self.track_shardless()
         self._report()

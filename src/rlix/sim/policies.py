@@ -1,12 +1,16 @@
 """The three policies (and "alone"), each a way of carving the cluster into planner domains.
 
 - exclusive-queue: each pipeline holds what its config asks for, max(train_gpus,
-  max_shards * tp) (train_gpus + max_shards * tp without partial overlap), for its whole run;
-  pipelines that do not fit wait in a FIFO queue (no backfill past the head).
+  max_shards * tp) (train_gpus + max_shards * tp without partial overlap), for its whole run
+  and its teardown (`run.teardown_s`: each job is its own run); pipelines that do not fit wait
+  in a FIFO queue (no backfill past the head).
 - exclusive-partition: the cluster is cut into equal contiguous slices (node-aligned where the
   sizes allow), one per pipeline, all at once; each spec is clipped to its slice.
 - rlix: one domain over the whole cluster, every pipeline registered on it.
 - alone: one pipeline by itself on the whole cluster (for the ideal bound).
+A run's makespan is its last pipeline's finish plus `run.teardown_s` (the process's exit); a
+pipeline's set-up is `run.setup_s` (rlix, queue, alone) or `run.standalone_setup_s`
+(partition) where given, else the table's `cold_start_s` (resident engines).
 Inside its GPUs every baseline pipeline runs through the same planner, so it gets the same
 async loop, staleness bound and partial overlap as under RLix: only sharing differs.
 """
@@ -52,7 +56,8 @@ class _Sim:
         if setup.arrive_s > self.clock.now:
             self.clock.at(setup.arrive_s, self.launch, domain, setup, spec)
             return
-        run = PipelineRun(self.clock, domain, setup, spec, self.workloads[setup.name])
+        run = PipelineRun(self.clock, domain, setup, spec, self.workloads[setup.name],
+                          setup_s=self.scenario.run.setup_for(self.policy))
         if self.on_step is not None:
             run.on_step = self.on_step
         self.runs.append(run)
@@ -65,7 +70,8 @@ class _Sim:
             raise RuntimeError(f"simulation of {self.policy} ended with pipelines unfinished: {stuck}"
                                f" (t={self.clock.now:.1f}s)")
         whole = self.scenario.topology
-        out = RunResult(self.policy, self.scenario.gpus, events=self.clock.events)
+        out = RunResult(self.policy, self.scenario.gpus, events=self.clock.events,
+                        teardown_s=self.scenario.run.teardown_s)
         for d in self.domains:
             out.plan_calls += d.plan_calls
             out.transition_gpu_s += d.transition_gpu_s
@@ -217,6 +223,13 @@ def run_queue(sim: _Sim) -> None:
             sim.launch(sim.domain(topo, ids, on_finish=done), setup, spec)
 
     def done(run: PipelineRun) -> None:
+        # each job is its own run: its GPUs are free once its process has exited
+        if scenario.run.teardown_s > 0:
+            sim.clock.at(sim.clock.now + scenario.run.teardown_s, exited, run)
+        else:
+            exited(run)
+
+    def exited(run: PipelineRun) -> None:
         free.update(run.domain.gpu_ids)
         admit()
 

@@ -102,7 +102,8 @@ def pipeline_figures(p: PipelineResult) -> dict:
 def ideal_bound(scenario: Scenario, workloads: dict[str, Workload],
                 alone: dict[str, float]) -> dict:
     """No schedule ends before every pipeline's arrival plus its time alone, nor before the
-    work of the pipelines arriving at or after t, spread over all GPUs from t, for any t."""
+    work of the pipelines arriving at or after t, spread over all GPUs from t, for any t; and
+    its run then still exits (`run.teardown_s`, added to the larger bound)."""
     works = {s.name: gpu_work(s, workloads[s.name]) for s in scenario.pipelines}
     train = sum(w.train for w in works.values())
     decode = sum(w.decode for w in works.values())
@@ -114,7 +115,7 @@ def ideal_bound(scenario: Scenario, workloads: dict[str, Workload],
                      / scenario.gpus for t in arrivals)
     alone_bound = max(s.arrive_s + alone[s.name] for s in scenario.pipelines)
     return {
-        "ideal_makespan_s": _r(max(work_bound, alone_bound)),
+        "ideal_makespan_s": _r(max(work_bound, alone_bound) + scenario.run.teardown_s),
         "gpu_work_s": _r(work, 1),
         "train_gpu_s": _r(train, 1),
         "decode_gpu_s": _r(decode, 1),

@@ -74,10 +74,13 @@ class RunResult:
     transition_gpu_s: float = 0.0
     events: int = 0
     jain_fairness: float = 1.0
+    teardown_s: float = 0.0  # the last run's exit after its last step (scenario `run:`)
 
     @property
     def makespan(self) -> float:
-        return max(p.finished_at for p in self.pipelines.values())
+        """Launch to the exit of the last process: the latest finish plus the teardown (under
+        exclusive-queue every job's teardown before the last is in the later jobs' starts)."""
+        return max(p.finished_at for p in self.pipelines.values()) + self.teardown_s
 
     def fill_shares(self) -> None:
         """Shares of held GPU-seconds and of demand, and Jain's index of their ratio."""

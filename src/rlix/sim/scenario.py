@@ -129,6 +129,10 @@ class RolloutModel(_Strict):
     tool_s: LogNormal = LogNormal(median=1.0, sigma=0.0)
     prompt_tokens: int = Field(1000, ge=0)
     obs_tokens: int = Field(500, ge=0)
+    # the collector's cap on trajectories in flight (admitted and not finished: queued at the
+    # router, generating or in a tool call); the real one has `concurrency` groups x group_size.
+    # None: every released trajectory is dispatched at once.
+    in_flight: int | None = Field(None, ge=1)
 
     @property
     def batch(self) -> int:
@@ -212,12 +216,33 @@ class ReportFault(_Strict):
 Fault = Annotated[Union[CrashFault, ReportFault], Field(discriminator="kind")]
 
 
+class RunModel(_Strict):
+    """What a real `rlix run` pays around its pipelines' steps.
+
+    `teardown_s`: from the last step's end to the process's exit (final checkpoint, summary,
+    shutdown): added once to the makespan of rlix and exclusive-partition (one run each), and
+    after every job of exclusive-queue (each its own run: its GPUs are freed, and the next job
+    admitted, `teardown_s` after it finished). `setup_s`: with resident engines, a pipeline's
+    set-up (launch to its first shard able to serve) under rlix, exclusive-queue and alone
+    (time-shared runs); `standalone_setup_s`: the same under exclusive-partition (standalone
+    mode). Each replaces `cold_start_s` as the set-up only where it is given."""
+
+    teardown_s: float = Field(0.0, ge=0)
+    setup_s: float | None = Field(None, ge=0)
+    standalone_setup_s: float | None = Field(None, ge=0)
+
+    def setup_for(self, policy: str) -> float | None:
+        """The set-up a pipeline of `policy` is charged, or None: the table's cold_start_s."""
+        return self.standalone_setup_s if policy == "exclusive-partition" else self.setup_s
+
+
 class ScenarioModel(_Strict):
     """`costs`: the move-cost table, inline or a table file's path (see the module docstring);
     `transitions`: its deprecated form. `resident_engines`: every pipeline starts its shard
     processes at set-up, in parallel (`cold_start_s` once, before its first shard serves), and
     a shard then only wakes wherever it goes; false: a dp rank's process starts
-    (`cold_start_s`) the first time the rank runs on a GPU, and again where it moves."""
+    (`cold_start_s`) the first time the rank runs on a GPU, and again where it moves. `run`:
+    teardown and per-mode set-up (`RunModel`)."""
 
     name: str = Field(min_length=1)
     seed: int = 0
@@ -227,6 +252,7 @@ class ScenarioModel(_Strict):
     costs: MoveCosts | str | None = None
     transitions: TransitionModel | None = None
     resident_engines: bool = True
+    run: RunModel = RunModel()
     pipelines: list[PipelineModel] = Field(min_length=1)
     faults: list[Fault] = []
 
@@ -290,6 +316,7 @@ class Scenario:
     pipelines: tuple[PipelineSetup, ...]
     costs: MoveCosts = MoveCosts()  # the scenario's table (the planner's has no cold start
     resident_engines: bool = True   # when engines are resident)
+    run: RunModel = RunModel()      # teardown and per-mode set-up
 
     @property
     def gpus(self) -> int:
@@ -333,6 +360,12 @@ def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario
     """Expand copies, resolve per-pipeline overrides and check what needs the whole file."""
     topology = model.cluster.topology()
     table = scenario_costs(model, source)
+    if not model.resident_engines:
+        for key in ("setup_s", "standalone_setup_s"):
+            if getattr(model.run, key) is not None:
+                raise ScenarioError(f"{source}: run.{key}: a set-up replaces cold_start_s only with "
+                                    f"resident_engines: true (without, each shard process start "
+                                    f"is charged cold_start_s)")
     total, biggest = topology.num_gpus, max(topology.gpus_per_node)
     setups: list[PipelineSetup] = []
     seen: dict[str, str] = {}
@@ -377,4 +410,4 @@ def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario
     planned = table.model_copy(update={"cold_start_s": 0.0}) if model.resident_engines else table
     return Scenario(name=model.name, source=source, seed=model.seed, topology=topology,
                     params=model.scheduler.params(planned), pipelines=tuple(setups),
-                    costs=table, resident_engines=model.resident_engines)
+                    costs=table, resident_engines=model.resident_engines, run=model.run)
