@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from rlix.inference.fleet.fleet import Placed, ShardInfo
+from rlix.inference.fleet.fleet import Placed
+from rlix.inference.fleet.shard import Life, Shard
 from rlix.pipeline.coordinator import ShardCoordinator
 
 
@@ -19,38 +20,41 @@ class FakeFleet:
     holder = "pipeline-x"
 
     def __init__(self) -> None:
-        self.shards: dict[int, ShardInfo] = {}
+        self.shards: dict[int, Shard] = {}
         self.calls: list[tuple] = []
         self.place_gate = asyncio.Event()
         self.place_gate.set()
 
     async def start(self, ranks, active=False):
         for r in ranks:
-            self.shards[r] = ShardInfo(r, f"http://shard-{r}", asleep=False, active=active)
+            self.shards[r] = Shard(r, f"http://shard-{r}", Life.ACTIVE if active else Life.INACTIVE)
 
     async def place(self, gpus_of):
         self.calls.append(("place", {int(r): tuple(g) for r, g in gpus_of.items()}))
         await self.place_gate.wait()
         new = [r for r in gpus_of if r not in self.shards]
         for r, gpus in gpus_of.items():
-            info = self.shards.setdefault(r, ShardInfo(r, f"http://shard-{r}"))
+            info = self.shards.setdefault(r, Shard(r, f"http://shard-{r}"))
             info.gpus = tuple(gpus)
         return Placed(started=sorted(new), resident=[])
 
     async def sleep_partial(self, ranks, level=None):
         self.calls.append(("sleep", sorted(ranks)))
         for r in ranks:
-            self.shards[r].asleep, self.shards[r].active = True, False
+            self.shards[r].enter(Life.PREEMPTING)
+            self.shards[r].enter(Life.ASLEEP)
         return {r: {} for r in ranks}
 
     async def wake_up_partial(self, ranks, tags=None):
         self.calls.append(("wake", sorted(ranks)))
         for r in ranks:
-            self.shards[r].asleep = False
+            if not self.shards[r].awake:
+                self.shards[r].enter(Life.WAKING)
+                self.shards[r].enter(Life.INACTIVE)
 
     async def activate(self, ranks):
         for r in ranks:
-            self.shards[r].active = True
+            self.shards[r].enter(Life.ACTIVE)
 
     async def dead_ranks(self):
         return []
@@ -59,11 +63,12 @@ class FakeFleet:
         return sorted(r for r, s in self.shards.items() if s.active)
 
     def asleep_ranks(self, ranks):
-        return [r for r in ranks if self.shards[r].asleep is not False]
+        return [r for r in ranks if not self.shards[r].awake]
 
     def note_woken(self, ranks, woken=True):
         for r in ranks:
-            self.shards[r].asleep = False if woken else None
+            if not (woken and self.shards[r].awake):
+                self.shards[r].enter(Life.INACTIVE if woken else Life.UNKNOWN)
 
 
 async def no_sync(version, urls, wake):  # every shard serves the latest version already

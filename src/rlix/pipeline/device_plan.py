@@ -21,13 +21,18 @@ class DevicePlan:
     #: start a time-shared pipeline's engines on every GPU during set-up (cluster.resident_engines)
     resident_engines: bool = False
 
-    def resident_gpu_sets(self, tp: int) -> list[tuple[int, ...]]:
-        """Where a time-shared pipeline's engines are started during set-up: one per GPU of
-        this node's reservation (slices of one device share a process). None for `tp` > 1 (a
-        shard's GPUs are chosen at placement) or several nodes (shards are Ray actors there)."""
-        if not self.resident_engines or self.reservation is None or self.multi_node or tp != 1:
-            return []
-        return [(s.gpu,) for s in self.reservation.slots]
+    def resident_gpu_sets(self, tp: int, home: Sequence[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Where a time-shared pipeline's engines start before any rank is placed: (during
+        set-up, in the background). During set-up, one on each GPU of its training `home`, where
+        its first shard usually goes (as standalone mode starts its shard during set-up); with
+        `resident_engines` (CUDA), one on every other GPU of the node too, in the background
+        (slices of one device share a process). Nothing for `tp` > 1 (a shard's GPUs are chosen
+        at placement) or several nodes (shards are Ray actors there)."""
+        if self.reservation is None or self.multi_node or tp != 1:
+            return [], []
+        now = [(int(g),) for g in home]
+        later = [(s.gpu,) for s in self.reservation.slots if (s.gpu,) not in now] if self.resident_engines else []
+        return now, later
 
     @property
     def sleep_level(self) -> int:

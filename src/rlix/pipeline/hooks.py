@@ -26,9 +26,11 @@ class RLixHooks(Protocol):
         """The dp ranks this pipeline starts, each with its GPUs if fixed (else [])."""
         ...
 
-    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan) -> list[tuple[int, ...]]:
-        """Where the pipeline's engines start during set-up, before any rank is placed: resident
-        engines that a shard moved there wakes ([]: shards start where they are placed)."""
+    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan,
+                          home: list[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Where the pipeline's engines start before any rank is placed, (during set-up, in the
+        background): resident engines that a shard placed there wakes (([], []): shards start
+        where they are placed)."""
         ...
 
     async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
@@ -86,9 +88,10 @@ class NoOpHooks:
     def __init__(self, gpus: list[int] | None = None) -> None:
         self.gpus = list(gpus or [])
 
-    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan) -> list[tuple[int, ...]]:
+    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan,
+                          home: list[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         """Its shards start on their fixed GPUs at join: nothing else to start."""
-        return []
+        return [], []
 
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """One shard per `tp` fixed GPUs (at least one)."""

@@ -222,10 +222,9 @@ class PipelineRunner:
             await self.coordinator.start(ranks, version=0, active=False)
         else:  # ... where their engines may wait, started now, asleep: the one on the training
             # home (where the first shard usually goes) during set-up, the others behind it
-            sets = self.hooks.resident_gpu_sets(cfg, dev)
-            home = [s for s in sets if set(s) <= set(train_gpus)]
-            await self.fleet.prestart(home)
-            self.fleet.prestart_later([s for s in sets if s not in home])
+            now, later = self.hooks.resident_gpu_sets(cfg, dev, train_gpus)
+            await self.fleet.prestart(now)
+            self.fleet.prestart_later(later)
         self.coordinator.announce(self.start_step)
         return ranks
 

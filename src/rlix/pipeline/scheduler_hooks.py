@@ -43,10 +43,12 @@ class SchedulerHooks:
         """Every shard it may use; the scheduler decides where and when each runs."""
         return {r: [] for r in range(cfg.max_shards)}
 
-    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan) -> list[tuple[int, ...]]:
-        """Any GPU may be given to this pipeline's shards: an engine waits, asleep, on each (a
-        move is then a wake, not a process start), where the run keeps engines resident."""
-        return devices.resident_gpu_sets(cfg.tp)
+    def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan,
+                          home: list[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Any GPU may be given to this pipeline's shards: an engine waits, asleep, on its
+        training home from set-up, and on every other GPU where the run keeps engines resident
+        (a move is then a wake, not a process start)."""
+        return devices.resident_gpu_sets(cfg.tp, home)
 
     async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
         """Register; the scheduler answers with the training home, where the trainer is placed.

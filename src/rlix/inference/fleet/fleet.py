@@ -28,6 +28,7 @@ from rlix.devices import DeviceMemory, confirm_release, memory_report
 from rlix.errors import GpuMemoryError, InvalidRequestError
 from rlix.inference.fleet.api import EngineBackend, RouterControl, ShardLauncher
 from rlix.inference.fleet.client import RemoteInferenceClient
+from rlix.inference.fleet.shard import Life, Shard
 from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.inference.router.shard_table import ShardState
 from rlix.weights.http_endpoint import HttpShardEndpoint
@@ -82,20 +83,6 @@ class LocalLauncher:
         return proc.log_tail(n) if proc is not None else ""
 
 
-@dataclass
-class ShardInfo:
-    rank: int
-    url: str
-    asleep: bool | None = False  # None: not known (a wake inside a failed call); ask the shard
-    active: bool = False
-    gpus: tuple[int, ...] = ()  # where its process runs (placed fleets), () if not placed
-    proc: int | None = None  # the launcher's key of its process (None: the rank itself)
-
-    @property
-    def key(self) -> int:
-        return self.rank if self.proc is None else self.proc
-
-
 @dataclass(frozen=True)
 class Placed:
     """What `ShardFleet.place` did: ranks on a new process (serving the weights on disk) and
@@ -142,7 +129,8 @@ class ShardFleet:
         # matters when each costs ~100 ms on a saturated CPU; keep True for engines (vLLM) whose
         # sleep should not meet running requests.
         self.drain_before_sleep = drain_before_sleep
-        self.shards: dict[int, ShardInfo] = {}
+        self.shards: dict[int, Shard] = {}  # the one record of each rank's state (shard.py)
+        self._routed: dict[int, ShardState] = {}  # what the router was last told of each rank
         # placed fleets: processes no rank uses now, asleep where they run (by launcher key)
         self.resident: dict[int, ResidentEngine] = {}
         # background starts of resident engines (`prestart_later`), by the GPUs they start on
@@ -182,10 +170,10 @@ class ShardFleet:
 
         async def one(rank: int) -> str:
             url = await self.launcher.start(rank)
-            self.shards[rank] = ShardInfo(rank, url, active=active)
+            shard = self.shards[rank] = Shard(rank, url, Life.ACTIVE if active else Life.INACTIVE)
             self.client.shard_urls[rank] = url
-            state = ShardState.ACTIVE if active else ShardState.INACTIVE
-            await self.router.set_shard(rank, url, state.value)
+            await self.router.set_shard(rank, url, shard.routing.value)
+            self._routed[rank] = shard.routing
             return url
 
         results = await asyncio.gather(*(one(r) for r in ranks), return_exceptions=True)
@@ -302,18 +290,19 @@ class ShardFleet:
             how = "resident"
             if engine is not None:
                 del self.resident[engine.key]
-                self.shards[rank] = ShardInfo(rank, engine.url, asleep=True, gpus=want, proc=engine.key)
+                self.shards[rank] = Shard(rank, engine.url, Life.ASLEEP, gpus=want, proc=engine.key)
             else:
                 how = "started"
                 key = self._new_key()
                 url = await self.launcher.start(key, want)
-                self.shards[rank] = ShardInfo(rank, url, gpus=want, proc=key)
+                self.shards[rank] = Shard(rank, url, Life.INACTIVE, gpus=want, proc=key)
                 if self.setup_done:
                     self.starts_after_setup += 1
                 self.placements.append({"rank": rank, "gpus": list(want), "at": time.time(),
                                         **self._process_info(key)})
             self.client.shard_urls[rank] = self.shards[rank].url
-            await self.router.set_shard(rank, self.shards[rank].url, ShardState.INACTIVE.value)
+            await self.router.set_shard(rank, self.shards[rank].url, self.shards[rank].routing.value)
+            self._routed[rank] = self.shards[rank].routing
             return how
         how = await self._each(sorted(int(r) for r in gpus_of), one)
         return Placed(started=sorted(r for r, h in how.items() if h == "started"),
@@ -330,12 +319,13 @@ class ShardFleet:
         """The rank leaves its process, which stays resident (asleep) where it runs; a process
         whose sleep is not confirmed is ended instead (it may hold the GPU)."""
         info = self.shards.pop(rank)
+        self._routed.pop(rank, None)
         self.client.shard_urls.pop(rank, None)
         try:
             await self.router.remove_shard(rank)
         except Exception:  # noqa: BLE001 - the router may be gone already
             pass
-        if info.asleep is True and self.supports_sleep:
+        if info.state is Life.ASLEEP and self.supports_sleep:
             self.resident[info.key] = ResidentEngine(info.key, info.url, info.gpus)
         else:
             await self.launcher.stop(info.key)
@@ -393,6 +383,7 @@ class ShardFleet:
         except Exception:  # noqa: BLE001 - the router may be gone already
             pass
         info = self.shards.pop(rank, None)
+        self._routed.pop(rank, None)
         await self.launcher.stop(info.key if info is not None else rank)
         self.client.shard_urls.pop(rank, None)
 
@@ -424,18 +415,25 @@ class ShardFleet:
         return f"shard {rank} of {self.holder}{where}"
 
     # ------------------------------------------------------------ routing state
+    async def _enter(self, rank: int, state: Life) -> Shard:
+        """A shard's state changed by the fleet's own act: checked against the state machine,
+        then the router told what it may route to it, if that differs from what it was last
+        told. (Wakes change the state without a router call: a woken shard stays unrouted,
+        as PREEMPTED, until it is activated.)"""
+        shard = self.shards[rank]
+        shard.enter(state)
+        if self._routed.get(rank) is not shard.routing:
+            await self.router.set_shard(rank, state=shard.routing.value)
+            self._routed[rank] = shard.routing
+        return shard
+
     async def activate(self, ranks: Iterable[int]) -> None:
-        async def one(rank: int) -> None:
-            await self.router.set_shard(rank, state=ShardState.ACTIVE.value)
-            self.shards[rank].active = True
-        await self._each(self._known(ranks), one)
+        """Route to these awake shards."""
+        await self._each(self._known(ranks), lambda r: self._enter(r, Life.ACTIVE))
 
     async def deactivate(self, ranks: Iterable[int]) -> None:
         """No new requests; in-flight ones finish normally."""
-        async def one(rank: int) -> None:
-            await self.router.set_shard(rank, state=ShardState.INACTIVE.value)
-            self.shards[rank].active = False
-        await self._each(self._known(ranks), one)
+        await self._each(self._known(ranks), lambda r: self._enter(r, Life.INACTIVE))
 
     def active_ranks(self) -> list[int]:
         return sorted(r for r, s in self.shards.items() if s.active)
@@ -459,7 +457,7 @@ class ShardFleet:
             if await self.confirm_dead([rank]):
                 # its process is gone, and with it everything it held: released. The
                 # coordinator finds it dead and replaces or forgets it
-                self.shards[rank].asleep, self.shards[rank].active = None, False
+                self.shards[rank].enter(Life.DOWN)
                 self.memory_log.append({"event": "release", "holder": name, "at": time.time(),
                                         "gpus": list(self.shards[rank].gpus), "died": True})
                 return {"died": True, "level": level}
@@ -505,27 +503,31 @@ class ShardFleet:
         return GpuMemoryError(f"{name} {why}; its process (pid {pid}) was killed to free the GPU")
 
     async def _preempt(self, rank: int, level: int) -> dict:
-        info = self.shards[rank]
         t0 = time.perf_counter()
-        await self.router.set_shard(rank, state=ShardState.PREEMPTED.value)
-        info.active = False
-        if info.asleep is True:
+        was = self.shards[rank].state
+        await self._enter(rank, Life.PREEMPTING)  # the router: no new requests, re-dispatch cut ones
+        if was is Life.ASLEEP:
+            self.shards[rank].enter(Life.ASLEEP)
             return {"already_asleep": True}
         t_mark = time.perf_counter()
         forced = False
-        if self.drain_before_sleep or not self.supports_sleep:
-            await self.client.abort_requests([rank])
-            t_abort = time.perf_counter()
-            forced = not await self._drain(rank)
-        else:
-            t_abort = t_mark
-        t_drain = time.perf_counter()
-        answer: Any = {}
-        if self.supports_sleep:
-            answer = (await self.client.sleep(level, [rank], mode="abort"))[rank]
-        else:  # e.g. vLLM on CPU refuses sleep mode: hold the shard paused instead
-            await self.client.pause("abort", [rank])
-        info.asleep = True
+        try:
+            if self.drain_before_sleep or not self.supports_sleep:
+                await self.client.abort_requests([rank])
+                t_abort = time.perf_counter()
+                forced = not await self._drain(rank)
+            else:
+                t_abort = t_mark
+            t_drain = time.perf_counter()
+            answer: Any = {}
+            if self.supports_sleep:
+                answer = (await self.client.sleep(level, [rank], mode="abort"))[rank]
+            else:  # e.g. vLLM on CPU refuses sleep mode: hold the shard paused instead
+                await self.client.pause("abort", [rank])
+        except BaseException:
+            self.shards[rank].enter(Life.UNKNOWN)  # asleep or not: the next call asks it
+            raise
+        self.shards[rank].enter(Life.ASLEEP)
         t_end = time.perf_counter()
         ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
         return {"mark_ms": ms(t0, t_mark), "abort_ms": ms(t_mark, t_abort), "drain_ms": ms(t_abort, t_drain),
@@ -548,26 +550,34 @@ class ShardFleet:
     async def wake_up_partial(self, ranks: Iterable[int], tags: list[str] | None = None) -> None:
         """Wake (all tags, or only these) without activating: a weight sync may come first."""
         async def one(rank: int) -> None:
-            info = self.shards[rank]
-            if info.asleep is False:
+            shard = self.shards[rank]
+            if shard.awake:
                 return
-            if self.supports_sleep:
-                res = (await self.client.wake_up(tags, [rank]))[rank]
-                info.asleep = res.get("status") != "awake"
-            else:
-                await self.client.resume([rank])
-                info.asleep = False
+            shard.enter(Life.WAKING)
+            try:
+                if self.supports_sleep:
+                    res = (await self.client.wake_up(tags, [rank]))[rank]
+                    awake = res.get("status") == "awake"  # some tags only: still asleep
+                else:
+                    await self.client.resume([rank])
+                    awake = True
+            except BaseException:
+                shard.enter(Life.UNKNOWN)
+                raise
+            shard.enter(Life.INACTIVE if awake else Life.ASLEEP)
         await self._each(self._known(ranks), one)
 
     def asleep_ranks(self, ranks: Iterable[int]) -> list[int]:
         """Those of `ranks` that sleep (or may: state unknown)."""
-        return [r for r in self._known(ranks) if self.shards[r].asleep is not False]
+        return [r for r in self._known(ranks) if not self.shards[r].awake]
 
     def note_woken(self, ranks: Iterable[int], woken: bool = True) -> None:
         """Someone else woke these shards (a sync call that wakes first), or tried to and failed
         (`woken=False`: the state is unknown, so the next sleep or wake asks the shard)."""
         for r in self._known(ranks):
-            self.shards[r].asleep = False if woken else None
+            if woken and self.shards[r].awake:
+                continue
+            self.shards[r].enter(Life.INACTIVE if woken else Life.UNKNOWN)
 
     async def expand(self, ranks: Iterable[int], weights: Mapping[str, Any] | None = None,
                      version: int | None = None) -> None:
