@@ -20,7 +20,7 @@ from rlix.inference.router.shard_table import ShardState
 
 def _at(state: Life) -> Shard:
     shard = Shard(0, "http://s0", state)
-    assert shard.history == [state]
+    assert list(shard.history) == [state]
     return shard
 
 
@@ -33,7 +33,7 @@ def test_each_transition_is_taken_or_refused_as_the_table_says(src: Life, dst: L
     else:
         with pytest.raises(EngineStateError, match=f"shard 0: {src.value} -> {dst.value} is not a transition"):
             shard.enter(dst)
-        assert shard.state is src and shard.history == [src]  # nothing changed
+        assert shard.state is src and list(shard.history) == [src]  # nothing changed
 
 
 def test_the_machine_has_the_states_a_shard_goes_through() -> None:
@@ -111,7 +111,7 @@ def test_the_fleets_acts_walk_the_machine_and_the_router_sees_the_projection() -
         return fleet.shards[0], router.told
 
     shard, told = asyncio.run(main())
-    assert shard.history == [Life.INACTIVE, Life.ACTIVE, Life.PREEMPTING, Life.ASLEEP, Life.PREEMPTING,
+    assert list(shard.history) == [Life.INACTIVE, Life.ACTIVE, Life.PREEMPTING, Life.ASLEEP, Life.PREEMPTING,
                              Life.ASLEEP, Life.WAKING, Life.INACTIVE, Life.ACTIVE, Life.INACTIVE,
                              Life.PREEMPTING, Life.ASLEEP]
     # told once per change of what may be routed; the wake alone tells it nothing
@@ -130,6 +130,15 @@ def test_a_failed_wake_or_sleep_leaves_the_state_unknown_and_the_next_call_asks(
         fleet.note_woken([0])  # a sync call woke it
         assert fleet.asleep_ranks([0]) == []
         await fleet.activate([0])
-        return fleet.shards[0].history
+        return list(fleet.shards[0].history)
 
     assert asyncio.run(main())[-4:] == [Life.WAKING, Life.UNKNOWN, Life.INACTIVE, Life.ACTIVE]
+
+
+def test_the_history_keeps_the_latest_states_only() -> None:
+    from rlix.inference.fleet.shard import HISTORY
+    shard = _at(Life.INACTIVE)
+    for _ in range(HISTORY):
+        shard.enter(Life.ACTIVE)
+        shard.enter(Life.INACTIVE)
+    assert len(shard.history) == HISTORY and shard.history[-1] is Life.INACTIVE

@@ -19,6 +19,7 @@ it changes, never kept apart.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -56,6 +57,9 @@ ROUTING: dict[Life, ShardState] = {
 }
 
 
+HISTORY = 256
+
+
 @dataclass
 class Shard:
     """One DP rank of a pipeline and the engine process it is bound to."""
@@ -65,7 +69,8 @@ class Shard:
     state: Life = Life.INACTIVE
     gpus: tuple[int, ...] = ()  # where its process runs (placed fleets), () if not placed
     proc: int | None = None  # the launcher's key of its process (None: the rank itself)
-    history: list[Life] = field(default_factory=list)  # every state entered, in order
+    #: the latest states entered, in order (a long run's shard makes thousands of changes)
+    history: deque[Life] = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def __post_init__(self) -> None:
         self.history.append(self.state)
