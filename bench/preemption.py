@@ -26,7 +26,8 @@ import httpx
 
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
-from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.fleet.fleet import ShardFleet
+from rlix.inference.fleet.local_launcher import LocalLauncher
 from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
 

@@ -127,6 +127,7 @@ def test_sleep2_wake_reload_weights_gives_the_same_output(server, tiny_model_dir
     slept = server.post("/sleep", params={"level": 2}).json()
     assert slept["status"] == "sleeping" and slept["level"] == 2
     assert slept["memory"]["reserved"] == 0  # on CPU nothing is held on a device
+    assert slept["memory"]["freed_bytes"] >= 0  # the room it needs again: the hand-off check's need
     assert server.get("/is_sleeping").json() == {"is_sleeping": True}
     refused = server.post("/inference/v1/generate", json=body)
     assert refused.status_code == 503, refused.text

@@ -13,7 +13,8 @@ import ray
 from rlix.config.models import TrainConfig
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
-from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.fleet.fleet import ShardFleet
+from rlix.inference.fleet.local_launcher import LocalLauncher
 from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
 from rlix.pipeline.coordinator import ShardCoordinator

@@ -94,6 +94,7 @@ class GrpoLoop:
         self.release_timeout_s = release_timeout_s
         self.record_batch = record_batch
         self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
+        self._reload_bytes: int | None = None  # what the trainer needs free to reload (asked once)
 
     async def run(self) -> list[StepRecord]:
         """Every step; a failed GPU hand-off of the shards (the coordinator's `failure`, found
@@ -162,8 +163,10 @@ class GrpoLoop:
                 self._memory("release", gpus, released)
                 # residue is tolerated while the GPU keeps room for a holder of this size;
                 # a shortfall is measured again (offload frees and measures) before it fails
+                if self._reload_bytes is None:  # fixed from the first step on (AdamW's moments exist)
+                    self._reload_bytes = await self.trainer.reload_bytes()
                 await confirm_release(released, self.trainer.offload, holder=f"the trainer of {self.name}",
-                                      gpu=where, need_bytes=await self.trainer.reload_bytes())
+                                      gpu=where, need_bytes=self._reload_bytes)
                 t["off"] = time.perf_counter()
                 self.coordinator.announce(new)  # shards woken from here on get `new`
                 # the new demand goes with the release, so the GPUs go back where the demand is

@@ -30,7 +30,8 @@ from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.actors import RayLauncher
-from rlix.inference.fleet.fleet import LocalLauncher, ShardFleet
+from rlix.inference.fleet.fleet import ShardFleet
+from rlix.inference.fleet.local_launcher import LocalLauncher
 from rlix.inference.router.data_plane import DataPlaneThread
 from rlix.inference.router.router import Generation, Router
 from rlix.models.presets import resolve_model

@@ -170,7 +170,9 @@ class TorchEngine:
                 "virtual_memory": core.runner.virtual,
                 "graphs_kept": core.last_sleep_kept_graphs,
                 "resident_bytes": core.last_sleep_resident_bytes,
-                "vmm_mapped_bytes": core.last_sleep_mapped_bytes}
+                "vmm_mapped_bytes": core.last_sleep_mapped_bytes,
+                # what the sleep gave back: the room this shard needs again (the hand-off check)
+                "freed_bytes": core.last_sleep_freed_bytes}
 
     async def capture_graphs(self) -> None:
         """Capture the CUDA graphs now rather than during the first steps (idle engine only)."""

@@ -96,10 +96,6 @@ class ControlPlane:
         await self.engine.sleep(level)
         # the release confirmation: what this process still holds on its device, measured
         report = self.engine.sleep_report() if hasattr(self.engine, "sleep_report") else {}
-        # what the sleep gave back: the room this shard needs again, for the hand-off check
-        freed = getattr(self.engine, "last_sleep_freed_bytes", None)
-        if freed is not None:
-            report = {**report, "freed_bytes": int(freed)}
         return {"status": "sleeping", "level": level, "memory": {**self.memory(), **report}}
 
     def memory(self) -> dict:
