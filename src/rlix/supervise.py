@@ -311,14 +311,16 @@ class Supervisor:
         elif slot.cfg.restart == "on_failure":
             slot.failures[-1]["then"] = f"no restart left ({slot.cfg.max_restarts} used)"
 
-    def _end(self, slot: PipelineSlot, hung: bool = False, reason: str = "") -> None:
-        """Stop a pipeline's actor and everything it started; its GPUs back to the pool."""
+    def _end(self, slot: PipelineSlot, hung: bool = False, reason: str = "",
+             stopping: ray.ObjectRef | None = None) -> None:
+        """Stop a pipeline's actor and everything it started; its GPUs back to the pool.
+        `stopping`: its shutdown, asked already (stop_all asks every pipeline at once)."""
         actor = slot.actor
         if actor is None:
             return
         if not hung:
             try:
-                took = ray.get(actor.shutdown.remote(), timeout=STOP_TIMEOUT_S)
+                took = ray.get(stopping or actor.shutdown.remote(), timeout=STOP_TIMEOUT_S)
                 if took.get("checkpoint") is not None:
                     self.say(f"{slot.name}: checkpoint saved on the way out ({took['checkpoint']} s)")
                 slow = {k: v for k, v in took.items() if v > 2 and k != "checkpoint"}
@@ -358,10 +360,16 @@ class Supervisor:
     def stop_all(self) -> None:
         """Ctrl-C or the run's own failure: every live pipeline is stopped (each saves a
         checkpoint on the way out)."""
+        live = [slot for slot in self.slots.values() if slot.live and slot.actor is not None]
+        # every shutdown asked first, so that the pipelines stop side by side: a run's stop takes
+        # its slowest pipeline's time, not the sum (and stays within STOP_TIMEOUT_S)
+        stopping = {slot.name: slot.actor.shutdown.remote() for slot in live}
+        for slot in live:
+            slot.state = "stopped"
+            self._end(slot, stopping=stopping[slot.name])
         for slot in self.slots.values():
-            if slot.live:
+            if slot.live:  # no actor: never started
                 slot.state = "stopped"
-                self._end(slot)
 
     def audit_ledger(self, after: str) -> dict | None:
         if self.scheduler is None:

@@ -105,3 +105,14 @@ def test_a_job_whose_driver_died_is_failed_and_its_place_goes_to_the_queue():
     book.set_state("a", "failed", "its driver died")
     assert book.get("c").state == "admitted"  # a's floor went to the queue
     assert book.lost_drivers(lambda pid: pid not in dead, "here") == []  # failed jobs are not live
+
+
+def test_rlix_down_outwaits_a_drivers_own_bound_on_stopping_its_pipelines():
+    """The head must never SIGKILL a driver that is still inside its own stop bound (its summary
+    and checkpoints would be lost), and `rlix down` must outwait the head's drain."""
+    from rlix.cluster.commands import DOWN_TIMEOUT_S
+    from rlix.cluster.head import DRAIN_TIMEOUT_S
+    from rlix.supervise import STOP_TIMEOUT_S, SUMMARY_TIMEOUT_S
+
+    assert DRAIN_TIMEOUT_S > STOP_TIMEOUT_S + SUMMARY_TIMEOUT_S + 30  # + the summary and timeline
+    assert DOWN_TIMEOUT_S > DRAIN_TIMEOUT_S + 30  # + Ray's shutdown

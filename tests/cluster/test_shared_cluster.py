@@ -177,13 +177,18 @@ def test_researchers_share_a_cluster_through_submit_cancel_and_the_queue(tmp_pat
         assert {n: r["state"] for n, r in rows.items()} == {"ja": "cancelled", "jb": "running",
                                                             "jc": "cancelled", "jd": "running"}
         # done: `rlix down` cancels what runs, and ends the head and every driver
-        assert "is down" in cli("down", timeout=200)
+        assert "is down" in cli("down", timeout=300)
         assert not _alive(head)
         assert [pid for pid in drivers if _alive(pid)] == []
         assert not (tmp_path / "cache" / "cluster" / "state.json").exists()
         assert session_members(int(state["session"]), os.getpid()) == []  # Ray's processes too
         for name in ("jb", "jd"):  # stopped the way Ctrl-C stops a run: summary written
-            summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+            path = tmp_path / "runs" / name / "summary.json"
+            assert path.exists(), (f"{name} wrote no summary; head log:\n"
+                                   + (tmp_path / "cache" / "cluster" / "head.log").read_text()[-3000:]
+                                   + f"\n{name}'s driver log:\n"
+                                   + (tmp_path / "runs" / name / "driver.log").read_text()[-3000:])
+            summary = json.loads(path.read_text())
             assert summary["ending"] == "interrupted", summary["ending"]
     finally:
         for pid in [head, *drivers]:
@@ -211,7 +216,7 @@ def test_a_sigkilled_driver_fails_its_job_and_frees_its_gpus(tmp_path, tiny_mode
         assert f"its driver (pid {driver}) died" in row["reason"]
         wait_until("ja's GPUs to return", lambda: "ja" not in holders(cli.status()), timeout=30, every=0.5)
         assert time.monotonic() - t0 <= 30
-        assert "is down" in cli("down", timeout=200)
+        assert "is down" in cli("down", timeout=300)
     finally:
         for pid in [*session_members(session, os.getpid()), *([driver] if driver else [])]:
             try:

@@ -131,6 +131,27 @@ def test_pipeline_without_progress_report_keeps_full_demand():
     assert counts(core) == {"quiet": 2, "done": 0}
 
 
+def test_a_pipeline_setting_up_gets_no_shards_until_ready_then_each_is_planned_when_ready():
+    """Each pipeline is planned for as soon as it is set up: the first ready one uses every GPU
+    meanwhile, one still loading holds none (no GPU held idle through another's set-up)."""
+    core, clock = make(nodes=1, per_node=4)
+    core.register(PipelineSpec("fast", max_shards=4), setting_up=True)
+    core.register(PipelineSpec("slow", max_shards=4), setting_up=True)
+    core.replan("register")
+    assert counts(core) == {"fast": 0, "slow": 0}
+    clock.t = 1000.0  # however long the set-up: the marker is not a report that goes stale
+    core.replan("timer")
+    assert counts(core) == {"fast": 0, "slow": 0}
+    assert core.ready("fast") and not core.ready("fast")  # a repeated call changes nothing
+    core.replan("ready fast")
+    assert counts(core) == {"fast": 4, "slow": 0}
+    assert core.ready("slow")
+    core.replan("ready slow")
+    assert counts(core) == {"fast": 2, "slow": 2}
+    with pytest.raises(UnknownPipelineError):
+        core.ready("nope")
+
+
 def test_progress_is_stamped_with_the_core_clock():
     core, clock = make(PipelineSpec("a"))
     clock.t = 42.0

@@ -32,8 +32,9 @@ from rlix.scheduler.planning.planner import PlannerParams
 
 #: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
 UP_TIMEOUT_S = 120.0
-#: how long `rlix down` waits for the head to stop its jobs and Ray
-DOWN_TIMEOUT_S = 150.0
+#: how long `rlix down` waits for the head to stop its jobs and Ray (the head's drain, 180 s at
+#: most, then Ray's own shutdown)
+DOWN_TIMEOUT_S = 240.0
 
 
 def cluster_dir() -> Path:

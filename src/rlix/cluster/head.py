@@ -31,8 +31,10 @@ from rlix.placement import GpuReservation
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 
-#: how long `rlix down` lets running jobs stop (checkpoint, leave) before ending the cluster
-DRAIN_TIMEOUT_S = 60.0
+#: how long `rlix down` lets running jobs stop (checkpoint, leave, summary) before ending the
+#: cluster: more than a driver's own bound on stopping its pipelines (rlix.supervise's
+#: STOP_TIMEOUT_S + SUMMARY_TIMEOUT_S), so that a slow stop is never cut short by the head
+DRAIN_TIMEOUT_S = 180.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(1.0):
             pass
         print("rlix head: going down: cancelling live jobs", flush=True)
+        t_down = time.monotonic()
         live = ray.get(registry.live_jobs.remote(), timeout=30)
         for job in live:
             ray.get(registry.cancel.remote(job["name"]), timeout=30)
@@ -107,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         left = ray.get(registry.live_jobs.remote(), timeout=30)
         for job in left:  # a driver that did not stop in time is ended by its PID
             if job.get("driver_pid"):
+                print(f"rlix head: the driver of job {job['name']} (pid {job['driver_pid']}) did not "
+                      f"stop within {DRAIN_TIMEOUT_S:g} s of its cancel; killing it", flush=True)
                 try:
                     os.kill(job["driver_pid"], signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        print(f"rlix head: jobs stopped in {time.monotonic() - t_down:.1f} s", flush=True)
         ray.get(registry.forget.remote(), timeout=30)
     finally:
         for actor in (registry, scheduler):

@@ -466,7 +466,7 @@ class PipelineRunner:
         self.ready.set()
         if self._steps is not None and not self._steps.done():  # Ctrl-C, or another part failed
             self._steps.cancel()
-            await asyncio.gather(self._steps, return_exceptions=True)
+            await timed("steps", asyncio.gather(self._steps, return_exceptions=True))
         t0 = time.perf_counter()
         if await self.save_on_exit() is not None:
             took["checkpoint"] = round(time.perf_counter() - t0, 3)

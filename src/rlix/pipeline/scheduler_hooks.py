@@ -51,15 +51,19 @@ class SchedulerHooks:
         return devices.resident_gpu_sets(cfg.tp, home)
 
     async def reserve(self, cfg: PipelineConfig, frees_memory: bool = True) -> list[int]:
-        """Register; the scheduler answers with the training home, where the trainer is placed.
-        Its calls to place shards wait until the pipeline is ready (PipelineRunner.ready)."""
-        self.home = list(await self.scheduler.register.remote(cfg.spec(frees_memory), self.coordinator_handle))
+        """Register as setting up; the scheduler answers with the training home, where the
+        trainer is placed. It plans no shards for the pipeline until `join` says it is ready,
+        so the GPUs stay with pipelines that can use them meanwhile."""
+        self.home = list(await self.scheduler.register.remote(cfg.spec(frees_memory), self.coordinator_handle,
+                                                              setting_up=True))
         return self.home
 
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:
         """Shards started unplaced go to sleep: the scheduler wakes them where it decides.
-        (Placed shards start only when the scheduler first gives them GPUs.)"""
+        (Placed shards start only when the scheduler first gives them GPUs.) Then the
+        scheduler plans for the pipeline: each is planned for as soon as it is ready."""
         await coordinator.fleet.sleep_partial(sorted(coordinator.fleet.shards))
+        await self.scheduler.ready.remote(self.pipeline)
 
     async def leave(self) -> None:
         """The last release is collected (its error logged), then the pipeline unregisters."""

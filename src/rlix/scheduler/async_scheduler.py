@@ -149,8 +149,9 @@ class AsyncScheduler:
         self._replan("recovered")
 
     # ------------------------------------------------------------------ calls
-    def register(self, spec: PipelineSpec, resize: ResizeFn) -> list[int]:
-        """Returns the pipeline's training home (its trainer's GPUs), [] if it has none."""
+    def register(self, spec: PipelineSpec, resize: ResizeFn, setting_up: bool = False) -> list[int]:
+        """Returns the pipeline's training home (its trainer's GPUs), [] if it has none.
+        `setting_up`: no GPUs for its shards until its `ready` (Progress.setting_up)."""
         if not spec.frees_memory and self.real_gpus:
             raise SchedulerError(f"pipeline {spec.name!r}: its shards cannot give GPU memory back when "
                                  "preempted (their engine refuses sleep mode here), so they cannot "
@@ -158,7 +159,7 @@ class AsyncScheduler:
         if not spec.frees_memory:
             log.info("pipeline %s: its preempted shards pause and keep their memory (fake GPUs: "
                      "nothing to hand over)", spec.name)
-        self.core.register(spec)
+        self.core.register(spec, setting_up=setting_up)
         self._retry_unregisters.pop(spec.name, None)
         self._coordinators[spec.name] = resize
         self._replan(f"register {spec.name}")
@@ -288,6 +289,12 @@ class AsyncScheduler:
             raise
         self._replan(f"release {pipeline}/{stage.name.lower()}")
         return freed
+
+    def ready(self, pipeline: str) -> None:
+        """The pipeline finished setting up: planned for from now on, each pipeline as soon as
+        it is ready (one waiting for the slowest to set up would idle the GPUs meanwhile)."""
+        if self.core.ready(pipeline):
+            self._replan(f"ready {pipeline}")
 
     def report_progress(self, progress: Progress) -> None:
         self.core.report_progress(progress)

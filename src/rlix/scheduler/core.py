@@ -97,7 +97,8 @@ class SchedulerCore:
         self.departed: OrderedDict[str, dict] = OrderedDict()
 
     # ------------------------------------------------------------------ pipelines
-    def register(self, spec: PipelineSpec) -> None:
+    def register(self, spec: PipelineSpec, setting_up: bool = False) -> None:
+        """`setting_up`: it is planned for only from its `ready` on (see Progress.setting_up)."""
         if not isinstance(spec, PipelineSpec):
             raise SchedulerError(f"register needs a PipelineSpec, got {type(spec).__name__}")
         try:
@@ -105,9 +106,22 @@ class SchedulerCore:
         except LedgerError as exc:
             raise SchedulerError(str(exc)) from exc
         self.departed.pop(spec.name, None)
+        if setting_up:
+            self.progress[spec.name] = Progress(spec.name, remaining=0, setting_up=True,
+                                                reported_at=self.clock())
         log.info("registered pipeline %s (priority=%d, train_gpus=%d, tp=%d, shards %d..%d)",
                  spec.name, spec.priority, spec.train_gpus, spec.tp, spec.min_shards,
                  spec.max_shards)
+
+    def ready(self, name: str) -> bool:
+        """The pipeline finished setting up: from now on it is planned for (until its first
+        report, at full demand). False when it was not setting up (a call repeated)."""
+        self.require(name)
+        prog = self.progress.get(name)
+        if prog is None or not prog.setting_up:
+            return False
+        del self.progress[name]
+        return True
 
     def unregister(self, name: str, reason: str = "unregister") -> Unregistered:
         """Forget a pipeline: its GPUs become idle and its pending request is cancelled.

@@ -222,10 +222,10 @@ class SchedulerService:
         """The worker process's PID (what a fault test kills)."""
         return os.getpid()
 
-    async def register(self, spec: PipelineSpec, coordinator) -> list[int]:
+    async def register(self, spec: PipelineSpec, coordinator, setting_up: bool = False) -> list[int]:
         """Returns the pipeline's training home (where a bound trainer is placed). The same
         registration again (same spec, same coordinator actor: a call re-sent after a restart)
-        gets the same answer."""
+        gets the same answer. `setting_up`: its shards get GPUs from its `ready` on."""
         self._start()
         if not isinstance(coordinator, ray.actor.ActorHandle):
             raise SchedulerError(f"register {getattr(spec, 'name', spec)!r}: coordinator must be "
@@ -237,7 +237,7 @@ class SchedulerService:
             return sorted(core.ledger.train_home.get(spec.name, ()))
         self._save_handles(extra={spec.name: coordinator})
         try:
-            home = self._sched.register(spec, ray_resize(coordinator))
+            home = self._sched.register(spec, ray_resize(coordinator), setting_up=setting_up)
         except BaseException:
             self._save_handles()
             raise
@@ -289,6 +289,11 @@ class SchedulerService:
         """Release a stage and request it again in one re-plan (AsyncScheduler.cycle)."""
         self._start()
         return await self._sched.cycle(pipeline, stage, gpus, progress)
+
+    async def ready(self, pipeline: str) -> None:
+        """The pipeline's set-up ended: plan for it now."""
+        self._start()
+        self._sched.ready(pipeline)
 
     async def report_progress(self, progress: Progress) -> None:
         self._start()

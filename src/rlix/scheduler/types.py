@@ -119,6 +119,10 @@ class Progress:
     knows a pipeline's expected work, `remaining x seconds_per_trajectory` shard-seconds, and
     moves a GPU only where that work repays the move (`rlix.scheduler.costs.MoveCosts`).
     None: unknown, and moves are planned as if they cost nothing.
+    `setting_up`: the pipeline registered but is still setting up (loading its model, starting
+    its trainer and engines): it has no demand yet, so the GPUs stay with pipelines that can use
+    them, and it is planned for from its `ready` on (no report then means full demand). The
+    scheduler stamps it at registration; the pipeline never sends it.
     """
 
     pipeline: str
@@ -130,6 +134,7 @@ class Progress:
     reported_at: float = 0.0
     pending_work: bool = False
     seconds_per_trajectory: float | None = None
+    setting_up: bool = False
 
     def work_s(self) -> float | None:
         """Expected shard-seconds of generation left, or None when the rate is unknown."""

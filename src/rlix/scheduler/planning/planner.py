@@ -73,7 +73,9 @@ def rollout_demand(spec: PipelineSpec, progress: Progress | None, now: float | N
     full demand: a pipeline that has not reported yet keeps its place instead of being
     starved. Pending work (requests at its router, a train step waiting for its batch) keeps
     a demand of at least one shard whatever `remaining` says: a report of 0 with work still
-    queued would otherwise leave it shardless for good."""
+    queued would otherwise leave it shardless for good. A pipeline still setting up has none."""
+    if progress is not None and progress.setting_up:
+        return 0
     if progress is None or report_is_stale(progress, now, stale_s):
         return spec.max_shards
     wanted = math.ceil(progress.remaining / spec.seqs_per_shard) if progress.remaining > 0 else 0
@@ -108,7 +110,7 @@ def _stale_at(ledger: Ledger, progress: dict[str, Progress], demand: dict[str, i
     if stale_s is None:
         return None
     times = [p.reported_at + stale_s for name, p in progress.items()
-             if name in ledger.pipelines and demand[name] < ledger.pipelines[name].max_shards
+             if name in ledger.pipelines and not p.setting_up and demand[name] < ledger.pipelines[name].max_shards
              and p.reported_at + stale_s >= now]
     return min(times) + 1e-6 if times else None
 
