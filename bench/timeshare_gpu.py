@@ -92,7 +92,7 @@ def pipeline(name: str, i: int, n: int, steps: int, model: str, rollout: dict, t
 
 def rollout(args: argparse.Namespace, tokens: int, **more) -> dict:  # type: ignore[no-untyped-def]
     return {"groups_per_step": args.groups, "group_size": args.group_size, "max_new_tokens": tokens,
-            "concurrency": args.groups, "max_model_len": max(256, tokens + 128), "max_num_seqs": 64,
+            "concurrency": args.groups, "max_model_len": max(256, tokens + 128), "max_num_seqs": args.max_num_seqs,
             "ignore_eos": True, **more}
 
 
@@ -283,6 +283,8 @@ def main() -> None:
     ap.add_argument("--agentic-model", default=None, help="the agentic workload's model (default: --model)")
     ap.add_argument("--groups", type=int, default=8, help="groups per step (all in flight at once)")
     ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="sequences one shard decodes at once (a step's samples fit one shard's batch)")
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--spread", type=float, default=0.4,
                     help="the k-th pipeline of a kind runs steps x (1 + spread x k): they end at different times")
