@@ -217,6 +217,9 @@ class ShardCoordinator:
                 if self.fleet.sleep_level >= 2:  # weights dropped: a wake must sync them
                     for r in remove:
                         self.versions[r] = None
+                for r, phases in out["slept"].items():
+                    if phases.get("hung"):  # killed and forgotten by the fleet: a death
+                        self._hung(int(r), phases["hung"], phases.get("pid"))
             if add:
                 ranks = sorted(int(r) for r in add)
                 await self._drop_dead()  # a process that died asleep cannot be woken
@@ -231,11 +234,58 @@ class ShardCoordinator:
                 try:
                     await asyncio.wait_for(self._bring_up(ranks), limit)
                 except asyncio.TimeoutError:
-                    raise await self._end(ranks, f"did not wake and sync within {limit:g} s") from None
+                    # a shard that no longer answers is hung: killed and started again like a
+                    # dead one, then the wake is tried once more; one that answers but is slow,
+                    # or a second timeout, is a failed hand-off
+                    hung = await self._unanswering(ranks)
+                    if not hung:
+                        raise await self._end(ranks, f"did not wake and sync within {limit:g} s") from None
+                    await self._replace_hung(hung, f"did not wake and sync within {limit:g} s")
+                    try:
+                        await asyncio.wait_for(self._bring_up(ranks), limit)
+                    except asyncio.TimeoutError:
+                        raise await self._end(ranks, f"did not wake and sync within {limit:g} s, "
+                                                     f"after its hung shards {hung} were replaced") from None
                 await self.fleet.activate(ranks)
                 self._event("activate", ranks, self.latest)
                 out["woke"] = ranks
             return out
+
+    async def _unanswering(self, ranks: list[int], within_s: float = 1.0) -> list[int]:
+        """Those of `ranks` whose server does not answer a state query within `within_s`."""
+        async def silent(r: int) -> bool:
+            try:
+                await asyncio.wait_for(self.fleet.client.is_sleeping([r]), within_s)
+                return False
+            except Exception:  # noqa: BLE001 - no answer, or a broken one: not serving
+                return True
+        flags = await asyncio.gather(*(silent(r) for r in ranks))
+        return [r for r, bad in zip(ranks, flags) if bad]
+
+    async def _replace_hung(self, ranks: list[int], why: str) -> None:
+        """(Under the lock.) Hung shards are ended by their PIDs, recorded as deaths, and
+        started again on the GPUs they were given (resident engines elsewhere stay)."""
+        for r in ranks:
+            pid = self.fleet.server_pids().get(r) or self.fleet.pids().get(r)
+            what = f"{self.fleet.describe(r)} (pid {pid}) {why}: hung, killed"
+            await self.fleet.kill(r)
+            self._hung(r, what, pid)
+        if self.placed:
+            await self._place({r: self.assigned[r] for r in ranks if r in self.assigned})
+        else:
+            await self._start_new(ranks)
+
+    def _hung(self, rank: int, what: str, pid: int | None) -> None:
+        """A shard killed for not answering: recorded as a death (counted against
+        `max_restarts`, like any other), its weights of no known version."""
+        log.warning("%s", what)
+        self.versions.pop(rank, None)
+        self.stats.deaths.append({"rank": rank, "pid": pid, "exit_code": None, "at": time.time(),
+                                  "assigned": rank in self.assigned, "what": what, "hung": True})
+        self._event("died", [rank])
+        if len([d for d in self.stats.deaths if d["rank"] == rank]) > self.max_restarts:
+            raise self._fail(ShardDiedError(f"{what}, more than {self.max_restarts} times; "
+                                            f"the pipeline stops"))
 
     async def _end(self, ranks: list[int], why: str) -> GpuMemoryError:
         """These shards failed a GPU hand-off: each is ended by its PID; one error names all."""

@@ -393,8 +393,10 @@ class ShardFleet:
     # ------------------------------------------------------------ preemption and sleep
     async def sleep_partial(self, ranks: Iterable[int], level: int | None = None) -> dict[int, dict]:
         """Preempt and sleep these shards; per rank, the time of each phase in ms. A shard that
-        does not confirm its release (no answer within `release_timeout_s`, or memory still
-        held) is killed, and GpuMemoryError names it: its GPU is free either way afterwards."""
+        does not answer within `release_timeout_s` is hung: it is killed by its PID and
+        forgotten, like a dead one (answer `{"died": True, "hung": why}`; its rank starts anew
+        when it is given GPUs again). One that answers but leaves its GPU short of memory is
+        killed, and GpuMemoryError names it. Its GPU is free either way afterwards."""
         level = level or self.sleep_level
         return await self._each(self._known(ranks), lambda r: self._release(r, level))
 
@@ -413,11 +415,12 @@ class ShardFleet:
                 self.memory_log.append({"event": "release", "holder": name, "at": time.time(),
                                         "gpus": list(self.shards[rank].gpus), "died": True})
                 return {"died": True, "level": level}
-            if not self.shards[rank].gpus and not isinstance(exc, asyncio.TimeoutError):
+            if isinstance(exc, asyncio.TimeoutError):
+                return await self._kill_hung(rank, level, f"did not confirm its release within "
+                                                          f"{self.release_timeout_s:g} s")
+            if not self.shards[rank].gpus:
                 raise  # not placed on a GPU: nothing to free, the caller sees the error itself
-            why = (f"did not confirm its release within {self.release_timeout_s:g} s"
-                   if isinstance(exc, asyncio.TimeoutError) else f"failed to release it ({exc})")
-            raise await self.kill_for(rank, why) from None
+            raise await self.kill_for(rank, f"failed to release it ({exc})") from None
         memory = phases.get("memory")
         if memory:
             self.memory_log.append({"event": "release", "holder": name, "gpus": list(self.shards[rank].gpus),
@@ -445,6 +448,19 @@ class ShardFleet:
                                   need_bytes=need)
         except GpuMemoryError as exc:
             raise await self.kill_for(rank, f"left its GPU short after sleeping at level {level}: {exc}") from None
+
+    async def _kill_hung(self, rank: int, level: int, why: str) -> dict:
+        """A shard that stopped answering (frozen, deadlocked) is ended by its PID, which frees
+        its GPU, and forgotten: a hang is handled like a death, not as the pipeline's failure."""
+        pid = self.server_pids().get(rank) or self.pids().get(rank)
+        name = self.describe(rank)
+        gpus = list(self.shards[rank].gpus)
+        await self.kill(rank)
+        what = f"{name} (pid {pid}) {why}: hung, killed"
+        log.warning("%s", what)
+        self.memory_log.append({"event": "release", "holder": name, "at": time.time(), "gpus": gpus,
+                                "died": True, "hung": what})
+        return {"died": True, "hung": what, "pid": pid, "level": level}
 
     async def kill_for(self, rank: int, why: str) -> GpuMemoryError:
         """A shard failed its GPU hand-off: end its process by PID (its GPU is then free) and
