@@ -6,6 +6,10 @@ instead of a traceback.
 
 from __future__ import annotations
 
+import reprlib
+
+import re
+
 
 class RlixError(Exception):
     """Base class for every error rlix raises on purpose."""
@@ -166,6 +170,50 @@ class EpisodeError(AgentEnvError):
     def __init__(self, env: str, episode: str, reason: str) -> None:
         super().__init__(f"environment {env}, episode {episode}: {reason}")
         self.env, self.episode, self.reason = env, episode, reason
+
+
+#: the longest one-line error a config check prints (file, field and reason; inputs shortened)
+MAX_MESSAGE = 500
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """`repr(value)` at most `limit` characters, at a cost bounded by the limit too (a huge
+    list or string is never repr'd whole: reprlib walks only what it shows)."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = limit
+    r.maxlist = r.maxtuple = r.maxset = r.maxdict = 6
+    r.maxlevel = 3
+    text = r.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def problems_line(source: str, problems: list[str], limit: int = MAX_MESSAGE) -> str:
+    """`source: problem; problem; ...` as one line of at most `limit` characters: whole
+    problems while they fit (the first one always, shortened if it must be), then how many
+    were left out."""
+    problems = [" ".join(p.split()) for p in problems] or ["invalid"]
+    line, shown = f"{source}: {problems[0]}", 1
+    for i, problem in enumerate(problems[1:], 1):
+        room = limit - (0 if i == len(problems) - 1 else 24)  # 24: " (and N more problems)"
+        if len(line) + 2 + len(problem) > room:
+            break
+        line, shown = f"{line}; {problem}", shown + 1
+    left = len(problems) - shown
+    tail = f" (and {left} more problem{'s' if left > 1 else ''})" if left else ""
+    if len(line) + len(tail) > limit:
+        line = line[: max(limit - len(tail) - 3, 0)] + "..."
+    return line + tail
+
+
+def actor_death(exc: BaseException) -> str:
+    """Why a Ray actor's process died, in a few words: Ray's exit type and the first sentence of
+    its detail (its message goes on with a list of possible causes that would bury them)."""
+    text = " ".join(str(getattr(exc, "cause", None) or exc).split())
+    kind = re.search(r"Worker exit type: (\S+)", text)
+    detail = re.search(r"Worker exit detail: (.+?\.)(?:\s|$)", text)
+    if kind is None:
+        return text.split(". ")[0][:200]
+    return kind.group(1) + (f" ({detail.group(1)[:200]})" if detail else "")
 
 
 def one_line(exc: BaseException) -> str:

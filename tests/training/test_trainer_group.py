@@ -129,6 +129,41 @@ def test_batch_smaller_than_the_group_is_refused(pair, batch):
         run(pair.train_step([]))
 
 
+def test_a_killed_single_trainer_is_a_trainer_died_error_in_a_few_words(group_ray, tiny_model_dir, batch):
+    """One rank: its death reads as TrainerDiedError with its PID and Ray's exit type, not
+    Ray's raw ActorDiedError text and its list of possible causes."""
+    group = TrainerGroup.start(str(tiny_model_dir), TrainConfig(lr=LR, micro_batch_size=4),
+                               [{"max_concurrency": 2}], **KWARGS)
+    pids: list[int] = []
+    try:
+        pids = run(group.pids())
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(TrainerDiedError, match=f"^the trainer \\(pid {pids[0]}\\) died: ") as err:
+            run(group.train_step(batch))
+        message = str(err.value)
+        assert "\n" not in message and "potential root causes" not in message and len(message) < 300, message
+    finally:
+        run(group.close())
+    assert all(gone(p) for p in pids)
+
+
+def test_actor_death_keeps_rays_exit_type_and_its_first_sentence():
+    from ray.core.generated import common_pb2
+
+    from rlix.errors import actor_death
+
+    ctx = common_pb2.ActorDiedErrorContext(
+        error_message="The actor is dead because its worker process has died. Worker exit type: "
+                      "UNEXPECTED_SYSTEM_EXIT Worker exit detail: Worker unexpectedly exits with a connection "
+                      "error code 2. End of file. There are some potential root causes. (1) The process is "
+                      "killed by SIGKILL by OOM killer due to high memory usage.", pid=1234, class_name="TrainerRank",
+        actor_id=b"\x01" * 16)
+    exc = ray.exceptions.ActorDiedError(ctx)
+    assert actor_death(exc) == ("UNEXPECTED_SYSTEM_EXIT (Worker unexpectedly exits with a connection "
+                                "error code 2.)")
+    assert actor_death(RuntimeError("it broke. Then more.")) == "it broke"
+
+
 def test_killed_rank_fails_the_step_naming_it(group_ray, tiny_model_dir, batch):
     timeout_s = 30.0  # the survivor's rendezvous waits this long; the step must not
     group = TrainerGroup.start(str(tiny_model_dir), TrainConfig(lr=LR, micro_batch_size=4),

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from rlix.agents.environment import PipelineEnvironment
 from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.envs import make_task
-from rlix.errors import ConfigError, TrainerDiedError, one_line
+from rlix.errors import ConfigError, TrainerDiedError, actor_death, one_line
 from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
@@ -318,7 +318,7 @@ class PipelineRunner:
                 return False
             pid = self.trainer_placement.get("pid")
             self.coordinator.fail(TrainerDiedError(f"the trainer of {self.cfg.name} (pid {pid}) died: "
-                                                   f"{one_line(exc)}"))
+                                                   f"{actor_death(exc)}"))
             return True
         return False
 

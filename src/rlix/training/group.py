@@ -20,7 +20,7 @@ import ray
 
 from rlix.config.models import TrainConfig
 from rlix.devices import DeviceMemory
-from rlix.errors import RlixError, TrainerDiedError, TrainingError, one_line
+from rlix.errors import RlixError, TrainerDiedError, TrainingError, actor_death, one_line
 from rlix.training.actor import TrainerActor
 from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
 from rlix.weights.api import SyncReport
@@ -99,13 +99,15 @@ class TrainerGroup:
     def _rank_error(self, rank: int, exc: BaseException) -> BaseException:
         """`exc` raised by `rank`, as an error that names the rank (several ranks: an error on
         rank 1 must not read as the pipeline's only trainer). A dead rank is TrainerDiedError;
-        rlix's own errors keep their type; anything else becomes a TrainingError."""
+        rlix's own errors keep their type; anything else becomes a TrainingError (one rank: as
+        it was raised)."""
+        pid = self._pids[rank]
+        who = ("the trainer" if self.world_size == 1 else f"trainer rank {rank} of {self.world_size}") + (
+            f" (pid {pid})" if pid is not None else "")
+        if _died(exc):
+            return TrainerDiedError(f"{who} died: {actor_death(exc)}")
         if self.world_size == 1:
             return exc
-        pid = self._pids[rank]
-        who = f"trainer rank {rank} of {self.world_size}" + (f" (pid {pid})" if pid is not None else "")
-        if _died(exc):
-            return TrainerDiedError(f"{who} died: {one_line(exc)}")
         cause = getattr(exc, "cause", None) or exc
         if isinstance(cause, RlixError):
             try:
@@ -113,6 +115,15 @@ class TrainerGroup:
             except TypeError:  # an error type built from more than a message
                 pass
         return TrainingError(f"{who} failed: {one_line(exc)}")
+
+    async def _rank0(self, call: Awaitable[Any]) -> Any:
+        """Rank 0's answer; its death raised as TrainerDiedError (`_rank_error`), not as Ray's."""
+        try:
+            return await call
+        except ray.exceptions.RayActorError as exc:
+            if not _died(exc):
+                raise
+            raise self._rank_error(0, exc) from exc
 
     def _raise_first(self, results: Sequence[Any]) -> None:
         """Raise for the first failed rank (see `_first_failure`), naming it."""
@@ -177,7 +188,7 @@ class TrainerGroup:
         a collective only until `step_timeout_s`, and are not waited for."""
         shares = split_batch(samples, self.world_size)
         if self.world_size == 1:
-            return await self.ranks[0].train_step.remote(shares[0])
+            return await self._rank0(self.ranks[0].train_step.remote(shares[0]))
         host, port = await self._group_spec_base()
         tasks = [asyncio.ensure_future(actor.train_step.remote(
                      share, GroupSpec(host, port, r, self.world_size, timeout_s=self.step_timeout_s)))
@@ -195,7 +206,7 @@ class TrainerGroup:
         there (`sync_on_device`); `device_ranks` then names the ranks that have one."""
         if not on_device:
             self.device_ranks = []
-            return await self.ranks[0].publish.remote(version, audit)
+            return await self._rank0(self.ranks[0].publish.remote(version, audit))
         results = await self._on_all([self.ranks[0].publish.remote(version, audit, True)]
                                      + [a.build_device_copy.remote(version) for a in self.ranks[1:]])
         published: PublishedVersion = results[0]
@@ -210,7 +221,7 @@ class TrainerGroup:
 
     async def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
         """Rank 0 moves these shards to cached `version` (see TrainerActor.sync_weights)."""
-        return await self.ranks[0].sync_weights.remote(version, dict(shards), list(wake))
+        return await self._rank0(self.ranks[0].sync_weights.remote(version, dict(shards), list(wake)))
 
     async def weight_checksums(self, version: int) -> dict[str, int | Digest]:
         """Rank 0's checksums of a version published with `audit`."""
@@ -224,7 +235,7 @@ class TrainerGroup:
     # -- checkpoints ------------------------------------------------------------------------
     async def save_checkpoint(self, path: str) -> int:
         """Rank 0 saves (its weights and optimizer state are every rank's); the step saved."""
-        return int(await self.ranks[0].save_checkpoint.remote(path))
+        return int(await self._rank0(self.ranks[0].save_checkpoint.remote(path)))
 
     async def load_checkpoint(self, path: str) -> int:
         """Every rank resumes from `path` (a filesystem all the ranks' nodes see); the step,
