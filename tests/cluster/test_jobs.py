@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from rlix.cluster.jobs import Job, JobBook, PipelineNeeds, Quotas
@@ -116,3 +119,24 @@ def test_rlix_down_outwaits_a_drivers_own_bound_on_stopping_its_pipelines():
 
     assert DRAIN_TIMEOUT_S > STOP_TIMEOUT_S + SUMMARY_TIMEOUT_S + 30  # + the summary and timeline
     assert DOWN_TIMEOUT_S > DRAIN_TIMEOUT_S + 30  # + Ray's shutdown
+
+
+def test_ended_jobs_of_an_earlier_life_are_listed_never_admitted_and_round_trip():
+    from rlix.cluster.jobs import book_file_text, end_unfinished, read_book_file
+
+    book = JobBook(total_gpus=2)
+    running = job("a", "ann", min_shards=1)
+    book.submit(running)
+    book.set_state("a", "running")
+    records = [j.record() for j in book.jobs.values()]
+    assert end_unfinished(records, "the cluster's head (pid 7) was killed by signal 9 (SIGKILL)") == 1
+    assert records[0]["reason"] == "the cluster's head (pid 7) was killed by signal 9 (SIGKILL) while the job was running"
+    later = JobBook(total_gpus=2)
+    later.restore_ended([Job.from_record(r) for r in records])
+    row = later.row("a")
+    assert row["state"] == "failed" and row["queue_position"] is None and later.live() == []
+    assert later.submit(job("a", "ann", min_shards=1)).state == "admitted"  # an ended name is free again
+    with pytest.raises(ValueError, match="only ended jobs"):
+        JobBook(total_gpus=2).restore_ended([Job.from_record({**records[0], "state": "running"})])
+    assert read_book_file(Path("/nonexistent/jobs.json")) == []
+    assert [Job.from_record(r) for r in json.loads(book_file_text(records))["jobs"]][0].pipelines == running.pipelines

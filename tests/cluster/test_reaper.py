@@ -3,6 +3,7 @@ whether it exits or is SIGKILLed; a SIGTERM to the reaper reaches the head."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -36,10 +37,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+#: the head's book file: one job still running, one that ended
+BOOK = {"jobs": [{"name": "live", "user": "ann", "state": "running", "reason": "", "ended_at": None},
+                 {"name": "old", "user": "ann", "state": "done", "reason": "", "ended_at": 1.0}]}
+
+
 def start(tmp_path: Path, head_s: float) -> tuple[subprocess.Popen, int, int, Path]:
     pids, state = tmp_path / "pids", tmp_path / "state.json"
     state.write_text("{}")
-    reaper = subprocess.Popen([sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state), "--",
+    (tmp_path / "jobs.json").write_text(json.dumps(BOOK))
+    reaper = subprocess.Popen([sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state),
+                               "--jobs", str(tmp_path / "jobs.json"), "--",
                                sys.executable, "-c", HEAD, str(pids), str(head_s)],
                               start_new_session=True, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
@@ -61,6 +69,14 @@ def test_a_sigkilled_heads_leftovers_are_ended(tmp_path):
         assert time.monotonic() - t0 >= 4.0  # after the grace period, not before
         assert not state.exists()  # the dead head's state file is not left to mislead `rlix status`
         assert "ended 1 process(es)" in reaper.stderr.read()
+        # the job that was running is recorded as ended, with how; the one that ended is kept
+        book = tmp_path / "jobs.json"
+        jobs = {j["name"]: j for j in json.loads(book.read_text())["jobs"]}
+        assert jobs["live"]["state"] == "failed" and jobs["live"]["ended_at"] is not None
+        assert jobs["live"]["reason"] == (f"the cluster's head (pid {head}) was killed by signal 9 (SIGKILL) "
+                                          f"while the job was running"), jobs["live"]
+        assert jobs["old"] == BOOK["jobs"][1]
+        assert book.stat().st_mode & 0o777 == 0o600
     finally:
         for pid in (head, child, reaper.pid):
             if alive(pid):
@@ -75,6 +91,7 @@ def test_a_sigterm_reaches_the_head_which_exits_cleanly(tmp_path):
         assert reaper.wait(timeout=30) == 0
         assert not alive(head) and not alive(child)
         assert state.exists()  # a clean exit: the head owns its state file
+        assert json.loads((tmp_path / "jobs.json").read_text()) == BOOK  # and its book
     finally:
         for pid in (head, child, reaper.pid):
             if alive(pid):

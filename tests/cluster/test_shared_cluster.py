@@ -80,16 +80,24 @@ def wait_until(what: str, check, timeout: float = 240.0, every: float = 1.0):  #
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_sigkilled_head_leaves_no_process_behind(tmp_path):
-    """The head killed outright: its reaper ends what Ray leaves in the session (its agents live
-    on otherwise) and removes the state file, so the next command says no cluster is up."""
+def test_a_sigkilled_head_leaves_no_process_behind_and_its_jobs_end_recorded(tmp_path, tiny_model_dir):
+    """The head killed outright with a job running: its reaper ends what Ray leaves in the
+    session (its agents live on otherwise), removes the state file, so the next command says no
+    cluster is up, and records the job as failed with how the head ended: the next `rlix up`
+    lists it so."""
     cli = Cli(tmp_path)
-    assert "rlix cluster up at" in cli("up", "--num-gpus", "1", "--num-cpus", "2")
+    assert "rlix cluster up at" in cli("up", "--num-gpus", "1", "--num-cpus", "4")
     state = json.loads((tmp_path / "cache" / "cluster" / "state.json").read_text())
     head, session = int(state["pid"]), int(state["session"])
     members = session_members(session, os.getpid())
+    driver = None
     try:
         assert head in members and len(members) >= 4  # reaper, head, GCS, raylet, ...
+        assert "admitted" in cli("submit", write_job(tmp_path, "jk", tiny_model_dir, 1))
+        wait_until("jk to hold a GPU", lambda: holders(cli.status()).get("jk"))
+        driver = json.loads(cli("jobs", "--json"))[0]["driver_pid"]
+        wait_until("the book file to say jk runs", lambda: '"running"' in (
+            tmp_path / "cache" / "cluster" / "jobs.json").read_text(), timeout=30, every=0.5)
         os.kill(head, signal.SIGKILL)
         wait_until("the head's session to be empty", lambda: not session_members(session, os.getpid()),
                    timeout=30, every=0.5)
@@ -97,9 +105,19 @@ def test_a_sigkilled_head_leaves_no_process_behind(tmp_path):
         out = subprocess.run([sys.executable, "-m", "rlix.cli", "status"], capture_output=True, text=True,
                              env=cli.env, timeout=60)
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        # a new cluster says how the job ended
+        assert "rlix cluster up at" in cli("up", "--num-gpus", "1", "--num-cpus", "2")
+        state = json.loads((tmp_path / "cache" / "cluster" / "state.json").read_text())
+        session = int(state["session"])
+        (jk,) = json.loads(cli("jobs", "--json"))
+        assert jk["name"] == "jk" and jk["state"] == "failed", jk
+        assert jk["reason"] == (f"the cluster's head (pid {head}) was killed by signal 9 (SIGKILL) while the "
+                                f"job was running"), jk["reason"]
+        assert "is down" in cli("down", timeout=300)
+        assert not (tmp_path / "cache" / "cluster" / "jobs.json").exists()  # a clean end keeps no book
     finally:
-        for pid in session_members(session, os.getpid()):  # only what is still in its session
-            try:
+        for pid in [*session_members(session, os.getpid()), *([driver] if driver else [])]:
+            try:  # only what is still in its session, and the job's driver
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass

@@ -15,9 +15,11 @@ user that is still waiting (its order is kept), but a job that fits may pass one
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from rlix.errors import ConfigError
 
@@ -80,6 +82,49 @@ class Job:
         out["minimum_gpus"], out["most_gpus"] = self.minimum, self.most
         return out
 
+    def record(self) -> dict:
+        """The job as the cluster's book file keeps it (`from_record` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, d: dict) -> Job:
+        return cls(**{**d, "pipelines": [PipelineNeeds(**p) for p in d["pipelines"]]})
+
+
+# ---------------------------------------------------------------------- the book file
+# The head writes every job to a file beside its state file at every change (mode 0600: it names
+# config paths and users). When the head dies without going down cleanly, its reaper marks the
+# jobs that were still live as failed, with how the head ended; the next `rlix up` reads them
+# back, so `rlix jobs` says how each ended instead of forgetting them. A clean `rlix down`
+# removes the file.
+def jobs_file(state: Path) -> Path:
+    """The book file, beside the cluster's state file."""
+    return Path(state).with_name("jobs.json")
+
+
+def read_book_file(path: Path) -> list[dict]:
+    """The job records in `path`; [] when there is none (or it cannot be read as one)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    return data.get("jobs", []) if isinstance(data, dict) else []
+
+
+def book_file_text(records: list[dict]) -> str:
+    return json.dumps({"jobs": records}, indent=1)
+
+
+def end_unfinished(records: list[dict], reason: str, now: float | None = None) -> int:
+    """Every record not in a final state becomes `failed` with `reason` ("... while the job was
+    running" is appended with its state); returns how many."""
+    n = 0
+    for rec in records:
+        if rec.get("state") not in FINAL:
+            rec["reason"] = f"{reason} while the job was {rec.get('state', 'live')}"
+            rec["state"], rec["ended_at"], n = "failed", now or time.time(), n + 1
+    return n
+
 
 @dataclass(frozen=True)
 class Quotas:
@@ -116,6 +161,14 @@ class JobBook:
         self.jobs: dict[str, Job] = {}
 
     # ------------------------------------------------------------------ changes
+    def restore_ended(self, jobs: Iterable[Job]) -> None:
+        """Jobs of the cluster's earlier life, all ended: listed by `rlix jobs`, never admitted
+        (a name in use here is kept as it is)."""
+        for job in jobs:
+            if job.state not in FINAL:
+                raise ValueError(f"job {job.name!r} is {job.state}: only ended jobs are restored")
+            self.jobs.setdefault(job.name, job)
+
     def submit(self, job: Job) -> Job:
         """Add a job (queued); refused when its name or a pipeline name is taken by a live job,
         or when it could never be admitted (more than the cluster, or than its user's cap)."""

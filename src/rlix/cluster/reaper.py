@@ -7,7 +7,8 @@ re-parented to init and live on (seen: DashboardAgent and RuntimeEnvAgent). The 
 session's leader, so whatever the head leaves behind shares its session id; it sends those
 SIGTERM, then SIGKILL after a grace period, and removes the state file the dead head wrote. A
 SIGTERM to the reaper (as `rlix down` would send the head) is passed on to the head. Linux only
-(/proc); standard library only.
+(/proc); the standard library and rlix's Ray-free modules only. When the head died, the jobs
+still live in its book file are recorded as failed, with how the head ended.
 """
 
 from __future__ import annotations
@@ -56,9 +57,24 @@ def end_session(sid: int, me: int, grace_s: float = GRACE_S) -> list[int]:
     return found
 
 
+def record_head_death(path: Path, why: str) -> int:
+    """The jobs still live in the head's book file end as failed with `why`: the next `rlix up`
+    lists them so. Returns how many."""
+    from rlix.cluster.jobs import book_file_text, end_unfinished, read_book_file  # light: no Ray
+    from rlix.private_files import write_private
+
+    records = read_book_file(path)
+    n = end_unfinished(records, why)
+    if n:
+        write_private(path, book_file_text(records))
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlix.cluster.reaper")
     parser.add_argument("--state", default=None, help="the head's state file, removed if the head died")
+    parser.add_argument("--jobs", default=None, help="the head's book file: live jobs there are failed, "
+                                                     "with how the head ended, if it died")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -75,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     if code != 0 and args.state:
         Path(args.state).unlink(missing_ok=True)
+    if code != 0 and args.jobs:
+        how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
+               else f"exited with code {code}")
+        record_head_death(Path(args.jobs), f"the cluster's head (pid {head.pid}) {how}")
     return code if code >= 0 else 128 - code
 
 

@@ -59,10 +59,15 @@ def _kv_del() -> None:
 class JobRegistry:
     """See module doc. Every method answers at once except `wait_change`."""
 
-    def __init__(self, info: ClusterInfo, quotas: Quotas) -> None:
+    def __init__(self, info: ClusterInfo, quotas: Quotas, ended: tuple[Job, ...] = ()) -> None:
+        """`ended`: the jobs of the cluster's earlier life (its book file), shown, never run."""
         self.info = info
         saved = _kv_get() if ray.get_runtime_context().was_current_actor_reconstructed else None
-        self.book: JobBook = pickle.loads(saved) if saved else JobBook(info.topology.num_gpus, quotas)
+        if saved:
+            self.book: JobBook = pickle.loads(saved)
+        else:
+            self.book = JobBook(info.topology.num_gpus, quotas)
+            self.book.restore_ended(ended)
         self._changed = asyncio.Event()
 
     def cluster_info(self) -> ClusterInfo:
@@ -91,6 +96,10 @@ class JobRegistry:
 
     def jobs(self) -> list[dict]:
         return self.book.rows()
+
+    def records(self) -> list[dict]:
+        """Every job, whole (what the head's book file keeps)."""
+        return [j.record() for j in self.book.jobs.values()]
 
     def live_jobs(self) -> list[dict]:
         return [j.row() for j in self.book.live()]
@@ -130,10 +139,10 @@ class JobRegistry:
         return result
 
 
-def start_registry(info: ClusterInfo, quotas: Quotas):  # type: ignore[no-untyped-def]
+def start_registry(info: ClusterInfo, quotas: Quotas, ended: tuple[Job, ...] = ()):  # type: ignore[no-untyped-def]
     """The registry actor, detached and restarted by Ray when its worker dies."""
     return JobRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, lifetime="detached",
-                               max_restarts=-1, max_task_retries=-1).remote(info, quotas)
+                               max_restarts=-1, max_task_retries=-1).remote(info, quotas, ended)
 
 
 def get_registry() -> Any:
