@@ -79,7 +79,9 @@ def run_config(cfg: dict, name: str, out: Path, bench: Bench, mode: str | None =
     path = out / f"{name}.yaml"
     cfg = dict(cfg, run_dir=str(out / name))
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    proc = subprocess.run([sys.executable, "-m", "rlix.cli", "run", str(path)] + (["--mode", mode] if mode else []),
+    # --overwrite: a bench run again with the same --out measures afresh in the same run dirs
+    proc = subprocess.run([sys.executable, "-m", "rlix.cli", "run", str(path), "--overwrite"]
+                          + (["--mode", mode] if mode else []),
                           capture_output=True, text=True, timeout=1200)
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

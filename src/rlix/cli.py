@@ -43,7 +43,12 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     # deferred: each command imports only what it runs (`rlix check` needs neither torch nor Ray)
-    from rlix.run import run
+    from rlix.config import load_config
+    from rlix.config.preflight import refuse_reused_run_dir  # deferred: see above
+
+    if not (args.resume or args.overwrite):  # a run_dir holding a previous run is refused, before Ray
+        refuse_reused_run_dir(load_config(args.config), args.config)
+    from rlix.run import run  # deferred: see above
 
     result = run(args.config, resume=args.resume, mode=args.mode, address=args.address)
     # a run where some pipeline failed (the others finished) or served unsynced weights
@@ -202,10 +207,20 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_flag(prog: str, flag: str, value: str | None, var: str) -> str | None:
+    """A token given on the command line, with a warning: every user of this machine can read
+    a process's command line (ps, /proc/PID/cmdline), and with the token control its servers.
+    rlix itself never passes one so; the environment variable is the way."""
+    if value:
+        print(f"{prog}: warning: {flag} is visible to every user of this machine (ps, /proc/PID/cmdline); "
+              f"set {var} instead", file=sys.stderr)
+    return value
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from rlix.inference.server.app import serve  # deferred: see _cmd_run (torch, the engine)
 
-    api_key = args.api_key or env.api_key()
+    api_key = _token_flag("rlix serve", "--api-key", args.api_key, env.API_KEY_VAR) or env.api_key()
     if not api_key:
         api_key = secrets.token_urlsafe(24)
         print(f"rlix serve: no --api-key or RLIX_API_KEY; control token for this run: {api_key}",
@@ -232,14 +247,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if not args.shard:
         raise ConfigError("rlix router: give at least one --shard URL")
     shards = parse_shards(args.shard)  # a bad URL fails here, before anything listens
-    api_key = args.api_key or env.api_key()
+    api_key = _token_flag("rlix router", "--api-key", args.api_key, env.API_KEY_VAR) or env.api_key()
+    shard_api_key = (_token_flag("rlix router", "--shard-api-key", args.shard_api_key, env.SHARD_API_KEY_VAR)
+                     or env.shard_api_key())
     if not api_key:
         api_key = secrets.token_urlsafe(24)
         print(f"rlix router: no --api-key or RLIX_API_KEY; admin token for this run: {api_key}",
               file=sys.stderr)
     print(f"rlix router: http://{args.host}:{args.port} -> " +
           ", ".join(f"shard {r} {u}" for r, u in sorted(shards.items())), file=sys.stderr)
-    serve_router(args.shard, api_key=api_key, shard_api_key=args.shard_api_key, host=args.host,
+    serve_router(args.shard, api_key=api_key, shard_api_key=shard_api_key, host=args.host,
                  port=args.port, hold_timeout_s=args.hold_timeout, max_body=int(args.max_body_mib * 2**20))
     return 0
 
@@ -252,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the RL pipelines of a config (time-sharing GPUs by default)")
     run.add_argument("config", help="run config YAML (see examples/two_pipelines.yaml)")
-    run.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
+    again = run.add_mutually_exclusive_group()  # without either, a run_dir holding a previous run is refused
+    again.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a run_dir that holds a previous run (its metrics and summary are "
+                            "replaced; its checkpoints when the new run saves its own)")
     run.add_argument("--mode", choices=["rlix", "standalone"], default=None,
                      help="override control_plane (default: config, then RLIX_CONTROL_PLANE)")
     run.add_argument("--address", default=None,
@@ -341,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
-                       help="bearer token for /v1, /inference and control endpoints (default: RLIX_API_KEY)")
+                       help="bearer token for /v1, /inference and control endpoints (default: RLIX_API_KEY; "
+                            "prefer the variable: a command line is visible to every user of the machine)")
     serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     serve.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
@@ -360,8 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an engine server's base URL; repeat for each (ranks in order unless given)")
     router.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     router.add_argument("--port", type=int, default=8100)
-    router.add_argument("--api-key", default=None, help="token for the admin API (default: RLIX_API_KEY)")
-    router.add_argument("--shard-api-key", default=None, help="token the shards expect (default: --api-key)")
+    router.add_argument("--api-key", default=None,
+                        help="token for the admin API (default: RLIX_API_KEY; prefer the variable: a command "
+                             "line is visible to every user of the machine)")
+    router.add_argument("--shard-api-key", default=None,
+                        help="token the shards expect (default: RLIX_SHARD_API_KEY, else the admin token)")
     router.add_argument("--hold-timeout", type=float, default=60.0,
                         help="seconds a request waits while no shard is active (default: 60)")
     router.add_argument("--max-body-mib", type=float, default=4.0,

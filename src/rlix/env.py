@@ -55,9 +55,44 @@ def user() -> str:
     return (os.environ.get("RLIX_USER") or os.environ.get("USER") or "unknown").strip() or "unknown"
 
 
+#: the bearer token of engine servers and routers. How rlix hands a token to a process it starts:
+#: never on the command line (/proc/PID/cmdline is readable by every user of the machine;
+#: /proc/PID/environ only by the process's owner)
+API_KEY_VAR = "RLIX_API_KEY"
+#: the token a router sends its shards, when not its own (`rlix router --shard-api-key`)
+SHARD_API_KEY_VAR = "RLIX_SHARD_API_KEY"
+#: where vLLM's OpenAI server reads its token (what `--api-key` would give, off the command line)
+VLLM_API_KEY_VAR = "VLLM_API_KEY"
+#: every variable that may hold a token: a process rlix starts gets only the one it needs
+TOKEN_VARS = (API_KEY_VAR, SHARD_API_KEY_VAR, VLLM_API_KEY_VAR)
+
+
 def api_key() -> str | None:
     """Bearer token for engine-server and router control endpoints (`RLIX_API_KEY`), if set."""
-    return os.environ.get("RLIX_API_KEY", "").strip() or None
+    return os.environ.get(API_KEY_VAR, "").strip() or None
+
+
+def shard_api_key() -> str | None:
+    """The token a router sends its shards (`RLIX_SHARD_API_KEY`), if set; else its own."""
+    return os.environ.get(SHARD_API_KEY_VAR, "").strip() or None
+
+
+def child_env(overrides: dict[str, str] | None = None, *, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a process we start: ours without the variables in `drop` (e.g.
+    TOKEN_VARS: a token goes only to a child that needs it), then `overrides`."""
+    out = {k: v for k, v in os.environ.items() if k not in drop}
+    out.update(overrides or {})
+    return out
+
+
+#: an environment server's settings (EnvConfig as JSON), off the command line: its `options`
+#: are the user's (they may hold credentials of the tools it calls)
+ENV_SERVER_CONFIG_VAR = "RLIX_ENV_SERVER_CONFIG"
+
+
+def env_server_config() -> str | None:
+    """`RLIX_ENV_SERVER_CONFIG`: the settings an environment server was started with, if set."""
+    return os.environ.get(ENV_SERVER_CONFIG_VAR) or None
 
 
 def vllm_python() -> str | None:

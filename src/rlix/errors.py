@@ -154,6 +154,11 @@ class PipelineHungError(RlixError):
     """A pipeline's actor stopped answering within its heartbeat timeout."""
 
 
+class NodeLostError(RlixError):
+    """A Ray node of the run died (its raylet exited, or its machine left the cluster) and took
+    every pipeline it ran: the run ends with this reason, not with each actor's death."""
+
+
 class PipelineFailedError(RlixError):
     """Every pipeline of a run failed (each one's error is in the message)."""
 

@@ -10,8 +10,11 @@ the final summary to RUN_DIR/summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -26,10 +29,12 @@ from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
 from rlix.devices import resolve_dtype
-from rlix.errors import ConfigError, PipelineFailedError, one_line
+from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, one_line
 from rlix.httpkit import check_ray_address
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
+from rlix.procguard import pid_alive
+from rlix.private_files import write_private
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 from rlix.supervise import InterruptFlag, Supervisor
 from rlix.run_log import RunLog
@@ -72,6 +77,28 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None, addr
             simulated.shutdown()
 
 
+def reap_local_segments(pids: list[int], wait_s: float = 10.0, end_them: bool = False) -> list[str]:
+    """This machine's weight-cache segments of dead processes (trainers that died without closing:
+    SIGKILLed, or lost with their node), once `pids` (the run's trainers) have exited or
+    `wait_s` passed; done here, not through Ray, which may be gone. `end_them`: those of `pids`
+    still running here as Ray workers are SIGKILLed first (their node is gone: they can do
+    nothing more). Segments of live processes are never touched."""
+    from rlix.weights.wire import reap_orphaned_segments  # deferred: torch
+
+    if end_them:
+        for pid in pids:
+            if _ray_worker(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    try:
+        return reap_orphaned_segments("rlix-w")
+    except OSError:
+        return []
+
+
 def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog) -> SimulatedCluster | None:
     """Attach to `address`, or start a local cluster: one node, or as many simulated nodes as
     the config names (the simulated cluster is returned: the caller ends it)."""
@@ -94,8 +121,8 @@ def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog)
     simulated = SimulatedCluster(nodes, per_node, cpus_per_node=max(2, -(-cpus // nodes)))
     simulated.connect(**init)
     shown = simulated.nodes()
-    (run_dir / "cluster.json").write_text(json.dumps({"address": simulated.address,
-                                                      "nodes": [asdict(n) for n in shown]}, indent=1))
+    write_private(run_dir / "cluster.json", json.dumps({"address": simulated.address,  # an address: 0600
+                                                         "nodes": [asdict(n) for n in shown]}, indent=1))
     say(f"no cluster given: simulating {nodes} nodes of {per_node} GPU(s) on this machine "
         f"(raylet PIDs {[n.raylet_pid for n in shown]}; {run_dir / 'cluster.json'})")
     return simulated
@@ -160,6 +187,7 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
     pipeline once it is set up (SchedulerHooks.join). Raises PipelineFailedError when every pipeline failed."""
     supervisor: Supervisor | None = None
     ending = "finished"
+    node_lost = False
     interrupt = InterruptFlag()
     try:
         interrupt.install()
@@ -178,16 +206,31 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
         say("interrupted: stopping every pipeline (each saves a checkpoint)")
         raise
     except BaseException as exc:
+        lost = _lost_nodes(devices)
+        if lost and devices.reservation is not None and len(lost) == len(devices.reservation.node_ids):
+            # every node of the run is gone: every actor's death below is this one's, said once
+            exc = NodeLostError(f"the Ray node(s) {', '.join(n[:12] for n in lost)} running this run died "
+                                f"(a raylet exited, or a machine left the cluster): the pipelines there "
+                                f"ended with them")
+            ending = f"failed: {one_line(exc)}"
+            node_lost = True
+            raise exc from None
         ending = f"failed: {one_line(exc)}"
         raise
     finally:
         interrupt.restore()  # a Ctrl-C while stopping raises where it lands
         t_stop = time.perf_counter()
+        trainers = supervisor.trainer_pids() if supervisor is not None else []
         if supervisor is not None:
             supervisor.stop_all()
             audit = supervisor.audit_ledger("end of run")
             if audit is not None and not audit["ok"]:
                 say(f"scheduler ledger at the end of the run: {audit['error']}")
+        if ending.startswith("failed"):  # trainers killed or lost with their node leave their caches
+            # with their node gone, its workers linger until this process exits: ended here
+            reaped = reap_local_segments(trainers, end_them=node_lost)
+            if reaped:
+                say(f"removed {len(reaped)} shared-memory segment(s) of dead trainers")
         say(f"stopped in {time.perf_counter() - t_stop:.1f}s")
         result = _write_summary(config_path, mode, run_dir, supervisor, ending,
                                 round(time.perf_counter() - t_start, 1), say,
@@ -216,6 +259,27 @@ def _write_summary(config_path: str, mode: str, run_dir: Path, supervisor: Super
     for line in account_lines(result["gpu_account"]) if result.get("gpu_account") else []:
         say(line)
     return result
+
+
+def _ray_worker(pid: int) -> bool:
+    """A process of this machine that Ray titled as one of its workers (`ray::...`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().startswith(b"ray::")
+    except OSError:
+        return False
+
+
+def _lost_nodes(devices: DevicePlan) -> list[str]:
+    """The run's nodes (those holding its GPUs) that Ray no longer has alive; [] if it cannot
+    tell. Ray keeps a dead node's entry (Alive false) while its GCS lives."""
+    if devices.reservation is None:
+        return []
+    try:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 - no answer from Ray: nothing known
+        return []
+    return [n for n in devices.reservation.node_ids if n not in alive]
 
 
 def _gpu_nodes(devices: DevicePlan, gpus: list[int]) -> list[int] | None:

@@ -22,12 +22,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from rlix.private_files import open_private
+
 
 class RunLog:
     """Prints to the console and appends to run.log; `step()` moves a pipeline's bar."""
 
     def __init__(self, path: Path, out: TextIO = sys.stdout, *, force_terminal: bool | None = None) -> None:
-        self.fh = path.open("a")
+        self.fh = open_private(path, "a")  # 0600: lines name servers' addresses (metrics, dashboard, Ray)
         self.out = out
         self.t0 = time.time()
         console = Console(file=out, force_terminal=force_terminal)

@@ -31,6 +31,7 @@ from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.reporting.metrics_file import read_metrics
 from rlix.placement import on_this_node
+from rlix.private_files import write_private
 from rlix.scheduler.core import gpu_roles
 
 #: how long a live pipeline may take to stop (checkpoint, leave, processes ended)
@@ -97,6 +98,7 @@ class Supervisor:
         self._nodes_checked = 0.0
         self._last_poll = time.perf_counter()
         self._processes: dict[str, dict] = {}
+        self._trainers: set[int] = set()  # every trainer PID reported in this run
 
     # ------------------------------------------------------------------ starting
     def start_all(self) -> None:
@@ -267,6 +269,8 @@ class Supervisor:
             self.say(f"{slot.name}: {slot.seen_deaths} shard process(es) died so far{tail}")
         if prog.get("processes") and prog["processes"] != self._processes.get(slot.name):
             self._processes[slot.name] = prog["processes"]
+            if prog["processes"].get("trainer"):
+                self._trainers.add(int(prog["processes"]["trainer"]))
             self._write_processes()
 
     def _check_heartbeats(self) -> None:
@@ -286,10 +290,8 @@ class Supervisor:
     def _write_processes(self) -> None:
         """RUN_DIR/processes.json: every live process of the run by PID (what an operator, or
         a fault test, looks for)."""
-        path = self.run_dir / "processes.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._processes, indent=1))
-        tmp.replace(path)
+        # mode 0600: it holds the addresses of the run's servers
+        write_private(self.run_dir / "processes.json", json.dumps(self._processes, indent=1))
 
     # ------------------------------------------------------------------ ending
     def fail(self, slot: PipelineSlot, reason: str, hung: bool = False) -> None:
@@ -356,6 +358,10 @@ class Supervisor:
                 pass
         rows = read_metrics(self.run_dir / slot.name / "metrics.jsonl")
         return {"pipeline": slot.name, "steps": len(rows), "rewards": [r["reward"] for r in rows]}
+
+    def trainer_pids(self) -> list[int]:
+        """Every trainer PID (rank 0's) reported in this run, ended pipelines' too."""
+        return sorted(self._trainers)
 
     def stop_all(self) -> None:
         """Ctrl-C or the run's own failure: every live pipeline is stopped (each saves a

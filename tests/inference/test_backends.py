@@ -23,13 +23,14 @@ from rlix.inference.fleet.client import RemoteInferenceClient, parse_load
 def test_factory_picks_by_the_typed_field(tiny_model_dir, monkeypatch):
     emb = make_backend(EngineBackendConfig(model=str(tiny_model_dir)))
     assert isinstance(emb, EmbeddedBackend) and isinstance(emb, EngineBackend)
-    cmd = emb.command(host="127.0.0.1", port=9000, api_key="k")
-    assert cmd[1:4] == ["-m", "rlix.cli", "serve"] and "--api-key=k" in cmd and emb.supports_sleep
-    # generated tokens may start with "-": the command line must still carry them as values
+    cmd = emb.command(host="127.0.0.1", port=9000)
+    assert cmd[1:4] == ["-m", "rlix.cli", "serve"] and emb.supports_sleep
+    assert not any(a.startswith("--api-key") for a in cmd)  # the token goes in RLIX_API_KEY
+    assert emb.api_key_env == "RLIX_API_KEY"
     from rlix.cli import build_parser
 
-    args = build_parser().parse_args(emb.command(host="127.0.0.1", port=9000, api_key="-Xy_1")[3:])
-    assert args.api_key == "-Xy_1" and args.port == 9000
+    args = build_parser().parse_args(cmd[3:])
+    assert args.api_key is None and args.port == 9000
     monkeypatch.setattr(env, "vllm_python", lambda: None)  # none set, none linked by setup-vllm.sh
     with pytest.raises(ConfigError, match="setup-vllm.sh.*RLIX_VLLM_PYTHON"):
         make_backend(EngineBackendConfig(backend="vllm", model=str(tiny_model_dir)))
@@ -54,7 +55,7 @@ def test_vllm_command_line(tiny_model_dir):
                               worker_extension_cls="rlix.inference.vllm.ext.Ext")
     b = make_backend(cfg)
     assert isinstance(b, VllmBackend)
-    cmd = b.command(host="127.0.0.1", port=8001, api_key="k")
+    cmd = b.command(host="127.0.0.1", port=8001)
     assert cmd[:3] == ["/opt/py/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     for flag in ("--enable-scale-out", "--served-model-name", "--max-model-len", "--worker-extension-cls"):
         assert flag in cmd
@@ -68,11 +69,11 @@ def test_vllm_command_line(tiny_model_dir):
     assert b.ready_requests == (("/update_weight_version", {"new_version": "0"}),)
     default = make_backend(cfg.model_copy(update={"worker_extension_cls": None, "enforce_eager": True,
                                                    "gpu_memory_utilization": 0.5}))
-    cmd = default.command(host="h", port=1, api_key="k")
+    cmd = default.command(host="h", port=1)
     assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION_CLS
     assert "--enforce-eager" in cmd and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.5"
     gpu = make_backend(cfg.model_copy(update={"device": "cuda"}))
-    assert "--enable-sleep-mode" in gpu.command(host="h", port=1, api_key="k") and gpu.supports_sleep
+    assert "--enable-sleep-mode" in gpu.command(host="h", port=1) and gpu.supports_sleep
 
 
 def test_client_pickles_without_its_connections():
@@ -158,8 +159,9 @@ class _ExitingBackend:
 
     name, health_path, startup_timeout_s, supports_sleep = "exiting", "/health", 10.0, False
     ready_requests = ()
+    api_key_env = None
 
-    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+    def command(self, *, host: str, port: int) -> list[str]:
         import sys
         return [sys.executable, "-c", "import sys; print('model path does not exist'); sys.exit(3)"]
 

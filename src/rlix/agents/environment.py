@@ -1,9 +1,14 @@
 """A pipeline's agent environment, assembled: the policy gateway on the pipeline's data-plane
 thread (beside its router), the environment's supervisor actor (agent + resources servers), and
-the episode runner the collector calls."""
+the episode runner the collector calls.
+
+The gateway has a token of its own, which every episode's request hands the agent server: the
+environment's servers are the user's code, and the run's token (the shards': sleep, weights)
+never reaches them."""
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +25,9 @@ from rlix.errors import AgentEnvError, one_line
 
 class PipelineEnvironment:
     def __init__(self, cfg: EnvConfig, pipeline: str, api_key: str, log_dir: Path) -> None:
-        self.cfg, self.pipeline, self.api_key, self.log_dir = cfg, pipeline, api_key, log_dir
+        """`api_key`, the run's token, is not used: the policy gateway gets its own."""
+        self.cfg, self.pipeline, self.log_dir = cfg, pipeline, log_dir
+        self.api_key = secrets.token_urlsafe(24)  # the gateway's: all an agent may do is ask the policy
         self.gateway: PolicyGateway | None = None
         self.server: GatewayServer | None = None
         self.supervisor: Any = None

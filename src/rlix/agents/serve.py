@@ -1,5 +1,7 @@
 """`python -m rlix.agents.serve {resources|agent} --target module:Class ...`: one environment
-server (what the supervisor starts). A target that cannot be loaded is one line on stderr, exit 2."""
+server (what the supervisor starts). A target that cannot be loaded is one line on stderr, exit 2.
+The supervisor passes the settings in RLIX_ENV_SERVER_CONFIG (a command line is readable by every
+user of the machine, and `options` may hold credentials); `--config` is for a server started by hand."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 
 import uvicorn
 
+from rlix import env
 from rlix.agents.sdk import AgentServer, ResourcesServer
 from rlix.envs.agent_config import EnvConfig
 
@@ -32,13 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True, help="module:Class")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--config", default="{}", help="the environment's settings (EnvConfig as JSON)")
+    ap.add_argument("--config", default=None,
+                    help="the environment's settings (EnvConfig as JSON; default: RLIX_ENV_SERVER_CONFIG, else {})")
     ap.add_argument("--options", default=None,
                     help="resources: keyword arguments of its class (JSON object; replaces the config's options)")
     ap.add_argument("--resources-url", default=None, help="agent: where its resources server is")
     args = ap.parse_args(argv)
     try:
-        cfg = EnvConfig.model_validate_json(args.config)
+        cfg = EnvConfig.model_validate_json(args.config or env.env_server_config() or "{}")
         if args.options is not None:
             options = json.loads(args.options)
             if not isinstance(options, dict):

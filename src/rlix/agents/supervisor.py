@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import ray
 
+from rlix import env
 from rlix.envs.agent_config import EnvConfig
 from rlix.errors import AgentEnvError, EngineStateError, one_line
 from rlix.inference.fleet.shard_process import ShardProcess
@@ -38,20 +39,25 @@ class EnvServerSpec:
     health_path = "/health"
     supports_sleep = False
     ready_requests: tuple[tuple[str, dict], ...] = ()
+    #: no token: the servers are the user's code; each episode's request names the policy
+    #: endpoint and its token (the gateway's own, never the shards')
+    api_key_env: str | None = None
 
     def __init__(self, role: str, cfg: EnvConfig, resources_url: str | None = None) -> None:
         self.name, self.cfg, self.resources_url = f"{cfg.name}-{role}", cfg, resources_url
         self.role = role
         self.startup_timeout_s = cfg.startup_timeout_s
 
-    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+    def command(self, *, host: str, port: int) -> list[str]:
         target = self.cfg.resources if self.role == "resources" else self.cfg.agent
         cmd = [sys.executable, "-m", "rlix.agents.serve", self.role, "--target", target, "--host", host,
-               "--port", str(port), "--config", self.cfg.model_dump_json()]
+               "--port", str(port)]
         return cmd + (["--resources-url", self.resources_url] if self.resources_url else [])
 
     def env(self) -> dict[str, str]:
-        return {}
+        """The settings in the environment, not the command line: `options` are the user's and
+        may hold credentials (every user of the machine can read a command line)."""
+        return {env.ENV_SERVER_CONFIG_VAR: self.cfg.model_dump_json()}
 
 
 def _exit_code(guard_code: int | None) -> int | None:

@@ -20,13 +20,14 @@ from pathlib import Path
 import ray
 
 from rlix import env
-from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, parse_quotas
+from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, jobs_file, parse_quotas
 from rlix.cluster.reaper import GRACE_S, session_members
 from rlix.cluster.registry import get_registry
 from rlix.config import load_config
 from rlix.config.preflight import preflight
 from rlix.errors import ConfigError
 from rlix.httpkit import check_ray_address
+from rlix.private_files import open_private
 from rlix.procguard import pid_alive
 from rlix.scheduler.planning.planner import PlannerParams
 
@@ -110,7 +111,8 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
     cluster_dir().mkdir(parents=True, exist_ok=True)
     state_path().unlink(missing_ok=True)
     # the head runs under a reaper that ends whatever it leaves in its session when it dies
-    cmd = [sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state_path()), "--",
+    cmd = [sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state_path()),
+           "--jobs", str(jobs_file(state_path())), "--",
            sys.executable, "-m", "rlix.cluster.head", "--state", str(state_path()),
            "--num-cpus", str(num_cpus), "--gpu-slices", str(gpu_slices),
            "--dwell-s", str(dwell_s), "--aging-s", str(aging_s), "--rotate-s", str(rotate_s)]
@@ -125,7 +127,7 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
         if port is not None:
             cmd += [flag, str(port)]
     log = cluster_dir() / "head.log"
-    with log.open("ab") as fh:
+    with open_private(log, "ab") as fh:  # it holds the cluster's address: the owner's alone
         head = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)  # it outlives this command: that is the point
     deadline = time.monotonic() + UP_TIMEOUT_S
@@ -196,7 +198,7 @@ def submit(config_path: str, *, name: str | None = None, user: str | None = None
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.driver", "--job", job.name, "--config", job.config,
            "--address", address] + (["--resume"] if resume else [])
-    with log.open("ab") as fh:
+    with open_private(log, "ab") as fh:  # it holds the cluster's address: the owner's alone
         subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          start_new_session=True)  # an independent Ray job: it outlives this shell
     where = (f"queued, position {row['queue_position']}: {row['reason']}" if row["state"] == "queued"

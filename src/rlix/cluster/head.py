@@ -25,9 +25,10 @@ from pathlib import Path
 
 import ray
 
-from rlix.cluster.jobs import parse_quotas
+from rlix.cluster.jobs import Job, book_file_text, end_unfinished, jobs_file, parse_quotas, read_book_file
 from rlix.cluster.registry import ClusterInfo, start_registry
 from rlix.placement import GpuReservation
+from rlix.private_files import write_private
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 
@@ -81,24 +82,29 @@ def main(argv: list[str] | None = None) -> int:
     address = ray.get_runtime_context().gcs_address
     info = ClusterInfo(address=address, reservation=reservation, topology=topology,
                        gpu_slices=args.gpu_slices, params=params, started_at=time.time())
-    registry = start_registry(info, quotas)
+    # the jobs of the cluster's earlier life: ended by its reaper when its head died (or here,
+    # when nothing ended them), shown by `rlix jobs`
+    book_file = jobs_file(state)
+    earlier = read_book_file(book_file)
+    end_unfinished(earlier, "the cluster went down without ending it (its head did not stop cleanly)")
+    registry = start_registry(info, quotas, tuple(Job.from_record(r) for r in earlier))
     ray.get(registry.jobs.remote())  # up and answering
     registry.watch_drivers.remote()  # for as long as the registry lives
-    tmp = state.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"address": address, "pid": os.getpid(), "session": os.getsid(0),
-                               "gpus": gpus.num_gpus,
-                               "scheduled_gpus": topology.num_gpus, "gpu_slices": args.gpu_slices,
-                               "cuda": reservation.has_cuda, "started_at": info.started_at,
-                               "quotas": {"users": quotas.users, "default": quotas.default}, **urls}))
-    tmp.replace(state)
+    # mode 0600: the cluster's address (and its endpoints') is for its owner's commands only
+    write_private(state, json.dumps({"address": address, "pid": os.getpid(), "session": os.getsid(0),
+                                     "gpus": gpus.num_gpus,
+                                     "scheduled_gpus": topology.num_gpus, "gpu_slices": args.gpu_slices,
+                                     "cuda": reservation.has_cuda, "started_at": info.started_at,
+                                     "quotas": {"users": quotas.users, "default": quotas.default}, **urls}))
     print(f"rlix head: up at {address}, {gpus.num_gpus} GPU(s)"
           f"{f' as {topology.num_gpus} slices' if args.gpu_slices > 1 else ''}", flush=True)
     for what, url in urls.items():
         if url:
             print(f"rlix head: {what} at {url}", flush=True)
+    written = ""
     try:
         while not stop.wait(1.0):
-            pass
+            written = _save_book(registry, book_file, written)
         print("rlix head: going down: cancelling live jobs", flush=True)
         t_down = time.monotonic()
         live = ray.get(registry.live_jobs.remote(), timeout=30)
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     pass
         print(f"rlix head: jobs stopped in {time.monotonic() - t_down:.1f} s", flush=True)
         ray.get(registry.forget.remote(), timeout=30)
+        book_file.unlink(missing_ok=True)  # every job ended: a clean end keeps no book
     finally:
         for actor in (registry, scheduler):
             try:
@@ -129,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         print("rlix head: down", flush=True)
     return 0
+
+
+def _save_book(registry, path: Path, written: str) -> str:  # type: ignore[no-untyped-def]
+    """The registry's jobs to `path` (0600) when they changed since `written`; returns what the
+    file holds. A registry that does not answer (restarting) is asked again next time."""
+    try:
+        text = book_file_text(ray.get(registry.records.remote(), timeout=10))
+    except Exception:  # noqa: BLE001 - Ray restarts the registry: the next round writes
+        return written
+    if text != written:
+        write_private(path, text)
+    return text
 
 
 def _endpoints(scheduler) -> dict | str:

@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from rlix.cluster.jobs import book_file_text, end_unfinished, read_book_file
+from rlix.private_files import write_private
+
 GRACE_S = 5.0
 
 
@@ -60,9 +63,6 @@ def end_session(sid: int, me: int, grace_s: float = GRACE_S) -> list[int]:
 def record_head_death(path: Path, why: str) -> int:
     """The jobs still live in the head's book file end as failed with `why`: the next `rlix up`
     lists them so. Returns how many."""
-    from rlix.cluster.jobs import book_file_text, end_unfinished, read_book_file  # light: no Ray
-    from rlix.private_files import write_private
-
     records = read_book_file(path)
     n = end_unfinished(records, why)
     if n:

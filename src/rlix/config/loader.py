@@ -1,50 +1,37 @@
-"""Load YAML into typed config; every failure becomes one ConfigError line naming file and field."""
+"""Load YAML into typed config; every failure becomes one ConfigError line naming file and field.
+
+The file is read by rlix.config.safe_yaml (bounded: no alias bombs, no duplicate keys); every
+message is one line of at most rlix.errors.MAX_MESSAGE characters, inputs shortened.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from rlix.errors import ConfigError
+from rlix.errors import ConfigError, problems_line, short_repr
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import anchor
+from rlix.config.safe_yaml import load_yaml  # noqa: F401 - also read from here
 
 M = TypeVar("M", bound=BaseModel)
 
 
 def format_validation_error(source: str, err: ValidationError) -> str:
-    """`file: field.path: reason (got value)` for each problem, joined on one line."""
+    """`file: field.path: reason (got value)` for each problem, joined on one line of at most
+    MAX_MESSAGE characters (each value shortened)."""
     parts = []
-    for e in err.errors():
+    for e in err.errors(include_url=False):
         loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling)"
         elif "input" in e and e["type"] != "missing" and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
-        parts.append(f"{loc or '<top>'}: {msg}")
-    return f"{source}: " + "; ".join(parts)
-
-
-def load_yaml(path: str | Path) -> object:
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"{p}: is a directory, not a config file")
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such file")
-    try:
-        return yaml.safe_load(p.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except PermissionError:
-        raise ConfigError(f"{p}: not readable (permission denied)") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{p}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
+            msg = f"{msg} (got {short_repr(e['input'])})"
+        parts.append(f"{loc[:120] or '<top>'}: {msg[:300]}")
+    return problems_line(source, parts)
 
 
 def load_model(model: type[M], path: str | Path, error: type[ConfigError] = ConfigError) -> M:

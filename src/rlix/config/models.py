@@ -1,33 +1,120 @@
 """Typed configuration: the cluster, the scheduler's knobs and each pipeline.
 
 Pure pydantic (no torch, no Ray) so a bad file is refused before anything heavy starts.
-Unknown keys are errors: a typo must not silently fall back to a default.
+Unknown keys are errors: a typo must not silently fall back to a default. Every value that would
+fail or misbehave after start is refused here, each rule in one place: every float of every
+model is finite (`_Strict`), no number is a boolean (`Int`, `Float`), every int and float has a
+range (its Field), names are safe path components (`Name`), paths are not empty (`PathStr`).
+docs/CONFIG.md lists the bounds.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from rlix.config.safe_yaml import load_yaml
 from rlix.envs.agent_config import EnvConfig
 from rlix.errors import ConfigError
 from rlix.envs.config import TaskConfig
-from rlix.scheduler.costs import MoveCosts, load_move_costs
+from rlix.scheduler.costs import MoveCosts, load_move_costs, move_costs_from
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
 
+#: counts without a smaller natural bound (steps, intervals, failures in a row): int32
+MAX_COUNT = 2**31 - 1
+#: a seed: what torch.manual_seed takes (random.Random takes any int)
+MAX_SEED = 2**63 - 1
+#: every duration, in seconds (~116 days; threading and asyncio refuse timeouts past ~292 years)
+MAX_SECONDS = 1e7
+#: GPUs (or slices) a count of GPUs or shards may name; nodes of a cluster
+MAX_GPUS, MAX_NODES = 4096, 1024
+#: GPUs on one node; GPUs of one tensor-parallel shard
+MAX_GPUS_PER_NODE = 64
+#: tokens of a context or a response
+MAX_TOKENS = 1 << 20
+#: sequences or samples in one batch, group or step
+MAX_SEQS = 1 << 16
+#: a pipeline's name is a folder under run_dir and part of Ray actor names
+MAX_NAME = 64
+#: sampling temperature: logits / temperature overflows (then NaN) below MIN, flattens past MAX
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+#: a path in the config
+MAX_PATH = 4096
+
+
+def _number(value: object) -> object:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got a boolean (YAML reads true/false/yes/no/on/off as one)")
+    return value
+
+
+def _at_least(minimum: float, why: str) -> AfterValidator:
+    """A lower bound tighter than the field's own (`gt=0` keeps its message for 0 and below)."""
+    def check(value: float) -> float:
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum:g} ({why})")
+        return value
+    return AfterValidator(check)
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    return value
+
+
+def _path(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return _no_nul(value)
+
+
+def _name(value: str) -> str:
+    if value in (".", ".."):
+        raise ValueError("must not be '.' or '..': a pipeline's metrics, checkpoint and logs go in the "
+                         "folder of its name under run_dir")
+    return value
+
+
+#: an int that is not a boolean (bounds: each field's own)
+Int = Annotated[int, BeforeValidator(_number)]
+#: a float that is not a boolean (finite: every model's allow_inf_nan=False; bounds: each field's own)
+Float = Annotated[float, BeforeValidator(_number)]
+#: a duration in seconds, at most MAX_SECONDS (the lower bound: each field's own)
+Seconds = Annotated[float, BeforeValidator(_number), Field(le=MAX_SECONDS)]
+#: a path: not empty, no NUL
+PathStr = Annotated[str, Field(max_length=MAX_PATH), AfterValidator(_path)]
+#: a name that is safe as one path component: letters, digits, '.', '_', '-'; not '.' or '..'
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9_.-]+$"), AfterValidator(_name)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: no float field of any config model takes inf or nan (a `.inf`
+    # temperature or timeout passed every check and failed, or hung, after start)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ClusterConfig(_Strict):
     """The GPUs rlix schedules. "auto" reads them from the Ray cluster's resources."""
 
-    nodes: int | Literal["auto"] = Field("auto", description="number of nodes, or auto")
-    gpus_per_node: int | Literal["auto"] = Field("auto", description="GPUs on each node, or auto")
-    gpu_slices: int = Field(1, ge=1, le=8, description="the scheduler sees each GPU as this many GPUs "
+    nodes: Int | Literal["auto"] = Field("auto", description=f"number of nodes (1..{MAX_NODES}), or auto")
+    gpus_per_node: Int | Literal["auto"] = Field("auto", description=f"GPUs on each node (1..{MAX_GPUS_PER_NODE}), "
+                                                                     f"or auto")
+    gpu_slices: Int = Field(1, ge=1, le=8, description="the scheduler sees each GPU as this many GPUs "
                                                        "(slices), each with 1/N of its memory: shards and "
                                                        "trainers of several pipelines then share one GPU "
                                                        "at once; every GPU count and id in the config "
@@ -41,10 +128,12 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _positive(self) -> "ClusterConfig":
-        for field in ("nodes", "gpus_per_node"):
+        for field, most in (("nodes", MAX_NODES), ("gpus_per_node", MAX_GPUS_PER_NODE)):
             value = getattr(self, field)
             if value != "auto" and value < 1:
                 raise ValueError(f"{field} must be >= 1 or 'auto', got {value}")
+            if value != "auto" and value > most:
+                raise ValueError(f"{field} must be <= {most} or 'auto', got {value}")
         return self
 
     @property
@@ -74,18 +163,18 @@ class ClusterConfig(_Strict):
 class SchedulerConfig(_Strict):
     """Planner knobs; see rlix.scheduler.planning.planner.PlannerParams."""
 
-    dwell_s: float = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
-    aging_s: float = Field(60.0, ge=0, description="a request waiting this long goes first")
-    rotate_s: float = Field(120.0, ge=0, description="with more pipelines wanting a shard than GPUs, a "
+    dwell_s: Seconds = Field(30.0, ge=0, description="a woken shard is not shrunk again for this long")
+    aging_s: Seconds = Field(60.0, ge=0, description="a request waiting this long goes first")
+    rotate_s: Seconds = Field(120.0, ge=0, description="with more pipelines wanting a shard than GPUs, a "
                                                      "pipeline keeps its only shard this long before the "
                                                      "one waiting longest takes it")
-    report_stale_s: float | None = Field(None, gt=0, description="a progress report older than this counts "
+    report_stale_s: Seconds | None = Field(None, gt=0, description="a progress report older than this counts "
                                                                  "as none (full demand); null: never stale")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve the scheduler's Prometheus "
+    metrics_port: Int | None = Field(None, ge=0, le=65535, description="serve the scheduler's Prometheus "
                                                                        "metrics on 127.0.0.1 at this port "
                                                                        "(0: a free one, named in the run "
                                                                        "log); null: not served")
-    dashboard_port: int | None = Field(None, ge=0, le=65535, description="serve the live dashboard (GPU "
+    dashboard_port: Int | None = Field(None, ge=0, le=65535, description="serve the live dashboard (GPU "
                                                                          "timeline, pipelines table) on "
                                                                          "127.0.0.1 at this port (0: a "
                                                                          "free one, printed by rlix run); "
@@ -99,10 +188,13 @@ class SchedulerConfig(_Strict):
     @field_validator("move_costs", mode="before")
     @classmethod
     def _cost_table(cls, value: object) -> object:
-        """A path names a measured table: read here, so a bad one is refused with the config."""
+        """A path names a measured table: read here (by the config's own bounded YAML loader),
+        so a bad one is refused with the config."""
         if isinstance(value, str):
             try:
-                return load_move_costs(value)
+                if not Path(value).expanduser().is_file():
+                    return load_move_costs(value)  # its own "no such cost table"
+                return move_costs_from(load_yaml(Path(value).expanduser()), str(Path(value).expanduser()))
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return value
@@ -133,11 +225,13 @@ class LengthTail(_Strict):
     median is `median`. A draw is rounded, then kept within [min, rollout.max_new_tokens]."""
 
     dist: Literal["lognormal", "pareto"] = Field(description="lognormal (needs sigma) or pareto (needs alpha)")
-    median: float = Field(gt=0, description="the draws' median, in tokens")
-    sigma: float | None = Field(None, gt=0, description="lognormal: sigma of the underlying normal "
-                                                        "(1.0: p99 is ~10x the median)")
-    alpha: float | None = Field(None, gt=0, description="pareto: the tail index (1.0: p99 is ~50x the median)")
-    min: int = Field(1, ge=1, description="the shortest limit drawn, in tokens")
+    median: Float = Field(gt=0, le=MAX_TOKENS, description="the draws' median, in tokens")
+    sigma: Float | None = Field(None, gt=0, le=10, description="lognormal: sigma of the underlying normal "
+                                                              "(1.0: p99 is ~10x the median; above 10 a draw "
+                                                              "overflows)")
+    alpha: Annotated[Float, Field(gt=0, le=100), _at_least(0.1, "a heavier tail overflows a draw")] | None = Field(
+        None, description="pareto: the tail index, 0.1..100 (1.0: p99 is ~50x the median)")
+    min: Int = Field(1, ge=1, le=MAX_TOKENS, description="the shortest limit drawn, in tokens")
 
     @model_validator(mode="after")
     def _its_shape(self) -> "LengthTail":
@@ -154,13 +248,15 @@ class LengthTail(_Strict):
 class RolloutConfig(_Strict):
     """How a pipeline generates: GRPO groups of samples per prompt."""
 
-    groups_per_step: int = Field(8, ge=1, description="prompts (groups) trained on per step")
-    group_size: int = Field(8, ge=2, description="samples per prompt; advantages are normalised within a group")
-    max_new_tokens: int = Field(16, ge=1, description="tokens generated per sample at most")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature (must be > 0 for GRPO to explore)")
-    concurrency: int = Field(8, ge=1, description="groups in flight at once")
-    max_model_len: int = Field(256, ge=16, description="the shards' context length (prompt + response)")
-    max_num_seqs: int = Field(64, ge=1, description="sequences one shard decodes at once")
+    groups_per_step: Int = Field(8, ge=1, le=MAX_SEQS, description="prompts (groups) trained on per step")
+    group_size: Int = Field(8, ge=2, le=MAX_SEQS,
+                            description="samples per prompt; advantages are normalised within a group")
+    max_new_tokens: Int = Field(16, ge=1, le=MAX_TOKENS, description="tokens generated per sample at most")
+    temperature: Annotated[Float, _at_least(MIN_TEMPERATURE, "logits / temperature overflows below it")] = Field(
+        1.0, gt=0, le=MAX_TEMPERATURE, description="sampling temperature (must be > 0 for GRPO to explore)")
+    concurrency: Int = Field(8, ge=1, le=MAX_SEQS, description="groups in flight at once")
+    max_model_len: Int = Field(256, ge=16, le=MAX_TOKENS, description="the shards' context length (prompt + response)")
+    max_num_seqs: Int = Field(64, ge=1, le=MAX_SEQS, description="sequences one shard decodes at once")
     length_tail: LengthTail | None = Field(None, description="draw each sample's token limit (its request's "
                                                              "max_tokens) from a heavy-tailed distribution, "
                                                              "capped at max_new_tokens, reproducibly from the "
@@ -185,28 +281,31 @@ class RolloutConfig(_Strict):
 class VllmOptions(_Strict):
     """vLLM's own settings for a pipeline whose shards are vLLM servers (`engine: vllm`)."""
 
-    max_num_seqs: int | None = Field(None, ge=1, description="vLLM --max-num-seqs (default: rollout.max_num_seqs)")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM --gpu-memory-utilization "
+    max_num_seqs: Int | None = Field(None, ge=1, le=MAX_SEQS,
+                                     description="vLLM --max-num-seqs (default: rollout.max_num_seqs)")
+    gpu_memory_utilization: Float | None = Field(None, gt=0, le=1, description="vLLM --gpu-memory-utilization "
                                                                               "(default: vLLM's)")
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager: no CUDA graphs (faster start)")
-    cpu_kvcache_gib: int = Field(1, ge=1, description="on CPU: KV cache of each server in GiB "
+    cpu_kvcache_gib: Int = Field(1, ge=1, le=4096, description="on CPU: KV cache of each server in GiB "
                                                       "(VLLM_CPU_KVCACHE_SPACE)")
-    startup_timeout_s: float = Field(600.0, gt=0, description="a server not healthy within this fails "
+    startup_timeout_s: Seconds = Field(600.0, gt=0, description="a server not healthy within this fails "
                                                              "(cold start is ~85 s on a 2-core CPU)")
-    extra_args: list[str] = Field(default_factory=list, description="more arguments for vLLM's server, as is")
+    extra_args: list[Annotated[str, AfterValidator(_no_nul)]] = Field(
+        default_factory=list, description="more arguments for vLLM's server, as is")
 
 
 class TrainConfig(_Strict):
     """The trainer's optimiser and loss settings (see rlix.training)."""
 
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
-    weight_decay: float = Field(0.0, ge=0)
-    micro_batch_size: int = Field(16, ge=1, description="samples per forward/backward (gradients accumulate)")
-    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial model (0 = no reference model)")
+    lr: Float = Field(1e-3, gt=0, le=1, description="AdamW learning rate")
+    weight_decay: Float = Field(0.0, ge=0, le=100)
+    micro_batch_size: Int = Field(16, ge=1, le=MAX_SEQS,
+                                  description="samples per forward/backward (gradients accumulate)")
+    clip_eps: Float = Field(0.2, gt=0, le=10, description="PPO ratio clip")
+    kl_coef: Float = Field(0.0, ge=0, le=1e6, description="KL penalty to the initial model (0 = no reference model)")
     aggregation: Literal["token", "sequence"] = Field("token", description="loss mean over tokens or sequences")
-    max_grad_norm: float = Field(1.0, gt=0)
-    bucket_mib: int | None = Field(None, ge=1, description="weight-sync bucket size in MiB (null: 256 on "
+    max_grad_norm: Float = Field(1.0, gt=0, le=1e12)
+    bucket_mib: Int | None = Field(None, ge=1, le=16384, description="weight-sync bucket size in MiB (null: 256 on "
                                                          "CUDA, where each bucket's fixed cost, a "
                                                          "message and a copy launch, outweighs its "
                                                          "bytes at 64; 64 on CPU)")
@@ -215,38 +314,44 @@ class TrainConfig(_Strict):
 class PipelineConfig(_Strict):
     """One RL pipeline: what the scheduler sees, and what it trains."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    priority: int = Field(0, description="strict tiers: a higher priority is always served first")
-    weight: float = Field(1.0, gt=0, description="share of rollout GPUs within its tier")
-    model: str = Field("tiny", min_length=1, description="model preset name or local checkpoint path")
-    train_gpus: int = Field(1, ge=1, description="GPUs the trainer needs for one step")
-    tp: int = Field(1, ge=1, description="GPUs per inference shard (tensor parallel size)")
-    min_shards: int = Field(1, ge=0, description="shards kept whenever it has rollout demand")
-    max_shards: int = Field(1, ge=1, description="most inference shards it can use")
+    name: Name = Field(description=f"1..{MAX_NAME} letters, digits, '.', '_' or '-' (not '.' or '..'): its "
+                                   f"folder under run_dir")
+    priority: Int = Field(0, ge=-MAX_COUNT, le=MAX_COUNT,
+                          description="strict tiers: a higher priority is always served first")
+    weight: Float = Field(1.0, gt=0, le=1e6, description="share of rollout GPUs within its tier")
+    model: PathStr = Field("tiny", description="model preset name or local checkpoint path")
+    train_gpus: Int = Field(1, ge=1, le=MAX_GPUS, description="GPUs the trainer needs for one step")
+    tp: Int = Field(1, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs per inference shard (tensor parallel size)")
+    min_shards: Int = Field(1, ge=0, le=MAX_GPUS, description="shards kept whenever it has rollout demand")
+    max_shards: Int = Field(1, ge=1, le=MAX_GPUS, description="most inference shards it can use (x tp: at most "
+                                                              "the cluster's GPUs)")
     partial_overlap: bool = Field(True, description="its shards may sleep on its training GPUs")
-    max_staleness: int = Field(1, ge=0, description="oldest weight version a trained trajectory may use, in steps")
-    seqs_per_shard: int = Field(8, ge=1, description="trajectories one shard should carry; converts demand to shards")
-    steps: int = Field(20, ge=1, description="training steps to run")
-    seed: int = Field(0, description="seeds prompts, sampling and the trainer")
+    max_staleness: Int = Field(1, ge=0, le=MAX_COUNT,
+                               description="oldest weight version a trained trajectory may use, in steps")
+    seqs_per_shard: Int = Field(8, ge=1, le=MAX_SEQS,
+                                description="trajectories one shard should carry; converts demand to shards")
+    steps: Int = Field(20, ge=1, le=MAX_COUNT, description="training steps to run")
+    seed: Int = Field(0, ge=0, le=MAX_SEED, description="seeds prompts, sampling and the trainer")
     task: TaskConfig = Field(default_factory=TaskConfig, description="what the policy is rewarded for")
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
-    gpus: list[int] | None = Field(None, description="standalone mode: the fixed GPUs this pipeline uses "
-                                                     "(default: all); ignored when time-sharing")
-    checkpoint_every: int = Field(10, ge=0, description="save a checkpoint every N steps (0: only at "
+    gpus: list[Annotated[Int, Field(ge=0, le=MAX_GPUS)]] | None = Field(
+        None, description="standalone mode: the fixed GPUs this pipeline uses (default: all); ignored when "
+                          "time-sharing")
+    checkpoint_every: Int = Field(10, ge=0, le=MAX_COUNT, description="save a checkpoint every N steps (0: only at "
                                                         "the end); one is also saved on Ctrl-C and "
                                                         "when the pipeline fails, if its trainer lives")
-    max_failed_groups: int = Field(32, ge=0, description="stop the pipeline when this many groups in a row "
-                                                        "fail (a verifier that raises, no shard "
-                                                        "answering); 0: never")
+    max_failed_groups: Int = Field(32, ge=0, le=MAX_COUNT,
+                                   description="stop the pipeline when this many groups in a row fail (a "
+                                               "verifier that raises, no shard answering); 0: never")
     restart: Literal["never", "on_failure"] = Field(
         "never", description="on_failure: a failed pipeline (error, dead process, hang) is started "
                              "again from its last checkpoint, up to max_restarts times")
-    max_restarts: int = Field(2, ge=0, description="restarts of this pipeline at most (restart: on_failure)")
+    max_restarts: Int = Field(2, ge=0, le=1000, description="restarts of this pipeline at most (restart: on_failure)")
     audit_weights: bool = Field(False, description="after every sync, compare each shard's weight "
                                                    "checksums with the trainer's (a pass over the "
                                                    "weights on both sides: for tests and benchmarks)")
-    cpu_threads: int | None = Field(1, ge=1, description="torch threads of its trainer and of each shard "
+    cpu_threads: Int | None = Field(1, ge=1, le=1024, description="torch threads of its trainer and of each shard "
                                                          "process on CPU (None: torch's default)")
     engine: Literal["embedded", "vllm"] = Field("embedded", description="what its shards run: rlix's "
                                                                       "embedded engine, or real vLLM servers")
@@ -270,6 +375,33 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"gpus {self.gpus} are fewer than train_gpus={self.train_gpus} / tp={self.tp}")
         return self
 
+    @field_validator("task")
+    @classmethod
+    def _task_bounds(cls, task: TaskConfig) -> TaskConfig:
+        """Bounds TaskConfig (rlix.envs.config) does not set on its fields itself."""
+        if task.length > MAX_TOKENS:
+            raise ValueError(f"length must be <= {MAX_TOKENS} (characters scored), got {task.length}")
+        if task.max_operand > MAX_COUNT:
+            raise ValueError(f"max_operand must be <= {MAX_COUNT}, got {task.max_operand}")
+        if task.path is not None:
+            _path(task.path)
+        return task
+
+    @field_validator("env")
+    @classmethod
+    def _env_bounds(cls, env: EnvConfig | None) -> EnvConfig | None:
+        """Bounds EnvConfig (rlix.envs.agent_config) does not set on its fields itself."""
+        if env is None:
+            return env
+        for field in ("tool_latency_s", "episode_timeout_s", "startup_timeout_s"):
+            value = getattr(env, field)
+            if not math.isfinite(value) or value > MAX_SECONDS:
+                raise ValueError(f"{field} must be a finite number of seconds <= {MAX_SECONDS:g}, got {value}")
+        for field in ("max_turns", "max_restarts", "episode_retries"):
+            if getattr(env, field) > 1000:
+                raise ValueError(f"{field} must be <= 1000, got {getattr(env, field)}")
+        return env
+
     def spec(self, frees_memory: bool = True) -> PipelineSpec:
         """For the scheduler. `frees_memory`: its shards give GPU memory back when preempted
         (false for vLLM where sleep mode is refused: its shards only pause)."""
@@ -285,7 +417,8 @@ class PipelineConfig(_Strict):
 class WandbConfig(_Strict):
     """Per-step metrics to Weights & Biases (needs `pip install wandb`, or the `wandb` extra)."""
 
-    project: str = Field("rlix", min_length=1, description="wandb project")
+    project: str = Field("rlix", min_length=1, max_length=128, pattern=r"^[^/\\#?%:]+$",
+                         description="wandb project (wandb refuses / \\ # ? % : and more than 128 characters)")
     entity: str | None = Field(None, description="wandb entity (user or team); null: wandb's default")
     mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="offline: written under run_dir/<pipeline>/wandb/ without a network (upload "
@@ -315,20 +448,21 @@ class RlixConfig(_Strict):
                                                "cluster's GPUs as fake ones")
     dtype: DType = Field("auto", description="weights and compute dtype (auto: bfloat16 on cuda, the "
                                              "checkpoint's on cpu)")
-    release_timeout_s: float = Field(60.0, gt=0, description="how long a GPU's holder may take to "
+    release_timeout_s: Seconds = Field(60.0, gt=0, description="how long a GPU's holder may take to "
                                                              "confirm its memory is free before the "
                                                              "pipeline is failed and the GPU taken back")
-    heartbeat_timeout_s: float = Field(60.0, gt=0, description="a pipeline whose actor does not answer "
+    heartbeat_timeout_s: Seconds = Field(60.0, gt=0, description="a pipeline whose actor does not answer "
                                                                "a progress call for this long is "
                                                                "failed as hung (and its processes ended)")
-    setup_timeout_s: float = Field(900.0, gt=0, description="a pipeline not set up (trainer and model "
+    setup_timeout_s: Seconds = Field(900.0, gt=0, description="a pipeline not set up (trainer and model "
                                                             "loaded, answering) within this is failed")
     scheduler: SchedulerConfig = SchedulerConfig()
     control_plane: Literal["rlix", "standalone"] = Field(
         "rlix", description="rlix: pipelines time-share GPUs through the scheduler; standalone: each "
                             "runs on fixed GPUs (env RLIX_CONTROL_PLANE overrides)")
-    run_dir: str = Field("runs/latest", description="where logs, metrics and checkpoints go")
-    vllm_python: str | None = Field(None, description="Python of an environment with vLLM, for pipelines "
+    run_dir: PathStr = Field("runs/latest", description="where logs, metrics and checkpoints go (not empty: "
+                                                        "'.' is the current directory)")
+    vllm_python: PathStr | None = Field(None, description="Python of an environment with vLLM, for pipelines "
                                                       "with engine: vllm (default: RLIX_VLLM_PYTHON, else "
                                                       "the one scripts/setup-vllm.sh linked into the venv)")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="per-step metrics to "

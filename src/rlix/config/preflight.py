@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from rlix import env
 from rlix.config.models import PipelineConfig, RlixConfig
 from rlix.envs import make_task
 from rlix.envs.verifiers import anchor_verifier
-from rlix.errors import ConfigError
+from rlix.errors import ConfigError, problems_line
 from rlix.models.presets import PRESETS
 
 #: files a model directory must hold to be a checkpoint the trainer and shards can load
@@ -52,6 +54,7 @@ def problems(cfg: RlixConfig) -> list[str]:
     for i, p in enumerate(cfg.pipelines):
         where = f"pipelines[{i}] ({p.name})"
         found += [f"{where}.model: {m}" for m in _model(p.model)]
+        found += [f"{where}.rollout: {m}" for m in _context(p)]
         try:
             make_task(p.task)  # reads a task file line by line, imports the verifier
         except ConfigError as exc:
@@ -102,7 +105,33 @@ def preflight(cfg: RlixConfig, source: str) -> None:
     """Raise one ConfigError naming `source` and every problem; nothing is created."""
     found = problems(cfg)
     if found:
-        raise ConfigError(f"{source}: " + "; ".join(found))
+        raise ConfigError(problems_line(source, found))
+
+
+#: what `rlix run` writes in run_dir, besides each pipeline's folder, once Ray has started (its
+#: run.log is appended to, never replaced: a start that failed before Ray leaves only that)
+RUN_FILES = ("summary.json",)
+
+
+def previous_run(cfg: RlixConfig) -> list[str]:
+    """What a previous run left in run_dir that a new one would overwrite or mix with: its
+    summary, and the folder (metrics, checkpoint) of each pipeline of this config."""
+    run_dir = Path(cfg.run_dir).expanduser()
+    if not run_dir.is_dir():
+        return []
+    found = [name for name in RUN_FILES if (run_dir / name).exists()]
+    return found + [f"{p.name}/" for p in cfg.pipelines if (run_dir / p.name).exists()]
+
+
+def refuse_reused_run_dir(cfg: RlixConfig, source: str) -> None:
+    """`rlix run` without --resume or --overwrite: a run_dir with a previous run's outputs is
+    refused, rather than its metrics and checkpoints silently replaced."""
+    found = previous_run(cfg)
+    if found:
+        raise ConfigError(problems_line(source, [
+            f"run_dir: {cfg.run_dir} holds a previous run ({', '.join(found[:4])}"
+            f"{', ...' if len(found) > 4 else ''}); give --resume to continue it, --overwrite to replace it, "
+            f"or another run_dir"]))
 
 
 def _vllm_python(python: str | None) -> str | None:
@@ -139,13 +168,39 @@ def _model(model: str) -> list[str]:
     return [f"{model!r} is not a checkpoint: no {', no '.join(missing)}"] if missing else []
 
 
+def _context(p: PipelineConfig) -> list[str]:
+    """The rollout's context: room for a prompt besides max_new_tokens (else every request is
+    refused, and the pipeline stalls after max_failed_groups), and within the model's own
+    context, its max_position_embeddings (else the shards fail to start, after Ray)."""
+    found = []
+    rollout = p.rollout
+    if rollout.max_new_tokens >= rollout.max_model_len:
+        found.append(f"max_new_tokens ({rollout.max_new_tokens}) must be below max_model_len "
+                     f"({rollout.max_model_len}): a prompt and its response share the context")
+    if p.model in PRESETS:
+        limit: object = PRESETS[p.model].max_position_embeddings
+    else:
+        try:
+            limit = json.loads((Path(p.model).expanduser() / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            limit = None  # no readable config.json: _model says what is wrong
+    if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < rollout.max_model_len:
+        found.append(f"max_model_len ({rollout.max_model_len}) exceeds the model's context "
+                     f"(max_position_embeddings {limit})")
+    return found
+
+
 def _fits(cfg: RlixConfig, p: PipelineConfig) -> list[str]:
-    """Its floor of shards (and its trainer, without partial overlap) must fit the cluster."""
+    """Its floor of shards (and its trainer, without partial overlap) must fit the cluster, and
+    so must its most shards (more could never run: the config would promise what it cannot do)."""
     if cfg.cluster.is_auto:
         return []
     total = cfg.cluster.scheduled_gpus
     need = p.min_shards * p.tp + (0 if p.partial_overlap else p.train_gpus)
     if need <= total:
+        if p.max_shards * p.tp > total:
+            return [f"max_shards={p.max_shards} x tp={p.tp} needs {p.max_shards * p.tp} GPUs but the cluster "
+                    f"has {total} (lower max_shards)"]
         return []
     how = f"min_shards={p.min_shards} x tp={p.tp}" + ("" if p.partial_overlap else
                                                        f" + train_gpus={p.train_gpus} (partial_overlap off)")
@@ -153,16 +208,28 @@ def _fits(cfg: RlixConfig, p: PipelineConfig) -> list[str]:
 
 
 def _writable(run_dir: Path) -> str | None:
+    """What stops `rlix run` from writing in run_dir (or creating it), or None. Tried for real,
+    with a probe made and removed at once (permission bits say nothing to root, nor about
+    read-only mounts or /proc): check leaves nothing behind."""
     path = run_dir.expanduser()
     if path.exists():
         if not path.is_dir():
             return f"{run_dir} exists and is not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else f"{run_dir} is not writable"
+        return None if _can_write_in(path) else f"{run_dir} is not writable"
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         return f"cannot create {run_dir}: {parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _can_write_in(parent):
         return f"cannot create {run_dir}: {parent} is not writable"
     return None
+
+
+def _can_write_in(folder: Path) -> bool:
+    """A folder can be made in `folder` (then removed): what `rlix run` does first."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlix-check-", dir=folder))
+    except OSError:
+        return False
+    return True

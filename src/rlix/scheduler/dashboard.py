@@ -6,12 +6,14 @@ table and the recent GPU role changes in a frame replaced whole, because the HTT
 from its own thread while the scheduler's loop changes the ledger. What depends on the time (a
 pending request's wait, the timeline's right edge) is computed when asked, on the core's clock.
 
-`DashboardServer` serves, on 127.0.0.1 only:
+`DashboardServer` serves, on 127.0.0.1 only, from one event loop (connections capped, request
+heads bounded in size and time, GET and HEAD only):
   GET /               the page (dashboard.html, shipped with the package: plain JS and SVG, no
                       build step, nothing fetched from elsewhere); it polls /api/state every second
   GET /api/state      `DashboardState`: the pipelines table and every GPU's segments over the last
                       `window_s` seconds (query `?window_s=N`, default 300, at most KEEP_S)
   GET /api/pipelines  the table alone;  GET /api/gpus  the GPU rows alone
+  GET /health         200 "ok" (a liveness probe)
 
 Times in the JSON are seconds relative to the answer (`start_s` <= `end_s` <= 0), so the page
 needs no clock of its own. Pipelines are coloured as the run's PNG chart colours them
@@ -21,20 +23,23 @@ generate lighter).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel
 
+from rlix.httpkit import capped
 from rlix.scheduler.core import SchedulerCore, gpu_roles
 from rlix.scheduler.planning.planner import rollout_demand
 from rlix.scheduler.types import Role
@@ -361,8 +366,10 @@ def route(target: str, state: Callable[[float], DashboardState]) -> Answer:
     url = urlsplit(target)
     if url.path in ("/", "/index.html"):
         return Answer(200, "text/html; charset=utf-8", page())
+    if url.path == "/health":  # what a liveness probe asks (it costs nothing)
+        return Answer(200, "text/plain", b"ok")
     if url.path not in ("/api/state", "/api/pipelines", "/api/gpus"):
-        return _json(404, {"error": f"no such page: {url.path}",
+        return _json(404, {"error": f"no such page: {capped(url.path, 200)}",
                            "pages": ["/", "/api/state", "/api/pipelines", "/api/gpus"]})
     raw = parse_qs(url.query).get("window_s", [str(DEFAULT_WINDOW_S)])[-1]
     try:
@@ -370,7 +377,7 @@ def route(target: str, state: Callable[[float], DashboardState]) -> Answer:
         if not window_s > 0 or window_s == float("inf"):
             raise ValueError
     except ValueError:
-        return _json(400, {"error": f"window_s must be a positive number of seconds, got {raw!r}"})
+        return _json(400, {"error": f"window_s must be a positive number of seconds, got {capped(raw, 100)!r}"})
     data = state(window_s)
     if url.path == "/api/pipelines":
         body = "[" + ",".join(r.model_dump_json() for r in data.pipelines) + "]"
@@ -381,63 +388,184 @@ def route(target: str, state: Callable[[float], DashboardState]) -> Answer:
     return Answer(200, "application/json", body.encode())
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """Thin: every GET goes to `route`."""
-
-    server: "_Server"
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        try:
-            answer = route(self.path, self.server.state)
-        except Exception as exc:  # noqa: BLE001 - a bug here must answer, not hang the page
-            log.exception("dashboard: %s failed", self.path)
-            answer = _json(500, {"error": f"{type(exc).__name__}: {exc}"})
-        self.send_response(answer.status)
-        self.send_header("Content-Type", answer.content_type)
-        self.send_header("Content-Length", str(len(answer.body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(answer.body)
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - http.server's signature
-        pass  # one line per poll would drown the scheduler's log
+#: connections open at once (see DashboardServer: one more makes room by closing a waiting one):
+#: 300 half-open connections used to hold 300 threads; now at most this many sockets, no thread
+MAX_CONNECTIONS = 32
+#: seconds a connection may take to send a request head, or stay idle between two requests
+HEAD_TIMEOUT_S = 5.0
+#: the most bytes of a request head (its line and headers): more is answered 431
+MAX_HEAD_BYTES = 8192
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            413: "Content Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    state: Callable[[float], DashboardState]
+def _answer_bytes(answer: Answer, head_only: bool = False, close: bool = False) -> bytes:
+    head = [f"HTTP/1.1 {answer.status} {_REASONS.get(answer.status, '')}",
+            f"Content-Type: {answer.content_type}", f"Content-Length: {len(answer.body)}",
+            "Cache-Control: no-store"]
+    if answer.status == 405:
+        head.append("Allow: GET, HEAD")
+    if close:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if head_only else answer.body)
 
 
 class DashboardServer:
-    """The page and its JSON over HTTP, on a thread of this process."""
+    """The page and its JSON over HTTP, from one asyncio event loop on a thread of this process.
+
+    Why a loop: the scheduler's process must not grow a thread per connection (the standard
+    library's threading server did: 300 half-open connections made 329 threads). Connections are
+    capped (MAX_CONNECTIONS): one over the cap closes the oldest connection that has not sent a
+    request yet, else the oldest idle kept-alive one (a browser opens a new one), else it gets
+    503. A request head must come within HEAD_TIMEOUT_S and fit MAX_HEAD_BYTES, and only GET and
+    HEAD without a body are served (anything else: 405 or 413, the body unread, the connection
+    closed)."""
 
     def __init__(self, state: Callable[[float], DashboardState]) -> None:
         self.state = state
-        self._server: _Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
+        self._port: int | None = None
+        self._tasks: dict[asyncio.StreamWriter, asyncio.Task] = {}  # every open connection's
+        # connections waiting for a request head, oldest first: never served / kept alive
+        self._fresh: dict[asyncio.StreamWriter, None] = {}
+        self._idle: dict[asyncio.StreamWriter, None] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start serving; returns the port (0: a free one is chosen). OSError if it cannot
         listen there (a port taken by another program, one below 1024 without the right)."""
         self.close()
-        server = _Server((host, port), _Handler)
-        server.state = self.state
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="rlix-dashboard", daemon=True)
-        self._thread.start()
-        return int(server.server_port)
+        sock = socket.create_server((host, port))  # here, so that a taken port raises here
+        loop = asyncio.new_event_loop()
+        started: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:  # the loop's own thread (the caller's may run a loop already: Ray's)
+            try:
+                self._server = loop.run_until_complete(asyncio.start_server(
+                    self._connection, sock=sock, limit=MAX_HEAD_BYTES, backlog=1024))
+            except BaseException as exc:  # noqa: BLE001 - handed to serve()
+                started.set_exception(exc)
+                return
+            started.set_result(None)
+            loop.run_forever()
+
+        thread = threading.Thread(target=run, name="rlix-dashboard", daemon=True)
+        thread.start()
+        try:
+            started.result(30)
+        except BaseException:
+            thread.join(5)
+            sock.close()
+            loop.close()
+            raise
+        self._loop, self._thread, self._port = loop, thread, int(sock.getsockname()[1])
+        return self._port
 
     @property
     def port(self) -> int | None:
-        return None if self._server is None else int(self._server.server_port)
+        return self._port
 
     def close(self) -> None:
         """Stop serving (if it was) and free the port."""
+        loop, thread = self._loop, self._thread
+        if loop is None:
+            return
+        if thread is not None and thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._shut(), loop).result(5)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                log.exception("dashboard: closing failed")
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(5)
+        if not loop.is_running():
+            loop.close()
+        self._loop = self._thread = self._server = self._port = None
+
+    async def _shut(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+            self._server.close()
+            await self._server.wait_closed()
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ one connection
+    def _make_room(self) -> bool:
+        """Below the cap, or made so by closing a waiting connection; False if all are busy."""
+        if len(self._tasks) < MAX_CONNECTIONS:
+            return True
+        for waiting in (self._fresh, self._idle):
+            oldest = next(iter(waiting), None)
+            if oldest is not None:
+                waiting.pop(oldest)
+                self._tasks.pop(oldest).cancel()
+                return True
+        return False
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if not self._make_room():
+                await self._send(writer, _json(503, {"error": "too many connections"}), close=True)
+                return
+            self._tasks[writer] = asyncio.current_task()  # type: ignore[assignment]
+            self._fresh[writer] = None
+            while await self._one_request(reader, writer):
+                self._idle[writer] = None
+        except (ConnectionError, OSError, asyncio.CancelledError):
+            pass  # gone, or closed to make room (or by close())
+        finally:
+            for table in (self._tasks, self._fresh, self._idle):
+                table.pop(writer, None)
+            writer.close()
+
+    async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read and answer one request (the connection is in `_fresh` or `_idle` meanwhile);
+        whether the connection stays open for another."""
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.LimitOverrunError, ValueError):
+            too_long = _json(431, {"error": f"request head over {MAX_HEAD_BYTES} bytes"})
+            await self._send(writer, too_long, close=True)
+            return False
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            return False  # half-open, idle or gone: closed
+        finally:
+            self._fresh.pop(writer, None)
+            self._idle.pop(writer, None)
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            await self._send(writer, _json(400, {"error": "malformed request line"}), close=True)
+            return False
+        method, target, version = parts
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        length = headers.get("content-length", "0")
+        if method not in ("GET", "HEAD"):
+            await self._send(writer, _json(405, {"error": f"{capped(method, 20)} is not served: GET only"}),
+                             close=True)
+            return False
+        if not length.isdigit() or int(length) > 0 or "transfer-encoding" in headers:
+            await self._send(writer, _json(413, {"error": "a GET carries no body"}), close=True)
+            return False
+        try:
+            answer = route(target, self.state)
+        except Exception as exc:  # noqa: BLE001 - a bug here must answer, not hang the page
+            log.exception("dashboard: %s failed", capped(target, 200))
+            answer = _json(500, {"error": capped(f"{type(exc).__name__}: {exc}")})
+        keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+        await self._send(writer, answer, head_only=method == "HEAD", close=not keep)
+        return keep
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, answer: Answer, head_only: bool = False,
+                    close: bool = False) -> None:
+        writer.write(_answer_bytes(answer, head_only, close))
+        await writer.drain()

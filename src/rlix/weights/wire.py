@@ -453,15 +453,27 @@ def reap_orphaned_segments(prefix: str = "rlix") -> list[str]:
         pid, _, tail = name[len(prefix) + 1:].partition("-") if name.startswith(prefix + "-") else ("", "", "")
         if not (pid.isdigit() and tail and set(tail) <= set("0123456789abcdef")):
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # gone: its segments are orphans
+        if _gone(int(pid)):  # its segments are orphans
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed.append(name)
-        except OSError:  # alive, not ours to signal
-            pass
     return removed
+
+
+def _gone(pid: int) -> bool:
+    """No process `pid` runs: none exists, or it is a zombie (dead, not yet waited for: a
+    SIGKILLed Ray worker whose raylet died stays one until init reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, not ours to signal
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(") ", 1)[1][0] == "Z"
+    except OSError:
+        return False
 
 
 def _unlink_quietly(path: str) -> None:

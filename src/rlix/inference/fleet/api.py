@@ -17,8 +17,11 @@ class EngineBackend(Protocol):
     supports_sleep: bool
     #: (path, JSON body) posted once the server is healthy, before it is used
     ready_requests: tuple[tuple[str, dict], ...]
+    #: the environment variable the server reads its bearer token from (None: it takes none);
+    #: a token never goes on a command line, which every user of the machine can read
+    api_key_env: str | None
 
-    def command(self, *, host: str, port: int, api_key: str) -> list[str]: ...
+    def command(self, *, host: str, port: int) -> list[str]: ...
 
     def env(self) -> dict[str, str]: ...
 

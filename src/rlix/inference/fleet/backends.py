@@ -3,7 +3,9 @@
 Every backend serves the same HTTP API (server.py's, which is vLLM's), so the router, the
 client and the fleet only ever see a URL; a backend decides just the command line, the child's
 environment and what it can do. `backend:` in `EngineBackendConfig` picks one; `make_backend`
-is the only place that maps the name to a class.
+is the only place that maps the name to a class. `server_launch` is what a shard is started
+with: the command line and the environment, the bearer token in the environment only (every
+user of the machine can read a process's command line in /proc; its environment only its owner).
 """
 
 from __future__ import annotations
@@ -77,17 +79,17 @@ class EmbeddedBackend:
     health_path = "/health"
     supports_sleep = True
     ready_requests: tuple[tuple[str, dict], ...] = ()
+    api_key_env: str | None = env.API_KEY_VAR  # `rlix serve` reads RLIX_API_KEY
 
     def __init__(self, cfg: EngineBackendConfig, python: str | None = None) -> None:
         self.cfg = cfg
         self.python = python or sys.executable
         self.startup_timeout_s = cfg.startup_timeout_s
 
-    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+    def command(self, *, host: str, port: int) -> list[str]:
         cfg = self.cfg
         cmd = [self.python, "-m", "rlix.cli", "serve", "--model", _model_path(cfg),
                "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
-               f"--api-key={api_key}",  # "=": a token may start with "-"
                "--device", cfg.device, "--max-num-seqs", str(cfg.max_num_seqs)]
         if cfg.dtype:
             cmd += ["--dtype", cfg.dtype]
@@ -144,12 +146,14 @@ class VllmBackend:
 
     Started as `python -m vllm.entrypoints.openai.api_server` because the `vllm` console script
     fails for the CPU distribution. On CPU vLLM refuses sleep mode, so `supports_sleep` is False
-    there and the fleet pauses instead of sleeping. Note vLLM's `--api-key` guards /v1 and
+    there and the fleet pauses instead of sleeping. Its token goes in VLLM_API_KEY (what vLLM
+    reads when `--api-key` is not given), never on the command line; note it guards /v1 and
     /inference only, not the dev control endpoints.
     """
 
     name = "vllm"
     health_path = "/health"
+    api_key_env: str | None = env.VLLM_API_KEY_VAR
 
     def __init__(self, cfg: EngineBackendConfig) -> None:
         python = cfg.python or env.vllm_python()
@@ -163,11 +167,11 @@ class VllmBackend:
         # vLLM stamps what it generates "default" until told a version; weights on disk are 0
         self.ready_requests = (("/update_weight_version", {"new_version": "0"}),)
 
-    def command(self, *, host: str, port: int, api_key: str) -> list[str]:
+    def command(self, *, host: str, port: int) -> list[str]:
         cfg = self.cfg
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", _model_path(cfg),
                "--served-model-name", cfg.name_in_api, "--host", host, "--port", str(port),
-               f"--api-key={api_key}", "--max-num-seqs", str(cfg.max_num_seqs),
+               "--max-num-seqs", str(cfg.max_num_seqs),
                "--enable-scale-out"]  # without it /inference/v1/generate answers 403
         if cfg.max_model_len:
             cmd += ["--max-model-len", str(cfg.max_model_len)]
@@ -187,6 +191,18 @@ class VllmBackend:
         if self.cfg.device == "cpu":
             out["VLLM_CPU_KVCACHE_SPACE"] = str(self.cfg.cpu_kvcache_gib)
         return out
+
+
+def server_launch(backend: EngineBackend, *, host: str, port: int,
+                  api_key: str) -> tuple[list[str], dict[str, str]]:
+    """(command line, environment variables to set) of one server: the backend's own variables
+    and the token in the one its server reads (`api_key_env`); the command line holds no token.
+    The caller starts the child with its environment minus env.TOKEN_VARS plus these."""
+    cmd = backend.command(host=host, port=port)
+    child = dict(backend.env())
+    if backend.api_key_env and api_key:
+        child[backend.api_key_env] = api_key
+    return cmd, child
 
 
 def make_backend(cfg: EngineBackendConfig) -> EngineBackend:

@@ -6,6 +6,9 @@ engine-core process): SIGTERM to its process group (whose id is the child's PID)
 has not exited after a grace period. The child is `rlix.procguard` running the server: if this
 process dies without stopping it (SIGKILL), the guard ends the group and removes the log dir of
 our own, so no server outlives its owner.
+
+The bearer token reaches the server in its environment (backends.server_launch), never its
+command line; the log (which holds the server's address) is mode 0600.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from pathlib import Path
 
 import httpx
 
+from rlix import env
 from rlix.errors import EngineStateError
 from rlix.httpkit import free_port
 from rlix.inference.fleet.api import EngineBackend
+from rlix.inference.fleet.backends import server_launch
+from rlix.private_files import open_private
 
 
 class ShardProcess:
@@ -65,15 +71,22 @@ class ShardProcess:
     def start(self) -> None:
         if self.proc is not None:
             raise EngineStateError(f"shard process on port {self.port} already started")
-        cmd = [sys.executable, "-m", "rlix.procguard", "--parent", str(os.getpid()),
-               *(["--cleanup", self._own_log_dir] if self._own_log_dir else []), "--",
-               *self.backend.command(host=self.host, port=self.port, api_key=self.api_key)]
-        child_env = {**os.environ, **self.backend.env(), **self.extra_env}
+        cmd, child_env = self.launch()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open_private(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=child_env,
                                          start_new_session=True)
+
+    def launch(self) -> tuple[list[str], dict[str, str]]:
+        """(command line, whole environment) the guard and its server are started with: the
+        token in the variable the backend names, no token anywhere else (an inherited one is
+        dropped: an environment server, the user's code, gets none)."""
+        server_cmd, server_env = server_launch(self.backend, host=self.host, port=self.port,
+                                               api_key=self.api_key)
+        cmd = [sys.executable, "-m", "rlix.procguard", "--parent", str(os.getpid()),
+               *(["--cleanup", self._own_log_dir] if self._own_log_dir else []), "--", *server_cmd]
+        return cmd, env.child_env({**server_env, **self.extra_env}, drop=env.TOKEN_VARS)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import sys
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,21 +25,36 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlix import env
 from rlix.errors import InvalidRequestError, NoActiveShardError
-from rlix.httpkit import MAX_BODY_BYTES, RequestGuard, bearer, free_port
+from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard, bearer,
+                          bounded_http_protocol, free_port)
 from rlix.inference.router.router import Router
 from rlix.inference.router.shard_table import ShardState
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.control_schema import RouterShardBody, parse_body
+from rlix.inference.server.limits import check_bounds
 from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE, RESPONSES
 from rlix.inference.server.responses_api import from_chat, to_chat
 
 
+#: the admin API's paths (small JSON bodies: MAX_CONTROL_BODY_BYTES)
+ADMIN_PREFIX = "/router/"
+
+
+def body_policy(max_body: int) -> Any:
+    """The router's `BodyPolicy` per path: the data plane `max_body`, watched (a caller that
+    goes away cancels its request); the admin API MAX_CONTROL_BODY_BYTES."""
+    data, admin = BodyPolicy(max_body, watch=True), BodyPolicy(MAX_CONTROL_BODY_BYTES)
+    return lambda path: admin if path.startswith(ADMIN_PREFIX) else data
+
+
 def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI:
-    """Larger request bodies than `max_body` get 413 unread; a caller that goes away cancels
-    its request (and the shard's, whose connection closes)."""
+    """Data-plane request bodies larger than `max_body` get 413 unread, JSON nested too deep 400
+    (RequestGuard, on every path), fields out of bounds 400 naming them (limits.check_bounds),
+    all before anything is relayed; a caller that goes away cancels its request (and the
+    shard's, whose connection closes)."""
     app = FastAPI(title="rlix router", docs_url=None, redoc_url=None)
     app.state.router = router
-    app.add_middleware(RequestGuard, max_body=max_body)
+    app.add_middleware(RequestGuard, policy=body_policy(max_body))
     expected = f"Bearer {router.api_key}".encode()
 
     def authorised(request: Request) -> bool:
@@ -57,12 +73,15 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
             body = json.loads(await request.body())
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
+        except (UnicodeDecodeError, RecursionError):  # (RequestGuard bounds the depth)
+            raise InvalidRequestError("Invalid JSON format") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("Request body must be a JSON object")
         return body
 
     async def relay(request: Request, path: str) -> Response:
         body = await json_object(request)
+        check_bounds(path, body)  # before any per-sample state or a shard is asked
         session = request.headers.get("x-session-id")
         if body.get("stream"):
             opened = await router.relay.open_stream(path, body, session)
@@ -142,6 +161,8 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
             raw = json.loads(await request.body() or b"{}")
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"Invalid JSON format: {exc}") from None
+        except (UnicodeDecodeError, RecursionError):
+            raise InvalidRequestError("Invalid JSON format") from None
         body = parse_body(RouterShardBody, raw)
         return JSONResponse(await router.set_shard(body.rank, body.url, body.state))
 
@@ -200,7 +221,8 @@ class RouterServer:
         self.router = router
         self.host, self.port = host, port or free_port(host)
         config = uvicorn.Config(create_router_app(router), host=self.host, port=self.port,
-                                log_level="warning", access_log=False, lifespan="off")
+                                log_level="warning", access_log=False, lifespan="off",
+                                http=bounded_http_protocol())
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None
 
@@ -256,7 +278,7 @@ def serve_router(shards: list[str], *, api_key: str, shard_api_key: str | None =
     for rank, url in parse_shards(shards).items():
         router.table.set(rank, url, ShardState.ACTIVE)
     uvicorn.run(create_router_app(router, max_body), host=host, port=port, log_level="warning",
-                access_log=False)
+                access_log=False, http=bounded_http_protocol())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,13 +286,21 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m rlix.inference.router")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--api-key", default=None, help="admin token (default RLIX_API_KEY)")
-    p.add_argument("--shard-api-key", default=None, help="token the shards expect (default: --api-key)")
+    p.add_argument("--api-key", default=None,
+                   help="admin token (default RLIX_API_KEY; prefer the variable: a command line is "
+                        "visible to every user of the machine)")
+    p.add_argument("--shard-api-key", default=None,
+                   help="token the shards expect (default: RLIX_SHARD_API_KEY, else the admin token)")
     p.add_argument("--hold-timeout", type=float, default=60.0, help="s to hold requests with no active shard")
     p.add_argument("--shard", action="append", default=[], metavar="[RANK=]URL", help="an active shard")
     args = p.parse_args(argv)
+    for flag, value, var in (("--api-key", args.api_key, env.API_KEY_VAR),
+                             ("--shard-api-key", args.shard_api_key, env.SHARD_API_KEY_VAR)):
+        if value:
+            print(f"{p.prog}: warning: {flag} is visible to every user of this machine "
+                  f"(ps, /proc/PID/cmdline); set {var} instead", file=sys.stderr)
     api_key = args.api_key or env.api_key()
     if not api_key:
-        p.error("give --api-key or set RLIX_API_KEY")
-    serve_router(args.shard, api_key=api_key, shard_api_key=args.shard_api_key, host=args.host,
-                 port=args.port, hold_timeout_s=args.hold_timeout)
+        p.error("set RLIX_API_KEY (or give --api-key)")
+    serve_router(args.shard, api_key=api_key, shard_api_key=args.shard_api_key or env.shard_api_key(),
+                 host=args.host, port=args.port, hold_timeout_s=args.hold_timeout)

@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
                          WeightUpdateError)
 from rlix.devices import cap_process_memory
-from rlix.httpkit import MAX_BODY_BYTES, RequestGuard
+from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard,
+                          bounded_http_protocol)
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.server import control_schema as C
@@ -35,8 +36,9 @@ from rlix.inference.server import openai_schema as S
 from rlix.inference.server import responses_api as R
 from rlix.inference.server.control import ControlPlane, bucket_message, decode_safetensors
 from rlix.inference.server.control_schema import parse_body
+from rlix.inference.server.limits import MAX_TRANSFER_BODY_BYTES, weights_body_limit
 from rlix.inference.server.paths import (CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES,
-                                        RESPONSES)
+                                        RESPONSES, TRANSFER_PATHS, WEIGHTS_PATH)
 from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.metrics import EngineMetrics
 from rlix.inference.server.serving import OpenAIServing
@@ -45,6 +47,32 @@ from rlix.threads import favour_control_latency
 
 log = logging.getLogger("rlix.server")
 
+#: request bodies up to this size are turned into a Job on the HTTP loop; larger ones (long
+#: prompts: tokenizing 1 MiB of text takes ~1 s of CPU) in a worker thread, so that the loop
+#: keeps answering /health and the control calls meanwhile
+INLINE_PREPARE_BYTES = 64 * 2**10
+#: the validation errors an answer lists (a body can hold thousands)
+SHOWN_ERRORS = 8
+
+
+def body_policies(max_body: int, weights_max: int) -> Any:
+    """The engine server's `BodyPolicy` per path (see RequestGuard): the data plane `max_body`
+    and watched; /update_weights, which carries weights, `weights_max` (a safetensors body is
+    not JSON); the weight-transfer calls that carry a layout or every bucket's message
+    MAX_TRANSFER_BODY_BYTES; every other path (the control plane) MAX_CONTROL_BODY_BYTES."""
+    data = BodyPolicy(max_body, watch=True)
+    weights = BodyPolicy(weights_max, binary=True)
+    transfer = BodyPolicy(MAX_TRANSFER_BODY_BYTES)
+    control = BodyPolicy(MAX_CONTROL_BODY_BYTES)
+
+    def policy(path: str) -> BodyPolicy:
+        if path.startswith(DATA_PLANE_PREFIXES):
+            return data
+        if path == WEIGHTS_PATH:
+            return weights
+        return transfer if path in TRANSFER_PATHS else control
+
+    return policy
 
 
 def _err(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
@@ -60,6 +88,18 @@ ERROR_ANSWERS: tuple[tuple[type[Exception], int, str, bool], ...] = (
 )
 
 
+def validation_answer(errors: list[dict[str, Any]]) -> JSONResponse:
+    """The 400 for a body that does not validate (FastAPI's RequestValidationError, worded as
+    vLLM words it): the first SHOWN_ERRORS errors listed, `param` the first one's location."""
+    lines = "\n  ".join(f"{{'type': {e.get('type')!r}, 'loc': {'.'.join(map(str, e.get('loc', ())))!r}, "
+                        f"'msg': {e.get('msg')!r}}}" for e in errors[:SHOWN_ERRORS])
+    if len(errors) > SHOWN_ERRORS:
+        lines += f"\n  ... and {len(errors) - SHOWN_ERRORS} more"
+    param = ".".join(map(str, errors[0].get("loc", ()))) if errors else None
+    n = len(errors)
+    return _err(400, f"{n} validation error{'s' if n != 1 else ''}:\n  {lines}", "Bad Request", param)
+
+
 def error_answer(exc: Exception) -> JSONResponse | None:
     """The answer the app gives for this error, or None if it is not one of ours."""
     for cls, status, type_, with_param in ERROR_ANSWERS:
@@ -73,7 +113,11 @@ class FastGenerate:
     routing and per-request exit stacks: about half of a shard's HTTP-loop CPU under rollout
     load went to that machinery (py-spy), and the same loop answers the control calls a
     preemption waits for. Anything else (a body that does not validate, streaming, other
-    paths) goes to the app unchanged, so its answers, errors included, stay the app's."""
+    paths) goes to the app unchanged, so its answers, errors included, stay the app's.
+
+    Except a large body (over INLINE_PREPARE_BYTES): parsed once here and answered here
+    whatever it is (its errors worded as the app words them, a stream streamed), since the
+    app would parse it again: a 4 MiB body's JSON costs 60-80 ms of this loop per parse."""
 
     def __init__(self, app: Any, serving: OpenAIServing) -> None:
         self.app, self.serving = app, serving
@@ -90,6 +134,9 @@ class FastGenerate:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
+        if len(body) > INLINE_PREPARE_BYTES:
+            await self._large(body, scope, receive, send)
+            return
         try:
             req = S.GenerateRequest.model_validate_json(body)
         except ValueError:  # pydantic's ValidationError included: the app words the 400
@@ -97,15 +144,40 @@ class FastGenerate:
         if req is None or req.stream:
             await self.app(scope, _replay(body, receive), send)
             return
+        await self._serve(req, scope, receive, send)
+
+    async def _serve(self, req: S.GenerateRequest, scope: dict, receive: Any, send: Any) -> None:
         try:
-            out = await self.serving.generate(self.serving.prepare_generate(req))
+            job = self.serving.prepare_generate(req)
+            if job.stream:
+                answer: Response = StreamingResponse(self.serving.generate_stream(job),
+                                                     media_type="text/event-stream")
+            else:
+                answer = JSONResponse(await self.serving.generate(job))
         except Exception as exc:
-            answer = error_answer(exc)
-            if answer is None:
+            refusal = error_answer(exc)
+            if refusal is None:
                 raise
-            await answer(scope, receive, send)
+            answer = refusal
+        await answer(scope, receive, send)
+
+    async def _large(self, body: bytes, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            data = json.loads(body)
+        except json.JSONDecodeError as exc:  # as FastAPI words it
+            await validation_answer([{"type": "json_invalid", "loc": ("body", exc.pos),
+                                      "msg": "JSON decode error"}])(scope, receive, send)
             return
-        await JSONResponse(out)(scope, receive, send)
+        except (UnicodeDecodeError, RecursionError):
+            await _err(400, "Invalid JSON format", "Bad Request")(scope, receive, send)
+            return
+        try:
+            req = S.GenerateRequest.model_validate(data)
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]
+            await validation_answer(errors)(scope, receive, send)
+            return
+        await self._serve(req, scope, receive, send)
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -134,8 +206,22 @@ async def _json_body(request: Request, required: bool = False) -> Any:
         return None
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # (RequestGuard bounds depth)
         raise InvalidRequestError("Invalid JSON format") from None
+
+
+def _large(request: Request) -> bool:
+    """A body worth preparing off the HTTP loop (INLINE_PREPARE_BYTES; chunked: unknown, so yes)."""
+    length = request.headers.get("content-length")
+    return length is None or not length.isdigit() or int(length) > INLINE_PREPARE_BYTES
+
+
+async def _prepare(request: Request, prepare: Any, *args: Any) -> Any:
+    """`prepare(*args)` (validation, chat template, tokenizing) on the loop for a small body, in
+    a worker thread for a large one."""
+    if _large(request):
+        return await asyncio.to_thread(prepare, *args)
+    return prepare(*args)
 
 
 class BearerAuth:
@@ -161,8 +247,9 @@ class BearerAuth:
 def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
                model_root: str = "", close_engine: bool = False,
                max_body: int = MAX_BODY_BYTES, generation_log: GenerationLog | None = None) -> FastAPI:
-    """The app for one engine. `close_engine` closes it when the app shuts down; a request body
-    over `max_body` bytes gets 413; `generation_log` records every token-level generate."""
+    """The app for one engine. `close_engine` closes it when the app shuts down; a data-plane
+    request body over `max_body` bytes gets 413 (the control plane's bounds: `body_policies`);
+    `generation_log` records every token-level generate."""
     metrics = EngineMetrics(engine, model_name)  # GET /metrics, vLLM's names
     serving = OpenAIServing(engine, tokenizer, model_name, model_root, generation_log, metrics)
     control = ControlPlane(engine)
@@ -179,18 +266,14 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     app.state.serving, app.state.control = serving, control
 
     app.add_middleware(FastGenerate, serving=serving)
-    # data plane: body limit, and a caller that leaves aborts its request
-    app.add_middleware(RequestGuard, max_body=max_body, paths=DATA_PLANE_PREFIXES)
+    # every path: a body bounded by its path's limit (413 unread) and JSON nesting (400), before
+    # any handler; on the data plane a caller that leaves aborts its request
+    app.add_middleware(RequestGuard, policy=body_policies(max_body, weights_body_limit(engine)))
     app.add_middleware(BearerAuth, expected=expected)  # added last: runs first
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        lines = "\n  ".join(f"{{'type': {e.get('type')!r}, 'loc': {'.'.join(map(str, e.get('loc', ())))!r}, "
-                            f"'msg': {e.get('msg')!r}}}" for e in errors)
-        param = ".".join(map(str, errors[0].get("loc", ()))) if errors else None
-        n = len(errors)
-        return _err(400, f"{n} validation error{'s' if n != 1 else ''}:\n  {lines}", "Bad Request", param)
+        return validation_answer(list(exc.errors()))
 
     async def on_error(_: Request, exc: Exception) -> JSONResponse:
         answer = error_answer(exc)
@@ -210,23 +293,23 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         return JSONResponse(serving.models())
 
     @app.post("/tokenize")
-    async def tokenize(req: S.TokenizeRequest) -> JSONResponse:
-        return JSONResponse(serving.tokenize(req))
+    async def tokenize(req: S.TokenizeRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await _prepare(request, serving.tokenize, req))
 
     @app.post("/detokenize")
-    async def detokenize(req: S.DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(serving.detokenize(req))
+    async def detokenize(req: S.DetokenizeRequest, request: Request) -> JSONResponse:
+        return JSONResponse(await _prepare(request, serving.detokenize, req))
 
     @app.post("/v1/completions")
-    async def completions(req: S.CompletionRequest) -> Response:
-        job = serving.prepare_completion(req)
+    async def completions(req: S.CompletionRequest, request: Request) -> Response:
+        job = await _prepare(request, serving.prepare_completion, req)
         if job.stream:
             return StreamingResponse(serving.completion_stream(job), media_type="text/event-stream")
         return JSONResponse(await serving.completion(job))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: S.ChatCompletionRequest) -> Response:
-        job = serving.prepare_chat(req)
+    async def chat(req: S.ChatCompletionRequest, request: Request) -> Response:
+        job = await _prepare(request, serving.prepare_chat, req)
         if job.stream:
             return StreamingResponse(serving.chat_stream(job), media_type="text/event-stream")
         return JSONResponse(await serving.chat(job))
@@ -239,8 +322,12 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         try:
             chat_req = S.ChatCompletionRequest.model_validate(R.to_chat(body))
         except ValidationError as exc:
-            raise InvalidRequestError(f"invalid request: {exc.errors()[0].get('msg')}") from None
-        return JSONResponse(R.from_chat(await serving.chat(serving.prepare_chat(chat_req)), body))
+            first = exc.errors()[0]
+            where = ".".join(map(str, first.get("loc", ()))) or None
+            raise InvalidRequestError(f"invalid request: {where + ': ' if where else ''}{first.get('msg')}",
+                                      param=where) from None
+        job = await _prepare(request, serving.prepare_chat, chat_req)
+        return JSONResponse(R.from_chat(await serving.chat(job), body))
 
     @app.post(GENERATE)  # non-streamed valid bodies are served by FastGenerate
     async def generate(req: S.GenerateRequest) -> Response:
@@ -254,12 +341,18 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------ control plane
+    async def query_only(request: Request) -> None:
+        """A body on a query-parameter endpoint: empty or {}, else 400 before anything happens."""
+        parse_body(C.QueryOnlyBody, await _json_body(request))
+
     @app.post("/pause")
-    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> JSONResponse:
+    async def pause(request: Request, mode: str = Query("abort"), clear_cache: bool = Query(True)) -> JSONResponse:
+        await query_only(request)
         return JSONResponse(await control.pause(mode))
 
     @app.post("/resume")
-    async def resume() -> JSONResponse:
+    async def resume(request: Request) -> JSONResponse:
+        await query_only(request)
         return JSONResponse(await control.resume())
 
     @app.get("/is_paused")
@@ -267,11 +360,13 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
         return JSONResponse(control.is_paused())
 
     @app.post("/sleep")
-    async def sleep(level: int = Query(1), mode: str = Query("abort")) -> JSONResponse:
+    async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")) -> JSONResponse:
+        await query_only(request)
         return JSONResponse(await control.sleep(level, mode))
 
     @app.post("/wake_up")
     async def wake_up(request: Request) -> JSONResponse:
+        await query_only(request)
         return JSONResponse(await control.wake_up(request.query_params.getlist("tags")))
 
     @app.get("/is_sleeping")
@@ -300,7 +395,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
             return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
         try:
             body = parse_body(C.UpdateWeightsBody, json.loads(raw or b"null"))
-        except (ValueError, InvalidRequestError) as exc:  # the update in progress is aborted too
+        except (ValueError, RecursionError, InvalidRequestError) as exc:  # the update in progress is aborted too
             error = exc
             return JSONResponse(await control.update_weights(lambda: _raise(error)))
         message = bucket_message(body.update_info.model_dump(exclude_none=True))
@@ -360,4 +455,5 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
                      model_root=str(path), close_engine=True, max_body=max_body,
                      generation_log=GenerationLog(record_generations) if record_generations else None)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                http=bounded_http_protocol())  # request heads bounded too

@@ -32,6 +32,7 @@ from safetensors.torch import load
 from rlix.devices import measure
 from rlix.errors import InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import EngineAPI
+from rlix.inference.engine.core import SLEEP_TAGS
 from rlix.inference.server.control_schema import (AbortRequestsBody, AbortWeightUpdateBody,
                                                   FinishWeightUpdateBody, InitTransferInfo,
                                                   StartWeightUpdateBody, SyncWeightsBody,
@@ -40,6 +41,7 @@ from rlix.weights.buckets import tensor_checksums
 from rlix.weights.shard_updater import ShardUpdater
 
 PAUSE_MODES = ("abort", "wait", "keep")
+WAKE_TAGS = SLEEP_TAGS
 
 
 def decode_safetensors(data: bytes) -> dict[str, torch.Tensor]:
@@ -102,7 +104,10 @@ class ControlPlane:
         return measure(self.engine.device).as_dict()
 
     async def wake_up(self, tags: list[str] | None) -> dict:
+        """`tags` (the query's): some of weights and kv_cache, checked before anything wakes."""
         tags = tags or None
+        if tags is not None and (len(tags) > len(WAKE_TAGS) or any(t not in WAKE_TAGS for t in tags)):
+            raise InvalidRequestError(f"tags must be some of {list(WAKE_TAGS)} (each once)", param="tags")
         await self.engine.wake_up(tags)
         awake = not self.engine.is_sleeping()
         if awake and self._resume_on_wake:

@@ -1,35 +1,62 @@
 """Request bodies of the engine server's control plane, validated as the data plane's are.
 
-Unknown fields are ignored (as vLLM does). `parse_body` turns a JSON body into one of these
-models or raises `InvalidRequestError` naming the first bad field, so every refusal is a 400
-with `param` set and nothing has changed on the engine yet.
+Unknown fields are ignored (as vLLM does), except on the endpoints whose parameters are in the
+query string (`QueryOnlyBody`). `parse_body` turns a JSON body into one of these models or raises
+`InvalidRequestError` naming the first bad field, so every refusal is a 400 with `param` set and
+nothing has changed on the engine yet. Every field is bounded (server/limits.py says why): a
+list's length, a string's characters, a number's range.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from rlix.errors import InvalidRequestError
+from rlix.httpkit import MAX_JSON_DEPTH, json_too_deep
+from rlix.inference.server.limits import (MAX_ABORT_IDS, MAX_BUCKETS, MAX_ID_CHARS, MAX_KEYS,
+                                          MAX_TRANSFER_BODY_BYTES, at_most)
 
 M = TypeVar("M", bound=BaseModel)
+
+Name = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+#: a weight version (the trainer's step): torch's long, as every version a shard reports
+Version = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Details = Annotated[dict[str, Any], at_most(MAX_KEYS)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class QueryOnlyBody(_Body):
+    """The body of /pause, /resume, /sleep and /wake_up, whose parameters are in the query
+    string (as in vLLM): empty or `{}`. Anything else is refused before the engine is touched
+    (a garbage body used to be ignored, and the engine slept)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class AbortRequestsBody(_Body):
-    request_ids: list[str] | None = None  # none: abort everything in flight
+    # none: abort everything in flight
+    request_ids: Annotated[list[Name], Field(max_length=MAX_ABORT_IDS, fail_fast=True)] | None = None
 
 
 class InitTransferInfo(_Body):
     """`init_info` of /init_weight_transfer_engine. With a `layout`, buckets are received."""
 
     model_config = ConfigDict(extra="allow")  # the receiver reads transport-specific keys
-    layout: dict[str, Any] | str | None = None
+    layout: dict[str, Any] | Annotated[str, Field(max_length=MAX_TRANSFER_BODY_BYTES)] | None = None
     idle_timeout_s: float | None = Field(None, gt=0)
+
+    @field_validator("layout")
+    @classmethod
+    def _shallow(cls, v: Any) -> Any:
+        """A layout given as JSON text is parsed by the receiver: bounded as bodies are."""
+        if isinstance(v, str) and json_too_deep(v.encode(), MAX_JSON_DEPTH):
+            raise ValueError(f"the layout nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        return v
 
 
 class InitTransferBody(_Body):
@@ -37,13 +64,13 @@ class InitTransferBody(_Body):
 
 
 class StartWeightUpdateBody(_Body):
-    weight_version: int | None = None  # none: the serving version + 1
-    layout_id: str | None = None  # set: the update comes as packed buckets
-    transfer: dict[str, Any] = Field(default_factory=dict)
+    weight_version: Version | None = None  # none: the serving version + 1
+    layout_id: Name | None = None  # set: the update comes as packed buckets
+    transfer: Details = Field(default_factory=dict)
 
 
 class FinishWeightUpdateBody(_Body):
-    weight_version: int | None = None
+    weight_version: Version | None = None
 
 
 class BucketUpdateInfo(_Body):
@@ -62,22 +89,23 @@ class UpdateWeightsBody(_Body):
 class SyncWeightsBody(_Body):
     """rlix's one-call sync: [wake,] start, every bucket message, finish."""
 
-    weight_version: int
-    layout_id: str = Field(min_length=1)
-    transfer: dict[str, Any] = Field(default_factory=dict)
-    updates: list[dict[str, Any]] = Field(min_length=1)
-    wake_up: StrictBool | list[Literal["weights", "kv_cache"]] = False  # a list: those tags only
+    weight_version: Version
+    layout_id: Name = Field(min_length=1)
+    transfer: Details = Field(default_factory=dict)
+    updates: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_BUCKETS, fail_fast=True)
+    # a list: those tags only
+    wake_up: StrictBool | Annotated[list[Literal["weights", "kv_cache"]], Field(max_length=2)] = False
 
 
 class AbortWeightUpdateBody(_Body):
-    reason: str | None = None
+    reason: Name | None = None
 
 
 class RouterShardBody(_Body):
     """POST /router/shards on the router's admin API."""
 
-    rank: int = Field(ge=0, strict=True)
-    url: str | None = None
+    rank: int = Field(ge=0, le=2**20, strict=True)
+    url: Name | None = None
     state: Literal["active", "inactive", "preempted"] | None = None
 
 

@@ -17,3 +17,8 @@ CONTROL_PATHS = frozenset({
 #: the data plane's POST routes: bodies are size-limited there and a caller that leaves aborts
 #: its request (the control plane carries weights and must not be cut by a caller's timeout)
 DATA_PLANE_PREFIXES = ("/v1/", "/inference/", "/tokenize", "/detokenize")
+#: the control path that carries weights themselves (a safetensors body): a body bound of its own
+WEIGHTS_PATH = "/update_weights"
+#: control paths whose JSON carries a bucket layout or every bucket's message (larger than the
+#: rest of the control plane's bodies)
+TRANSFER_PATHS = frozenset({"/init_weight_transfer_engine", "/sync_weights"})

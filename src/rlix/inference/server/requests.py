@@ -60,16 +60,7 @@ class RequestBuilder:
                 logprobs: bool, top: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
         if req.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {req.n}", param="n")
-        limit = self.max_model_len()
-        if prompt_len >= limit and isinstance(req, S.GenerateSamplingParams):
-            raise InvalidRequestError(
-                f"The decoder prompt (length {prompt_len}) is longer than the maximum model length "
-                f"of {limit}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
-        if prompt_len >= limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"contains {prompt_len} input tokens, which leaves no room for output tokens. "
-                f"Please reduce the length of the input prompt.", param="input_tokens")
+        limit = self.check_room(prompt_len, isinstance(req, S.GenerateSamplingParams))
         if max_tokens is not None and max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
         room = limit - prompt_len
@@ -90,6 +81,22 @@ class RequestBuilder:
                               repetition_penalty=(1.0 if req.repetition_penalty is None
                                                   else req.repetition_penalty),
                               logit_bias=_logit_bias(req.logit_bias))
+
+    def check_room(self, prompt_len: int, token_level: bool = False) -> int:
+        """The context length, or InvalidRequestError if a prompt this long leaves no room
+        (vLLM's wording: `token_level` for /inference/v1/generate's). Checked before the ids
+        are (a prompt longer than the context is refused without looking at each id)."""
+        limit = self.max_model_len()
+        if prompt_len >= limit and token_level:
+            raise InvalidRequestError(
+                f"The decoder prompt (length {prompt_len}) is longer than the maximum model length "
+                f"of {limit}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+        if prompt_len >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {prompt_len} input tokens, which leaves no room for output tokens. "
+                f"Please reduce the length of the input prompt.", param="input_tokens")
+        return limit
 
     @staticmethod
     def _check_top(k: int | None, name: str) -> None:
@@ -116,6 +123,7 @@ class RequestBuilder:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
+            self.check_room(len(prompt))
             self.check_ids(prompt, "prompt")
             return list(prompt)
         raise InvalidRequestError("one prompt per request: a string or a list of token ids", param="prompt")
@@ -175,6 +183,7 @@ class RequestBuilder:
         S.refuse_unsupported(req, S.GENERATE_REQUEST_INERT)
         S.refuse_unsupported(sp, S.GENERATE_INERT, "sampling_params.")
         self._check_top(sp.logprobs, "sampling_params.logprobs")
+        self.check_room(len(req.token_ids), token_level=True)
         self.check_ids(req.token_ids, "token_ids")
         k = sp.logprobs
         # vLLM's shape: the sampled token then the best others, max(k, 1) entries: k >= 2 needs

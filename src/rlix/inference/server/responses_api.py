@@ -16,6 +16,8 @@ import time
 from typing import Any
 
 from rlix.errors import InvalidRequestError
+from rlix.inference.server.limits import check_bounds
+from rlix.inference.server.paths import RESPONSES
 
 _ROLES = {"user", "system", "developer", "assistant"}
 #: Responses fields with a chat completion field of another name
@@ -59,7 +61,9 @@ def _tools(tools: Any) -> list[dict] | None:
 
 
 def to_chat(body: dict[str, Any]) -> dict[str, Any]:
-    """A Responses request as the chat completion request that answers it."""
+    """A Responses request as the chat completion request that answers it (its fields bounded
+    first: limits.py)."""
+    check_bounds(RESPONSES, body)
     if body.get("stream"):
         raise InvalidRequestError("stream is not supported on /v1/responses", param="stream")
     if body.get("previous_response_id"):

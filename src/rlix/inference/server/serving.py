@@ -169,11 +169,14 @@ class OpenAIServing:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _finals(self, job: Job, texts: list[TextStream | None]) -> list[tuple[Step, str]]:
-        """Each choice's last step and whole text, by index."""
+    async def _finals(self, job: Job, always: bool = True) -> list[tuple[Step, str]]:
+        """Each choice's last step and whole text, by index. The engine takes (and validates)
+        the request before the per-sample text streams are made: a refused `n` costs nothing."""
+        agen = self.start(job)
+        texts = self._texts(job, always)
         last: dict[int, Step] = {}
         chunks: dict[int, list[str]] = {}
-        async for step in self.run(job, texts):
+        async for step in self.run(job, texts, agen):
             last[step.index] = step
             chunks.setdefault(step.index, []).append(step.text)
         return [(last[i], "".join(chunks[i])) for i in range(job.n)]  # every choice ends
@@ -227,7 +230,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ completions
     async def completion(self, job: Job) -> dict:
         choices, n_out = [], 0
-        for i, (last, text) in enumerate(await self._finals(job, self._texts(job))):
+        for i, (last, text) in enumerate(await self._finals(job)):
             out = last.out
             lp = (self._completion_lp(job, out, out.token_ids, out.logprobs, out.top_logprobs,
                                       echo=job.echo is not None) if job.logprobs else None)
@@ -273,7 +276,7 @@ class OpenAIServing:
     # ------------------------------------------------------------ chat
     async def chat(self, job: Job) -> dict:
         choices, n_out = [], 0
-        for i, (last, text) in enumerate(await self._finals(job, self._texts(job))):
+        for i, (last, text) in enumerate(await self._finals(job)):
             out = last.out
             lp = self._chat_lp(job, out.token_ids, out.logprobs, out.top_logprobs) if job.logprobs else None
             content, calls, finish = self._tool_calls(job, text, last.finish)
@@ -357,7 +360,7 @@ class OpenAIServing:
 
     async def generate(self, job: Job) -> dict:
         choices = []
-        for i, (last, _) in enumerate(await self._finals(job, self._texts(job, always=False))):
+        for i, (last, _) in enumerate(await self._finals(job, always=False)):
             out = last.out
             ids = out.token_ids
             lp = self._generate_lp(job, ids, out.logprobs, out.top_logprobs) if job.logprobs else None

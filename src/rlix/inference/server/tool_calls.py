@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlix.errors import InvalidRequestError
+from rlix.httpkit import MAX_JSON_DEPTH, json_too_deep
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -41,7 +42,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     for block in blocks:
         try:
             obj = json.loads(block)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a model can write 1000 brackets too
             return text, []
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
@@ -49,7 +50,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if isinstance(args, str):
             try:
                 json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return text, []
         elif not isinstance(args, dict):
             return text, []
@@ -105,6 +106,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for c in m["tool_calls"]:
                 fn = dict((c or {}).get("function") or {})
                 if isinstance(fn.get("arguments"), str):
+                    if json_too_deep(fn["arguments"].encode()):  # JSON text inside JSON: bounded too
+                        raise InvalidRequestError(f"an assistant tool call's arguments nest JSON deeper "
+                                                  f"than {MAX_JSON_DEPTH} levels", param="messages")
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
                     except json.JSONDecodeError:

@@ -1,0 +1,413 @@
+"""No secret on a command line, no address or token in a file other users may read (issue 38).
+
+Every user of a machine can read any process's command line (/proc/PID/cmdline, `ps`), but only
+its owner can read its environment (/proc/PID/environ): a token rlix hands a process it starts
+(a shard server's, which lets its holder sleep or pause shards and push weights) goes in the
+environment. Files that hold an address or a token (the run's process table, its logs, a
+cluster's state file) are mode 0600; ordinary results keep the umask's mode.
+
+`rlix run` and `rlix up` end to end take ~45 s and ~20 s on 2 cores: in the default step too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlix import env
+from rlix.agents.supervisor import EnvServerSpec
+from rlix.envs.agent_config import EnvConfig
+from rlix.inference.fleet.backends import EngineBackendConfig, make_backend, server_launch
+from rlix.inference.fleet.shard_process import ShardProcess
+from rlix.private_files import PRIVATE_MODE, open_private, write_private
+
+#: an address in a file: host:port (IPv4) or a URL's
+ADDRESS = re.compile(rb"(?:\b\d{1,3}(?:\.\d{1,3}){3}:\d{2,5}\b)|(?:https?://[\w.-]+:\d{2,5})")
+#: files that cannot hold an address as text (weights, optimizer state, images)
+BINARY = {".safetensors", ".pt", ".png", ".bin"}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def proc_read(pid: int, what: str) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def shown(cmdline: bytes) -> str:
+    return cmdline.replace(b"\0", b" ")[:300].decode(errors="replace")
+
+
+def all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root`, from each one's parent in /proc/PID/stat."""
+    children: dict[int, list[int]] = {}
+    for pid in all_pids():
+        raw = proc_read(pid, "stat")
+        if raw is None:
+            continue
+        try:
+            ppid = int(raw.rsplit(b")", 1)[1].split()[1])
+        except (IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = proc_read(pid, "environ") or b""
+    return dict(e.decode(errors="replace").partition("=")[::2] for e in raw.split(b"\0") if b"=" in e)
+
+
+def assert_no_token_on_any_command_line(token: str) -> None:
+    """Not only the run's processes: none on the machine may show it."""
+    needle = token.encode()
+    for pid in all_pids():
+        cmdline = proc_read(pid, "cmdline")
+        assert cmdline is None or needle not in cmdline, f"pid {pid} shows the token: {shown(cmdline)}"
+
+
+def assert_private_where_needed(root: Path, token: str) -> list[Path]:
+    """No file under `root` holds the token; each one that holds an address is 0600. Returns
+    those that hold an address."""
+    holding = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        try:
+            if path.suffix in BINARY or path.stat().st_size > 8 * 2**20:
+                continue
+            data = path.read_bytes()
+        except FileNotFoundError:  # replaced or removed as we looked (the run goes on)
+            continue
+        assert token.encode() not in data, f"{path} holds the token"
+        if ADDRESS.search(data):
+            holding.append(path)
+            assert mode(path) == PRIVATE_MODE, f"{path} holds an address and is mode {oct(mode(path))}"
+    return holding
+
+
+# ----------------------------------------------------------------------------- unit level
+def test_private_files_are_0600_whatever_the_umask_and_an_old_file_is_narrowed(tmp_path):
+    old = os.umask(0)
+    try:
+        with open_private(tmp_path / "a.log", "ab") as fh:
+            fh.write(b"x")
+        write_private(tmp_path / "s.json", "{}")
+        wide = tmp_path / "old.log"
+        wide.write_text("before\n")
+        wide.chmod(0o644)
+        with open_private(wide, "a") as fh:
+            fh.write("after\n")
+    finally:
+        os.umask(old)
+    assert mode(tmp_path / "a.log") == mode(tmp_path / "s.json") == mode(wide) == 0o600
+    assert wide.read_text() == "before\nafter\n" and (tmp_path / "s.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.log", "old.log", "s.json"]  # no temp left
+
+
+@pytest.mark.parametrize("backend", ["embedded", "vllm"])
+def test_a_shard_launch_has_no_token_in_argv_and_passes_it_in_the_environment(tiny_model_dir, monkeypatch,
+                                                                              backend):
+    token = "tok-" + secrets.token_urlsafe(18)
+    inherited = "inherited-" + secrets.token_urlsafe(12)
+    for var in env.TOKEN_VARS:  # a token of this process must not leak to a child either
+        monkeypatch.setenv(var, inherited)
+    cfg = EngineBackendConfig(backend=backend, model=str(tiny_model_dir), python="/opt/py/bin/python")
+    b = make_backend(cfg)
+    cmd, extra = server_launch(b, host="127.0.0.1", port=9000, api_key=token)
+    assert not any(token in a for a in cmd) and not any(a.startswith("--api-key") for a in cmd)
+    var = "VLLM_API_KEY" if backend == "vllm" else "RLIX_API_KEY"  # what each server reads
+    assert b.api_key_env == var and extra[var] == token
+
+    proc = ShardProcess(b, token, port=9000)
+    try:
+        full_cmd, child_env = proc.launch()
+    finally:
+        proc.stop()  # its temp log dir
+    assert not any(token in a or inherited in a for a in full_cmd)
+    assert child_env[var] == token
+    assert {k: v for k, v in child_env.items() if k in env.TOKEN_VARS} == {var: token}
+
+
+def test_environment_servers_get_no_token_and_their_settings_off_the_command_line(monkeypatch):
+    monkeypatch.setenv("RLIX_API_KEY", "run-token-xyz")
+    cfg = EnvConfig(options={"tool_api_key": "users-own-credential"})
+    spec = EnvServerSpec("resources", cfg)
+    proc = ShardProcess(spec, "", port=9001)
+    try:
+        cmd, child_env = proc.launch()
+    finally:
+        proc.stop()
+    assert not any("users-own-credential" in a or "run-token-xyz" in a for a in cmd)
+    assert "run-token-xyz" not in child_env.values() and not set(env.TOKEN_VARS) & set(child_env)
+    assert EnvConfig.model_validate_json(child_env[env.ENV_SERVER_CONFIG_VAR]) == cfg
+
+
+class _SleepingBackend:
+    """A 'server' that only sleeps: enough to read its /proc entries."""
+
+    name, health_path, startup_timeout_s, supports_sleep = "sleeping", "/health", 10.0, False
+    ready_requests = ()
+    api_key_env = env.API_KEY_VAR
+
+    def command(self, *, host: str, port: int) -> list[str]:
+        return [sys.executable, "-c", "import time; print('listening', flush=True); time.sleep(60)"]
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+
+def test_a_started_shard_process_shows_no_token_in_proc_cmdline(tmp_path):
+    token = "tok-" + secrets.token_urlsafe(18)
+    proc = ShardProcess(_SleepingBackend(), token, log_dir=tmp_path / "logs")
+    proc.start()
+    try:
+        deadline = time.monotonic() + 20
+        while proc.server_pid() is None or b"listening" not in proc.log_path.read_bytes():
+            assert time.monotonic() < deadline and proc.alive(), proc.log_tail()
+            time.sleep(0.05)
+        server = proc.server_pid()
+        for pid in (proc.pid, server):
+            assert token.encode() not in (proc_read(pid, "cmdline") or b"")
+        assert environ(server).get("RLIX_API_KEY") == token  # its owner's to read, no one else's
+        assert mode(proc.log_path) == 0o600
+    finally:
+        proc.stop(grace_s=2)
+
+
+def test_token_flags_warn_that_other_users_see_them(monkeypatch, capsys):
+    import rlix.inference.router.app as router_app
+    from rlix.cli import _token_flag
+
+    assert _token_flag("rlix serve", "--api-key", "abc", "RLIX_API_KEY") == "abc"
+    err = capsys.readouterr().err
+    assert "--api-key is visible to every user" in err and "RLIX_API_KEY" in err
+    assert _token_flag("rlix serve", "--api-key", None, "RLIX_API_KEY") is None
+    assert capsys.readouterr().err == ""
+
+    served: list[dict] = []
+    monkeypatch.setattr(router_app, "serve_router", lambda shards, **kw: served.append(kw))
+    monkeypatch.setenv("RLIX_API_KEY", "admin-from-env")
+    monkeypatch.setenv("RLIX_SHARD_API_KEY", "shards-from-env")
+    router_app.main(["--shard", "http://127.0.0.1:1"])
+    assert capsys.readouterr().err == ""  # the variables: no warning
+    assert served[-1]["api_key"] == "admin-from-env" and served[-1]["shard_api_key"] == "shards-from-env"
+    router_app.main(["--shard", "http://127.0.0.1:1", "--api-key", "a", "--shard-api-key", "s"])
+    err = capsys.readouterr().err
+    assert "--api-key is visible" in err and "--shard-api-key is visible" in err
+    assert served[-1]["api_key"] == "a" and served[-1]["shard_api_key"] == "s"
+
+
+def test_rlix_up_opens_the_head_log_0600(tmp_path, monkeypatch):
+    """The head log names the cluster's address; one left 0644 by an older rlix is narrowed."""
+    from rlix.cluster import commands
+    from rlix.errors import ConfigError
+
+    monkeypatch.setenv("RLIX_CACHE_DIR", str(tmp_path))
+    (tmp_path / "cluster").mkdir()
+    old = tmp_path / "cluster" / "head.log"
+    old.write_text("rlix head: up at 10.0.0.1:6379\n")
+    old.chmod(0o644)
+
+    class ExitedHead:  # the head exits at once: `up` reports it, having opened the log
+        returncode = 2
+
+        def __init__(self, cmd, stdout, **kw):  # noqa: ANN001
+            stdout.write(b"rlix head: failed\n")
+
+        def poll(self) -> int:
+            return 2
+
+    monkeypatch.setattr(commands.subprocess, "Popen", ExitedHead)
+    with pytest.raises(ConfigError, match="head exited"):
+        commands.up(num_gpus=1, num_cpus=2, gpu_slices=1, quotas=[], default_quota=None, address=None,
+                    dwell_s=1.0, aging_s=1.0, out=lambda line: None)
+    assert mode(old) == 0o600 and old.read_text().endswith("rlix head: failed\n")
+
+
+# ----------------------------------------------------------------------------- end to end
+def _config(tmp_path: Path) -> Path:
+    pipe = {"name": "agent", "model": "tiny", "train_gpus": 1, "min_shards": 1, "max_shards": 1, "steps": 2,
+            "seed": 1, "checkpoint_every": 0, "task": {"name": "pattern", "patterns": ["z"]},
+            "env": {"name": "repeat", "max_turns": 2, "show_tools": False, "tool_latency_s": 0.0},
+            "rollout": {"groups_per_step": 2, "group_size": 4, "max_new_tokens": 8, "concurrency": 4,
+                        "max_model_len": 512}}
+    cfg = {"cluster": {"nodes": 1, "gpus_per_node": 2},
+           "scheduler": {"dwell_s": 0, "aging_s": 5, "dashboard_port": 0},  # 0: a free port
+           "control_plane": "rlix", "run_dir": str(tmp_path / "run"), "pipelines": [pipe]}
+    path = tmp_path / "secrets.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _end(pid: int) -> None:
+    """The run's process group (its id is the run's PID), by that PID: SIGINT, then SIGKILL."""
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.2)
+
+
+def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tmp_path):
+    token = "rlix-secret-" + secrets.token_urlsafe(18)
+    child_env = {**os.environ, "RLIX_API_KEY": token, "RLIX_CONTROL_PLANE": "rlix"}
+    child_env.pop("RAY_ADDRESS", None)
+    run_dir = tmp_path / "run"
+    out_path = tmp_path / "out.txt"
+    with out_path.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rlix.cli", "run", str(_config(tmp_path))],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_env, start_new_session=True)
+    seen: dict[str, set[int]] = {"shard": set(), "env": set()}
+    holding: set[str] = set()  # files seen holding an address (processes.json is {} once the run ends)
+    checked = 0
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the run did not finish in 300 s"
+            below = descendants(proc.pid)
+            for pid in below:
+                cmdline = proc_read(pid, "cmdline")
+                if cmdline is None:
+                    continue
+                assert token.encode() not in cmdline, f"pid {pid} shows the token: {shown(cmdline)}"
+                words = cmdline.split(b"\0")
+                if b"rlix.procguard" in words:  # a guard: its server is checked as its child
+                    continue
+                if b"rlix.cli" in words and b"serve" in words:
+                    if environ(pid).get("RLIX_API_KEY") == token:  # how the token reached it
+                        seen["shard"].add(pid)
+                elif b"rlix.agents.serve" in words:
+                    seen_env = environ(pid)
+                    if seen_env:  # the user's code: no token of any kind
+                        assert token not in seen_env.values() and not set(env.TOKEN_VARS) & set(seen_env)
+                        seen["env"].add(pid)
+            assert_no_token_on_any_command_line(token)
+            if run_dir.is_dir() and checked % 10 == 0:  # files every ~2 s: reading them costs CPU
+                holding |= {p.relative_to(run_dir).as_posix() for p in assert_private_where_needed(run_dir, token)}
+            checked += 1
+            time.sleep(0.2)
+        output = out_path.read_text(errors="replace")
+        assert proc.returncode == 0, output[-3000:]
+    finally:
+        if proc.poll() is None:
+            _end(proc.pid)
+            proc.wait(10)
+    assert checked >= 5, checked
+    assert seen["shard"], "no shard server seen holding the token in its environment"
+    assert seen["env"], "no environment server seen"
+    holding |= {p.relative_to(run_dir).as_posix() for p in assert_private_where_needed(run_dir, token)}
+    assert {"processes.json", "run.log"} <= holding, holding  # shard and env URLs; the dashboard's URL
+    assert any(p.startswith("agent/shard-logs/") for p in holding), holding
+    assert mode(run_dir / "processes.json") == 0o600
+    assert all(mode(p) == 0o600 for p in (run_dir / "agent").rglob("*.log")), \
+        {p: oct(mode(p)) for p in (run_dir / "agent").rglob("*.log")}
+    assert token not in output  # the console neither
+    # the agents reached the policy with the gateway's own token: episodes ran, turns were sampled
+    collector = json.loads((run_dir / "summary.json").read_text())["pipelines"]["agent"]["collector"]
+    assert collector["episode_turns"] > 0, collector
+    # ordinary results are not made private
+    assert mode(run_dir / "summary.json") == 0o666 & ~umask()
+    assert mode(run_dir / "agent" / "metrics.jsonl") == 0o666 & ~umask()
+
+
+def test_rlix_up_writes_its_state_and_log_0600(tmp_path):
+    from rlix.cluster.reaper import session_members
+
+    cli_env = {**os.environ, "RLIX_CACHE_DIR": str(tmp_path / "cache")}
+    cli_env.pop("RAY_ADDRESS", None)
+    up = subprocess.run([sys.executable, "-m", "rlix.cli", "up", "--num-gpus", "1", "--num-cpus", "2"],
+                        capture_output=True, text=True, env=cli_env, timeout=180)
+    assert up.returncode == 0, up.stderr[-2000:]
+    cluster = tmp_path / "cache" / "cluster"
+    state = json.loads((cluster / "state.json").read_text())
+    session = int(state["session"])
+    try:
+        assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
+        assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
+    finally:
+        down = subprocess.run([sys.executable, "-m", "rlix.cli", "down"], capture_output=True, text=True,
+                              env=cli_env, timeout=300)
+        for pid in session_members(session, os.getpid()):  # only what is still in its session
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert down.returncode == 0, down.stderr[-2000:]
+
+
+def _need_vllm() -> None:
+    """Skip without vLLM, or fail where it is required (CI's vLLM step, RLIX_REQUIRE_VLLM=1)."""
+    python, reason = env.vllm_python(), None
+    if not python:
+        reason = "no Python with vLLM: run scripts/setup-vllm.sh or set RLIX_VLLM_PYTHON"
+    else:
+        try:
+            subprocess.run([python, "-c", "import vllm"], check=True, capture_output=True, timeout=180)
+        except (OSError, subprocess.SubprocessError) as exc:
+            reason = f"{python} cannot import vllm: {exc}"
+    if reason and env.require_vllm():
+        pytest.fail(f"vLLM is required here (RLIX_REQUIRE_VLLM): {reason}")
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.mark.vllm
+def test_a_vllm_shard_takes_its_token_from_vllm_api_key(tiny_model_dir, tmp_path):
+    """vLLM's server given the token only in VLLM_API_KEY: not on its command line, and /v1
+    refuses a request without it."""
+    import httpx
+
+    _need_vllm()
+    token = "tok-" + secrets.token_urlsafe(18)
+    backend = make_backend(EngineBackendConfig(backend="vllm", model=str(tiny_model_dir), served_model_name="tiny",
+                                               max_model_len=512, max_num_seqs=4, dtype="bfloat16",
+                                               startup_timeout_s=600))
+    proc = ShardProcess(backend, token, log_dir=tmp_path)
+    try:
+        proc.start()
+        proc.wait_ready()  # its first call (/update_weight_version) already carries the token
+        for pid in {proc.pid} | descendants(proc.pid):
+            assert token.encode() not in (proc_read(pid, "cmdline") or b""), shown(proc_read(pid, "cmdline") or b"")
+        assert environ(proc.server_pid()).get("VLLM_API_KEY") == token
+        assert httpx.get(proc.url + "/v1/models", timeout=30).status_code == 401
+        ok = httpx.get(proc.url + "/v1/models", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        assert mode(proc.log_path) == 0o600 and token not in proc.log_path.read_text(errors="replace")
+    finally:
+        proc.stop()
+    assert not proc.alive()
