@@ -144,13 +144,14 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
                                         metrics_port=cfg.scheduler.metrics_port,
                                         dashboard_port=cfg.scheduler.dashboard_port)
+            ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is set up
             _say_metrics_endpoint(scheduler, cfg, say)
             _say_dashboard(scheduler, cfg, say)
         elif cfg.scheduler.dashboard_port is not None:
             say("scheduler.dashboard_port: no dashboard in standalone mode (there is no scheduler)")
         return follow(cfg, config_path, mode=mode, run_dir=run_dir, say=say, devices=devices,
                       scheduler=scheduler, all_gpus=list(range(topology.num_gpus)), resume=resume,
-                      t_start=t_start)
+                      t_start=t_start, first_plan_held=scheduler is not None)
     finally:
         if scheduler is not None:
             ray.kill(scheduler)
@@ -181,10 +182,12 @@ def _say_endpoint(method, field: str, port: int | None, label: str, say: RunLog)
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
            devices: DevicePlan, scheduler, all_gpus: list[int], resume: bool, t_start: float,
-           role_log_from: int = 0) -> dict:
+           first_plan_held: bool = False, role_log_from: int = 0) -> dict:
     """Start a config's pipelines against a scheduler (None: standalone), follow them to the
     end, stop them, and write the summary whatever the ending. The scheduler plans for each
-    pipeline once it is set up (SchedulerHooks.join). Raises PipelineFailedError when every pipeline failed."""
+    pipeline once it is set up (SchedulerHooks.join); `first_plan_held`: it plans nothing until
+    every pipeline is (a run's own scheduler, which `hold` was called on; never a shared one).
+    Raises PipelineFailedError when every pipeline failed."""
     supervisor: Supervisor | None = None
     ending = "finished"
     node_lost = False
@@ -200,6 +203,8 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
         supervisor.start_all()
         supervisor.wait_setup(interrupt.check)
         interrupt.check()
+        if first_plan_held:
+            ray.get(scheduler.resume.remote())
         supervisor.drive(interrupt.check)
     except KeyboardInterrupt:
         ending = "interrupted"
