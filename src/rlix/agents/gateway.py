@@ -27,6 +27,7 @@ from typing import Any
 
 from rlix.errors import InvalidRequestError
 from rlix.inference.router.router import Generation, VersionSpan
+from rlix.inference.server.openai_schema import ROLES
 from rlix.inference.server.responses_api import from_chat, to_chat
 from rlix.inference.server.tool_calls import check_tools, parse_tool_calls, template_messages
 
@@ -213,6 +214,10 @@ class PolicyGateway:
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise InvalidRequestError("messages must be a non-empty list of {role, content} objects",
                                       param="messages")
+        unknown = next((i for i, m in enumerate(messages) if m["role"] not in ROLES), None)
+        if unknown is not None:
+            raise InvalidRequestError(f"messages[{unknown}].role {messages[unknown]['role'][:40]!r} is not one "
+                                      f"of {', '.join(sorted(ROLES))}", param="messages")
         if body.get("stream"):
             raise InvalidRequestError("the policy endpoint does not stream", param="stream")
         if body.get("n", 1) != 1:

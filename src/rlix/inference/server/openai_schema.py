@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from rlix.errors import EngineStateError, InferenceError, InvalidRequestError
 from rlix.httpkit import capped
@@ -134,7 +134,21 @@ PromptStr = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 Prompt = (PromptIds | PromptStr | Annotated[list[PromptStr], Field(max_length=MAX_PROMPTS, fail_fast=True)]
           | Annotated[list[PromptIds], Field(max_length=MAX_PROMPTS, fail_fast=True)])
 Name = Annotated[str, Field(max_length=MAX_ID_CHARS)]
-Messages = Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
+#: the chat roles OpenAI's API takes; another one (a typo, "god") is refused, not templated
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def known_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            shown = json.dumps(role)[:40] if role is not None else "missing"
+            raise ValueError(f"messages[{i}].role: {shown} is not one of {', '.join(sorted(ROLES))}")
+    return messages
+
+
+Messages = Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True),
+                     AfterValidator(known_roles)]
 Tools = Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS, fail_fast=True)]
 Samples = Annotated[int, Field(le=MAX_N)]
 MaxTokens = Annotated[int, Field(le=MAX_TOKENS)]
