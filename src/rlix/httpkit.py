@@ -382,7 +382,7 @@ class RequestGuard:
                                                     f"{self.max_depth} levels", "BadRequestError"))
             return
         if not policy.watch:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay_body(body, receive), send)
             return
         gone = asyncio.Event()
         sent_body = False
@@ -508,7 +508,7 @@ def _content_type(scope: dict) -> bytes:
     return next((v for k, v in scope["headers"] if k == b"content-type"), b"").lower()
 
 
-def _replay(body: bytes, receive: Any) -> Any:
+def replay_body(body: bytes, receive: Any) -> Any:
     """A `receive` that hands the already-read body over once, then defers to the real one."""
     sent = False
 

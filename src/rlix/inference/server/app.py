@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
                          WeightUpdateError)
 from rlix.devices import cap_process_memory
-from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard,
+from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard, replay_body,
                           bounded_http_protocol)
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
@@ -142,7 +142,7 @@ class FastGenerate:
         except ValueError:  # pydantic's ValidationError included: the app words the 400
             req = None
         if req is None or req.stream:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay_body(body, receive), send)
             return
         await self._serve(req, scope, receive, send)
 
@@ -178,20 +178,6 @@ class FastGenerate:
             await validation_answer(errors)(scope, receive, send)
             return
         await self._serve(req, scope, receive, send)
-
-
-def _replay(body: bytes, receive: Any) -> Any:
-    """A `receive` that hands the already-read body over once, then defers to the real one."""
-    sent = False
-
-    async def replay() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 def _raise(exc: Exception) -> Any:
