@@ -51,6 +51,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlix.run import run  # deferred: see above
 
     result = run(args.config, resume=args.resume, mode=args.mode, address=args.address)
+    import ray  # deferred: see above
+
+    if ray.is_initialized():  # the cluster's workers end here (pinned buffers freed): said, as it takes seconds
+        t0 = time.perf_counter()
+        ray.shutdown()
+        print(f"Ray stopped in {time.perf_counter() - t0:.1f}s", flush=True)
     # a run where some pipeline failed (the others finished) or served unsynced weights
     failed = [n for n, s in result["pipelines"].items()
               if s.get("version_mismatches") or s.get("state") == "failed"]

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import ray
 
@@ -35,7 +35,7 @@ from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.procguard import pid_alive
 from rlix.private_files import write_private
-from rlix.scheduler.service import start_scheduler, topology_from_ray
+from rlix.scheduler.service import check_scheduler, start_scheduler, topology_from_ray
 from rlix.supervise import InterruptFlag, Supervisor
 from rlix.run_log import RunLog
 from rlix.timeline import account_lines, run_fields, write_timeline
@@ -141,21 +141,43 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = cfg.scheduler.params(resident_engines=devices.resident_engines)
+            # held: one first plan, once every pipeline is set up; not waited for: the
+            # pipelines' actors start beside it (a Ray worker start each)
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
                                         metrics_port=cfg.scheduler.metrics_port,
-                                        dashboard_port=cfg.scheduler.dashboard_port)
-            ray.get(scheduler.hold.remote())  # one first plan, once every pipeline is set up
-            _say_metrics_endpoint(scheduler, cfg, say)
-            _say_dashboard(scheduler, cfg, say)
+                                        dashboard_port=cfg.scheduler.dashboard_port, held=True, wait=False)
         elif cfg.scheduler.dashboard_port is not None:
             say("scheduler.dashboard_port: no dashboard in standalone mode (there is no scheduler)")
+
+        def scheduler_up() -> None:
+            """Once the pipelines' actors are asked for: the scheduler answers (its topology
+            checked), is held (one already running was not started held), its endpoints said."""
+            check_scheduler(scheduler, topology)
+            ray.get(scheduler.hold.remote())
+            _say_metrics_endpoint(scheduler, cfg, say)
+            _say_dashboard(scheduler, cfg, say)
+
         return follow(cfg, config_path, mode=mode, run_dir=run_dir, say=say, devices=devices,
                       scheduler=scheduler, all_gpus=list(range(topology.num_gpus)), resume=resume,
-                      t_start=t_start, first_plan_held=scheduler is not None)
+                      t_start=t_start, first_plan_held=scheduler is not None,
+                      started=scheduler_up if scheduler is not None else None)
     finally:
         if scheduler is not None:
             ray.kill(scheduler)
         reservation.release()
+
+
+def _say_scheduler_startup(scheduler, wall0: float, say: RunLog) -> None:  # type: ignore[no-untyped-def]
+    """When the run's scheduler was up and when each pipeline's registration reached it, in
+    seconds from the run's start: what a set-up's `reserve` waited for."""
+    try:
+        times = ray.get(scheduler.startup_times.remote(), timeout=30)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic line only
+        say(f"scheduler start-up times not read: {one_line(exc)}")
+        return
+    regs = ", ".join(f"{name} {a - wall0:.1f}-{b - wall0:.1f}s" for name, (a, b) in sorted(times["registered"].items()))
+    say(f"scheduler: started {times['init_at'] - wall0:.1f}-{times['up_at'] - wall0:.1f}s into the run; "
+        f"registrations arrived-answered: {regs or 'none'}")
 
 
 def _say_metrics_endpoint(scheduler, cfg: RlixConfig, say: RunLog) -> None:
@@ -182,11 +204,14 @@ def _say_endpoint(method, field: str, port: int | None, label: str, say: RunLog)
 
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
            devices: DevicePlan, scheduler, all_gpus: list[int], resume: bool, t_start: float,
-           first_plan_held: bool = False, role_log_from: int = 0) -> dict:
+           first_plan_held: bool = False, role_log_from: int = 0,
+           started: Callable[[], None] | None = None) -> dict:
     """Start a config's pipelines against a scheduler (None: standalone), follow them to the
     end, stop them, and write the summary whatever the ending. The scheduler plans for each
     pipeline once it is set up (SchedulerHooks.join); `first_plan_held`: it plans nothing until
     every pipeline is (a run's own scheduler, which `hold` was called on; never a shared one).
+    `started`: called once the pipelines' actors are asked for (a run's own scheduler is
+    confirmed there, while they start).
     Raises PipelineFailedError when every pipeline failed."""
     supervisor: Supervisor | None = None
     ending = "finished"
@@ -201,10 +226,13 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
                                 all_gpus=all_gpus, resume=resume, vllm_python=cfg.vllm_python,
                                 role_log_from=role_log_from, experiment_log=cfg.logging)
         supervisor.start_all()
+        if started is not None:
+            started()
         supervisor.wait_setup(interrupt.check)
         interrupt.check()
         if first_plan_held:
             ray.get(scheduler.resume.remote())
+            _say_scheduler_startup(scheduler, time.time() - (time.perf_counter() - t_start), say)
         supervisor.drive(interrupt.check)
     except KeyboardInterrupt:
         ending = "interrupted"

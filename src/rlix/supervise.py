@@ -181,7 +181,10 @@ class Supervisor:
             if info.get("resumed_from"):
                 self.say(f"{slot.name}: --resume: resuming from {info['resumed_from']}"
                          if info["start_step"] else f"{slot.name}: --resume: {info['resumed_from']}")
-            self.say(f"{slot.name}: ready in {info['setup_s']}s, shards {info['shards']}, "
+            phases = info.get("phases_s") or {}
+            parts = (f" (trainer {phases['trainer']}s and engines {phases['engines']}s side by side)"
+                     if "trainer" in phases and "engines" in phases else "")
+            self.say(f"{slot.name}: ready in {info['setup_s']}s{parts}, shards {info['shards']}, "
                      f"starting at step {info['start_step']}")
             slot.state, slot.run_ref = "running", slot.actor.run.remote()
             slot.progress_sent, slot.progress_ref = time.monotonic(), None

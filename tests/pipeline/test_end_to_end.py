@@ -194,5 +194,6 @@ def test_standalone_runs_the_same_config_and_resume_continues(tmp_path, fresh_ra
         assert b["rewards"][:2] == a["rewards"]  # the curve continues from the saved history
         rows = [json.loads(x) for x in (tmp_path / "sa" / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        # resumed shards were synced to the checkpoint's version before serving
-        assert all(h[:2] == [0, 2] for h in b["shard_history"].values()), b["shard_history"]
+        # resumed shards were synced to the checkpoint's version before serving (an engine
+        # started asleep during set-up is woken straight into it: no version 0 recorded)
+        assert all(h[:2] == [0, 2] or h[0] == 2 for h in b["shard_history"].values()), b["shard_history"]

@@ -90,8 +90,10 @@ class NoOpHooks:
 
     def resident_gpu_sets(self, cfg: PipelineConfig, devices: DevicePlan,
                           home: list[int]) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        """Its shards start on their fixed GPUs at join: nothing else to start."""
-        return [], []
+        """Its engines start on its fixed GPUs during set-up, beside the trainer's start (one
+        per GPU, as a placed shard's would); `join` binds its ranks to them."""
+        now, _ = devices.resident_gpu_sets(cfg.tp, list(self.gpus))
+        return now, []
 
     def shard_gpus(self, cfg: PipelineConfig) -> dict[int, list[int]]:
         """One shard per `tp` fixed GPUs (at least one)."""

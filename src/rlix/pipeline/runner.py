@@ -83,6 +83,7 @@ class PipelineRunner:
         self.started_at = time.time()
         self.closing = False
         self.setup_s = 0.0
+        self.setup_phases_s: dict[str, float] = {}  # reserve, trainer, engines, collector, join
         # built by setup(), in this order; shutdown() stops whatever exists
         self.trainer: TrainerGroup | None = None
         self.backend: EngineBackend | None = None
@@ -101,21 +102,38 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> dict:
+        """Build the pipeline. The trainer and the engines start side by side (neither needs
+        the other until the coordinator joins them): set-up takes the slower of the two, not
+        their sum. `phases_s` says what each part took."""
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        async def timed(name: str, coro: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await coro
+            finally:
+                phases[name] = round(time.perf_counter() - t, 2)
+
         path = resolve_model(self.cfg.model)
         self.engine_cfg = shard_engine(self.cfg, self.devices, str(path), self.vllm_python,
                                        self.dir / "generations")
         self.backend = make_backend(self.engine_cfg)
         self.joined = True  # from here on, shutdown leaves (even if joining fails half-way)
         # the scheduler may place shards from now on
-        train_gpus = await self.hooks.reserve(self.cfg, frees_memory=self.backend.supports_sleep)
-        await self._start_trainer(str(path), train_gpus)
+        train_gpus = await timed("reserve", self.hooks.reserve(self.cfg, frees_memory=self.backend.supports_sleep))
+        trainer = asyncio.ensure_future(timed("trainer", self._start_trainer(str(path), train_gpus)))
+        engines = asyncio.ensure_future(timed("engines", self._start_engines(train_gpus)))
+        done = await asyncio.gather(trainer, engines, return_exceptions=True)
+        failed = [r for r in done if isinstance(r, BaseException)]
+        if failed:  # shutdown() ends whatever of the two did start
+            raise failed[0]
         self.experiment_log = await asyncio.to_thread(
             open_experiment_log, self.logging_cfg, pipeline=self.cfg.name, pipeline_dir=self.dir,
             start_step=self.start_step, config=self.cfg.model_dump(mode="json"))
-        ranks = await self._start_shards(str(path), train_gpus)
-        await self._start_collector(str(path))
-        await self.hooks.join(self.coordinator, self.cfg)  # type: ignore[arg-type]
+        ranks = await self._start_coordinator()
+        await timed("collector", self._start_collector(str(path)))
+        await timed("join", self.hooks.join(self.coordinator, self.cfg))  # type: ignore[arg-type]
         self.fleet.setup_done = True  # type: ignore[union-attr]
         self.ready.set()
         self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,  # type: ignore[arg-type]
@@ -124,9 +142,10 @@ class PipelineRunner:
                              release_timeout_s=self.devices.release_timeout_s,
                              record_batch=self._record_batch if self.cfg.record_rollouts else None)
         self.setup_s = time.perf_counter() - t0
+        self.setup_phases_s = phases
         return {"pipeline": self.cfg.name, "shards": ranks, "start_step": self.start_step,
                 "resumed_from": self.resumed_from,
-                "setup_s": round(self.setup_s, 2)}
+                "setup_s": round(self.setup_s, 2), "phases_s": dict(phases)}
 
     async def _start_trainer(self, path: str, gpus: list[int]) -> None:
         """The trainer ranks, one per training GPU, each placed on its GPU's node (resumed from
@@ -173,16 +192,19 @@ class PipelineRunner:
                                             for r in range(len(pids))]}
         await self.trainer.offload()
 
-    async def _start_shards(self, path: str, train_gpus: list[int]) -> list[int]:
+    async def _start_engines(self, train_gpus: list[int]) -> None:
         """The router on its own thread (control calls never queue behind rollout traffic on this
-        actor's loop), the shard processes, and the coordinator over them; shards start
-        inactive, serving the weights on disk as version 0."""
+        actor's loop) and the shard fleet. Engines the mode wants resident start now, asleep:
+        the ones on the training home during set-up, the others in the background (a rank
+        placed there later wakes one instead of starting a process). They serve the weights on
+        disk (version 0) until the first sync: nothing here needs the trainer."""
         cfg = self.cfg
         self.data_plane = DataPlaneThread(f"{cfg.name}-data-plane")
         self.data_plane.start()
         self.router = Router(self.api_key, hold_timeout_s=GENERATE_TIMEOUT_S)
         dev = self.devices
         backend = self.backend
+        assert backend is not None
         vllm = backend.name == "vllm"
         control = RemoteInferenceClient(None, {}, self.api_key, cfg.name)  # straight to the shards
         placed = dev.reservation is not None
@@ -204,10 +226,22 @@ class PipelineRunner:
                                 drain_before_sleep=vllm,
                                 # fake GPUs: a vLLM server is not restarted (a minute) to move
                                 restart_on_move=dev.device == "cuda" or not vllm)
+        if placed:
+            now, later = self.hooks.resident_gpu_sets(cfg, dev, train_gpus)
+            await self.fleet.prestart(now)
+            self.fleet.prestart_later(later)
+
+    async def _start_coordinator(self) -> list[int]:
+        """The coordinator over the fleet and the trainer (both started); unplaced shards
+        (fake clusters without a reservation) start here, inactive. Returns the ranks."""
+        cfg, dev = self.cfg, self.devices
+        assert self.trainer is not None and self.fleet is not None and self.backend is not None
+        vllm = self.backend.name == "vllm"
+        placed = dev.reservation is not None
         sync: Any = self.trainer.sync_weights
         if dev.multi_node:  # shards off the trainer's node are synced from their node's replica
             self.weight_routes = WeightRoutes(sync, self.trainer.ranks[0], self.trainer_placement["node_id"],
-                                              self.fleet.node_of, api_key=self.api_key, engine=backend.name)
+                                              self.fleet.node_of, api_key=self.api_key, engine=self.backend.name)
             sync = self.weight_routes
         beside = dev.device == "cuda" and not vllm and not dev.multi_node
         self.coordinator = ShardCoordinator(self.fleet, sync, initial_version=0,
@@ -221,11 +255,6 @@ class PipelineRunner:
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)
-        else:  # ... where their engines may wait, started now, asleep: the one on the training
-            # home (where the first shard usually goes) during set-up, the others behind it
-            now, later = self.hooks.resident_gpu_sets(cfg, dev, train_gpus)
-            await self.fleet.prestart(now)
-            self.fleet.prestart_later(later)
         self.coordinator.announce(self.start_step)
         return ranks
 
@@ -436,7 +465,7 @@ class PipelineRunner:
             "checksum_mismatches": list(coord.stats.checksum_mismatches),
             "shard_deaths": list(coord.stats.deaths), "shard_replacements": list(coord.stats.replacements),
             "sync_s": coord.stats.sync_seconds, "sleep_s": coord.stats.sleep_seconds,
-            "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s,
+            "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s, "setup_phases_s": dict(self.setup_phases_s),
             "sleep_phases_ms": {k: round(v, 1) for k, v in coord.stats.sleep_phases_ms.items()},
             "device_sync_calls_ms": [round(1000 * s, 3) for s in coord.stats.device_sync_calls_s],
             "device_sync_phases_ms": [{str(r): p for r, p in one.items()} for one in coord.stats.device_sync_phases_ms],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -95,7 +96,9 @@ class SchedulerService:
     def __init__(self, topology: Topology, params: PlannerParams | None = None,
                  liveness_interval_s: float = 2.0, ping_timeout_s: float = 3.0,
                  call_timeout_s: float | None = None, real_gpus: bool = False,
-                 metrics_port: int | None = None, dashboard_port: int | None = None) -> None:
+                 metrics_port: int | None = None, dashboard_port: int | None = None,
+                 held: bool = False) -> None:
+        init_at = time.time()
         if not log.handlers and log.level == logging.NOTSET:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -125,8 +128,13 @@ class SchedulerService:
             self._recover()
         else:
             store.delete_prefix(STATE_PREFIX)  # a scheduler that died for good left its state
+            if held:  # before any call can reach it: nobody registers ahead of the hold
+                self._sched.hold()
             self._sched._save()  # from now on a restart finds a state, even an empty one
         self._dashboard = self._serve_dashboard(dashboard_port)  # after a restore: its state shown
+        #: wall-clock times of this instance's start and of each registration's arrival and
+        #: answer: where a run's start-up waits on the scheduler (`startup_times`)
+        self._times: dict = {"init_at": init_at, "up_at": time.time(), "registered": {}}
 
     def _serve_metrics(self, port: int | None) -> dict:
         """The Prometheus registry over HTTP on 127.0.0.1 (a thread of this process); port 0
@@ -198,6 +206,11 @@ class SchedulerService:
             self._liveness = asyncio.get_running_loop().create_task(self._check_liveness())
 
     # ------------------------------------------------------------------ calls
+    async def startup_times(self) -> dict:
+        """{"init_at", "up_at": when this instance's constructor began and ended,
+        "registered": {pipeline: [arrived, answered]}} (wall clock, seconds since the epoch)."""
+        return {**self._times, "registered": dict(self._times["registered"])}
+
     async def ping(self) -> dict:
         self._start()
         return {"gpus_per_node": list(self._sched.core.ledger.topology.gpus_per_node)}
@@ -226,6 +239,7 @@ class SchedulerService:
         """Returns the pipeline's training home (where a bound trainer is placed). The same
         registration again (same spec, same coordinator actor: a call re-sent after a restart)
         gets the same answer. `setting_up`: its shards get GPUs from its `ready` on."""
+        arrived = time.time()
         self._start()
         if not isinstance(coordinator, ray.actor.ActorHandle):
             raise SchedulerError(f"register {getattr(spec, 'name', spec)!r}: coordinator must be "
@@ -243,6 +257,7 @@ class SchedulerService:
             raise
         self._handles[spec.name] = coordinator
         self._departed.pop(spec.name, None)
+        self._times["registered"][spec.name] = [arrived, time.time()]
         return home
 
     async def unregister(self, name: str) -> list[int]:
@@ -389,8 +404,13 @@ def topology_from_ray() -> Topology:
 def start_scheduler(topology: Topology | str | None = None, params: PlannerParams | None = None,
                     *, detached: bool = False, liveness_interval_s: float = 2.0,
                     call_timeout_s: float | None = None, real_gpus: bool = False,
-                    metrics_port: int | None = None, dashboard_port: int | None = None):
+                    metrics_port: int | None = None, dashboard_port: int | None = None,
+                    held: bool = False, wait: bool = True):
     """Start the scheduler actor, or get the running one; returns its handle once ready.
+    `held`: a new scheduler plans nothing until `resume()` (several pipelines register before
+    the first plan). `wait=False`: returns the handle at once, while the actor starts (a run's
+    pipelines start beside it; their calls queue until it is up); the caller then calls
+    `check_scheduler(handle, topology)` to confirm it.
     `real_gpus`: the GPUs are real (not fake ones on CPU), see AsyncScheduler. `metrics_port`:
     serve its Prometheus metrics on 127.0.0.1 there (0: a free port; `metrics_endpoint()` says
     which); None: not served. `dashboard_port`: the same for the dashboard page
@@ -415,12 +435,19 @@ def start_scheduler(topology: Topology | str | None = None, params: PlannerParam
             ray.get_runtime_context().get_node_id(), soft=False)
     handle = SchedulerService.options(**options).remote(
         topology, params, liveness_interval_s=liveness_interval_s, call_timeout_s=call_timeout_s,
-        real_gpus=real_gpus, metrics_port=metrics_port, dashboard_port=dashboard_port)
+        real_gpus=real_gpus, metrics_port=metrics_port, dashboard_port=dashboard_port, held=held)
+    if wait:
+        check_scheduler(handle, topology)
+    return handle
+
+
+def check_scheduler(handle, topology: Topology) -> None:  # type: ignore[no-untyped-def]
+    """Wait until the scheduler answers; SchedulerError if it runs another topology (one
+    started earlier, which `start_scheduler` got instead of a new one)."""
     info = ray.get(handle.ping.remote())
     if tuple(info["gpus_per_node"]) != topology.gpus_per_node:
         raise SchedulerError(f"a scheduler is already running with topology "
                              f"{info['gpus_per_node']}, not {list(topology.gpus_per_node)}")
-    return handle
 
 
 def get_scheduler():
