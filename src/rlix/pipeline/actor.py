@@ -3,22 +3,30 @@
 Thin: everything is in PipelineRunner. It is an async actor, so the scheduler's
 `resize_inference` runs while the pipeline's own loop waits in `request()` for GPUs. The run
 mode's name is read here, once, to pick the hooks that are the mode from then on.
+
+This module stays light (the runner, and with it torch and transformers, is imported by the
+constructor): a process that receives this actor's handle loads its class to learn its methods,
+and the scheduler receives one with every registration. With the runner imported here, each
+registration made the scheduler import torch first, holding every call behind it (2 s on this
+CPU, 14 s on a GPU machine).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.pipeline.hooks import ColocatedHooks, RLixHooks
 from rlix.pipeline.device_plan import DevicePlan
-from rlix.pipeline.runner import PipelineRunner
 from rlix.pipeline.scheduler_hooks import SchedulerHooks
 from rlix.scheduler.service import get_scheduler
 from rlix.threads import favour_control_latency
+
+if TYPE_CHECKING:
+    from rlix.pipeline.runner import PipelineRunner
 
 
 def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any) -> RLixHooks:
@@ -34,6 +42,8 @@ class PipelineActor:
     def __init__(self, cfg: dict, *, mode: str, run_dir: str, api_key: str, gpus: list[int],
                  resume: bool = False, devices: DevicePlan | None = None,
                  vllm_python: str | None = None, experiment_log: dict | None = None) -> None:
+        from rlix.pipeline.runner import PipelineRunner  # deferred: see the module doc
+
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         config = PipelineConfig.model_validate(cfg)
