@@ -100,6 +100,14 @@ def rollout(args: argparse.Namespace, tokens: int, **more) -> dict:  # type: ign
 
 
 def workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
+    """The workload's pipelines; every one with --max-staleness where given."""
+    pipes = _workload_pipelines(workload, args)
+    if args.max_staleness is not None:
+        pipes = [dict(p, max_staleness=args.max_staleness) for p in pipes]
+    return pipes
+
+
+def _workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
     n = args.gpus
     lr = args.lr
     if workload == "mix":
@@ -331,6 +339,9 @@ def main() -> None:
     ap.add_argument("--agentic-steps", type=int, default=6)
     ap.add_argument("--tool-latency", type=float, default=0.5, help="agentic: seconds per tool call")
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds one rlix run may take (then SIGINT)")
+    ap.add_argument("--max-staleness", type=int, default=None,
+                    help="every pipeline's max_staleness (default: the config's, 1). Above 1 a pipeline "
+                         "with GPUs free for it generates further ahead of its trainer")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the untimed one-step run per model that warms the machine first")
     ap.add_argument("--dry-run", action="store_true", help="tiny model on fake GPUs (CPU), a few steps: checks the script")
