@@ -183,7 +183,8 @@ def _cmd_down(args: argparse.Namespace) -> int:
 def _cmd_submit(args: argparse.Namespace) -> int:
     from rlix.cluster.commands import submit  # deferred: see _cmd_run
 
-    submit(args.config, name=args.name, user=args.user, resume=args.resume, address=args.address)
+    submit(args.config, name=args.name, user=args.user, resume=args.resume, overwrite=args.overwrite,
+           address=args.address)
     return 0
 
 
@@ -342,7 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("config", help="run config YAML (its cluster section is ignored: the cluster is shared)")
     submit.add_argument("--name", default=None, help="job name (default: the config file's name)")
     submit.add_argument("--user", default=None, help="whose quota it counts against (default: RLIX_USER or USER)")
-    submit.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
+    again = submit.add_mutually_exclusive_group()  # without either, a run_dir holding a previous run is refused
+    again.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a run_dir that holds a previous run (as rlix run --overwrite)")
     submit.add_argument("--address", default=None, help="Ray address (default: the `rlix up` cluster)")
     submit.set_defaults(func=_cmd_submit)
 

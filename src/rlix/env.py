@@ -36,6 +36,19 @@ def join_ray_with_token() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
+def ray_token_path() -> Path:
+    """Where Ray keeps the token that admits a process to its cluster: `RAY_AUTH_TOKEN_PATH`,
+    else ~/.ray/auth_token (Ray's own default)."""
+    value = os.environ.get("RAY_AUTH_TOKEN_PATH", "").strip()
+    return Path(value).expanduser() if value else Path.home() / ".ray" / "auth_token"
+
+
+def ray_token_auth() -> bool:
+    """Whether this process's Ray uses token authentication (`RAY_AUTH_MODE=token`, which Ray
+    itself sets when it starts or joins a cluster with a token)."""
+    return os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
+
+
 def is_ci() -> bool:
     """True under CI (`CI=true`), where progress bars and colours are turned off."""
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")

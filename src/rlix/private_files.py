@@ -45,3 +45,17 @@ def write_private(path: str | Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def narrow_to_owner(path: str | Path) -> int | None:
+    """An existing file of this user's that another program wrote readable by others (Ray's
+    cluster token, which it writes mode 0644) made 0600. Returns the mode it had when it was
+    narrowed; None where there was nothing to do (no such file, not ours, private already)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or not st.st_mode & 0o077:
+        return None
+    os.chmod(path, PRIVATE_MODE)
+    return st.st_mode & 0o777

@@ -34,7 +34,7 @@ from rlix.httpkit import check_ray_address
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.procguard import pid_alive
-from rlix.private_files import write_private
+from rlix.private_files import narrow_to_owner, write_private
 from rlix.scheduler.service import check_scheduler, start_scheduler, topology_from_ray
 from rlix.supervise import InterruptFlag, Supervisor
 from rlix.run_log import RunLog
@@ -66,7 +66,10 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None, addr
         raise ConfigError(f"{config_path}: cluster is auto but no Ray cluster to read GPUs from "
                           "(give --address or set RAY_ADDRESS, or give nodes and gpus_per_node)")
     t_start = time.perf_counter()
-    simulated = None if ray.is_initialized() else _start_ray(cfg, address, run_dir, say)
+    simulated = None
+    if not ray.is_initialized():
+        simulated = _start_ray(cfg, address, run_dir, say)
+        keep_ray_token_private(say)
     try:
         return _run_on_ray(cfg, config_path, mode=mode, run_dir=run_dir, say=say, resume=resume,
                            t_start=t_start)
@@ -97,6 +100,16 @@ def reap_local_segments(pids: list[int], wait_s: float = 10.0, end_them: bool = 
         return reap_orphaned_segments("rlix-w")
     except OSError:
         return []
+
+
+def keep_ray_token_private(say: Callable[[str], None]) -> None:
+    """Ray (2.60) writes the token that admits a process to the cluster it starts readable by
+    every user of the machine (mode 0644): with it anyone here could join the run's cluster and
+    act as it. Narrowed to its owner after every Ray start (a no-op once it is 0600)."""
+    path = env.ray_token_path()
+    was = narrow_to_owner(path)
+    if was is not None:
+        say(f"{path}: Ray's cluster token was readable by others (mode {was:o}); made 0600")
 
 
 def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog) -> SimulatedCluster | None:

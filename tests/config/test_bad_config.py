@@ -346,6 +346,21 @@ def test_run_refuses_a_run_dir_holding_a_previous_run(tmp_path, stub_run, capsys
     assert previous_run(load_config(path)) == ["summary.json", "p/"]
 
 
+def test_submit_refuses_a_run_dir_holding_a_previous_run_before_reaching_the_cluster(tmp_path, capsys):
+    """As `rlix run`: refused at once, with no cluster asked (the address answers nothing);
+    --overwrite or --resume go on to the cluster (and here find none)."""
+    path = config(tmp_path)
+    (tmp_path / "run" / "p").mkdir(parents=True)
+    nowhere = ["--address", "127.0.0.1:9"]  # the discard port: nothing listens there
+    assert main(["submit", str(path), *nowhere]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a previous run (p/)" in err[0] and "--overwrite" in err[0]
+    for flag in ("--overwrite", "--resume"):
+        assert main(["submit", str(path), flag, *nowhere]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "previous run" not in err[0] and "127.0.0.1:9" in err[0], err
+
+
 def test_resume_and_overwrite_together_are_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["run", str(config(tmp_path)), "--resume", "--overwrite"])

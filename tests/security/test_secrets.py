@@ -345,11 +345,17 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
     assert mode(run_dir / "agent" / "metrics.jsonl") == 0o666 & ~umask()
 
 
-def test_rlix_up_writes_its_state_and_log_0600(tmp_path):
+def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(tmp_path):
+    """Ray writes the cluster's token (~/.ray/auth_token) mode 0644; the head narrows it to
+    0600. A client with no token (another HOME: another user, who could not read the owner's
+    token) is refused in one line, at once."""
     from rlix.cluster.reaper import session_members
 
-    cli_env = {**os.environ, "RLIX_CACHE_DIR": str(tmp_path / "cache")}
-    cli_env.pop("RAY_ADDRESS", None)
+    home = tmp_path / "home"
+    home.mkdir()
+    cli_env = {**os.environ, "RLIX_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(home)}
+    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        cli_env.pop(var, None)
     up = subprocess.run([sys.executable, "-m", "rlix.cli", "up", "--num-gpus", "1", "--num-cpus", "2"],
                         capture_output=True, text=True, env=cli_env, timeout=180)
     assert up.returncode == 0, up.stderr[-2000:]
@@ -359,6 +365,21 @@ def test_rlix_up_writes_its_state_and_log_0600(tmp_path):
     try:
         assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
         assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
+        token = home / ".ray" / "auth_token"
+        assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
+        assert "made 0600" in (cluster / "head.log").read_text()
+        owner = subprocess.run([sys.executable, "-m", "rlix.cli", "jobs"], capture_output=True, text=True,
+                               env=cli_env, timeout=120)
+        assert owner.returncode == 0 and owner.stdout.startswith("job"), owner.stderr[-2000:]
+        stranger_home = tmp_path / "stranger"
+        stranger_home.mkdir()
+        t0 = time.monotonic()
+        stranger = subprocess.run([sys.executable, "-m", "rlix.cli", "jobs"], capture_output=True, text=True,
+                                  env={**cli_env, "HOME": str(stranger_home)}, timeout=120)
+        err = stranger.stderr.strip().splitlines()
+        assert stranger.returncode == 2 and len(err) == 1, stranger.stderr[-2000:]
+        assert f"no Ray token at {stranger_home / '.ray' / 'auth_token'}" in err[0], err
+        assert time.monotonic() - t0 < 30
     finally:
         down = subprocess.run([sys.executable, "-m", "rlix.cli", "down"], capture_output=True, text=True,
                               env=cli_env, timeout=300)

@@ -24,7 +24,7 @@ from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, jobs_file, parse_quotas
 from rlix.cluster.reaper import GRACE_S, session_members
 from rlix.cluster.registry import get_registry
 from rlix.config import load_config
-from rlix.config.preflight import preflight
+from rlix.config.preflight import preflight, refuse_reused_run_dir
 from rlix.errors import ConfigError
 from rlix.httpkit import check_ray_address
 from rlix.private_files import open_private
@@ -73,13 +73,22 @@ def reachable(address: str, timeout_s: float = 3.0) -> None:
 
 
 def connect(address: str | None = None) -> str:
+    """Join the cluster's Ray as a short driver. A cluster `rlix up` starts admits only holders
+    of its Ray token (its owner's, mode 0600): without one here, the cluster from the state file
+    is refused at once, and a failed join to another address names the missing token."""
+    state = None if address or env.ray_address() else read_state()
     address = cluster_address(address)
     reachable(address)
     if not ray.is_initialized():
+        token = env.ray_token_path()
+        no_token = f"no Ray token at {token}: the cluster admits only holders of its token (its owner's, mode 0600)"
+        if state is not None and state.get("token_auth") and not os.access(token, os.R_OK):
+            raise ConfigError(f"cannot join the rlix cluster at {address}: {no_token}")
         try:
             ray.init(address=address, namespace="rlix", log_to_driver=False, logging_level="ERROR")
         except (ConnectionError, RuntimeError) as exc:
-            raise ConfigError(f"no Ray cluster answers at {address} ({exc.__class__.__name__})") from None
+            why = no_token if not os.access(token, os.R_OK) else exc.__class__.__name__
+            raise ConfigError(f"no Ray cluster answers at {address} ({why})") from None
     return address
 
 
@@ -188,9 +197,12 @@ def job_from_config(config_path: str, name: str | None, user: str) -> Job:
 
 
 def submit(config_path: str, *, name: str | None = None, user: str | None = None, resume: bool = False,
-           address: str | None = None, out: Callable[[str], None] = print) -> dict:
-    """Queue a config's pipelines as one job and start its driver; returns the job's row."""
+           overwrite: bool = False, address: str | None = None, out: Callable[[str], None] = print) -> dict:
+    """Queue a config's pipelines as one job and start its driver; returns the job's row. A
+    run_dir holding a previous run is refused unless `resume` or `overwrite` (as `rlix run`)."""
     job = job_from_config(config_path, name, user or env.user())
+    if not (resume or overwrite):
+        refuse_reused_run_dir(load_config(config_path), config_path)
     address = connect(address)
     registry = get_registry()
     row = _ask(registry.submit.remote(job))
