@@ -100,10 +100,13 @@ def rollout(args: argparse.Namespace, tokens: int, **more) -> dict:  # type: ign
 
 
 def workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
-    """The workload's pipelines; every one with --max-staleness where given."""
+    """The workload's pipelines; every one with --max-staleness where given, and capturing its
+    CUDA graphs at its shards' start with --capture-graphs."""
     pipes = _workload_pipelines(workload, args)
     if args.max_staleness is not None:
         pipes = [dict(p, max_staleness=args.max_staleness) for p in pipes]
+    if args.capture_graphs:
+        pipes = [dict(p, rollout=dict(p["rollout"], capture_graphs=True)) for p in pipes]
     return pipes
 
 
@@ -342,6 +345,9 @@ def main() -> None:
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="every pipeline's max_staleness (default: the config's, 1). Above 1 a pipeline "
                          "with GPUs free for it generates further ahead of its trainer")
+    ap.add_argument("--capture-graphs", action="store_true",
+                    help="every pipeline's shards capture all their CUDA graphs when they start "
+                         "(rollout.capture_graphs), not on the steps' path")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the untimed one-step run per model that warms the machine first")
     ap.add_argument("--dry-run", action="store_true", help="tiny model on fake GPUs (CPU), a few steps: checks the script")

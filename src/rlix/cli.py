@@ -237,7 +237,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           served_model_name=args.served_model_name, dtype=args.dtype,
           max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations,
-          memory_share=env.gpu_memory_share(), threads=args.threads)
+          memory_share=env.gpu_memory_share(), threads=args.threads, capture_graphs=args.capture_graphs)
     return 0
 
 
@@ -380,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--capture-graphs", action="store_true",
+                       help="on CUDA, capture every decode and prefill CUDA graph before serving (a longer "
+                            "start; no request waits for a capture later)")
     serve.add_argument("--record-generations", default=None, metavar="DIR",
                        help="append each token-level generate (prompt and sampled ids, logprobs) to "
                             "DIR/generations-PID.jsonl: the engine's own record, for audits")

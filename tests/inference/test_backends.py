@@ -38,6 +38,25 @@ def test_factory_picks_by_the_typed_field(tiny_model_dir, monkeypatch):
         EngineBackendConfig(backend="sglang")
 
 
+def test_a_pipelines_capture_graphs_reaches_its_shards_serve_command(tiny_model_dir, tmp_path):
+    """rollout.capture_graphs -> the shard's EngineBackendConfig -> `rlix serve --capture-graphs`,
+    which the serve parser takes; off by default."""
+    from rlix.cli import build_parser
+    from rlix.config.models import PipelineConfig
+    from rlix.pipeline.device_plan import DevicePlan
+    from rlix.pipeline.shard_engine import shard_engine
+
+    def serve_args(capture: bool | None):  # type: ignore[no-untyped-def]
+        rollout = {} if capture is None else {"capture_graphs": capture}
+        cfg = PipelineConfig.model_validate({"name": "p", "model": str(tiny_model_dir), "max_shards": 1,
+                                             "steps": 1, "rollout": rollout})
+        backend = make_backend(shard_engine(cfg, DevicePlan(), str(tiny_model_dir), None, tmp_path))
+        return build_parser().parse_args(backend.command(host="127.0.0.1", port=9000)[3:])
+
+    assert serve_args(True).capture_graphs is True
+    assert serve_args(False).capture_graphs is False and serve_args(None).capture_graphs is False
+
+
 def test_embedded_shards_on_shared_cores_spin_briefly(tiny_model_dir):
     """libgomp's default spin (~3 ms after every parallel region) lets one server's idle compute
     threads take the cores of the servers beside it (the four-server sync test starved)."""

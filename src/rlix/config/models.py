@@ -257,6 +257,11 @@ class RolloutConfig(_Strict):
     concurrency: Int = Field(8, ge=1, le=MAX_SEQS, description="groups in flight at once")
     max_model_len: Int = Field(256, ge=16, le=MAX_TOKENS, description="the shards' context length (prompt + response)")
     max_num_seqs: Int = Field(64, ge=1, le=MAX_SEQS, description="sequences one shard decodes at once")
+    capture_graphs: bool = Field(False, description="on CUDA, each shard of the embedded engine captures all "
+                                                    "its decode and prefill CUDA graphs when it starts (during "
+                                                    "set-up), so that no step captures one on its path; the "
+                                                    "start takes longer. Off: a graph is captured the first "
+                                                    "time its batch shape is seen")
     length_tail: LengthTail | None = Field(None, description="draw each sample's token limit (its request's "
                                                              "max_tokens) from a heavy-tailed distribution, "
                                                              "capped at max_new_tokens, reproducibly from the "

@@ -24,7 +24,7 @@ def shard_engine(cfg: PipelineConfig, devices: DevicePlan, model_path: str, vllm
                   max_model_len=ro.max_model_len)
     if cfg.engine == "embedded":
         return EngineBackendConfig(backend="embedded", dtype=dev.dtype, max_num_seqs=ro.max_num_seqs,
-                                   cpu_threads=cfg.cpu_threads, **common,
+                                   cpu_threads=cfg.cpu_threads, capture_graphs=ro.capture_graphs, **common,
                                    record_generations=str(generations_dir) if cfg.record_rollouts else None)
     v = cfg.vllm
     return EngineBackendConfig(

@@ -54,6 +54,8 @@ class EngineBackendConfig(BaseModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vllm: its own default if unset")
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs")
     extra_args: tuple[str, ...] = ()
+    capture_graphs: bool = Field(False, description="embedded on CUDA: capture every CUDA graph before "
+                                                    "serving (`rlix serve --capture-graphs`)")
     cpu_threads: int | None = Field(None, ge=1, description="embedded: torch threads of each shard "
                                                             "(default torch's; 1 when many share few cores)")
     shared_cores: bool = Field(True, description="embedded on CPU: other processes compute on the same cores "
@@ -99,6 +101,8 @@ class EmbeddedBackend:
             cmd += ["--threads", str(cfg.cpu_threads)]
         if cfg.record_generations:
             cmd += ["--record-generations", cfg.record_generations]
+        if cfg.capture_graphs:
+            cmd += ["--capture-graphs"]
         return cmd + list(cfg.extra_args)
 
     def env(self) -> dict[str, str]:

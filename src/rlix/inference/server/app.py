@@ -423,13 +423,15 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
           served_model_name: str | None = None, dtype: str | None = None,
           max_body: int = MAX_BODY_BYTES, record_generations: str | None = None,
-          memory_share: float = 1.0, threads: int | None = None) -> None:
+          memory_share: float = 1.0, threads: int | None = None, capture_graphs: bool = False) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs).
     `memory_share`: the fraction of the GPU's memory this server may allocate (a slice).
     `threads`: torch CPU threads of the engine (default: torch's). On CPU only the engine's
     thread computes with them; this thread loads with one: libgomp keeps a thread team per
     thread that starts parallel regions, and with more of them than cores every region of the
-    engine's forward paid for waking its team (41 against 48-51 ms a decode step measured)."""
+    engine's forward paid for waking its team (41 against 48-51 ms a decode step measured).
+    `capture_graphs`: on CUDA, every CUDA graph is captured before the server listens (a
+    graph otherwise is captured by the first step that needs its shape, on that step's path)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     cap_process_memory(device, memory_share)
     path = resolve_model(model)
@@ -438,6 +440,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         torch.set_num_threads(1)
     engine = TorchEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, compute_threads=compute_threads)
+    if capture_graphs and device == "cuda":
+        asyncio.run(engine.capture_graphs())
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
                      model_root=str(path), close_engine=True, max_body=max_body,
                      generation_log=GenerationLog(record_generations) if record_generations else None)
