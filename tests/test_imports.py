@@ -1,9 +1,11 @@
-"""The package's imports: no cycle at run time, and every deferred (function-local) import says why."""
+"""The package's imports: no cycle at run time, every deferred (function-local) import says why, and the modules that must stay light import no torch."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "rlix"
 
@@ -119,3 +121,26 @@ def test_every_deferred_import_says_why():
             if "#" not in here and not above.strip().startswith("#"):
                 silent.append(f"{path.relative_to(PKG.parent)}:{lineno}: {here.strip()}")
     assert silent == [], "function-local imports without a reason:\n" + "\n".join(sorted(set(silent)))
+
+
+# Modules that must load without torch (or transformers), and why: each second of a torch import
+# there is paid where it shows.
+LIGHT = {
+    # Ray loads an actor handle's class module in the process that receives it, before the
+    # call runs: the scheduler receives a pipeline's handle with its registration (with torch
+    # imported there every registration waited for it: 14 s measured at a GPU run's start)
+    "rlix.pipeline.actor": "the scheduler imports it with every registration",
+    # the driver of every `rlix run` (it computes nothing)
+    "rlix.run": "every rlix run's driver",
+}
+
+
+@pytest.mark.parametrize("module", sorted(LIGHT))
+def test_light_modules_import_no_torch(module):
+    import subprocess
+    import sys
+
+    code = (f"import sys, {module}; heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            f"assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, f"{module} ({LIGHT[module]}): {done.stderr[-500:]}"

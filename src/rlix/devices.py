@@ -51,16 +51,6 @@ def cap_process_memory(device: str | torch.device, share: float) -> None:
                                                else torch.cuda.current_device())
 
 
-def resolve_dtype(dtype: str, device: str) -> str | None:
-    """The dtype name to load models in: `auto` is bfloat16 on cuda and the checkpoint's own
-    (None) on cpu."""
-    if dtype == "auto":
-        return "bfloat16" if device == "cuda" else None
-    if not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise ConfigError(f"unknown dtype {dtype!r}")
-    return dtype
-
-
 @dataclass(frozen=True)
 class DeviceMemory:
     """One holder's view of its GPU at one moment."""

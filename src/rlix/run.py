@@ -28,7 +28,6 @@ from rlix.simulated_cluster import SimulatedCluster
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
-from rlix.devices import resolve_dtype
 from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, one_line
 from rlix.httpkit import check_ray_address
 from rlix.pipeline.device_plan import DevicePlan
@@ -356,7 +355,7 @@ def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:
     elif device == "cuda" and not reservation.has_cuda:
         raise ConfigError("device is cuda but the Ray cluster's GPUs are not CUDA devices "
                           "(no /dev/nvidia* on their nodes); use device: cpu or auto")
-    return DevicePlan(device=device, dtype=resolve_dtype(cfg.dtype, device), reservation=reservation,
+    return DevicePlan(device=device, dtype=cfg.dtype_on(device), reservation=reservation,
                       release_timeout_s=cfg.release_timeout_s,
                       resident_engines=cfg.cluster.resident_engines and device == "cuda")
 

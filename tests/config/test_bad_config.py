@@ -346,9 +346,12 @@ def test_run_refuses_a_run_dir_holding_a_previous_run(tmp_path, stub_run, capsys
     assert previous_run(load_config(path)) == ["summary.json", "p/"]
 
 
-def test_submit_refuses_a_run_dir_holding_a_previous_run_before_reaching_the_cluster(tmp_path, capsys):
+def test_submit_refuses_a_run_dir_holding_a_previous_run_before_reaching_the_cluster(tmp_path, capsys,
+                                                                                      monkeypatch):
     """As `rlix run`: refused at once, with no cluster asked (the address answers nothing);
     --overwrite or --resume go on to the cluster (and here find none)."""
+    # main() would set RAY_AUTH_MODE in this test process for every later test's Ray
+    monkeypatch.setattr("rlix.env.join_ray_with_token", lambda: None)
     path = config(tmp_path)
     (tmp_path / "run" / "p").mkdir(parents=True)
     nowhere = ["--address", "127.0.0.1:9"]  # the discard port: nothing listens there

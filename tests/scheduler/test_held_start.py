@@ -51,14 +51,3 @@ def test_a_scheduler_started_held_plans_nothing_until_resumed_and_says_when_it_s
     arrived, answered = times["registered"]["a"]
     assert sent_at <= times["init_at"] <= times["up_at"] <= arrived <= answered <= time.time()
 
-
-def test_the_pipeline_actor_module_imports_no_torch():
-    """The scheduler receives a pipeline actor's handle with its registration, and Ray loads
-    the actor's class module to read its methods before the call runs: with torch imported
-    there, the scheduler imported torch first and every call behind it waited (14 s measured
-    on a GPU machine's run start)."""
-    import subprocess
-    import sys
-    code = ("import sys, rlix.pipeline.actor; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -474,6 +474,13 @@ class RlixConfig(_Strict):
                                                                               "TensorBoard and wandb")
     pipelines: list[PipelineConfig] = Field(min_length=1)
 
+    def dtype_on(self, device: str) -> str | None:
+        """The dtype models load in on `device`: `auto` is bfloat16 on cuda and the
+        checkpoint's own (None) on cpu."""
+        if self.dtype == "auto":
+            return "bfloat16" if device == "cuda" else None
+        return self.dtype
+
     @model_validator(mode="after")
     def _fits(self) -> "RlixConfig":
         names = [p.name for p in self.pipelines]
