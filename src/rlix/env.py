@@ -123,20 +123,6 @@ def require_vllm() -> bool:
     return os.environ.get("RLIX_REQUIRE_VLLM", "").strip() in ("1", "true", "yes")
 
 
-def require_browser() -> bool:
-    """`RLIX_REQUIRE_BROWSER=1` (CI's browser step): the dashboard's browser test fails instead
-    of skipping when Chromium, ChromeDriver or selenium is missing."""
-    return os.environ.get("RLIX_REQUIRE_BROWSER", "").strip() in ("1", "true", "yes")
-
-
-def chromium_paths() -> tuple[str, str]:
-    """(browser, driver) for the dashboard's browser test: `RLIX_CHROMIUM` and
-    `RLIX_CHROMEDRIVER`, else Debian's /usr/bin/chromium and /usr/bin/chromedriver
-    (`scripts/setup.sh --with-browser` installs them)."""
-    return (os.environ.get("RLIX_CHROMIUM", "").strip() or "/usr/bin/chromium",
-            os.environ.get("RLIX_CHROMEDRIVER", "").strip() or "/usr/bin/chromedriver")
-
-
 NCCL_DEFAULTS = {
     # NVLink multicast (NVLS) is off on the lent GPU machines; NCCL must not try it.
     "NCCL_NVLS_ENABLE": "0",

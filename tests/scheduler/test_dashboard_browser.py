@@ -21,7 +21,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlix import env
+
+def require_browser() -> bool:
+    """`RLIX_REQUIRE_BROWSER=1` (CI's browser step): this test fails instead of skipping when
+    Chromium, ChromeDriver or selenium is missing."""
+    return os.environ.get("RLIX_REQUIRE_BROWSER", "").strip() in ("1", "true", "yes")
+
+
+def chromium_paths() -> tuple[str, str]:
+    """(browser, driver): `RLIX_CHROMIUM` and `RLIX_CHROMEDRIVER`, else Debian's
+    /usr/bin/chromium and /usr/bin/chromedriver (`scripts/setup.sh --with-browser` installs them)."""
+    return (os.environ.get("RLIX_CHROMIUM", "").strip() or "/usr/bin/chromium",
+            os.environ.get("RLIX_CHROMEDRIVER", "").strip() or "/usr/bin/chromedriver")
+
 
 pytestmark = pytest.mark.browser
 
@@ -36,7 +48,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 def _browser():
     """selenium's webdriver module and the Chromium and ChromeDriver paths; skip (or fail where
     required) if any is missing."""
-    chromium, driver = env.chromium_paths()
+    chromium, driver = chromium_paths()
     missing = [p for p in (chromium, driver) if not os.access(p, os.X_OK)]
     try:
         from selenium import webdriver  # deferred: an optional test dependency (the `browser` extra)
@@ -45,7 +57,7 @@ def _browser():
         missing.append("the selenium package")
     if missing:
         reason = (f"no {', '.join(missing)} (install with `bash scripts/setup.sh --with-browser`)")
-        if env.require_browser():
+        if require_browser():
             pytest.fail(f"a browser is required here (RLIX_REQUIRE_BROWSER): {reason}")
         pytest.skip(reason)
     return webdriver, chromium, driver

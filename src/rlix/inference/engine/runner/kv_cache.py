@@ -1,8 +1,8 @@
 """Slot-based KV cache that plugs into a transformers model's attention layers.
 
 Why not transformers' own caches: DynamicCache grows one batch in lockstep, and the paged cache of
-its continuous batching measured 3x slower than a static batch on our CPU (VLLM_NOTES.md). Here
-every running sequence owns one *row* of a preallocated [rows, kv_heads, capacity, head_dim]
+its continuous batching gathers every step's keys from scattered pages, where a static batch reads
+one contiguous view. Here every running sequence owns one *row* of a preallocated [rows, kv_heads, capacity, head_dim]
 tensor per layer; rows 0..n-1 are always the running sequences, in batch order (a leaving
 sequence's row is filled by moving the last row into it), so the keys of a decode step are a
 plain view `k[:n, :, :L]` and an additive mask hides each row's positions past its own length.
