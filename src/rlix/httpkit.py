@@ -2,8 +2,9 @@
 
 The pool carries the router's calls to its shards, the control fan-out and the weight-sync calls.
 
-Why not httpx: on this 2-core CPU httpx's async stack cost ~2 ms per proxied request, more than
-the router's whole budget; this pool of keep-alive connections on asyncio streams costs ~0.3 ms.
+Why not httpx: its async stack costs several times more per proxied request than the router's
+whole budget on a small CPU (docs/BENCHMARKS.md, router overhead); this pool of keep-alive
+connections on asyncio streams does the same work in a fraction of it.
 It speaks just what the engine servers answer: Content-Length or chunked bodies, read whole or
 as lines (SSE). A reused connection that turns out closed before any answer arrived (the server's
 keep-alive timeout) is retried once on a fresh one; any other transport failure is an
@@ -332,7 +333,7 @@ class RequestGuard:
     - a body nesting JSON deeper than `max_depth` gets 400 before any parser sees it;
     - with `watch`, once the body is in, the connection is watched: if the client goes away
       before the answer is complete, the handler is cancelled, which aborts its engine request
-      (non-streamed requests included: they used to generate to the end for nobody).
+      (non-streamed requests included: otherwise they generate to the end for nobody).
 
     GET, HEAD and OPTIONS bodies are never read (only their announced size is checked). Plain
     ASGI, one task per request, for the reason BearerAuth is (the shard's HTTP loop also answers

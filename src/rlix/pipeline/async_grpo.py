@@ -180,7 +180,7 @@ class GrpoLoop:
                 await self.hooks.after_training(version)
                 raise
             # The release and the refit of the shards that stayed active run together (the release
-            # round trip no longer delays the step). The refit takes the coordinator's lock at once,
+            # round trip is not on the step's path). The refit takes the coordinator's lock at once,
             # before the release can come back as a wake: a wake then waits for the refit.
             refit = asyncio.ensure_future(self.coordinator.publish(new))
             try:

@@ -389,7 +389,7 @@ def route(target: str, state: Callable[[float], DashboardState]) -> Answer:
 
 
 #: connections open at once (see DashboardServer: one more makes room by closing a waiting one):
-#: 300 half-open connections used to hold 300 threads; now at most this many sockets, no thread
+#: (sockets on one event loop, no thread each: half-open connections cannot pile up threads)
 MAX_CONNECTIONS = 32
 #: seconds a connection may take to send a request head, or stay idle between two requests
 HEAD_TIMEOUT_S = 5.0

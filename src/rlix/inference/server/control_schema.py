@@ -32,8 +32,8 @@ class _Body(BaseModel):
 
 class QueryOnlyBody(_Body):
     """The body of /pause, /resume, /sleep and /wake_up, whose parameters are in the query
-    string (as in vLLM): empty or `{}`. Anything else is refused before the engine is touched
-    (a garbage body used to be ignored, and the engine slept)."""
+    string (as in vLLM): empty or `{}`. Anything else is refused before the engine is touched:
+    a body the server ignored would let a malformed call sleep the engine."""
 
     model_config = ConfigDict(extra="forbid")
 

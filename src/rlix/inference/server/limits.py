@@ -1,9 +1,10 @@
 """Bounds on every request the engine server and the router accept, in one place.
 
-Why: a request must cost bounded work before it is refused. `n` used to be checked by the
-engine only after the server had built n per-sample objects ({"n": 3000000} held a shard's event
-loop, and its /health, for 31 s); unbounded lists (stop strings, token ids, messages, tools,
-logit_bias...) cost time in proportion to their length before anything looked at them. These
+Why: a request must cost bounded work before it is refused. A field checked only where it is
+used is checked after the work it bounds: an `n` checked by the engine comes after the server
+built n per-sample objects (a huge `n` then holds a shard's event loop, and its /health), and an
+unbounded list (stop strings, token ids, messages, tools, logit_bias...) costs time in proportion
+to its length before anything looks at it. These
 bounds are generous for any real request (a few times the largest contexts and batches served)
 and are checked where the body is parsed:
 

@@ -2,7 +2,7 @@
 
 Why: decode runs through CUDA graphs, and a graph holds the raw addresses of the KV cache and
 of the parameters it read at capture. Memory freed and allocated again through torch's caching
-allocator comes back elsewhere, so every sleep used to drop the graphs and every wake paid for
+allocator comes back elsewhere, so a sleep through it drops the graphs and the wake pays for
 capturing them again in its first steps. The CUDA driver's virtual memory management splits
 an allocation in two: a range of virtual addresses (reserved once, kept for the buffer's life)
 and the physical memory mapped into it. A sleep unmaps and releases the physical memory (the
