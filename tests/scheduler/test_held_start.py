@@ -16,27 +16,12 @@ from rlix.scheduler.types import PipelineSpec, Topology
 from test_service import PARAMS, FakeCoordinator, poll, shards, snap
 
 
-@pytest.fixture()
-def fresh():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, namespace="rlix-test", logging_level="warning")
-    handles: list = []
-    try:
-        yield handles
-    finally:
-        for handle in handles:
-            try:
-                ray.kill(handle)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
-        ray.shutdown()
-
-
-def test_a_scheduler_started_held_plans_nothing_until_resumed_and_says_when_it_started(fresh):
+def test_a_scheduler_started_held_plans_nothing_until_resumed_and_says_when_it_started(ray_cluster):
     topology = Topology((2,))
     sent_at = time.time()
     sched = start_scheduler(topology, PARAMS, held=True, wait=False)
     coord = FakeCoordinator.remote()
-    fresh += [sched, coord]
+    ray_cluster += [sched, coord]
     # sent before anyone confirmed the actor is up: it queues, and is answered once it is
     ray.get(sched.register.remote(PipelineSpec("a", max_shards=2), coord), timeout=30)
     check_scheduler(sched, topology)

@@ -248,26 +248,6 @@ def kv_keys() -> list[str]:
     return [k.decode() for k in internal_kv._internal_kv_list(STATE_PREFIX, namespace=NAMESPACE)]
 
 
-@pytest.fixture()
-def ray_cluster():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, namespace="rlix-test",
-             logging_level="warning")
-    actors: list = []
-    try:
-        yield actors
-    finally:
-        for handle in actors:
-            try:
-                ray.kill(handle)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
-        try:
-            ray.kill(ray.get_actor(ACTOR_NAME, namespace=NAMESPACE))
-        except Exception:  # noqa: BLE001
-            pass
-        ray.shutdown()
-
-
 def awake_gpus(coords: dict) -> dict[str, set[int]]:
     return {n: {g for gs in ray.get(c.state.remote())["awake"].values() for g in gs}
             for n, c in coords.items()}
