@@ -29,7 +29,8 @@ from rlix import env
 from rlix.cluster.jobs import Job, book_file_text, end_unfinished, jobs_file, parse_quotas, read_book_file
 from rlix.cluster.registry import ClusterInfo, start_registry
 from rlix.placement import GpuReservation
-from rlix.private_files import narrow_to_owner, write_private
+from rlix.private_files import write_private
+from rlix.run import keep_ray_token_private
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 
@@ -63,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ray.init(num_cpus=args.num_cpus, num_gpus=args.num_gpus, namespace="rlix", include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR")
-    # Ray writes the token that admits a process to this cluster readable by every local user
-    token = env.ray_token_path()
-    was = narrow_to_owner(token)
-    if was is not None:
-        print(f"rlix head: {token}: Ray's cluster token was readable by others (mode {was:o}); made 0600",
-              flush=True)
+    keep_ray_token_private(lambda line: print(f"rlix head: {line}", flush=True))
     # after ray.init, which installs handlers of its own: `rlix down` must drain the jobs first
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
