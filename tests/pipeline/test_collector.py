@@ -165,6 +165,36 @@ def test_concurrency_caps_groups_in_flight_and_sessions_are_group_ids():
     asyncio.run(main())
 
 
+def test_in_flight_cap_is_per_awake_shard_and_a_woken_shard_is_given_work_at_once():
+    """Two awake shards get twice the groups in flight (not one shard's worth split in two);
+    a shard woken while everything in flight waits is filled at once, not at the next answer;
+    none awake still keeps one shard's worth queued; max_staleness still bounds the total."""
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine()
+        engine.hold_after = 0  # every request waits: what is in flight stays in flight
+        shards = [0]
+        col = collector(engine, buf, Hooks(), concurrency=2, groups_per_step=4, max_age=1,
+                        active_shards=lambda: shards[0])
+        col.start()
+        await asyncio.sleep(0.05)
+        assert col.groups_in_flight() == 2  # none awake: one shard's worth
+        shards[0] = 2
+        await asyncio.sleep(0.05)
+        assert col.groups_in_flight() == 2  # nothing told it yet, and nothing finished
+        col.shards_changed()
+        await asyncio.sleep(0.05)
+        assert col.groups_in_flight() == 4
+        shards[0] = 8  # more shards than the staleness bound leaves work for
+        col.shards_changed()
+        await asyncio.sleep(0.05)
+        assert col.groups_in_flight() == 4 * (1 + 1)
+        engine.gate.set()
+        await col.wait_for(4)
+        await col.stop()
+        buf.check_conservation()
+    asyncio.run(main())
+
+
 def test_same_seed_same_prompts_and_sampling_seeds():
     async def run(seed: int) -> list:
         buf, engine = ReplayBuffer(), FakeEngine()

@@ -165,13 +165,13 @@ def _peak_in_flight(d: dict, monkeypatch) -> tuple[int, int, float]:
     return peak, max(r.peak_in_flight for r in sim.runs), res.makespan
 
 
-def _capped(cap: int | None) -> dict:
+def _capped(cap: int | None, max_shards: int = 1) -> dict:
     rollout = {"prompts": 4, "samples": 4, "extra_turns_mean": 1, "max_turns": 3,
                "gen_tokens": {"median": 200, "sigma": 1.0, "max": 2000},
                "tool_s": {"median": 2.0, "sigma": 1.0}, "prompt_tokens": 300, "obs_tokens": 100}
     if cap is not None:
         rollout["in_flight"] = cap
-    return scenario_dict(pipelines=[pipe("a", seqs_per_shard=8, rollout=rollout)])
+    return scenario_dict(pipelines=[pipe("a", seqs_per_shard=8, max_shards=max_shards, rollout=rollout)])
 
 
 def test_in_flight_cap_bounds_concurrent_samples(monkeypatch):
@@ -180,6 +180,15 @@ def test_in_flight_cap_bounds_concurrent_samples(monkeypatch):
     peak, own, makespan = _peak_in_flight(_capped(5), monkeypatch)
     assert peak == own == 5
     assert makespan > free_makespan
+
+
+def test_in_flight_cap_is_per_active_shard(monkeypatch):
+    """As the real collector's `concurrency`: two active shards, twice the samples in flight,
+    and the run ends sooner than with one shard's worth split over them."""
+    one = _peak_in_flight(_capped(5, max_shards=1), monkeypatch)
+    two = _peak_in_flight(_capped(5, max_shards=2), monkeypatch)
+    assert one[0] == 5 and 5 < two[0] <= 10 and two[0] == two[1]
+    assert two[2] < one[2]
 
 
 def test_in_flight_cap_at_or_above_what_is_released_changes_nothing(monkeypatch):

@@ -254,7 +254,10 @@ class RolloutConfig(_Strict):
     max_new_tokens: Int = Field(16, ge=1, le=MAX_TOKENS, description="tokens generated per sample at most")
     temperature: Annotated[Float, _at_least(MIN_TEMPERATURE, "logits / temperature overflows below it")] = Field(
         1.0, gt=0, le=MAX_TEMPERATURE, description="sampling temperature (must be > 0 for GRPO to explore)")
-    concurrency: Int = Field(8, ge=1, le=MAX_SEQS, description="groups in flight at once")
+    concurrency: Int = Field(8, ge=1, le=MAX_SEQS,
+                             description="groups in flight at once per awake shard (one shard's worth while "
+                                         "none is awake): a pipeline given more shards keeps them all busy; "
+                                         "max_staleness still bounds the total")
     max_model_len: Int = Field(256, ge=16, le=MAX_TOKENS, description="the shards' context length (prompt + response)")
     max_num_seqs: Int = Field(64, ge=1, le=MAX_SEQS, description="sequences one shard decodes at once")
     capture_graphs: bool = Field(False, description="on CUDA, each shard of the embedded engine captures all "

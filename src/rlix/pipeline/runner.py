@@ -417,7 +417,11 @@ class PipelineRunner:
         await self.ready.wait()
         if self.closing or self.coordinator is None:
             return {"skipped": "pipeline is shutting down"}
-        return await self.coordinator.resize_inference(remove, add)
+        try:
+            return await self.coordinator.resize_inference(remove, add)
+        finally:
+            if self.collector is not None:
+                self.collector.shards_changed()
 
     async def reassert_shards(self, shards: dict[int, list[int]], wake: bool = True) -> dict:
         """A restarted scheduler's call (see ShardCoordinator.reassert); waits for setup like
@@ -425,7 +429,11 @@ class PipelineRunner:
         await self.ready.wait()
         if self.closing or self.coordinator is None:
             return {"skipped": "pipeline is shutting down"}
-        return await self.coordinator.reassert(shards, wake)
+        try:
+            return await self.coordinator.reassert(shards, wake)
+        finally:
+            if self.collector is not None:
+                self.collector.shards_changed()
 
     def memory_log(self) -> list[dict]:
         """Every GPU hand-off of this pipeline's holders, with the memory measured at it."""

@@ -257,10 +257,11 @@ class PipelineRun:
         self.dispatch()
 
     def _admit(self) -> None:
-        """Under the in-flight cap: let held trajectories into the router while there is room."""
-        cap = self.in_flight_cap
-        if cap is None:
+        """Under the in-flight cap (per active shard, at least one shard's worth, as the real
+        collector's `concurrency`): let held trajectories into the router while there is room."""
+        if self.in_flight_cap is None:
             return
+        cap = self.in_flight_cap * max(1, self.active_shards)
         while self.held and self.in_flight < cap:
             self.in_flight += 1
             self._enqueue(self.held.popleft())
@@ -457,4 +458,5 @@ class PipelineRun:
         self._active_touch(+1)
         if self.domain.trace is not None:
             self.domain.trace.event(self.name, self.clock.now, "activate", [shard.dp_rank])
+        self._admit()
         self.dispatch()

@@ -129,8 +129,9 @@ class RolloutModel(_Strict):
     tool_s: LogNormal = LogNormal(median=1.0, sigma=0.0)
     prompt_tokens: int = Field(1000, ge=0)
     obs_tokens: int = Field(500, ge=0)
-    # the collector's cap on trajectories in flight (admitted and not finished: queued at the
-    # router, generating or in a tool call); the real one has `concurrency` groups x group_size.
+    # the collector's cap on trajectories in flight per active shard (admitted and not finished:
+    # queued at the router, generating or in a tool call; one shard's worth while none is
+    # active); the real one has `concurrency` groups x group_size per awake shard.
     # None: every released trajectory is dispatched at once.
     in_flight: int | None = Field(None, ge=1)
 

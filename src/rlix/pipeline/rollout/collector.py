@@ -5,9 +5,12 @@ concurrently through the router, one request per sample; each answer comes back 
 (`Generation`: token ids, logprobs, weight-version spans, finish reason). With an agent
 environment (`episodes`), each sample is instead one multi-turn episode run by the
 environment's agent server, stitched into the exact sampled tokens with context masked
-(agents/rollout.py); a failed episode is retried, and counted with its reason when it stays failed. Admission control: no new group
-starts while the young-enough groups buffered plus those in flight already cover
-`groups_per_step x (max_age + 1)`: more could only go stale before the trainer reaches them. A
+(agents/rollout.py); a failed episode is retried, and counted with its reason when it stays failed.
+Admission control: at most `concurrency` groups in flight per awake shard (a pipeline the
+scheduler gives a second shard gets twice the work in flight, not the same work split in two,
+which would leave both shards half full), and no new group starts while the young-enough groups
+buffered plus those in flight already cover `groups_per_step x (max_age + 1)`: more could only
+go stale before the trainer reaches them. A
 group that still finishes too old is dropped and counted ("stale"). Demand goes to the hooks
 (collected vs target for the next step), throttled to 2% steps and sent on every version change.
 A failed request is retried a few times (the router already re-dispatches preempted ones); then
@@ -122,6 +125,7 @@ class TrajectoryCollector:
         self.episodes = episodes  # agent episodes instead of one generate per trajectory
         # shard-seconds per trajectory, reported for the planner's move costs (None: not known)
         self.rate = ShardRate(active_shards) if active_shards is not None else None
+        self.active_shards = active_shards  # None: one shard's worth in flight, whatever serves
         self.group_size, self.groups_per_step = rollout.group_size, rollout.groups_per_step
         self.max_new_tokens, self.temperature = rollout.max_new_tokens, rollout.temperature
         self.length_tail = rollout.length_tail  # None: every sample may run to max_new_tokens
@@ -249,8 +253,18 @@ class TrajectoryCollector:
                 **({"length_limits": _quantiles(self.length_limits)} if self.length_limits else {})}
 
     # ------------------------------------------------------------------ admission
+    @property
+    def in_flight_limit(self) -> int:
+        """Groups that may be in flight now: `concurrency` per awake shard, at least one shard's worth."""
+        shards = self.active_shards() if self.active_shards is not None else 1
+        return self.concurrency * max(1, shards)
+
+    def shards_changed(self) -> None:
+        """Shards were woken or put to sleep: admission looks again (a woken one may take more)."""
+        self._changed.set()
+
     def _admit(self) -> bool:
-        if len(self._pending) >= self.concurrency:
+        if len(self._pending) >= self.in_flight_limit:
             return False
         ready = self.buffer.valid_groups(self.version, self.max_age)
         return ready + len(self._pending) < self.limit
