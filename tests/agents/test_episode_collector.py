@@ -28,7 +28,7 @@ class Hooks:
     def __init__(self) -> None:
         self.turns: list[int | None] = []
 
-    async def report_progress(self, collected, target, step, shard_load=None, turns_outstanding=None, **_):  # type: ignore[no-untyped-def]
+    async def report_progress(self, demand, step, shard_load=None, turns_outstanding=None, **_):  # type: ignore[no-untyped-def]
         self.turns.append(turns_outstanding)
 
 

@@ -29,14 +29,16 @@ class Tok:
 class Hooks:
     def __init__(self, fail: bool = False, delay: float = 0.0) -> None:
         self.reports: list[tuple[int, int, int]] = []
+        self.demands: list = []
         self.pending: list[bool] = []
         self.fail, self.delay = fail, delay
 
-    async def report_progress(self, collected, target, step, shard_load=None, pending_work=False, **_):  # type: ignore[no-untyped-def]
+    async def report_progress(self, demand, step, shard_load=None, pending_work=False, **_):  # type: ignore[no-untyped-def]
         await asyncio.sleep(self.delay)
         if self.fail:
             raise ConnectionError("scheduler gone")
-        self.reports.append((collected, target, step))
+        self.reports.append((demand.collected, demand.target, step))
+        self.demands.append(demand)
         self.pending.append(pending_work)
 
 
@@ -369,12 +371,54 @@ def test_demand_for_release_is_the_next_steps_demand_and_is_not_reported_again()
         buf.take(3, 0, 1)
         col.set_version(1)
         before = len(hooks.reports)
-        collected, target = col.demand_for_release()
+        demand = col.demand_for_release()
+        collected, target = demand.collected, demand.target
         assert collected < target == 12  # the next step's demand
+        # the window (3 groups x 4 x (max_staleness 1 + 1)) less what is buffered valid
+        assert demand.outstanding == 24 - buf.valid_count(1, 1) and demand.remaining == demand.outstanding
         await asyncio.sleep(0.1)
         # the reporter loop, woken by set_version, does not send the same demand again
         assert (collected, target, 1) not in hooks.reports[before:], hooks.reports
         engine.gate.set()
+        await col.stop()
+        buf.check_conservation()
+    asyncio.run(main())
+
+
+def test_a_complete_next_batch_still_reports_the_window_it_can_use():
+    """The next step's batch is in and the trainer busy: the demand says the batch after is
+    still wanted (in flight or not started), so the scheduler keeps its shards generating
+    instead of taking them, and their work, for another pipeline."""
+    async def main() -> None:
+        buf, hooks = ReplayBuffer(), Hooks()
+        col = collector(FakeEngine(), buf, hooks, concurrency=3, groups_per_step=3, group_size=4, max_age=1)
+        col.start()
+        await asyncio.wait_for(col.wait_for(3), 5)
+        demand = col.demand()
+        assert demand.complete and demand.for_next_step == 0
+        assert demand.outstanding == 2 * 12 - buf.valid_count(0, 1) > 0 and demand.remaining == demand.outstanding
+        await col.wait_for(6)  # the whole window is in: nothing more it could use
+        assert col.demand().remaining == 0
+        await col.stop()
+        buf.check_conservation()
+    asyncio.run(main())
+
+
+def test_no_group_is_generated_past_the_last_step():
+    """With `steps`, the window ends at the last step: one step left, one batch; none left, none."""
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = collector(engine, buf, Hooks(), concurrency=8, groups_per_step=3, max_age=1, steps=2)
+        col.set_version(1)
+        col.start()
+        await asyncio.wait_for(col.wait_for(3), 5)
+        await asyncio.sleep(0.05)
+        assert buf.accounting()["started"] == 3 * 4  # one batch, not max_staleness + 1
+        assert col.demand().remaining == 0
+        buf.take(3, 1, 1)
+        col.set_version(2)
+        await asyncio.sleep(0.05)
+        assert buf.accounting()["started"] == 3 * 4 and col.groups_in_flight() == 0
         await col.stop()
         buf.check_conservation()
     asyncio.run(main())

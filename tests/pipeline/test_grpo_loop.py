@@ -6,6 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from rlix.config.models import PipelineConfig
+from rlix.pipeline.rollout.types import NO_DEMAND
 from rlix.pipeline.async_grpo import GrpoLoop
 from rlix.pipeline.rollout.types import Group, Trajectory
 
@@ -56,7 +57,7 @@ class FakeCollector:
         pass
 
     def demand_for_release(self):
-        return 0
+        return NO_DEMAND
 
 
 class FakeCoordinator:

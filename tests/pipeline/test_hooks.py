@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from rlix.pipeline.hooks import NoOpHooks, ProgressThrottle, RLixHooks
+from rlix.pipeline.rollout.types import NO_DEMAND, RolloutDemand as D
 
 
 def test_noop_hooks_grant_their_fixed_gpus_and_satisfy_the_protocol():
@@ -15,7 +16,7 @@ def test_noop_hooks_grant_their_fixed_gpus_and_satisfy_the_protocol():
 
     async def main() -> list[int]:
         gpus = await hooks.before_training(0)
-        await hooks.report_progress(1, 2, 0)
+        await hooks.report_progress(D(1, 2), 0)
         await hooks.clear_progress()
         await hooks.after_training(0)
         return gpus
@@ -81,11 +82,11 @@ def test_scheduler_hooks_carry_batch_complete_with_the_training_request():
     hooks = SchedulerHooks(sched, "p", 1)
 
     async def main() -> None:
-        await hooks.report_progress(32, 64, 3)
-        await hooks.report_progress(64, 64, 3)  # complete: held back, not sent alone
+        await hooks.report_progress(D(32, 64), 3)
+        await hooks.report_progress(D(64, 64), 3)  # complete: held back, not sent alone
         await hooks.before_training(3)
-        await hooks.report_progress(64, 64, 3)  # a late completion of step 3 ...
-        await hooks.after_training(3, demand=(0, 64))
+        await hooks.report_progress(D(64, 64), 3)  # a late completion of step 3 ...
+        await hooks.after_training(3, demand=D(0, 64))
         await hooks.before_training(4)  # ... does not ride with step 4's request
 
     asyncio.run(main())
@@ -105,8 +106,8 @@ def test_scheduler_hooks_send_the_pending_work_evidence_with_the_report():
 
     sched = _FakeScheduler()
     hooks = SchedulerHooks(sched, "p", 1)
-    asyncio.run(hooks.report_progress(10, 64, 2, pending_work=True))
-    asyncio.run(hooks.report_progress(12, 64, 2))
+    asyncio.run(hooks.report_progress(D(10, 64), 2, pending_work=True))
+    asyncio.run(hooks.report_progress(D(12, 64), 2))
     sent = [c[1][0] for c in sched.calls]
     assert [(p.remaining, p.pending_work) for p in sent] == [(54, True), (52, False)]
 
@@ -121,9 +122,9 @@ def test_scheduler_hooks_release_the_last_steps_gpus_at_once():
 
     async def main() -> None:
         await hooks.before_training(3)
-        await hooks.after_training(3, demand=(64, 64))  # the next batch is complete: kept
+        await hooks.after_training(3, demand=D(64, 64))  # the next batch is complete: kept
         await hooks.before_training(4)
-        await hooks.after_training(4, demand=(0, 0))  # the last step: released now
+        await hooks.after_training(4, demand=NO_DEMAND)  # the last step: released now
         await hooks.settle()
 
     sched.cycle = _Method(sched.calls, "cycle", [0])
@@ -142,10 +143,10 @@ def test_scheduler_hooks_carry_the_measured_rate_on_every_report():
     hooks = SchedulerHooks(sched, "p", 1)
 
     async def main() -> None:
-        await hooks.report_progress(10, 64, 2, seconds_per_trajectory=0.25)
-        await hooks.report_progress(64, 64, 2)  # complete: rides on the request
+        await hooks.report_progress(D(10, 64), 2, seconds_per_trajectory=0.25)
+        await hooks.report_progress(D(64, 64), 2)  # complete: rides on the request
         await hooks.before_training(2)
-        await hooks.after_training(2, demand=(0, 64))
+        await hooks.after_training(2, demand=D(0, 64))
         await hooks.settle()
 
     asyncio.run(main())

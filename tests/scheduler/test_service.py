@@ -12,6 +12,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # before Ray is imported 
 import pytest
 import ray
 
+from rlix.pipeline.rollout.types import RolloutDemand
 from rlix.errors import SchedulerError, UnknownPipelineError
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.async_scheduler import AsyncScheduler
@@ -361,7 +362,7 @@ def test_scheduler_hooks_send_the_release_and_collect_its_answer_later(cluster):
 
     async def cycle() -> tuple[list[int], list[int]]:
         first = await hooks.before_training(0)
-        await hooks.after_training(0, demand=(0, 64))  # returns with the release in flight
+        await hooks.after_training(0, demand=RolloutDemand(0, 64))  # returns with the release in flight
         second = await hooks.before_training(1)  # the release is applied before this request
         await hooks.after_training(1)
         await hooks.settle()
@@ -390,11 +391,11 @@ def test_scheduler_hooks_keep_the_gpus_when_the_next_batch_is_complete(cluster):
 
     async def steps() -> tuple[list[int], list, list[int], list]:
         first = await hooks.before_training(0)
-        await hooks.after_training(0, demand=(64, 64))  # complete: the GPUs are kept
+        await hooks.after_training(0, demand=RolloutDemand(64, 64))  # complete: the GPUs are kept
         await hooks.settle()
         between = held_by_a()
         second = await hooks.before_training(1)  # released and asked for again in one call
-        await hooks.after_training(1, demand=(64, 64))
+        await hooks.after_training(1, demand=RolloutDemand(64, 64))
         kept_at_the_end = held_by_a()
         await hooks.leave()  # the run ends holding them: released, then unregistered
         return first, between, second, kept_at_the_end

@@ -20,6 +20,7 @@ from rlix.config.models import PipelineConfig
 from rlix.devices import confirm_release
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
+from rlix.pipeline.rollout.types import NO_DEMAND
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.hooks import RLixHooks
 from rlix.training.group import TrainerGroup
@@ -175,7 +176,7 @@ class GrpoLoop:
                 self.collector.set_version(new)
                 # after the last step nothing is wanted: the GPUs go back at once, not when the
                 # pipeline has finished leaving
-                demand = (0, 0) if new >= self.steps else self.collector.demand_for_release()
+                demand = NO_DEMAND if new >= self.steps else self.collector.demand_for_release()
             except BaseException:
                 await self.hooks.after_training(version)
                 raise

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fle
     from rlix.config.models import PipelineConfig
     from rlix.pipeline.coordinator import ShardCoordinator
     from rlix.pipeline.device_plan import DevicePlan
+    from rlix.pipeline.rollout.types import RolloutDemand
 
 
 @runtime_checkable
@@ -52,20 +53,20 @@ class RLixHooks(Protocol):
         """Block until the training GPUs are this pipeline's; returns them."""
         ...
 
-    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
+    async def after_training(self, step: int, demand: RolloutDemand | None = None) -> None:
         """The training GPUs are free again (weights cached, trainer offloaded). `demand`
-        (collected, target) for the next step goes with the release, so the control plane
-        hands the GPUs out knowing it."""
+        goes with the release, so the control plane hands the GPUs out knowing it."""
         ...
 
-    async def report_progress(self, collected: int, target: int, step: int,
+    async def report_progress(self, demand: RolloutDemand, step: int,
                               shard_load: dict[int, int] | None = None,
                               turns_outstanding: int | None = None,
                               pending_work: bool = False,
                               seconds_per_trajectory: float | None = None) -> None:
-        """Rollout demand: trajectories collected vs needed for the next step; `pending_work`:
-        groups in flight or the trainer waiting for its batch (evidence beside the figure);
-        `seconds_per_trajectory`: what one costs its shards, measured (rollout/rate.py)."""
+        """Rollout demand (`RolloutDemand`: the next step's collected vs target, and what its
+        window can still use); `pending_work`: groups in flight or the trainer waiting for its
+        batch (evidence beside the figure); `seconds_per_trajectory`: what one costs its
+        shards, measured (rollout/rate.py)."""
         ...
 
     async def clear_progress(self) -> None: ...
@@ -112,10 +113,10 @@ class NoOpHooks:
     async def before_training(self, step: int) -> list[int]:
         return list(self.gpus)
 
-    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
+    async def after_training(self, step: int, demand: RolloutDemand | None = None) -> None:
         return None
 
-    async def report_progress(self, collected: int, target: int, step: int,
+    async def report_progress(self, demand: RolloutDemand, step: int,
                               shard_load: dict[int, int] | None = None,
                               turns_outstanding: int | None = None,
                               pending_work: bool = False,
@@ -191,6 +192,6 @@ class ColocatedHooks(NoOpHooks):
             await self.coordinator.resize_inference(sorted(self.overlap), {})
         return list(self.train)
 
-    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
+    async def after_training(self, step: int, demand: RolloutDemand | None = None) -> None:
         if self.overlap and self.coordinator is not None:
             await self.coordinator.resize_inference([], dict(self.overlap))

@@ -273,7 +273,8 @@ class PipelineRunner:
             self.hooks, cfg.rollout, max_age=cfg.max_staleness,
             seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step,
             max_failed_groups=cfg.max_failed_groups, episodes=episodes,
-            active_shards=lambda: len(self.fleet.active_ranks()) if self.fleet is not None else 0)
+            active_shards=lambda: len(self.fleet.active_ranks()) if self.fleet is not None else 0,
+            steps=cfg.steps)
         self.collector.pipeline = cfg.name
         self.collector.set_version(self.start_step)
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fle
     from rlix.config.models import PipelineConfig
     from rlix.pipeline.coordinator import ShardCoordinator
     from rlix.pipeline.device_plan import DevicePlan
+    from rlix.pipeline.rollout.types import RolloutDemand
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -94,14 +95,14 @@ class SchedulerHooks:
         self.wait_s += time.perf_counter() - t0
         return self.granted
 
-    async def after_training(self, step: int, demand: tuple[int, int] | None = None) -> None:
+    async def after_training(self, step: int, demand: RolloutDemand | None = None) -> None:
         """One call: the new demand and the release are applied before one re-plan. Sent, not
         awaited: the step goes on while the scheduler re-plans; its answer (or error) is
         collected by the next `before_training` or `settle`. With the next batch complete,
         nothing is sent: the GPUs are kept and the next `before_training` cycles them."""
-        progress = None if demand is None else self._progress(demand[0], demand[1], step + 1)
+        progress = None if demand is None else self._progress(demand, step + 1)
         await self.settle()
-        if progress is not None and progress.target > 0 and progress.remaining == 0:
+        if progress is not None and demand is not None and demand.complete:
             # The next batch is already complete: this pipeline trains again at once. Released
             # now, its GPUs would be lent to another pipeline's rollouts in the next plan, and
             # the request a moment later would wait for that shard's start (or wake) and sleep.
@@ -128,14 +129,15 @@ class SchedulerHooks:
             log.warning("%s: the scheduler did not say which shards it places: %r", self.pipeline, exc)
             return None
 
-    def _progress(self, collected: int, target: int, step: int,
+    def _progress(self, demand: RolloutDemand, step: int,
                   shard_load: dict[int, int] | None = None, turns_outstanding: int | None = None,
                   pending_work: bool = False) -> Progress:
-        return Progress(self.pipeline, remaining=max(int(target) - int(collected), 0), target=int(target),
+        return Progress(self.pipeline, remaining=demand.remaining, target=demand.target,
+                        for_next_step=demand.for_next_step,
                         step=int(step), shard_load=dict(shard_load or {}), turns_outstanding=turns_outstanding,
                         pending_work=bool(pending_work), seconds_per_trajectory=self._rate)
 
-    async def report_progress(self, collected: int, target: int, step: int,
+    async def report_progress(self, demand: RolloutDemand, step: int,
                               shard_load: dict[int, int] | None = None,
                               turns_outstanding: int | None = None,
                               pending_work: bool = False,
@@ -146,8 +148,8 @@ class SchedulerHooks:
         GPU back (a wasted wake, sync and sleep; ~40% more sleeps in a two-pipeline run)."""
         if seconds_per_trajectory is not None:
             self._rate = seconds_per_trajectory
-        progress = self._progress(collected, target, step, shard_load, turns_outstanding, pending_work)
-        if target > 0 and collected >= target:
+        progress = self._progress(demand, step, shard_load, turns_outstanding, pending_work)
+        if demand.complete:
             self._complete = progress
             return
         self._complete = None

@@ -223,8 +223,8 @@ class SchedulerCore:
         if not isinstance(progress, Progress):
             raise SchedulerError(f"report_progress needs a Progress, got {type(progress).__name__}")
         self.require(progress.pipeline)
-        if progress.remaining < 0 or progress.target < 0:
-            raise SchedulerError(f"{progress.pipeline}: remaining/target must be >= 0")
+        if progress.remaining < 0 or progress.target < 0 or (progress.for_next_step or 0) < 0:
+            raise SchedulerError(f"{progress.pipeline}: remaining/target/for_next_step must be >= 0")
         spt = progress.seconds_per_trajectory
         if spt is not None and not (isinstance(spt, (int, float)) and not isinstance(spt, bool)
                                     and 0 < spt < float("inf")):

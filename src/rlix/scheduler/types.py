@@ -105,7 +105,11 @@ class GpuRequest:
 class Progress:
     """A pipeline's rollout demand, as reported by its collector.
 
-    `remaining`: trajectories still needed (target minus finished, in-flight ones included).
+    `remaining`: trajectories it can still use now, in-flight ones included: its next step's
+    shortfall, or more where its staleness window lets it generate ahead (the real collector's
+    `RolloutDemand.remaining`; the simulator's released batches). What shards are planned for.
+    `for_next_step`: of those, what its next step still lacks (target minus finished); the
+    planner's estimate of when it next trains. None: the same as `remaining`.
     `shard_load`: optional running-request count per active dp rank; the planner preempts
     the least loaded shards first so fewer requests have to be re-dispatched.
     `turns_outstanding`: agent episodes only: policy calls still to come (at most) from the
@@ -135,6 +139,11 @@ class Progress:
     pending_work: bool = False
     seconds_per_trajectory: float | None = None
     setting_up: bool = False
+    for_next_step: int | None = None
+
+    @property
+    def next_step_remaining(self) -> int:
+        return self.remaining if self.for_next_step is None else self.for_next_step
 
     def work_s(self) -> float | None:
         """Expected shard-seconds of generation left, or None when the rate is unknown."""

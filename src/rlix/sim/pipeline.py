@@ -291,10 +291,13 @@ class PipelineRun:
                                         reported_at=self.clock.now, pending_work=self.remaining > 0,
                                         seconds_per_trajectory=rate))
             return
-        open_batches = sum(1 for k in range(self.version, self.released) if self.batch_left[k] > 0)
+        open_left = [self.batch_left[k] for k in range(self.version, self.released) if self.batch_left[k] > 0]
         load = {rank: sh.load for rank, sh in self.shards.items() if sh.state == ACTIVE}
+        # the whole window is its demand (what the real collector reports as `remaining`); the
+        # earliest open batch's shortfall is what its next train request waits for
         self.domain.report(Progress(self.name, remaining=self.remaining,
-                                    target=open_batches * self.batch_size, step=self.version,
+                                    target=len(open_left) * self.batch_size, step=self.version,
+                                    for_next_step=open_left[0] if open_left else 0,
                                     shard_load=load, reported_at=self.clock.now,
                                     pending_work=self.remaining > 0, seconds_per_trajectory=rate))
 

@@ -10,9 +10,12 @@ Admission control: at most `concurrency` groups in flight per awake shard (a pip
 scheduler gives a second shard gets twice the work in flight, not the same work split in two,
 which would leave both shards half full), and no new group starts while the young-enough groups
 buffered plus those in flight already cover `groups_per_step x (max_age + 1)`: more could only
-go stale before the trainer reaches them. A
-group that still finishes too old is dropped and counted ("stale"). Demand goes to the hooks
-(collected vs target for the next step), throttled to 2% steps and sent on every version change.
+go stale before the trainer reaches them (fewer near the last step: `steps`, where given, ends
+the window there, so no batch is generated that no step will train on). A group that still
+finishes too old is dropped and counted ("stale"). Demand goes to the hooks as a
+`RolloutDemand` (the next step's collected vs target, and what the window can still use:
+the scheduler plans shards on the latter), throttled to 2% steps of the window and sent on
+every version change.
 A failed request is retried a few times (the router already re-dispatches preempted ones); then
 its whole group is dropped with the reason. Every trajectory started is accounted for exactly
 once in the buffer's counters, whatever happens to its group.
@@ -47,7 +50,7 @@ from rlix.inference.router.router import Generation, VersionSpan
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
 from rlix.pipeline.rollout.rate import ShardRate
-from rlix.pipeline.rollout.types import Group, Trajectory
+from rlix.pipeline.rollout.types import Group, RolloutDemand, Trajectory
 
 #: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router in-process
 Generate = Callable[[list[int], dict, str | None], Awaitable[Generation]]
@@ -111,13 +114,13 @@ def parse_versions(spans: list[VersionSpan], n_tokens: int) -> list[int]:
 
 class TrajectoryCollector:
     """See module doc. `rollout` is the pipeline's `rollout:` section; `max_age` its
-    `max_staleness`."""
+    `max_staleness`; `steps` the version at which the pipeline stops (None: never)."""
 
     def __init__(self, generate: Generate, tokenizer: Any, task: Task, buffer: ReplayBuffer,
                  hooks: RLixHooks, rollout: RolloutConfig, *, max_age: int, seed: int = 0,
                  max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02,
                  max_failed_groups: int = 32, episodes: AgentEpisodes | None = None,
-                 active_shards: Callable[[], int] | None = None) -> None:
+                 active_shards: Callable[[], int] | None = None, steps: int | None = None) -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
@@ -132,6 +135,7 @@ class TrajectoryCollector:
         self.length_limits: deque[int] = deque(maxlen=4096)  # the latest limits drawn (stats)
         self.ignore_eos = rollout.ignore_eos  # samples run to their limit (random-weight benchmarks)
         self.max_age, self.concurrency = max_age, rollout.concurrency
+        self.steps = steps
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
         self.seed = seed
         self.rng = random.Random(seed)  # prompts, drawn in admission order
@@ -168,8 +172,12 @@ class TrajectoryCollector:
 
     @property
     def limit(self) -> int:
-        """Groups that may be buffered (valid) or in flight at once."""
-        return self.groups_per_step * (self.max_age + 1)
+        """Groups that may be buffered (valid) or in flight at once: the staleness window, or
+        the batches the steps still to train need where that is fewer."""
+        batches = self.max_age + 1
+        if self.steps is not None:
+            batches = max(0, min(batches, self.steps - self.version))
+        return self.groups_per_step * batches
 
     def set_version(self, version: int) -> None:
         """The trainer moved on: stale groups go, and the scheduler hears the new demand now
@@ -424,9 +432,11 @@ class TrajectoryCollector:
                           started, time.time(), loss_mask=sample.loss_mask)
 
     # ------------------------------------------------------------------ progress
-    def collected(self) -> int:
-        """Trajectories valid for the next step, capped at the target."""
-        return min(self.buffer.valid_count(self.version, self.max_age), self.target)
+    def demand(self) -> RolloutDemand:
+        """The next step's collected vs target, and what the window can still use."""
+        valid = self.buffer.valid_count(self.version, self.max_age)
+        window = self.limit * self.group_size
+        return RolloutDemand(min(valid, self.target), self.target, max(window - valid, 0))
 
     def turns_outstanding(self, collected: int, target: int) -> int | None:
         """Agent episodes: policy calls still to come, at most (None without episodes)."""
@@ -434,13 +444,18 @@ class TrajectoryCollector:
             return None
         return self.episodes.turns_outstanding(max(target - collected, 0))
 
-    def demand_for_release(self) -> tuple[int, int]:
-        """(collected, target) now, for the loop to send with its GPU release; recorded as
-        reported, so the reporter loop does not send the same report again."""
-        collected, target = self.collected(), self.target
-        self.throttle.should_report(collected, target)
+    def _throttled(self, demand: RolloutDemand) -> bool:
+        """Whether this demand is worth sending: the window's share collected crossed a band."""
+        window = self.limit * self.group_size
+        return self.throttle.should_report(window - demand.outstanding, window)
+
+    def demand_for_release(self) -> RolloutDemand:
+        """The demand now, for the loop to send with its GPU release; recorded as reported, so
+        the reporter loop does not send the same report again."""
+        demand = self.demand()
+        self._throttled(demand)
         self.reports += 1
-        return collected, target
+        return demand
 
     async def _report_loop(self) -> None:
         """One reporter, latest state only: a slow control plane never blocks generation, and
@@ -448,18 +463,18 @@ class TrajectoryCollector:
         while True:
             await self._report_due.wait()
             self._report_due.clear()
-            collected, target = self.collected(), self.target
-            if not self.throttle.should_report(collected, target):
+            demand = self.demand()
+            if not self._throttled(demand):
                 continue
             try:
-                turns = self.turns_outstanding(collected, target)
+                turns = self.turns_outstanding(demand.collected, demand.target)
                 extra: dict[str, Any] = {} if turns is None else {"turns_outstanding": turns}
                 if self.rate is not None:
                     self.rate.tick(self.pending_work())
                     spt = self.rate.seconds_per_trajectory()
                     if spt is not None:
                         extra["seconds_per_trajectory"] = spt
-                await self.hooks.report_progress(collected, target, self.version,
+                await self.hooks.report_progress(demand, self.version,
                                                  pending_work=self.pending_work(), **extra)
                 self.reports += 1
             except asyncio.CancelledError:

@@ -37,3 +37,38 @@ class Group:
 
     def __len__(self) -> int:
         return len(self.trajectories)
+
+
+@dataclass(frozen=True)
+class RolloutDemand:
+    """What a pipeline's rollouts still need, as its collector sees it at one moment.
+
+    `collected` / `target`: trajectories valid for the next step (capped at it) and that step's
+    batch; `complete` says the trainer could go at once. `outstanding`: trajectories it can
+    still use now, in flight or not yet started: its staleness window (`groups_per_step x
+    (max_staleness + 1)` groups, fewer near its last step) less the valid ones buffered.
+    `remaining` is what the scheduler plans shards for: with only the next step's shortfall,
+    a pipeline whose next batch was complete reported nothing left, its shards generating the
+    batch after were taken for another pipeline, and their work in flight went stale.
+    """
+
+    collected: int
+    target: int
+    outstanding: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.target > 0 and self.collected >= self.target
+
+    @property
+    def for_next_step(self) -> int:
+        return max(self.target - self.collected, 0)
+
+    @property
+    def remaining(self) -> int:
+        return max(self.for_next_step, self.outstanding)
+
+
+#: a pipeline that wants nothing more (its last step is trained)
+NO_DEMAND = RolloutDemand(0, 0, 0)
+

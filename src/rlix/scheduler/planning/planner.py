@@ -394,8 +394,8 @@ class _Gate:
           receiver's work on it, work / (its shards + 1), is at least margin x (sleep + wake,
           + a cold start where none of its ranks has an engine on the GPUs freed);
       (b) `due`: idle GPUs of a training home whose owner wants them back sooner than margin x
-          (wake + sleep) are not filled (its request waits, or its work per shard ends within
-          that of its report); `due_until`: when the earliest such estimate runs out;
+          (wake + sleep) are not filled (its request waits, or its next step's work per shard
+          ends within that of its report); `due_until`: when the earliest such estimate runs out;
       (d) `short`: a shard of a pipeline whose work per shard ends within margin x (sleep +
           wake) is not shrunk for another's claim: it finishes first.
     Filling an idle GPU is otherwise always allowed: nothing is lost."""
@@ -438,7 +438,10 @@ class _Gate:
             shards = self.pool.shard_count[owner]
             if work > 0 and shards == 0:
                 continue  # no shard, work left: its train step is not near
-            ends = progress[owner].reported_at + work / max(1, shards)
+            p = progress[owner]
+            # its next train request comes when the next step's batch is in, not its whole window
+            next_work = p.next_step_remaining * (p.seconds_per_trajectory or 0.0)
+            ends = p.reported_at + next_work / max(1, shards)
             if ends - threshold <= now < ends + threshold:
                 due |= home
                 until = ends + threshold
