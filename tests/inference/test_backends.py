@@ -210,3 +210,67 @@ def test_shard_process_keeps_a_log_dir_it_was_given(tmp_path):
         proc.wait_ready()
     proc.stop()
     assert "model path does not exist" in proc.log_path.read_text()
+
+
+class _HealthBackend:
+    """A real HTTP server answering 200 on /health (a bind that fails exits with Python's
+    "Address already in use")."""
+
+    name, health_path, startup_timeout_s, supports_sleep = "health", "/health", 20.0, False
+    ready_requests = ()
+    api_key_env = None
+
+    def command(self, *, host: str, port: int) -> list[str]:
+        import sys
+        code = ("import http.server\n"
+                "class H(http.server.BaseHTTPRequestHandler):\n"
+                "    def do_GET(self):\n"
+                "        self.send_response(200); self.end_headers()\n"
+                f"http.server.HTTPServer(({host!r}, {port}), H).serve_forever()\n")
+        return [sys.executable, "-c", code]
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+
+def test_a_shard_whose_chosen_port_was_taken_first_chooses_another(monkeypatch):
+    """The port is chosen before the server binds it; when another process binds it in
+    between, the start is made again on a new port, not lost."""
+    import socket
+
+    import httpx
+
+    from rlix.inference.fleet import shard_process
+    from rlix.httpkit import free_port
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy])
+    monkeypatch.setattr(shard_process, "free_port", lambda host: next(ports, None) or free_port(host))
+    proc = shard_process.ShardProcess(_HealthBackend(), "k")
+    try:
+        assert proc.port == busy
+        proc.start_ready()
+        assert proc.port != busy and httpx.get(proc.url + "/health").status_code == 200
+    finally:
+        proc.stop()
+        taken.close()
+
+
+def test_a_shard_given_a_port_that_is_taken_fails_with_the_servers_words():
+    import socket
+
+    from rlix.inference.fleet.shard_process import ShardProcess
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    proc = ShardProcess(_HealthBackend(), "k", port=taken.getsockname()[1])
+    try:
+        with pytest.raises(EngineStateError, match="(?i)address already in use"):
+            proc.start_ready()
+    finally:
+        proc.stop()
+        taken.close()

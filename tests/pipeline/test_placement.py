@@ -183,6 +183,38 @@ def test_engines_started_at_setup_wait_asleep_and_placing_a_rank_wakes_one(tiny_
     asyncio.run(main())
 
 
+def test_a_rank_placed_where_another_rank_sleeps_takes_its_engine_not_a_new_process(tiny_model_dir):
+    """Ranks are labels: rank 1 placed on GPU 0, where rank 0 was just put to sleep, wakes rank
+    0's engine (a second process on that GPU took ~13 s on an H200); rank 0, placed later on GPU
+    1, takes the engine waiting there. An awake rank's engine is never taken."""
+    def placement(gpus):
+        return {env.VISIBLE_DEVICES_VAR: ",".join(str(g) for g in gpus)}
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            await fleet.prestart([(0,), (1,)])
+            fleet.setup_done = True
+            pids = fleet.resident_pids()
+            assert await fleet.place({0: [0]}) == Placed([], [0])
+            engine0 = fleet.pids()[0]
+            await fleet.expand([0])
+            assert (await fleet.place({1: [1]})).resident == [1]
+            await fleet.expand([1])
+            await fleet.sleep_partial([0])
+            assert await fleet.place({2: [0]}) == Placed([], [2])  # rank 0's engine, asleep there
+            assert fleet.pids()[2] == engine0 and 0 not in fleet.shards
+            assert fleet.starts_after_setup == 0
+            # rank 1 is awake on GPU 1: its engine is not taken; rank 0 gets a process there
+            assert (await fleet.place({0: [1]})).started == [0]
+            assert fleet.pids()[1] in pids.values() and fleet.starts_after_setup == 1
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
 def test_engines_started_in_the_background_are_waited_for_never_doubled(tiny_model_dir):
     """prestart_later: set-up goes on while the engines start; a rank placed on a GPU whose
     engine is still starting waits for it (one process there, no start after set-up); a

@@ -60,8 +60,7 @@ class ShardActor:
                                  host or ray.util.get_node_ip_address(), log_dir=log_dir, extra_env=extra_env)
 
     def start(self) -> ShardStart:
-        self.proc.start()
-        self.proc.wait_ready()
+        self.proc.start_ready()
         server = self.proc.server_pid()
         return ShardStart(self.proc.url, self.proc.pid or 0, server, ray.get_runtime_context().get_node_id(),
                           env.process_visible_devices(server) if server else None,

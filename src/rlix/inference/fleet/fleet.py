@@ -222,7 +222,8 @@ class ShardFleet:
     async def place(self, gpus_of: Mapping[int, Sequence[int]]) -> Placed:
         """Make each rank's process run on its GPUs, seeing only them. A rank that must move
         leaves its process resident where it was (asleep) and takes the resident engine on its
-        new GPUs if there is one (a wake, not a start); only where none is does a process start
+        new GPUs if there is one, or the sleeping engine of a rank not placed now (a wake, not a
+        start: `_hand_over`); only where neither is does a process start
         (~15 s on a GPU). A move that changes nothing the process sees (another slice of the
         same GPU, `cluster.gpu_slices`) keeps the process. A rank bound to another process is
         INACTIVE; a new process serves the weights on disk, a resident one is asleep. Returns the
@@ -239,6 +240,8 @@ class ShardFleet:
                 await self._unbind(rank)
             await self._started_on(want)
             engine = self._resident_on(want)
+            if engine is None:
+                engine = await self._hand_over(want, placing)
             how = "resident"
             if engine is not None:
                 del self.resident[engine.key]
@@ -256,9 +259,24 @@ class ShardFleet:
             await self.router.set_shard(rank, self.shards[rank].url, self.shards[rank].routing.value)
             self._routed[rank] = self.shards[rank].routing
             return how
-        how = await self._each(sorted(int(r) for r in gpus_of), one)
+        placing = {int(r) for r in gpus_of}
+        how = await self._each(sorted(placing), one)
         return Placed(started=sorted(r for r, h in how.items() if h == "started"),
                       resident=sorted(r for r, h in how.items() if h == "resident"))
+
+    async def _hand_over(self, gpus: tuple[int, ...], placing: set[int]) -> ResidentEngine | None:
+        """The engine of another rank of this pipeline that sleeps on `gpus` and is not being
+        placed now, unbound from it and made resident: dp ranks are labels, and any engine of
+        the pipeline serves any of them after a wake and sync. Without this, a plan that put
+        rank 1 where rank 0 had just been put to sleep started a second process on that GPU
+        (13 s on an H200, with the GPU's holder slowed meanwhile)."""
+        for rank, info in list(self.shards.items()):
+            if rank in placing or info.state is not Life.ASLEEP or not self.supports_sleep:
+                continue
+            if info.gpus == gpus or self._sees_the_same(info.gpus, gpus):
+                await self._unbind(rank)
+                return self._resident_on(gpus)
+        return None
 
     def _resident_on(self, gpus: tuple[int, ...]) -> ResidentEngine | None:
         """A resident engine whose process sees what a process placed on `gpus` would."""

@@ -30,8 +30,7 @@ class LocalLauncher:
         proc = ShardProcess(self.backend, self.api_key, self.host, log_dir=self.log_dir,
                             extra_env=env)
         self.procs[rank] = proc
-        proc.start()
-        await asyncio.to_thread(proc.wait_ready)
+        await asyncio.to_thread(proc.start_ready)
         return proc.url
 
     async def stop(self, rank: int) -> None:

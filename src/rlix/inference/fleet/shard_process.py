@@ -32,6 +32,11 @@ from rlix.inference.fleet.backends import server_launch
 from rlix.private_files import open_private
 
 
+#: a server that lost its port to another binder says this (uvicorn, from the OS's EADDRINUSE)
+PORT_IN_USE = "address already in use"
+PORT_RETRIES = 3
+
+
 class ShardProcess:
     """A backend's server process for one shard."""
 
@@ -42,6 +47,7 @@ class ShardProcess:
         self.api_key = api_key
         self.host = host
         self.port = port or free_port(host)
+        self._port_chosen_here = not port  # chosen again if another process takes it first
         # Without a log_dir the log lives in a temp dir of our own, removed by stop(): its
         # tail is already in any start-up error, and hundreds of shard starts leave nothing.
         self._own_log_dir = None if log_dir else tempfile.mkdtemp(prefix="rlix-shard-")
@@ -77,6 +83,24 @@ class ShardProcess:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=child_env,
                                          start_new_session=True)
+
+    def start_ready(self, timeout_s: float | None = None) -> None:
+        """`start`, then `wait_ready`. A port chosen here that another process bound first (a
+        free port is chosen before the server binds it: with a dozen shards starting at once,
+        two once got the same one and a resident engine was lost) is chosen again, at most
+        PORT_RETRIES times; any other failure is raised as it is."""
+        for attempt in range(PORT_RETRIES + 1):
+            self.start()
+            try:
+                self.wait_ready(timeout_s)
+                return
+            except EngineStateError:
+                if attempt == PORT_RETRIES or not self._port_chosen_here or self.alive() \
+                        or PORT_IN_USE not in self.log_tail().lower():
+                    raise
+            self.proc = None
+            self.port = free_port(self.host)
+            self.log_path = self.log_path.with_name(f"shard-{self.port}.log")
 
     def launch(self) -> tuple[list[str], dict[str, str]]:
         """(command line, whole environment) the guard and its server are started with: the
