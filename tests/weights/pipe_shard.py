@@ -38,6 +38,8 @@ from model_engine import ModelEngine
 class ConnectionEndpoint:
     """The driver's side of a shard served by serve_connection() in another process."""
 
+    one_call = False
+
     def __init__(self, conn: Connection, name: str = "remote shard", transport_ranks: int = 1,
                  timeout: float = 120.0) -> None:
         self.conn, self.name, self.transport_ranks, self.timeout = conn, name, transport_ranks, timeout

@@ -20,7 +20,7 @@ from rlix.config.models import PipelineConfig
 from rlix.devices import confirm_release
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
-from rlix.pipeline.rollout.types import NO_DEMAND
+from rlix.pipeline.rollout.types import NO_DEMAND, Group
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.hooks import RLixHooks
 from rlix.training.group import TrainerGroup
@@ -59,7 +59,7 @@ class StepRecord:
         return asdict(self)
 
 
-def to_samples(groups: list) -> list[TrainSample]:  # type: ignore[type-arg]
+def to_samples(groups: list[Group]) -> list[TrainSample]:
     """GRPO samples: each trajectory's advantage is its reward normalised within its group."""
     rewards = [[t.reward for t in g.trajectories] for g in groups]
     advantages = group_advantages(rewards)

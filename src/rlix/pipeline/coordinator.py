@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +124,7 @@ class ShardCoordinator:
         self._no_resize = asyncio.Event()
         self._no_resize.set()
 
-    def _event(self, kind: str, ranks, version: int | None = None, seconds: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+    def _event(self, kind: str, ranks: Iterable[int], version: int | None = None, seconds: float = 0.0) -> None:
         self.stats.events.append(ShardEvent(time.time(), kind, tuple(sorted(ranks)), version, seconds))
 
     async def start(self, ranks: list[int], version: int, active: bool = False) -> None:
@@ -545,7 +545,9 @@ class ShardCoordinator:
             self._event("audit", ranks, version, time.perf_counter() - t0)
 
     async def _compare_checksums(self, ranks: list[int], version: int) -> None:
-        want = dict(await self._audit(version))  # type: ignore[misc]
+        audit = self._audit
+        assert audit is not None  # called only where an audit was configured
+        want = dict(await audit(version))
         answers = await self._served_checksums(self.fleet, ranks)
         for r in ranks:
             bad, extra = mismatches(want, answers[r])

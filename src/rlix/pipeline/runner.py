@@ -133,11 +133,14 @@ class PipelineRunner:
             start_step=self.start_step, config=self.cfg.model_dump(mode="json"))
         ranks = await self._start_coordinator()
         await timed("collector", self._start_collector(str(path)))
-        await timed("join", self.hooks.join(self.coordinator, self.cfg))  # type: ignore[arg-type]
-        self.fleet.setup_done = True  # type: ignore[union-attr]
+        # all built by now (the steps above fill them in; a failure raised before this point)
+        assert self.coordinator is not None and self.fleet is not None
+        assert self.trainer is not None and self.collector is not None
+        await timed("join", self.hooks.join(self.coordinator, self.cfg))
+        self.fleet.setup_done = True
         self.ready.set()
-        self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,  # type: ignore[arg-type]
-                             collector=self.collector, buffer=self.buffer, hooks=self.hooks,  # type: ignore[arg-type]
+        self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,
+                             collector=self.collector, buffer=self.buffer, hooks=self.hooks,
                              start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint,
                              release_timeout_s=self.devices.release_timeout_s,
                              record_batch=self._record_batch if self.cfg.record_rollouts else None)

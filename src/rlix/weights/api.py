@@ -10,23 +10,36 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from rlix.weights.transport.base import Message
 
+if TYPE_CHECKING:
+    from rlix.weights.wire import Layout
+
 
 @runtime_checkable
 class WeightTarget(Protocol):
-    """The part of EngineAPI a shard needs to receive weights (EngineAPI satisfies it). An engine
-    may also offer `weight_specs()` (name -> (shape, dtype), to refuse a mismatched layout up
-    front), `weight_destination(name)` (a staging tensor to assemble split tensors into), and
-    `adopt_layout(layout) -> bool` with `weight_bucket(index) -> (bytes, named) | None`: an engine
-    that keeps (some of) its updates in the sender's bucket layout takes each bucket with one copy
-    into `bytes`, then gets `named` (its own views) through update_weights."""
+    """The part of EngineAPI a shard needs to receive weights (EngineAPI satisfies it). Besides
+    the update protocol, every engine says what it can do, so the receiver never probes:
+    `weight_specs()` (name -> (shape, dtype), to refuse a mismatched layout up front; None: it
+    cannot say, and its own update_weights must refuse), `weight_destination(name)` (a staging
+    tensor to assemble a split tensor into, or None), and `adopt_layout(layout) -> bool` with
+    `weight_bucket(index) -> (bytes, named) | None`: an engine that keeps (some of) its updates
+    in the sender's bucket layout takes each bucket with one copy into `bytes`, then gets `named`
+    (its own views) through update_weights; one that does not answers False."""
 
     weight_version: int
+
+    def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None: ...
+
+    def weight_destination(self, name: str) -> torch.Tensor | None: ...
+
+    def adopt_layout(self, layout: Layout) -> bool: ...
+
+    def weight_bucket(self, index: int) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None: ...
 
     async def start_weight_update(self, version: int) -> None: ...
 
@@ -42,12 +55,12 @@ class ShardEndpoint(Protocol):
     """What the sync driver calls on one shard, in this order: init_transfer once per layout,
     then per update start, push (once per bucket), finish; abort on any failure.
 
-    An endpoint may also offer `sync(version, layout_id, transfer, messages, wake_up) -> int`
-    (the whole update in one call, answering the version served afterwards) and `wake_up()`;
-    the driver uses them when present."""
+    `one_call` says the endpoint is a `OneCallEndpoint` too (declared, never probed): the whole
+    update in one call, a wake on request, its shard's own timing of the last call."""
 
     name: str
     transport_ranks: int  # ranks this shard adds to a collective transport (its TP size)
+    one_call: bool
 
     async def init_transfer(self, init_info: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -58,6 +71,20 @@ class ShardEndpoint(Protocol):
     async def finish(self, version: int) -> int: ...
 
     async def abort(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class OneCallEndpoint(ShardEndpoint, Protocol):
+    """An endpoint whose shard takes start, every message and finish in one call (answering the
+    version it serves afterwards), woken first when asked (True: everything; a list: those
+    wake-up tags), and reports where that call's time went (`last_phases_ms`)."""
+
+    last_phases_ms: dict[str, float]
+
+    async def sync(self, version: int, layout_id: str, transfer: dict[str, Any],
+                   messages: list[Message], wake_up: bool | list[str] = False) -> int: ...
+
+    async def wake_up(self) -> None: ...
 
 
 @dataclass

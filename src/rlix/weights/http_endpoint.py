@@ -44,6 +44,8 @@ class HttpShardEndpoint:
     Calls go over the lean keep-alive pool (rlix.httpkit): on a busy CPU httpx cost a
     few ms per call, and a sync is several calls on the path of a waking shard."""
 
+    one_call = True  # /sync_weights: the whole update (and a wake) in one call
+
     def __init__(self, url: str, api_key: str, name: str | None = None, transport_ranks: int = 1,
                  timeout_s: float = 120.0) -> None:
         self.url = url.rstrip("/")

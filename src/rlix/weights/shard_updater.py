@@ -80,9 +80,9 @@ class ShardUpdater:
             self._teardown = None
         try:
             layout = Layout.from_json(init_info["layout"])
-            specs_fn = getattr(self.engine, "weight_specs", None)
-            if callable(specs_fn):
-                layout.check_against(specs_fn(), require_all=not init_info.get("partial", False))
+            specs = self.engine.weight_specs()
+            if specs is not None:
+                layout.check_against(specs, require_all=not init_info.get("partial", False))
             kind = str(init_info.get("transport", "shm"))
             if self.transport is None or self.transport.kind != kind:
                 if self.transport is not None:
@@ -92,10 +92,8 @@ class ShardUpdater:
             self.layout = self._assembler = None
             raise self._fail(exc, "weight transfer init refused") from None
         self.layout, self.verify = layout, bool(init_info.get("verify", False))
-        self._assembler = BucketAssembler(layout, getattr(self.engine, "weight_destination", None))
-        adopt = getattr(self.engine, "adopt_layout", None)
-        self._bucket_target = (getattr(self.engine, "weight_bucket", None)
-                               if callable(adopt) and adopt(layout) else None)
+        self._assembler = BucketAssembler(layout, self.engine.weight_destination)
+        self._bucket_target = self.engine.weight_bucket if self.engine.adopt_layout(layout) else None
         return {"layout_id": layout.layout_id, "tensors": len(layout.entries),
                 "buckets": layout.num_buckets, "bytes": layout.total_bytes}
 
@@ -135,7 +133,7 @@ class ShardUpdater:
         try:
             t0 = clock()
             target = self._bucket_target(message.get("bucket")) if self._bucket_target else None
-            landed = target is not None and getattr(transport, "receives_into", False)
+            landed = target is not None and transport.receives_into
             if landed:
                 tensor = transport.receive(message, out=target[0])  # straight into staging
             else:
@@ -233,6 +231,8 @@ class ShardUpdater:
 
 class InProcessEndpoint:
     """A shard living in the driver's process: direct calls into its ShardUpdater."""
+
+    one_call = False  # step by step, and it cannot be woken from here
 
     def __init__(self, updater: ShardUpdater, name: str = "shard", transport_ranks: int = 1) -> None:
         self.updater = updater

@@ -8,7 +8,7 @@ With handle-based transports (local, shm, cuda_ipc) a failing shard is dropped a
 complete; with a collective one (nccl) a failure aborts every target, since the group is shared.
 
 When the transport's messages are references a shard can read at any time (a cache in shared
-memory) and the endpoints offer `sync`, each shard gets the whole update in one call, woken
+memory) and the endpoints are `OneCallEndpoint`s, each shard gets the whole update in one call, woken
 first if asked: the sync of a waking shard is then one round trip, not wake + 2 + buckets.
 """
 
@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.weights.cache import BucketCache
-from rlix.weights.api import ShardEndpoint, SyncReport
-from rlix.weights.transport import Transport, make_transport, references
+from rlix.weights.api import OneCallEndpoint, ShardEndpoint, SyncReport
+from rlix.weights.transport import Transport, make_transport
 
 COLLECTIVE = ("nccl",)
 
@@ -106,9 +106,8 @@ class WeightSync:
         sender = self.transport.sender()
         started: list[int] = []
         bundle = None
-        if (self.one_call and live and not collective
-                and all(callable(getattr(self.endpoints[r], "sync", None)) for r in live)):
-            bundle = references(sender, version, buckets, checksums)
+        if self.one_call and live and not collective and all(self.endpoints[r].one_call for r in live):
+            bundle = sender.references(version, buckets, checksums)
         if bundle is not None:
             try:
                 return await self._sync_bundled(version, ranks, live, failed, sender, bundle, wake, t0)
@@ -174,9 +173,10 @@ class WeightSync:
         info = {**sender.open(len(live)), "transport": self.transport.kind}
         t1 = time.perf_counter()
         tags = self.wake_tags
+        one_call = {r: cast(OneCallEndpoint, self.endpoints[r]) for r in live}  # all say one_call
         results = await asyncio.gather(
-            *(self.endpoints[r].sync(version, layout.layout_id, {**info, "rank": 1 + i}, bundle,
-                                     (tags if tags is not None else True) if r in wake else False)
+            *(one_call[r].sync(version, layout.layout_id, {**info, "rank": 1 + i}, bundle,
+                               (tags if tags is not None else True) if r in wake else False)
               for i, r in enumerate(live)), return_exceptions=True)
         seconds = time.perf_counter() - t1
         reported: dict[int, int] = {}
@@ -188,7 +188,7 @@ class WeightSync:
             else:
                 reported[r] = int(res)
         ok = _succeeded(version, ranks, failed)
-        phases = {r: dict(p) for r in reported if (p := getattr(self.endpoints[r], "last_phases_ms", None))}
+        phases = {r: dict(p) for r in reported if (p := one_call[r].last_phases_ms)}
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
                           t1 - t0, bundled=True, reported=reported, shard_phases_ms=phases)
 
@@ -196,10 +196,11 @@ class WeightSync:
         """Wake these shards before a step-by-step sync (the bundled one wakes in its call)."""
         targets = [r for r in live if r in wake]
         for r in targets:
-            if not callable(getattr(self.endpoints[r], "wake_up", None)):
+            if not self.endpoints[r].one_call:
                 failed[r] = "cannot wake: its endpoint has no wake_up"
         targets = [r for r in targets if r not in failed]
-        results = await asyncio.gather(*(self.endpoints[r].wake_up() for r in targets), return_exceptions=True)
+        results = await asyncio.gather(*(cast(OneCallEndpoint, self.endpoints[r]).wake_up() for r in targets),
+                                       return_exceptions=True)
         for r, res in zip(targets, results):
             if isinstance(res, BaseException):
                 failed[r] = f"wake up: {res}"

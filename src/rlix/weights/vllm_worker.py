@@ -74,11 +74,7 @@ class RlixWorkerExtension:
         return json.dumps({"weight_version": self.rlix_version})
 
     def _rlix_named_parameters(self) -> list[tuple[str, Any]]:
-        model = getattr(self.model_runner, "model", None)
-        if model is None:
-            get = getattr(self.model_runner, "get_model", None)
-            model = get() if callable(get) else None
-        return list(model.named_parameters()) if model is not None else []
+        return list(self.model_runner.get_model().named_parameters())
 
     def _rlix_param_names(self) -> list[str]:
         return [n for n, _ in self._rlix_named_parameters()]

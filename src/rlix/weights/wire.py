@@ -432,7 +432,7 @@ class ShmSegment:
         return cls(name, os.fstat(fd).st_size, fd, owner=False)
 
     def close(self) -> None:
-        self.tensor = None  # type: ignore[assignment]
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # the mapping's view dropped, so it can close
         try:
             self._map.close()
         except BufferError:

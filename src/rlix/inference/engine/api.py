@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from rlix.weights.wire import Layout
 
 PauseMode = Literal["abort", "wait", "keep"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -133,6 +136,15 @@ class EngineAPI(Protocol):
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> None: ...
 
     async def finish_weight_update(self) -> int: ...
+
+    # what it can do for a weight receiver (rlix.weights.api.WeightTarget says what each means)
+    def weight_specs(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None: ...
+
+    def weight_destination(self, name: str) -> torch.Tensor | None: ...
+
+    def adopt_layout(self, layout: Layout) -> bool: ...
+
+    def weight_bucket(self, index: int) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]] | None: ...
 
     async def abort_weight_update(self, reason: str) -> None: ...
 

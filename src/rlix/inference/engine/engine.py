@@ -468,6 +468,11 @@ class TorchEngine:
             self._staging = WeightStaging(self._weights, int(version), allow_partial)
             self._staging_failure = None
 
+    def weight_destination(self, name: str) -> torch.Tensor | None:
+        """No staging tensor to assemble split tensors into: the receiver allocates one (the
+        staging copy keeps the served weights untouched until finish)."""
+        return None
+
     def adopt_layout(self, layout: Layout) -> bool:
         """Reloads (after a level-2 sleep) land in this bucket layout when it sends exactly the
         served parameters (weights.py: WeightStore); the shard's receiver asks once per layout."""

@@ -129,7 +129,7 @@ class ControlPlane:
 
     def updater(self) -> ShardUpdater:
         if self._updater is None:
-            self._updater = ShardUpdater(self.engine, device=getattr(self.engine, "device", "cpu"))
+            self._updater = ShardUpdater(self.engine, device=self.engine.device)
         return self._updater
 
     def init_weight_transfer_engine(self, info: InitTransferInfo) -> dict:

@@ -306,8 +306,8 @@ class TrajectoryCollector:
             return
         if task.cancelled():
             reason: str | None = "shutdown"
-        elif isinstance(task.exception(), GroupDropped):
-            reason = task.exception().reason  # type: ignore[union-attr]
+        elif isinstance(failure := task.exception(), GroupDropped):
+            reason = failure.reason
         elif task.exception() is not None:
             exc = task.exception()
             reason = f"collector error: {type(exc).__name__}: {exc}"[:160]

@@ -65,6 +65,12 @@ class NodeCacheActor:
         # so a version crosses the network once per node
         self._lock = asyncio.Lock()
 
+    def _held(self) -> BucketCache:
+        """The replica a sync reads (the pusher asks at each sync: a relay may replace it)."""
+        if self._cache is None:
+            raise WeightCacheError("no replica on this node yet: ensure a version first")
+        return self._cache
+
     def _replica(self, layout: Layout) -> BucketCache:
         if self._cache is None:
             self._cache = BucketCache(layout, host=self.host_memory)
@@ -89,14 +95,14 @@ class NodeCacheActor:
                     version=version, accept_timeout_s=timeout_s))
                 done, _ = await asyncio.wait({sent, got}, timeout=timeout_s,
                                              return_when=asyncio.FIRST_EXCEPTION)
-                if got in done and got.exception() is not None:
+                if got in done and (failure := got.exception()) is not None:
                     sent.cancel()
-                    raise got.exception()  # type: ignore[misc]
-                if sent in done and sent.exception() is not None:
+                    raise failure
+                if sent in done and (failure := sent.exception()) is not None:
                     receiver.cancel()  # the trainer will not connect (or stopped): stop waiting
                     with contextlib.suppress(Exception):
                         await got
-                    raise sent.exception()  # type: ignore[misc]
+                    raise failure
                 if len(done) < 2:
                     receiver.cancel()
                     sent.cancel()
@@ -115,7 +121,7 @@ class NodeCacheActor:
             raise WeightCacheError("no replica on this node yet: ensure a version first")
         if self._pusher is None:
             endpoint = VllmShardEndpoint if self.engine == "vllm" else HttpShardEndpoint
-            self._pusher = ShardWeightPusher(lambda: self._cache, self.api_key,  # type: ignore[arg-type, return-value]
+            self._pusher = ShardWeightPusher(self._held, self.api_key,
                                              idle_timeout_s=self.idle_timeout_s, endpoint=endpoint)
         return await asyncio.to_thread(self._pusher.sync, int(version),
                                        {int(r): u for r, u in shards.items()}, list(wake))

@@ -14,7 +14,7 @@ import torch
 
 from rlix.errors import WeightUpdateError
 from rlix.weights.transport.base import (Message, SenderBase, Transport, TransportReceiver,
-                                         TransportSender, header, references)
+                                         TransportSender, header)
 
 KINDS = ("local", "shm", "cuda_ipc", "nccl")
 
@@ -46,4 +46,4 @@ def make_receiver(kind: str, device: str | torch.device = "cpu") -> TransportRec
 
 
 __all__ = ["KINDS", "Message", "SenderBase", "Transport", "TransportReceiver", "TransportSender",
-           "header", "make_receiver", "make_transport", "references"]
+           "header", "make_receiver", "make_transport"]

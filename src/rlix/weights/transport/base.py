@@ -46,16 +46,14 @@ class TransportSender(Protocol):
         double-buffered sender may reuse the buffer of bucket i for bucket i + 2."""
         ...
 
+    def references(self, version: int, buckets: Sequence[torch.Tensor],
+                   checksums: Sequence[int] | None) -> list[Message] | None:
+        """Every bucket's message at once, where the bytes need no staging and nothing to
+        connect (a receiver may read them in place whenever it likes), so the driver can send
+        start, all messages and finish to a shard in one call; None otherwise."""
+        ...
+
     def close(self) -> None: ...
-
-
-def references(sender: Any, version: int, buckets: Sequence[torch.Tensor],
-               checksums: Sequence[int] | None) -> list[Message] | None:
-    """Every bucket's message at once, if the sender can give them: only when the bytes need no
-    staging and nothing to connect (a receiver may read them in place whenever it likes), so
-    the driver can send start, all messages and finish to a shard in one call. None otherwise."""
-    fn = getattr(sender, "references", None)
-    return fn(version, buckets, checksums) if callable(fn) else None
 
 
 @runtime_checkable
@@ -64,13 +62,15 @@ class TransportReceiver(Protocol):
 
     kind: str
     persistent: bool  # buckets stay at the same memory across syncs, so views may be cached
+    receives_into: bool  # receive(message, out=...) lands the bytes in the caller's buffer
 
     def open(self, info: dict[str, Any]) -> None:
         """Join one sync (info from the sender's open(), with this receiver's `rank`)."""
         ...
 
-    def receive(self, message: Message) -> torch.Tensor:
-        """The bucket as a flat uint8 tensor, a view of the transferred memory where possible."""
+    def receive(self, message: Message, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket as a flat uint8 tensor, a view of the transferred memory where possible;
+        in `out` where `receives_into` (elsewhere `out` is not passed)."""
         ...
 
     def release(self, message: Message) -> None:
@@ -114,6 +114,10 @@ class SenderBase:
         for i, buf in enumerate(buckets):
             yield self.send(version, i, buf, None if checksums is None else checksums[i])
 
+    def references(self, version: int, buckets: Sequence[torch.Tensor],
+                   checksums: Sequence[int] | None) -> list[Message] | None:
+        return None  # staged or connected: bucket by bucket
+
     def close(self) -> None:
         return None
 
@@ -142,6 +146,7 @@ class StagedSender(SenderBase):
 class ReceiverBase:
     kind = "base"
     persistent = False
+    receives_into = False
 
     def open(self, info: dict[str, Any]) -> None:
         return None

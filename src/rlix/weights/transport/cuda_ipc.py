@@ -74,7 +74,7 @@ class CudaIpcReceiver(ReceiverBase):
         # of one buffer (the trainer's device copy) then open its handle once, not once each
         self._open: dict[bytes, torch.Tensor] = {}
 
-    def receive(self, message: Message) -> torch.Tensor:
+    def receive(self, message: Message, out: torch.Tensor | None = None) -> torch.Tensor:
         args = tuple(message["ipc"])
         if "at" in message:  # a bucket of a shared allocation, whose handle is opened once
             whole = self._open.get(bytes(args[7]))

@@ -40,7 +40,7 @@ class LocalReceiver(ReceiverBase):
         # host cache buffers stay put across syncs; GPU staging views do not
         self.persistent = persistent
 
-    def receive(self, message: Message) -> torch.Tensor:
+    def receive(self, message: Message, out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = message.get("tensor")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError("local transport message carries no tensor")

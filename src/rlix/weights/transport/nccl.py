@@ -45,14 +45,12 @@ def _destroy(group: Any) -> None:
     """Tear the group down locally. abort() first: a graceful shutdown() can wait for the peers
     to shut down too, which deadlocks a receiver that tears down before it answers `finish`
     while the sender tears down only after that answer. Callers finish their work first."""
-    for name in ("abort", "shutdown", "_shutdown"):
-        fn = getattr(group, name, None)
-        if fn is not None:
-            try:
-                fn()
-                return
-            except Exception:  # noqa: BLE001 - best effort teardown; try the next way
-                continue
+    for teardown in (group.abort, group.shutdown):
+        try:
+            teardown()
+            return
+        except Exception:  # noqa: BLE001 - best effort teardown; try the next way
+            continue
 
 
 def _warm_up(group: Any, device: torch.device) -> None:

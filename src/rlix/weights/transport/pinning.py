@@ -18,11 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from rlix.errors import WeightTransferError
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +94,12 @@ def _unregister(ptr: int) -> None:
         log.warning("cudaHostUnregister(%#x) failed with cudaError %d", ptr, err)
 
 
-def _in_own_thread(call):  # type: ignore[no-untyped-def]
+def _in_own_thread(call: Callable[[], T]) -> T:
     """Run a CUDA runtime call in a short-lived thread: a failed call leaves its error as that
     thread's "last error", where no later kernel-launch check of ours can trip over it. The
     thread uses the caller's device (a new thread would start on device 0 and create a context
     there)."""
-    out: list = []
+    out: list[T] = []
     err: list[BaseException] = []
     device = torch.cuda.current_device()
 

@@ -87,7 +87,7 @@ class ShmReceiver(ReceiverBase):
         self.pin = torch.device(device).type == "cuda"
         self._pinned: dict[str, PinnedRange | None] = {}  # segment name -> its page-locking
 
-    def receive(self, message: Message) -> torch.Tensor:
+    def receive(self, message: Message, out: torch.Tensor | None = None) -> torch.Tensor:
         name = str(message["shm"])
         bucket = self._mapper.bucket(name, int(message["offset"]), int(message["nbytes"]))
         if self.pin and message.get("lasting") and name not in self._pinned:

@@ -51,14 +51,16 @@ class CudaStager:
                 ready[slot].record(self._stream)
             return dst
 
-        views = [issue(0), None]
+        views: list[torch.Tensor | None] = [issue(0), None]
         with torch.cuda.device(self.device):
             for i in range(n):
                 if i + 1 < n:
                     views[(i + 1) % 2] = issue(i + 1)
                 slot = i % 2
                 ready[slot].synchronize()
-                yield i, views[slot]  # type: ignore[misc]
+                view = views[slot]
+                assert view is not None  # issued for i at i - 1 (or before the loop)
+                yield i, view
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.device))
                 free[slot] = ev

@@ -56,11 +56,18 @@ class VllmShardEndpoint(HttpShardEndpoint):
         value = (await self._request("/weight_info", None, method="GET"))["weight_version"]
         return 0 if value in (None, UNSET_VERSION) else int(value)
 
-    async def _step_by_step(self, *_: Any) -> Any:
-        raise WeightUpdateError(f"{self.name}: a vLLM shard takes a whole update in one call, read from "
-                                "the trainer's shared-memory cache (host: shm)")
+    def _step_by_step(self) -> WeightUpdateError:
+        return WeightUpdateError(f"{self.name}: a vLLM shard takes a whole update in one call, read from "
+                                 "the trainer's shared-memory cache (host: shm)")
 
-    start = push = finish = _step_by_step  # type: ignore[assignment]
+    async def start(self, version: int, layout_id: str, transfer: dict[str, Any]) -> None:
+        raise self._step_by_step()
+
+    async def push(self, message: Mapping[str, Any]) -> None:
+        raise self._step_by_step()
+
+    async def finish(self, version: int) -> int:
+        raise self._step_by_step()
 
     async def abort(self, reason: str) -> None:
         """Nothing to undo: a failed update never touched the served weights."""
