@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from rlix.inference.server.openai_schema import GenerateSamplingParams
 from rlix.agents.gateway import PolicyGateway
 from rlix.agents.protocol import PolicyEndpoint, RunRequest, RunResult
 from rlix.agents.rollout import AgentEpisodes
@@ -38,9 +39,9 @@ class Engine:
     def __init__(self) -> None:
         self.record: list[tuple[list[int], list[int], list[float]]] = []
 
-    async def __call__(self, ids: list[int], params: dict, session: str | None) -> Generation:
-        rng = random.Random(params["seed"])
-        out = [rng.randrange(3, TOK.vocab_size) for _ in range(rng.randrange(2, params["max_tokens"]))] + [END]
+    async def __call__(self, ids: list[int], params: GenerateSamplingParams, session: str | None) -> Generation:
+        rng = random.Random(params.seed)
+        out = [rng.randrange(3, TOK.vocab_size) for _ in range(rng.randrange(2, params.max_tokens or 16))] + [END]
         lps = [-rng.random() for _ in out]
         self.record.append((list(ids), out, lps))
         await asyncio.sleep(0.001)

@@ -12,6 +12,7 @@ from rlix.agents.episodes import Unstitchable, stitch
 from rlix.agents.gateway import PolicyGateway
 from rlix.errors import InvalidRequestError
 from rlix.inference.router.router import Generation, VersionSpan
+from rlix.inference.server.openai_schema import GenerateSamplingParams
 from rlix.models.tokenizer import build_tokenizer
 
 TOK = build_tokenizer()
@@ -28,8 +29,8 @@ class ScriptedEngine:
         self.texts, self.end = list(texts), end
         self.calls: list[tuple[list[int], dict, str | None]] = []
 
-    async def __call__(self, ids: list[int], params: dict, session: str | None) -> Generation:
-        self.calls.append((list(ids), dict(params), session))
+    async def __call__(self, ids: list[int], params: GenerateSamplingParams, session: str | None) -> Generation:
+        self.calls.append((list(ids), params.model_dump(), session))
         text = self.texts.pop(0)
         out = [t for ch in text for t in TOK.encode(ch, add_special_tokens=False)] + ([END] if self.end else [])
         return Generation(out, [-0.25 - 0.01 * k for k in range(len(out))], [VersionSpan(3, 0, len(out))],

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from rlix.inference.server.openai_schema import GenerateSamplingParams as SP
 from rlix.errors import EngineStateError, InferenceError, InvalidRequestError, NoActiveShardError
 from rlix.inference.router.router import Generation, Router, VersionSpan
 from rlix.inference.server.openai_schema import answer_error
@@ -43,7 +44,7 @@ def test_no_active_shard_ends_a_held_request_in_time():
         router = Router("k", hold_timeout_s=0.05)
         try:
             with pytest.raises(NoActiveShardError):
-                await router.generate([1, 2], {"max_tokens": 2})
+                await router.generate([1, 2], SP(max_tokens=2))
         finally:
             await router.close()
     asyncio.run(main())

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from kit import AUTH, KEY, shard_processes
 
+from rlix.inference.server.openai_schema import GenerateSamplingParams as SP
 from rlix.httpkit import free_port
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.router.app import RouterServer
@@ -143,7 +144,7 @@ def test_a_dead_shard_goes_down_requests_go_around_it_and_it_comes_back(tiny_mod
             try:
                 b_port = b.port
                 b.stop()  # nothing listens on shard 1 now: connection refused
-                outs = await asyncio.gather(*(router.generate([1, 2, 3], {"max_tokens": 3, "ignore_eos": True}) for _ in range(6)))
+                outs = await asyncio.gather(*(router.generate([1, 2, 3], SP(max_tokens=3, ignore_eos=True)) for _ in range(6)))
                 assert all(len(o.token_ids) == 3 for o in outs)  # none lost
                 view = {s["rank"]: s for s in await router.shards()}
                 assert view[1]["state"] == "down" and "connect" in view[1]["down_reason"]
@@ -151,12 +152,12 @@ def test_a_dead_shard_goes_down_requests_go_around_it_and_it_comes_back(tiny_mod
                 # no live shard left: the error says why, not "cut by preemption"
                 a.stop()
                 with pytest.raises(Exception, match=r"no active shard within 3 s; shard \d down"):
-                    await router.generate([1, 2, 3], {"max_tokens": 3, "ignore_eos": True})
+                    await router.generate([1, 2, 3], SP(max_tokens=3, ignore_eos=True))
                 # a server answers at shard 1's address again: the router's probe brings it back
                 with shard_processes(tiny_model_dir, 1, max_model_len=256) as (c,):
                     await router.set_shard(1, c.url)  # url changed (as a fleet replacement sets it)
                     await router.set_shard(1, state="active")
-                    out = await router.generate([1, 2, 3], {"max_tokens": 3, "ignore_eos": True})
+                    out = await router.generate([1, 2, 3], SP(max_tokens=3, ignore_eos=True))
                     assert len(out.token_ids) == 3
                 assert b_port  # (the old port is gone with its process)
             finally:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from kit import KEY, shard_processes
+from rlix.inference.server.openai_schema import GenerateSamplingParams as SP
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
@@ -204,13 +205,13 @@ def test_in_process_generate_survives_a_shard_killed_by_pid(tiny_model_dir, shar
             client = RemoteInferenceClient(None, {9: doomed.url, 0: shards[0]}, KEY)
             try:
                 await router.set_shard(9, doomed.url, "active")
-                task = asyncio.create_task(router.generate([9, 8, 7], {**GREEDY, "logprobs": 1}, "s"))
+                task = asyncio.create_task(router.generate([9, 8, 7], SP(**GREEDY, logprobs=1), "s"))
                 await _wait_running(client, 9, 1, task)
                 await router.set_shard(0, shards[0], "active")
                 os.kill(doomed.server_pid(), signal.SIGKILL)
                 out = await task
                 dead = not pid_alive(doomed.pid)
-                after = await router.generate([1, 2], {"max_tokens": 4, "temperature": 0}, "t")
+                after = await router.generate([1, 2], SP(max_tokens=4, temperature=0), "t")
                 return out, router.relay.redispatched, dead, after
             finally:
                 await client.aclose()

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kit import KEY, need_vllm
+from rlix.inference.server.openai_schema import GenerateSamplingParams as SP
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
 from rlix.inference.fleet.client import RemoteInferenceClient
@@ -221,7 +222,7 @@ def test_preemption_drains_pauses_and_redispatches(vllm_shard):
         fleet = ShardFleet(_Running(vllm_shard), router, client, supports_sleep=False,
                            drain_timeout_s=30, drain_before_sleep=True)
         await fleet.start([0])
-        params = {"max_tokens": 400, "ignore_eos": True, "temperature": 1.0, "logprobs": 0}
+        params = SP(max_tokens=400, ignore_eos=True, temperature=1.0, logprobs=0)
         jobs = [asyncio.ensure_future(router.generate([5, 6, 7 + i], params)) for i in range(6)]
         while (await client.load([0]))[0]["running"] < 6:
             await asyncio.sleep(0.01)

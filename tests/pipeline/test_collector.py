@@ -54,16 +54,16 @@ class FakeEngine:
         self.rng = random.Random(0)
         self.seen: list[tuple[tuple[int, ...], int, str | None]] = []
         self.limits: dict[int, int] = {}  # sampling seed -> the request's max_tokens
-        self.ignore_eos: set[object] = set()  # what the requests said of ignore_eos (None: nothing)
+        self.ignore_eos: set[object] = set()  # what the requests said of ignore_eos
         self.on_call = None
         self.hold_after: int | None = None  # calls after this many wait for `gate`
         self.gate = asyncio.Event()
 
     async def __call__(self, ids, params, session):  # type: ignore[no-untyped-def]
         self.calls += 1
-        self.seen.append((tuple(ids), params["seed"], session))
-        self.limits[params["seed"]] = params["max_tokens"]
-        self.ignore_eos.add(params.get("ignore_eos"))
+        self.seen.append((tuple(ids), params.seed, session))
+        self.limits[params.seed] = params.max_tokens
+        self.ignore_eos.add(params.ignore_eos)
         if self.on_call is not None:
             self.on_call()
         if self.error is not None and self.calls <= self.fail_first:
@@ -72,8 +72,8 @@ class FakeEngine:
             await self.gate.wait()
         v0 = self.version
         await asyncio.sleep(self.rng.uniform(*self.delay))
-        n = params["max_tokens"]
-        toks = [random.Random(params["seed"] + k).randrange(1, 200) for k in range(n)]
+        n = params.max_tokens
+        toks = [random.Random(params.seed + k).randrange(1, 200) for k in range(n)]
         if self.split:  # the first two tokens on the old weights, the rest on newer ones
             spans = [{"version": str(v0), "start": 0, "end": 2}, {"version": str(v0 + 1), "start": 2, "end": n}]
         else:
@@ -533,7 +533,7 @@ def test_requests_carry_their_drawn_length_limits_reproducibly():
     again, _, _ = asyncio.run(run(LOGNORMAL))
     assert {s: v for s, v in again.limits.items() if s in engine.limits} == \
         {s: v for s, v in engine.limits.items() if s in again.limits}
-    assert engine.ignore_eos == {None}  # the model may still end a sample before its limit
+    assert engine.ignore_eos == {False}  # the model may still end a sample before its limit
     plain, _, plain_stats = asyncio.run(run(None))  # no tail: today's requests
     assert set(plain.limits.values()) == {300} and "length_limits" not in plain_stats
     # rollout.ignore_eos: every request says so (samples run to their limit)

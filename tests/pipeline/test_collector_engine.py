@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 
 from kit import KEY, shard_processes  # noqa: E402
 
+from rlix.inference.server.openai_schema import GenerateSamplingParams as SP
 from rlix.envs import PatternTask, Prompt  # noqa: E402
 import pytest  # noqa: E402
 
@@ -41,7 +42,7 @@ def test_collects_groups_through_the_router_from_a_real_engine(tiny_model_dir):
                                     concurrency=2)
             col = TrajectoryCollector(generate, tokenizer, task, buf, NoOpHooks(), rollout, max_age=0, seed=1)
             with pytest.raises(InvalidRequestError):  # the shard's 400 comes back typed: not retried
-                await router.generate(list(range(1, 600)), {"max_tokens": 4}, "too-long")
+                await router.generate(list(range(1, 600)), SP(max_tokens=4), "too-long")
             col.start()
             await asyncio.wait_for(col.wait_for(2), 120)
             groups = buf.take(2, 0, 0)

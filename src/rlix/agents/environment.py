@@ -21,6 +21,7 @@ from rlix.agents.protocol import PolicyEndpoint
 from rlix.agents.rollout import AgentClient, AgentEpisodes
 from rlix.agents.supervisor import EnvironmentSupervisor
 from rlix.errors import AgentEnvError, one_line
+from rlix.inference.server.openai_schema import GenerateSamplingParams
 
 
 class PipelineEnvironment:
@@ -39,7 +40,7 @@ class PipelineEnvironment:
     async def start(self, data_plane: Any, router: Any, tokenizer: Any, *, temperature: float,
                     max_tokens: int, generate_timeout_s: float) -> AgentEpisodes:
         """Gateway first (the agent is told where it is), then the environment's servers."""
-        async def generate(ids: list[int], params: dict, session: str | None) -> Any:
+        async def generate(ids: list[int], params: GenerateSamplingParams, session: str | None) -> Any:
             return await router.generate(ids, params, session, timeout_s=generate_timeout_s)
 
         self.gateway = PolicyGateway(generate, tokenizer, self.pipeline, temperature=temperature,

@@ -27,12 +27,12 @@ from typing import Any
 
 from rlix.errors import InvalidRequestError
 from rlix.inference.router.router import Generation, VersionSpan
-from rlix.inference.server.openai_schema import ROLES
+from rlix.inference.server.openai_schema import ROLES, GenerateSamplingParams
 from rlix.inference.server.responses_api import from_chat, to_chat
 from rlix.inference.server.tool_calls import check_tools, parse_tool_calls, template_messages
 
 #: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router
-Generate = Callable[[list[int], dict, str | None], Awaitable[Generation]]
+Generate = Callable[[list[int], GenerateSamplingParams, str | None], Awaitable[Generation]]
 
 _PROBE = "\x00rlix-probe\x00"
 
@@ -178,9 +178,9 @@ class PolicyGateway:
             trace.mark_broken("a second call while the previous one was in flight")
         parse = check_tools(tools, body.get("tool_choice"))
         ids = self.prompt_ids(trace, messages, tools)
-        params = {"temperature": self.temperature, "max_tokens": self.max_tokens, "logprobs": 1}
-        if trace.seed is not None:
-            params["seed"] = (trace.seed + len(trace.turns)) % (1 << 31)
+        params = GenerateSamplingParams(
+            temperature=self.temperature, max_tokens=self.max_tokens, logprobs=1,
+            seed=None if trace.seed is None else (trace.seed + len(trace.turns)) % (1 << 31))
         trace.busy = True
         self.requests += 1
         try:

@@ -34,6 +34,7 @@ from rlix.inference.fleet.fleet import ShardFleet
 from rlix.inference.fleet.local_launcher import LocalLauncher
 from rlix.inference.router.data_plane import DataPlaneThread
 from rlix.inference.router.router import Generation, Router
+from rlix.inference.server.openai_schema import GenerateSamplingParams
 from rlix.models.presets import resolve_model
 from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
 from rlix.pipeline.rollout.buffer import ReplayBuffer
@@ -281,7 +282,8 @@ class PipelineRunner:
         self.collector.pipeline = cfg.name
         self.collector.set_version(self.start_step)
 
-    async def _generate(self, token_ids: list[int], sampling_params: dict, session_id: str | None) -> Generation:
+    async def _generate(self, token_ids: list[int], sampling_params: GenerateSamplingParams,
+                        session_id: str | None) -> Generation:
         assert self.data_plane is not None and self.router is not None
         return await self.data_plane.run(
             self.router.generate(token_ids, sampling_params, session_id, timeout_s=GENERATE_TIMEOUT_S))

@@ -17,7 +17,7 @@ from rlix.errors import InferenceError, NoActiveShardError
 from rlix.httpkit import HttpPool, UpstreamError
 from rlix.inference.router.relay import Relay
 from rlix.inference.router.shard_table import ShardTable
-from rlix.inference.server.openai_schema import answer_error
+from rlix.inference.server.openai_schema import GenerateSamplingParams, answer_error
 from rlix.inference.server.paths import GENERATE
 
 
@@ -98,13 +98,16 @@ class Router:
         """Shards the router found unreachable (DOWN), with why."""
         return self.relay.down_shards()
 
-    async def generate(self, token_ids: list[int], sampling_params: dict[str, Any],
+    async def generate(self, token_ids: list[int], sampling_params: GenerateSamplingParams,
                        session_id: str | None = None, timeout_s: float | None = None) -> Generation:
         """Token-level generate for callers in this process: the same relay (stickiness,
-        re-dispatch) as HTTP callers get, without the loopback hop. Errors are typed: a request
-        the shard refuses is an InvalidRequestError (retrying will not help), a shard that is
-        going away an EngineStateError, no active shard in time a NoActiveShardError."""
-        body = {"token_ids": token_ids, "sampling_params": sampling_params}
+        re-dispatch) as HTTP callers get, without the loopback hop. `sampling_params` is the
+        shard's own request model, so a caller's bad value fails where it is made; only what
+        differs from its defaults is sent (the shard fills in the same defaults). Errors are
+        typed: a request the shard refuses is an InvalidRequestError (retrying will not help), a
+        shard that is going away an EngineStateError, no active shard in time a
+        NoActiveShardError."""
+        body = {"token_ids": token_ids, "sampling_params": sampling_params.model_dump(exclude_defaults=True)}
         call = self.relay.unary(GENERATE, body, session_id)
         status, answer = await (call if timeout_s is None else asyncio.wait_for(call, timeout_s))
         data = json.loads(answer) if isinstance(answer, bytes) else answer

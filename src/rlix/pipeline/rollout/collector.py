@@ -47,13 +47,14 @@ from rlix.config.models import LengthTail, RolloutConfig
 from rlix.envs.tasks import Task
 from rlix.errors import CollectorError, EpisodeError, InvalidRequestError, PipelineStalledError
 from rlix.inference.router.router import Generation, VersionSpan
+from rlix.inference.server.openai_schema import GenerateSamplingParams
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.hooks import ProgressThrottle, RLixHooks
 from rlix.pipeline.rollout.rate import ShardRate
 from rlix.pipeline.rollout.types import Group, RolloutDemand, Trajectory
 
 #: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router in-process
-Generate = Callable[[list[int], dict, str | None], Awaitable[Generation]]
+Generate = Callable[[list[int], GenerateSamplingParams, str | None], Awaitable[Generation]]
 
 
 class GroupDropped(Exception):
@@ -377,8 +378,8 @@ class TrajectoryCollector:
         max_tokens = self.max_new_tokens if max_tokens is None else max_tokens
         if self.length_tail is not None:
             self.length_limits.append(max_tokens)
-        params = {"temperature": self.temperature, "max_tokens": max_tokens, "logprobs": 1,
-                  "seed": seed, **({"ignore_eos": True} if self.ignore_eos else {})}
+        params = GenerateSamplingParams(temperature=self.temperature, max_tokens=max_tokens, logprobs=1,
+                                        seed=seed, ignore_eos=self.ignore_eos)
         started = time.time()
         for attempt in range(self.max_retries + 1):
             self.requests += 1
