@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from rlix.agents.protocol import Example, PolicyEndpoint, RunRequest
 from rlix.agents.rollout import AgentClient
 from rlix.errors import EpisodeError
-from rlix.httpkit import free_port
+
+from served_app import ServedApp
 
 
 def test_malformed_agent_answers_are_episode_errors_naming_env_and_episode():
@@ -35,14 +33,9 @@ def test_malformed_agent_answers_are_episode_errors_naming_env_and_episode():
             body = "{}"
         return Response(body, media_type="application/json")
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    served = ServedApp(app).start()
     try:
-        client = AgentClient("calc", f"http://127.0.0.1:{port}", timeout_s=1.0)
+        client = AgentClient("calc", served.url, timeout_s=1.0)
         req = RunRequest(episode_id="x1", session_id="s", example=Example(prompt="p"),
                          policy=PolicyEndpoint(base_url="http://unused", model="m"))
 
@@ -57,8 +50,7 @@ def test_malformed_agent_answers_are_episode_errors_naming_env_and_episode():
             return reasons
         reasons = asyncio.run(go())
     finally:
-        server.should_exit = True
-        thread.join(5)
+        served.stop()
     assert "agent /run answer is malformed" in reasons[0]
     assert "reward: Field required" in reasons[1]
     assert "reward" in reasons[2] and "number" in reasons[2]

@@ -10,13 +10,11 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -28,6 +26,8 @@ from rlix.agents.tool_agent import ToolAgent
 from rlix.envs.agent_config import EnvConfig
 from rlix.envs.tasks import PatternTask, Prompt
 from rlix.httpkit import HttpPool, free_port
+
+from served_app import ServedApp
 
 
 class Calculator(ResourcesServer):
@@ -206,7 +206,7 @@ class ScriptedPolicy:
             message = answer if isinstance(answer, dict) else {"role": "assistant", "content": answer}
             return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": finish_reason}]})
 
-        self.server = Served(app)
+        self.server = ServedApp(app)
 
     def __enter__(self) -> ScriptedPolicy:
         self.server.__enter__()
@@ -220,34 +220,12 @@ class ScriptedPolicy:
         return PolicyEndpoint(base_url=self.server.url, model="policy-m", api_key="key-1")
 
 
-class Served:
-    """A FastAPI app served by uvicorn on a free port in a thread of this process."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.started
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
-
-
 def run_agent(resources: ResourcesServer, policy: ScriptedPolicy, cfg: EnvConfig, episode: str = "e1",
               answer: str = "z") -> RunResult:
     """One episode of a ToolAgent (in this process) against `resources` served in a thread."""
     req = RunRequest(episode_id=episode, session_id=f"sess-{episode}", example=Example(prompt="Repeat: z", answer=answer),
                      policy=policy.endpoint)
-    with Served(resources.create_app()) as served:
+    with ServedApp(resources.create_app()) as served:
         agent = ToolAgent(served.url, cfg)
 
         async def go() -> RunResult:
@@ -314,7 +292,7 @@ def test_tool_agent_ends_on_a_policy_400_and_still_verifies_and_fails_on_other_e
             "turns": 0, "reward": 0.0}
 
     # a 500 from the policy fails the episode: the agent server answers 502 naming it
-    with ScriptedPolicy([500]) as policy, Served(RepeatResources().create_app()) as resources:
+    with ScriptedPolicy([500]) as policy, ServedApp(RepeatResources().create_app()) as resources:
         app = ToolAgent(resources.url, cfg).create_app()
         req = RunRequest(episode_id="e9", session_id="s9", example=Example(prompt="p", answer="z"),
                          policy=policy.endpoint)

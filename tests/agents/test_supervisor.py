@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import ray
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -22,7 +20,8 @@ from rlix.agents.protocol import Example, PolicyEndpoint, RunRequest, RunResult
 from rlix.agents.supervisor import EnvironmentProcesses, EnvironmentSupervisor
 from rlix.envs.agent_config import EnvConfig
 from rlix.errors import AgentEnvError
-from rlix.httpkit import free_port
+
+from served_app import ServedApp
 
 
 class Policy:
@@ -39,17 +38,11 @@ class Policy:
             return JSONResponse({"choices": [{"index": 0, "finish_reason": "stop",
                                               "message": {"role": "assistant", "content": "z" * 12}}]})
 
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.served = ServedApp(app).start()
+        self.port = self.served.port
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.served.stop()
 
     @property
     def endpoint(self) -> PolicyEndpoint:

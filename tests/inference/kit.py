@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 from collections.abc import Iterator
 
@@ -18,6 +19,14 @@ from rlix.inference.fleet.shard_process import ShardProcess
 
 KEY = "test-token"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def sse_events(text: str) -> list[dict]:
+    """A streamed answer's events (OpenAI's and vLLM's SSE: `data: {...}` lines ending with one
+    `data: [DONE]`), each parsed; fails unless [DONE] comes once and last."""
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+    return [json.loads(e) for e in events[:-1]]
 
 
 def engine_cfg(model_dir, **kw) -> EngineBackendConfig:

@@ -4,13 +4,12 @@ random; every request completes exactly once with exactly the requested number o
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
 import httpx
 
-from kit import FleetHarness
+from kit import FleetHarness, sse_events
 
 N_REQUESTS = 200
 RANKS = [0, 1, 2]
@@ -36,9 +35,7 @@ async def _one(http: httpx.AsyncClient, url: str, i: int, rng: random.Random) ->
         body.update(stream=True, stream_options={"include_usage": True})
         r = await http.post(url + path, json=body, headers=session)
         assert r.status_code == 200, r.text
-        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events[-3:]
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = sse_events(r.text)
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]
                     and c["choices"][0]["finish_reason"] is not None]
         usage = [c["usage"] for c in chunks if not c["choices"]]

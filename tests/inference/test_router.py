@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import json
 import os
 import signal
 
 import httpx
 import pytest
 
-from kit import KEY, shard_processes
+from kit import KEY, shard_processes, sse_events
 from rlix.inference.server.openai_schema import GenerateSamplingParams as SP
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.router.router import Router
@@ -59,9 +58,7 @@ async def _call(http, url, kind, stream, session=None):
     assert r.status_code == 200, r.text
     if not stream:
         return r.json()
-    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
-    return [json.loads(x) for x in lines[:-1]]
+    return sse_events(r.text)
 
 
 async def _running(client: RemoteInferenceClient, rank: int) -> float:
@@ -255,9 +252,7 @@ def test_a_preempted_request_of_n_samples_continues_each_sample(shards, kind, st
         assert r.status_code == 200, r.text
         if not stream:
             return r.json()
-        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
-        return [json.loads(x) for x in lines[:-1]]
+        return sse_events(r.text)
 
     async def main():
         router = Router(KEY)

@@ -13,7 +13,7 @@ import pytest
 from rlix.scheduler.executor import PlanExecutor
 from rlix.scheduler.types import Grant, Plan, ShardMove, Stage
 
-TIMEOUT = 2.0
+from sched_kit import TIMEOUT, run, until
 
 
 class Fake:
@@ -33,20 +33,6 @@ class Fake:
         if self.fail is not None:
             raise self.fail
         self.log.append(("end", self.name, kind))
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
-
-
-async def until(cond, timeout: float = TIMEOUT) -> None:
-    """Poll the event loop until cond() holds; fail after timeout."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
 
 
 def make(log, **kw):

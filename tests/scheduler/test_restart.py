@@ -28,6 +28,8 @@ from rlix.scheduler.service import (
 )
 from rlix.scheduler.types import PipelineSpec, Progress, Stage, Topology
 
+from sched_kit import run, until
+
 PARAMS = PlannerParams(dwell_s=0.0, aging_s=60.0)
 PREFIX = "test:sched:"
 
@@ -52,18 +54,6 @@ class Gated:
         self.calls.append(call)
         await self.gate.wait()
         self.done.append(call)
-
-
-async def until(cond, timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.001)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
 
 
 def same_changes(got: list[dict], want: list[dict]) -> bool:

@@ -23,6 +23,8 @@ from rlix.scheduler.service import (
 )
 from rlix.scheduler.types import PipelineSpec, Plan, Progress, Stage, Topology
 
+from sched_kit import run, until
+
 PARAMS = PlannerParams(dwell_s=0.0, aging_s=60.0)
 
 
@@ -38,18 +40,6 @@ class Gated:
     async def __call__(self, remove, add):
         self.calls.append((remove, add))
         await self.gate.wait()
-
-
-async def until(cond, timeout: float = 2.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.001)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 10))
 
 
 def test_request_returns_once_the_shrinks_on_its_gpus_are_done():

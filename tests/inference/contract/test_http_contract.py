@@ -4,11 +4,12 @@ Shapes are vLLM 0.32's, as its CPU server answered (dev mode, --enable-scale-out
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import pytest
+
+from kit import sse_events
 
 COMPLETION_KEYS = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint",
                    "usage", "kv_transfer_params", "ec_transfer_params", "metrics"]
@@ -28,10 +29,6 @@ ERROR_KEYS = ["message", "type", "param", "code"]
 SAMPLE = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
-def sse(text: str) -> list:
-    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    return [json.loads(e) for e in events[:-1]]
 
 
 def test_health_and_models(served):
@@ -66,7 +63,7 @@ def test_completion_shape(served):
 def test_completion_stream_shape(served):
     body = {"model": "tiny", "prompt": "hello", **SAMPLE, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
-    chunks = sse(served.http.post("/v1/completions", json=body).text)
+    chunks = sse_events(served.http.post("/v1/completions", json=body).text)
     assert chunks[0]["object"] == "text_completion" and chunks[0]["choices"][0]["prompt_token_ids"]
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]) == 4
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
@@ -80,7 +77,7 @@ def test_chat_shape(served):
     assert list(r) == CHAT_KEYS and r["object"] == "chat.completion"
     msg = r["choices"][0]["message"]
     assert msg["role"] == "assistant" and isinstance(msg["content"], str)
-    chunks = sse(served.http.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    chunks = sse_events(served.http.post("/v1/chat/completions", json={**body, "stream": True}).text)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == msg["content"]
@@ -97,7 +94,7 @@ def test_generate_shape(served):
     assert spans[0]["start"] == 0 and spans[-1]["end"] == 4 and all(isinstance(s["version"], str) for s in spans)
     content = choice["logprobs"]["content"]
     assert [c["token_id"] for c in content] == choice["token_ids"] and all(c["logprob"] <= 0 for c in content)
-    chunks = sse(served.http.post("/inference/v1/generate", json={**body, "stream": True,
+    chunks = sse_events(served.http.post("/inference/v1/generate", json={**body, "stream": True,
                                                                   "stream_options": {"include_usage": True}}).text)
     ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
     assert ids == choice["token_ids"]  # greedy
@@ -120,7 +117,7 @@ def test_n_choices_and_top_logprobs_shape(served):
     r = served.http.post("/v1/chat/completions", json=sampled).json()
     assert [c["index"] for c in r["choices"]] == [0, 1] and r["usage"]["completion_tokens"] == 8
     assert all(len(item["top_logprobs"]) == 3 for item in r["choices"][1]["logprobs"]["content"])
-    chunks = sse(served.http.post("/v1/chat/completions", json={**sampled, "stream": True}).text)
+    chunks = sse_events(served.http.post("/v1/chat/completions", json={**sampled, "stream": True}).text)
     assert {c["choices"][0]["index"] for c in chunks if c["choices"]} == {0, 1}
     cmpl = served.http.post("/v1/completions", json={"model": "tiny", "prompt": "hello", **SAMPLE,
                                                      "logprobs": 2}).json()
