@@ -153,8 +153,9 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
             f"{sliced} ({devices.device}{', ' + devices.dtype if devices.dtype else ''}), run dir {run_dir}")
         if mode == "rlix":
             params = cfg.scheduler.params(resident_engines=devices.resident_engines)
-            # held: one first plan, once every pipeline is set up; not waited for: the
-            # pipelines' actors start beside it (a Ray worker start each)
+            # held: no plan until every pipeline has registered (its training home known),
+            # then each is planned for from its own `ready`; not waited for: the pipelines'
+            # actors start beside it (a Ray worker start each)
             scheduler = start_scheduler(topology, params, real_gpus=devices.device == "cuda",
                                         metrics_port=cfg.scheduler.metrics_port,
                                         dashboard_port=cfg.scheduler.dashboard_port, held=True, wait=False)
@@ -163,9 +164,10 @@ def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, 
 
         def scheduler_up() -> None:
             """Once the pipelines' actors are asked for: the scheduler answers (its topology
-            checked), is held (one already running was not started held), its endpoints said."""
+            checked), is held until they have all registered (one already running was not
+            started held), its endpoints said."""
             check_scheduler(scheduler, topology)
-            ray.get(scheduler.hold.remote())
+            ray.get(scheduler.hold.remote([p.name for p in cfg.pipelines]))
             _say_metrics_endpoint(scheduler, cfg, say)
             _say_dashboard(scheduler, cfg, say)
 
@@ -220,8 +222,9 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
            started: Callable[[], None] | None = None) -> dict:
     """Start a config's pipelines against a scheduler (None: standalone), follow them to the
     end, stop them, and write the summary whatever the ending. The scheduler plans for each
-    pipeline once it is set up (SchedulerHooks.join); `first_plan_held`: it plans nothing until
-    every pipeline is (a run's own scheduler, which `hold` was called on; never a shared one).
+    pipeline once it is set up (SchedulerHooks.join); `first_plan_held`: a run's own scheduler,
+    held until every pipeline registered (never a shared one), is resumed at the latest once
+    every pipeline has set up or failed (one that failed before registering lifts no hold).
     `started`: called once the pipelines' actors are asked for (a run's own scheduler is
     confirmed there, while they start).
     Raises PipelineFailedError when every pipeline failed."""

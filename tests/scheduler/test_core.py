@@ -152,6 +152,22 @@ def test_a_pipeline_setting_up_gets_no_shards_until_ready_then_each_is_planned_w
         core.ready("nope")
 
 
+def test_no_shard_goes_to_the_training_home_of_a_pipeline_still_setting_up():
+    """Its trainer and engine are loading there: the ready pipeline starts on every other GPU
+    at once, and gets that one only by sharing once the other is ready."""
+    core, _ = make(nodes=1, per_node=4)
+    core.register(PipelineSpec("fast", train_gpus=1, max_shards=4, fixed_trainer=True), setting_up=True)
+    core.register(PipelineSpec("slow", train_gpus=1, max_shards=4, fixed_trainer=True), setting_up=True)
+    slow_home = core.ledger.train_home["slow"]
+    assert core.ready("fast")
+    core.replan("ready fast")
+    fast_gpus = {g for gs in core.shard_gpus("fast").values() for g in gs}
+    assert len(fast_gpus) == 3 and not fast_gpus & slow_home
+    assert core.ready("slow")
+    core.replan("ready slow")
+    assert counts(core) == {"fast": 2, "slow": 2}
+
+
 def test_progress_is_stamped_with_the_core_clock():
     core, clock = make(PipelineSpec("a"))
     clock.t = 42.0

@@ -64,6 +64,24 @@ def test_request_returns_once_the_shrinks_on_its_gpus_are_done():
     run(main())
 
 
+def test_a_hold_until_named_pipelines_register_lifts_itself_at_the_last_one():
+    """A run's scheduler plans nothing until every pipeline of the run has registered (each
+    one's training home is then known), and from then on without waiting for anything else."""
+    async def main():
+        s = AsyncScheduler(Topology((2,)), PARAMS)
+        s.hold(until_registered=["a", "b"])
+        s.register(PipelineSpec("a", max_shards=2), Gated())
+        await s.settle()
+        assert s.holding and not s.core.shard_gpus("a")
+        s.register(PipelineSpec("b", max_shards=2), Gated())
+        await s.settle()
+        assert not s.holding and len(s.core.shard_gpus("a")) == len(s.core.shard_gpus("b")) == 1
+        s.hold(until_registered=["a"])  # all named have registered already: no hold at all
+        assert not s.holding
+        await s.close()
+    run(main())
+
+
 def test_release_with_progress_hands_the_gpu_back_where_the_new_demand_is():
     async def main(with_progress: bool) -> tuple[int, int]:
         s = AsyncScheduler(Topology((2,)), PARAMS)

@@ -64,6 +64,7 @@ class AsyncScheduler:
         self._changed = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self.holding = False
+        self._hold_for: set[str] | None = None  # hold() lifts itself once these have registered
         self.failures: deque[dict] = deque(maxlen=20)
         self.errors: deque[dict] = deque(maxlen=20)
         self.restarts = 0  # how often this scheduler's state was restored
@@ -162,6 +163,11 @@ class AsyncScheduler:
         self.core.register(spec, setting_up=setting_up)
         self._retry_unregisters.pop(spec.name, None)
         self._coordinators[spec.name] = resize
+        if self._hold_for is not None:
+            self._hold_for.discard(spec.name)
+            if not self._hold_for:  # the last awaited registration: plan from here on
+                self._hold_for = None
+                self.holding = False
         self._replan(f"register {spec.name}")
         return sorted(self.core.ledger.train_home.get(spec.name, ()))
 
@@ -331,15 +337,23 @@ class AsyncScheduler:
         await self.executor.close()
 
     # ------------------------------------------------------------------ internals
-    def hold(self) -> None:
-        """Plan nothing until `resume`: lets several pipelines register before the first plan
-        (placed shards start where that plan puts them; a plan per registration would start one
-        pipeline's shards only to move them for the next)."""
+    def hold(self, until_registered: list[str] | None = None) -> None:
+        """Plan nothing until `resume`, or until every pipeline named in `until_registered` has
+        registered: lets several pipelines register before the first plan, so each one's training
+        home is known (no other pipeline's shard goes where a trainer is still loading) before
+        any pipeline that is ready gets GPUs. After that, each pipeline is planned for from its
+        own `ready`: the first one set up does not wait for the last."""
         self.holding = True
+        waiting = set(until_registered or ()) - set(self.core.pipelines)
+        self._hold_for = waiting if until_registered is not None else None
+        if until_registered is not None and not waiting:
+            self.resume()
+            return
         self._save()
 
     def resume(self) -> None:
         self.holding = False
+        self._hold_for = None
         self._replan("resume")
 
     def _replan(self, reason: str) -> None:

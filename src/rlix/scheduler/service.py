@@ -319,9 +319,10 @@ class SchedulerService:
         self._start()
         return self._sched.shard_ranks(pipeline)
 
-    async def hold(self) -> None:
+    async def hold(self, until_registered: list[str] | None = None) -> None:
+        """See AsyncScheduler.hold."""
         self._start()
-        self._sched.hold()
+        self._sched.hold(until_registered)
 
     async def resume(self) -> None:
         self._start()

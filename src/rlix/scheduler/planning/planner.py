@@ -412,6 +412,11 @@ class _Gate:
         self.due_until: float | None = None
         self._short: dict[str, bool] = {}
         self._exclude: dict[str, frozenset[int]] = {}
+        # the training homes of pipelines still setting up: their trainer and engine are loading
+        # there, so no other pipeline's shard goes there until they are ready (the pipelines that
+        # are ready start at once, each on the GPUs nobody is setting up on)
+        self.setting_up_homes: frozenset[int] = frozenset(
+            g for n, p in progress.items() if p.setting_up for g in ledger.train_home.get(n, ()))
         if not costs.gated:
             return
         stale_s = params.report_stale_s
@@ -451,6 +456,8 @@ class _Gate:
     def exclude(self, name: str, first_shard: bool) -> frozenset[int]:
         """GPUs a shard of `name` may not go to in this pass."""
         base = self.ledger.shard_exclusion(name)
+        if self.setting_up_homes:
+            base = base | (self.setting_up_homes - self.ledger.train_home.get(name, frozenset()))
         if first_shard or not self.due:
             return base
         out = self._exclude.get(name)
