@@ -291,3 +291,26 @@ def test_a_preempted_request_of_n_samples_continues_each_sample(shards, kind, st
             for c in cut["choices"]:
                 spans = c["weight_versions"]
                 assert len(spans) == 2 and spans[0]["start"] == 0 and spans[-1]["end"] == N
+
+
+def test_in_process_generate_sends_every_sampling_field_its_caller_set_even_a_default():
+    """The router's backend fills in its own defaults for what is not sent, and they are not
+    rlix's (vLLM's max_tokens is not 16): a caller's max_tokens of 16 must reach the shard, or a
+    re-dispatched continuation computes what is left from the wrong limit."""
+    async def main() -> dict:
+        router = Router(KEY)
+        sent: dict = {}
+
+        async def unary(path, body, session):  # noqa: ANN001, ANN202
+            sent.update(body)
+            return 200, {"choices": [{"token_ids": [4], "finish_reason": "length",
+                                      "logprobs": {"content": [{"token_id": 4, "logprob": -1.0}]},
+                                      "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}
+        router.relay.unary = unary  # type: ignore[method-assign]
+        try:
+            await router.generate([1, 2], SP(max_tokens=16, temperature=1.0, seed=3))
+        finally:
+            await router.close()
+        return sent
+    sent = asyncio.run(main())
+    assert sent["sampling_params"] == {"max_tokens": 16, "temperature": 1.0, "seed": 3}

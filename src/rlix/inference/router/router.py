@@ -102,12 +102,13 @@ class Router:
                        session_id: str | None = None, timeout_s: float | None = None) -> Generation:
         """Token-level generate for callers in this process: the same relay (stickiness,
         re-dispatch) as HTTP callers get, without the loopback hop. `sampling_params` is the
-        shard's own request model, so a caller's bad value fails where it is made; only what
-        differs from its defaults is sent (the shard fills in the same defaults). Errors are
+        shard's own request model, so a caller's bad value fails where it is made; the fields
+        the caller set are sent, and only those (the shard's backend fills in its own defaults,
+        which differ: vLLM's max_tokens is not 16, and a re-dispatch must know the real one). Errors are
         typed: a request the shard refuses is an InvalidRequestError (retrying will not help), a
         shard that is going away an EngineStateError, no active shard in time a
         NoActiveShardError."""
-        body = {"token_ids": token_ids, "sampling_params": sampling_params.model_dump(exclude_defaults=True)}
+        body = {"token_ids": token_ids, "sampling_params": sampling_params.model_dump(exclude_unset=True)}
         call = self.relay.unary(GENERATE, body, session_id)
         status, answer = await (call if timeout_s is None else asyncio.wait_for(call, timeout_s))
         data = json.loads(answer) if isinstance(answer, bytes) else answer
