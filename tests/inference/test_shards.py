@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rlix.errors import InvalidRequestError, NoActiveShardError
-from rlix.inference.router.shard_table import HashRing, ShardState, ShardTable
+from rlix.inference.router.shard_table import Sessions, ShardState, ShardTable
 
 
 def _table(active=(0, 1, 2), inactive=()) -> ShardTable:
@@ -31,20 +31,42 @@ def test_least_outstanding_and_only_active():
 def test_sessions_are_sticky_and_move_only_from_a_leaving_shard():
     t = _table(active=(0, 1, 2, 3))
     before = {f"s{i}": t.pick(f"s{i}").rank for i in range(400)}
-    assert len(set(before.values())) == 4
+    assert sorted(before.values()).count(0) == 100  # equally loaded: new sessions spread evenly
     assert all(t.pick(s).rank == r for s, r in before.items())  # sticky
     t.set(2, state="preempted")
     after = {s: t.pick(s).rank for s in before}
     moved = {s for s in before if before[s] != after[s]}
-    assert moved == {s for s, r in before.items() if r == 2}  # consistent hashing
+    assert moved == {s for s, r in before.items() if r == 2}  # only the leaving shard's sessions
     assert 2 not in after.values()
+    assert all(list(after.values()).count(r) in (133, 134) for r in (0, 1, 3))  # and spread
 
 
-def test_ring_lookup_skips_excluded():
-    ring = HashRing([0, 1])
-    first = ring.lookup("k")
-    assert ring.lookup("k", frozenset({first})) == 1 - first
-    assert ring.lookup("k", frozenset({0, 1})) is None
+def test_a_new_session_goes_to_the_least_loaded_shard_and_stays_there():
+    t = _table(active=(0,))
+    for i in range(4):
+        assert t.pick(f"old{i}").rank == 0
+    t.shards[0].outstanding = 32  # shard 0 is busy; shard 1 is woken
+    t.set(1, "http://s1", ShardState.ACTIVE)
+    new = [t.pick(f"new{i}").rank for i in range(8)]
+    assert new == [1] * 8  # all new sessions go to the idle shard, none queue behind shard 0
+    assert t.pick("old0").rank == 0  # an old session stays where its prefix is cached
+    t.shards[1].outstanding = 40
+    assert t.pick("new0").rank == 1  # sticky while its shard is active, even when busier
+    assert t.pick("newer").rank == 0
+    assert t.pick("new0", frozenset({1})).rank == 0  # excluded (a failed attempt): placed anew
+    assert t.pick("new0").rank == 0  # and it stays there
+
+
+def test_sessions_forget_the_least_recently_used_beyond_their_limit():
+    s = Sessions(limit=2)
+    s.place("a", 0)
+    s.place("b", 1)
+    assert s.get("a") == 0  # a is now the most recently used
+    s.place("c", 1)
+    assert s.get("b") is None and s.get("a") == 0 and s.get("c") == 1
+    assert s.count == {0: 1, 1: 1}
+    s.place("a", 1)  # moved: counted once, on its new rank
+    assert s.count == {0: 0, 1: 2}
 
 
 def test_requests_wait_for_an_active_shard_then_time_out():

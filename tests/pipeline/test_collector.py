@@ -424,6 +424,37 @@ def test_no_group_is_generated_past_the_last_step():
     asyncio.run(main())
 
 
+def test_with_shards_to_spare_no_group_is_generated_for_a_batch_already_taken():
+    """The trainer's loop as async_grpo runs it, with four shards' worth in flight (generation
+    outruns training): taking a batch shortens the window by it, and no group starts while the
+    shards are refit. Nothing goes stale; every started group is trained or in the window."""
+    async def main() -> None:
+        buf, hooks, engine = ReplayBuffer(), Hooks(), FakeEngine(delay=(0.001, 0.003))
+        col = collector(engine, buf, hooks, concurrency=3, groups_per_step=3, max_age=1,
+                        active_shards=lambda: 4)
+        calls_while_held = []
+        col.start()
+        for step in range(5):
+            await asyncio.wait_for(col.wait_for(3), 5)
+            col.take(3)
+            await asyncio.sleep(0.05)  # training: the shards have time for far more than a batch
+            assert buf.valid_groups(step, 1) + col.groups_in_flight() <= 3  # one batch ahead only
+            assert col.demand().outstanding == 3 * 4 - buf.valid_count(step, 1)
+            col.set_version(step + 1, held=True)
+            before = engine.calls
+            await asyncio.sleep(0.02)  # the refit of the active shards
+            calls_while_held.append(engine.calls - before)
+            engine.version = step + 1
+            col.open_admission()
+        await col.stop()
+        acc = buf.accounting()
+        assert acc["trained"] == 5 * 3 * 4
+        assert "stale" not in acc["dropped"], acc["dropped"]
+        assert calls_while_held == [0] * 5
+        buf.check_conservation()
+    asyncio.run(main())
+
+
 def test_a_verifier_that_raises_stops_the_pipeline_after_max_failed_groups_with_its_reason():
     """Every reward raises: each group is dropped (counted under its reason), and after
     max_failed_groups in a row the waiting loop gets PipelineStalledError naming the pipeline

@@ -50,11 +50,22 @@ class FakeHooks:
 
 
 class FakeCollector:
+    def __init__(self) -> None:
+        self.buffer = FakeBuffer()
+        self.held = False
+        self.version = 0
+
     async def wait_for(self, n):
         return None
 
-    def set_version(self, v):
-        pass
+    def take(self, n):
+        return self.buffer.take(n, self.version, 1)
+
+    def set_version(self, v, held=False):
+        self.version, self.held = v, held
+
+    def open_admission(self):
+        self.held = False
 
     def demand_for_release(self):
         return NO_DEMAND

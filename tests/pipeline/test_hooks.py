@@ -101,6 +101,28 @@ def test_scheduler_hooks_carry_batch_complete_with_the_training_request():
     assert (released.remaining, released.step) == (64, 4)
 
 
+def test_scheduler_hooks_send_a_complete_batch_when_the_shards_went_idle():
+    """Busy shards are not lent to an equal pipeline, so the scheduler must hear when they went
+    idle, even with the next batch complete; a complete batch with shards still busy, or one
+    whose shards were idle already in the last report, is still held for the request."""
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    sched = _FakeScheduler()
+    hooks = SchedulerHooks(sched, "p", 1)
+
+    async def main() -> None:
+        await hooks.report_progress(D(32, 64), 3, shard_load={0: 8, 1: 8})  # busy: sent
+        await hooks.report_progress(D(64, 64), 3, shard_load={0: 0, 1: 4})  # complete, busy: held
+        await hooks.report_progress(D(64, 64), 3, shard_load={0: 0, 1: 0})  # went idle: sent
+        await hooks.report_progress(D(64, 64), 3, shard_load={0: 0, 1: 0})  # idle already: held
+        await hooks.before_training(3)
+
+    asyncio.run(main())
+    assert [n for n, _ in sched.calls] == ["report_progress", "report_progress", "request"]
+    assert sched.calls[1][1][0].shard_load == {0: 0, 1: 0}
+    assert sched.calls[2][1][3].shard_load == {0: 0, 1: 0}  # the held one rides on the request
+
+
 def test_scheduler_hooks_send_the_pending_work_evidence_with_the_report():
     from rlix.pipeline.scheduler_hooks import SchedulerHooks
 

@@ -432,6 +432,32 @@ def test_a_pipeline_about_to_finish_keeps_its_shards_but_not_a_peers_first_one()
     assert shard_counts(led) == {"a": 1, "b": 1} and len(p.shrinks) == 1
 
 
+def test_a_busy_shard_is_not_taken_for_a_peers_second_shard_until_idle_or_held_rotate_s():
+    # b wants a second shard of a's and its work repays the move (32 x 2.5 s over 2 shards)
+    led, prog = two_on_four(b_spt=2.5)
+    a_ranks = sorted(h.dp_rank for h in led.shards_of("a").values())
+    busy = dict(prog, a=Progress("a", remaining=64, target=64, reported_at=10.0, seconds_per_trajectory=1.0,
+                                 shard_load={r: 8 for r in a_ranks}))
+    p = plan(led, [], busy, 100.0, PARAMS)
+    assert p.shrinks == [] and p.expands == []  # every shard of a has requests running
+    held_since = min(h.since for h in led.shards_of("a").values())
+    assert p.wake_at == pytest.approx(held_since + PARAMS.rotate_s)  # the bound: then it may go
+    # one of a's shards went idle: that one is lent
+    idle = dict(busy, a=Progress("a", remaining=64, target=64, reported_at=20.0, seconds_per_trajectory=1.0,
+                                 shard_load={r: (0 if r == a_ranks[-1] else 8) for r in a_ranks}))
+    p = step(led, 100.0, progress=idle)
+    assert [s.dp_rank for s in p.shrinks] == [a_ranks[-1]] and shard_counts(led) == {"a": 2, "b": 2}
+    # held for rotate_s, a busy shard goes too; and a higher tier never waits for it
+    led, prog = two_on_four(b_spt=2.5)
+    p = step(led, held_since + PARAMS.rotate_s, progress=busy)
+    assert len(p.shrinks) == 1 and shard_counts(led) == {"a": 2, "b": 2}
+    led = make(1, 4, PipelineSpec("a", max_shards=4), PipelineSpec("b", max_shards=4, priority=1))
+    step(led, 0.0, progress={"a": rated("a", 64, 1.0), "b": rated("b", 0, 2.5)})
+    step(led, 10.0, progress={"a": rated("a", 64, 1.0, 10.0), "b": rated("b", 32, 2.5, 10.0)})
+    p = step(led, 100.0, progress=dict(busy, b=rated("b", 64, 2.5, 10.0)))
+    assert shard_counts(led)["b"] > 1 and p.shrinks
+
+
 def test_a_training_home_about_to_be_wanted_back_is_not_filled_and_the_plan_wakes_after():
     def run(t_spt):
         led = make(1, 3, PipelineSpec("t", train_gpus=1, max_shards=1, fixed_trainer=True),

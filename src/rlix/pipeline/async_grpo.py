@@ -138,7 +138,7 @@ class GrpoLoop:
                 # the GPU's previous holders confirmed their release; the reload also measures it
                 self._memory("acquire", gpus, await self.trainer.reload(self.release_timeout_s, where))
                 t["reload"] = time.perf_counter()
-                groups = self.buffer.take(self.groups_per_step, version, self.max_age)
+                groups = self.collector.take(self.groups_per_step)
                 samples = to_samples(groups)
                 if self.record_batch is not None:
                     self.record_batch(version, samples)
@@ -173,11 +173,14 @@ class GrpoLoop:
                 # the new demand goes with the release, so the GPUs go back where the demand is
                 # (reported after it, a GPU went to the other pipeline and came back one report
                 # later: a wasted sleep, wake and sync)
-                self.collector.set_version(new)
+                # no group starts until the active shards are refit below (started now, it
+                # would run on the old weights and go stale a step early)
+                self.collector.set_version(new, held=True)
                 # after the last step nothing is wanted: the GPUs go back at once, not when the
                 # pipeline has finished leaving
                 demand = NO_DEMAND if new >= self.steps else self.collector.demand_for_release()
             except BaseException:
+                self.collector.open_admission()
                 await self.hooks.after_training(version)
                 raise
             # The release and the refit of the shards that stayed active run together (the release
@@ -188,7 +191,10 @@ class GrpoLoop:
                 await self.hooks.after_training(version, demand=demand)
                 t["release"] = time.perf_counter()
             finally:
-                await refit
+                try:
+                    await refit
+                finally:
+                    self.collector.open_admission()
                 t["sync"] = time.perf_counter()
             if self.coordinator.warm:  # synced beside the trainer but not given their GPU back
                 await self.coordinator.cool(await self.hooks.shard_ranks())

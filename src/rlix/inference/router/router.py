@@ -16,7 +16,7 @@ from typing import Any
 from rlix.errors import InferenceError, NoActiveShardError
 from rlix.httpkit import HttpPool, UpstreamError
 from rlix.inference.router.relay import Relay
-from rlix.inference.router.shard_table import ShardTable
+from rlix.inference.router.shard_table import ShardState, ShardTable
 from rlix.inference.server.openai_schema import GenerateSamplingParams, answer_error
 from rlix.inference.server.paths import GENERATE
 
@@ -93,6 +93,13 @@ class Router:
 
     async def shards(self) -> list[dict]:
         return self.table.view()
+
+    def load(self) -> dict[int, int]:
+        """Outstanding requests per ACTIVE shard, a snapshot (the pipeline reports it beside its
+        demand, so the scheduler knows which shards have work in flight). Safe from another
+        thread: a copy of the table's entries, then reads of ints."""
+        return {rank: shard.outstanding for rank, shard in list(self.table.shards.items())
+                if shard.state is ShardState.ACTIVE}
 
     def down_shards(self) -> list[dict]:
         """Shards the router found unreachable (DOWN), with why."""

@@ -1,16 +1,19 @@
 """The router's view of a pipeline's shards: state, load, and which shard takes a request.
 
 Pure bookkeeping (no I/O) so the routing rules are unit-tested without servers:
-session-sticky requests go by consistent hashing over the ACTIVE shards (a shard joining or
-leaving moves only the sessions that hashed to it); the rest go to the active shard with the
-fewest outstanding requests. Requests wait here while no shard is active.
+a request goes to the ACTIVE shard with the fewest outstanding requests; a request of a session
+(a group's samples, an agent's turns: they share a prompt prefix the shard has cached) goes where
+its session went first, as long as that shard is active. A new session is placed by load, not by
+a hash of its id: a shard that was just woken takes the new sessions until it is as busy as the
+others (hashing sent it only its share, and the busy shards queued the rest), and a shard leaving
+moves only its own sessions, each to the least loaded shard. Requests wait here while no shard
+is active.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 
@@ -55,39 +58,43 @@ def _parse_state(state: ShardState | str) -> ShardState:
             f"unknown shard state {state!r}; one of: active, inactive, preempted, down") from None
 
 
-def _hash(key: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+#: sessions remembered, least recently used forgotten first (a forgotten one is placed anew)
+MAX_SESSIONS = 1 << 16
 
 
-class HashRing:
-    """Consistent hashing with virtual nodes; rebuilt only when the active set changes."""
+class Sessions:
+    """Session id -> the rank it was placed on, with how many live sessions each rank holds (the
+    tie-break between shards equally loaded: new sessions spread instead of piling onto one)."""
 
-    def __init__(self, ranks: list[int], vnodes: int = 64) -> None:
-        points = sorted((_hash(f"shard-{rank}-{i}"), rank) for rank in ranks for i in range(vnodes))
-        self._keys = [p for p, _ in points]
-        self._ranks = [r for _, r in points]
+    def __init__(self, limit: int = MAX_SESSIONS) -> None:
+        self.limit = limit
+        self._rank: OrderedDict[str, int] = OrderedDict()
+        self.count: dict[int, int] = {}
 
-    def lookup(self, key: str, exclude: frozenset[int] = frozenset()) -> int | None:
-        """The first rank clockwise of `key` that is not excluded."""
-        if not self._keys:
-            return None
-        start = bisect.bisect(self._keys, _hash(key))
-        n = len(self._keys)
-        for i in range(n):
-            rank = self._ranks[(start + i) % n]
-            if rank not in exclude:
-                return rank
-        return None
+    def get(self, session_id: str) -> int | None:
+        rank = self._rank.get(session_id)
+        if rank is not None:
+            self._rank.move_to_end(session_id)
+        return rank
+
+    def place(self, session_id: str, rank: int) -> None:
+        old = self._rank.pop(session_id, None)
+        if old is not None:
+            self.count[old] -= 1
+        self._rank[session_id] = rank
+        self.count[rank] = self.count.get(rank, 0) + 1
+        while len(self._rank) > self.limit:
+            _, gone = self._rank.popitem(last=False)
+            self.count[gone] -= 1
 
 
 class ShardTable:
     """Shards by DP rank. Must be used from one event loop (no locks: no awaits mid-change),
     except `flip`, which another thread may call (see there)."""
 
-    def __init__(self, vnodes: int = 64) -> None:
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
         self.shards: dict[int, Shard] = {}
-        self._vnodes = vnodes
-        self._ring = HashRing([], vnodes)
+        self.sessions = Sessions(max_sessions)
         self._changed = asyncio.Event()
         self.closed = False
 
@@ -132,15 +139,14 @@ class ShardTable:
 
     def flip(self, rank: int, state: ShardState | str) -> Shard:
         """Change a known shard's state without waking waiters; `notify()` on the table's loop
-        must follow. Safe from another thread: one attribute write and one reference swap
-        (the hash ring), each atomic, and no change to the dict that `pick` iterates. A request
+        must follow. Safe from another thread: one attribute write (atomic), and no change to the
+        dict that `pick` iterates. A request
         picked during the flip may still reach the shard: a preempted shard's aborts are
         re-dispatched, so that costs a retry, not the request."""
         shard = self.shards.get(rank)
         if shard is None:
             raise InvalidRequestError(f"shard {rank} is unknown; give its url to add it")
         shard.state = _parse_state(state)
-        self._ring = HashRing(self.active_ranks(), self._vnodes)
         return shard
 
     def notify(self) -> None:
@@ -153,7 +159,6 @@ class ShardTable:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        self._ring = HashRing(self.active_ranks(), self._vnodes)
         self.notify()
 
     def active_ranks(self) -> list[int]:
@@ -165,15 +170,26 @@ class ShardTable:
 
     # ------------------------------------------------------------ routing
     def pick(self, session_id: str | None, exclude: frozenset[int] = frozenset()) -> Shard | None:
-        """The shard for one request now, or None if no active shard is left after `exclude`."""
+        """The shard for one request now, or None if no active shard is left after `exclude`:
+        its session's shard while that is active and not excluded, else the least loaded (fewest
+        outstanding requests, then fewest sessions, then the lowest rank), where its session
+        then stays."""
         if session_id:
-            rank = self._ring.lookup(session_id, exclude)
-            return None if rank is None else self.shards[rank]
+            rank = self.sessions.get(session_id)
+            shard = self.shards.get(rank) if rank is not None else None
+            if shard is not None and shard.state is ShardState.ACTIVE and rank not in exclude:
+                return shard
         best: Shard | None = None
+        best_key: tuple[int, int, int] | None = None
         for rank in self.active_ranks():
+            if rank in exclude:
+                continue
             shard = self.shards[rank]
-            if rank not in exclude and (best is None or shard.outstanding < best.outstanding):
-                best = shard
+            key = (shard.outstanding, self.sessions.count.get(rank, 0), rank)
+            if best_key is None or key < best_key:
+                best, best_key = shard, key
+        if best is not None and session_id:
+            self.sessions.place(session_id, best.rank)
         return best
 
     async def acquire(self, session_id: str | None, timeout_s: float,

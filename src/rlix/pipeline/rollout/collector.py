@@ -9,10 +9,11 @@ environment's agent server, stitched into the exact sampled tokens with context 
 Admission control: at most `concurrency` groups in flight per awake shard (a pipeline the
 scheduler gives a second shard gets twice the work in flight, not the same work split in two,
 which would leave both shards half full), and no new group starts while the young-enough groups
-buffered plus those in flight already cover `groups_per_step x (max_age + 1)`: more could only
-go stale before the trainer reaches them (fewer near the last step: `steps`, where given, ends
-the window there, so no batch is generated that no step will train on). A group that still
-finishes too old is dropped and counted ("stale"). Demand goes to the hooks as a
+buffered plus those in flight already cover one batch for each step that can still train on it:
+`max_age + 1` steps, one fewer once this version's batch is taken (`take`), none past the last
+step (`steps`); more could only go stale before the trainer reaches them. While the shards are
+refit to a new version, no group starts (`set_version(held=True)` .. `open_admission`). A group
+that still finishes too old is dropped and counted ("stale"). Demand goes to the hooks as a
 `RolloutDemand` (the next step's collected vs target, and what the window can still use:
 the scheduler plans shards on the latter), throttled to 2% steps of the window and sent on
 every version change.
@@ -121,7 +122,8 @@ class TrajectoryCollector:
                  hooks: RLixHooks, rollout: RolloutConfig, *, max_age: int, seed: int = 0,
                  max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02,
                  max_failed_groups: int = 32, episodes: AgentEpisodes | None = None,
-                 active_shards: Callable[[], int] | None = None, steps: int | None = None) -> None:
+                 active_shards: Callable[[], int] | None = None, steps: int | None = None,
+                 shard_load: Callable[[], dict[int, int]] | None = None) -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
@@ -130,6 +132,9 @@ class TrajectoryCollector:
         # shard-seconds per trajectory, reported for the planner's move costs (None: not known)
         self.rate = ShardRate(active_shards) if active_shards is not None else None
         self.active_shards = active_shards  # None: one shard's worth in flight, whatever serves
+        # requests outstanding per active shard (the router's), sent with each report: the
+        # scheduler does not take a busy shard for an equal pipeline (None: not reported)
+        self.shard_load = shard_load
         self.group_size, self.groups_per_step = rollout.group_size, rollout.groups_per_step
         self.max_new_tokens, self.temperature = rollout.max_new_tokens, rollout.temperature
         self.length_tail = rollout.length_tail  # None: every sample may run to max_new_tokens
@@ -146,6 +151,8 @@ class TrajectoryCollector:
         self._changed = asyncio.Event()  # buffer, version or in-flight set changed
         self._report_due = asyncio.Event()
         self._batch_wanted = False  # the trainer waits in wait_for
+        self._taken = False  # the batch of the step at this version was taken (`take`)
+        self._held = False  # no admission until `open_admission` (a refit is under way)
         self._runner: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
         self._stopped = False
@@ -173,21 +180,42 @@ class TrajectoryCollector:
 
     @property
     def limit(self) -> int:
-        """Groups that may be buffered (valid) or in flight at once: the staleness window, or
-        the batches the steps still to train need where that is fewer."""
+        """Groups that may be buffered (valid) or in flight at once: one batch for each step that
+        can still train on a group started now. At version v those are the steps whose batch is
+        taken at v .. v + max_age, less the one taken at v once it is (`take`), and none past
+        the last step (`steps`)."""
         batches = self.max_age + 1
         if self.steps is not None:
-            batches = max(0, min(batches, self.steps - self.version))
-        return self.groups_per_step * batches
+            batches = min(batches, self.steps - self.version)
+        return self.groups_per_step * max(0, batches - int(self._taken))
 
-    def set_version(self, version: int) -> None:
+    def take(self, n_groups: int) -> list[Group]:
+        """The next step's batch (the oldest valid groups, counted as trained). Until the version
+        moves, the window is one batch shorter: a group started while the trainer trains can
+        serve only the steps after this one (admitted for the batch just taken, it went stale a
+        step later: with two shards awake, a third of a long pipeline's samples did)."""
+        groups = self.buffer.take(n_groups, self.version, self.max_age)
+        self._taken = True
+        self._report_due.set()
+        return groups
+
+    def set_version(self, version: int, *, held: bool = False) -> None:
         """The trainer moved on: stale groups go, and the scheduler hears the new demand now
-        (with no shard awake, no finished group would tell it)."""
+        (with no shard awake, no finished group would tell it). `held`: no new group starts until
+        `open_admission` (the shards are being refit: a group started on the old weights is a
+        version older than the window counts it, and goes stale a step early)."""
         self.version = int(version)
+        self._taken = False
+        self._held = held
         self.buffer.drop_stale(self.version, self.max_age)
         self.throttle.reset()
         self._changed.set()
         self._report_due.set()
+
+    def open_admission(self) -> None:
+        """The shards serve the current version: new groups may start (see `set_version`)."""
+        self._held = False
+        self._changed.set()
 
     def start(self) -> None:
         if self._stopped:
@@ -273,7 +301,7 @@ class TrajectoryCollector:
         self._changed.set()
 
     def _admit(self) -> bool:
-        if len(self._pending) >= self.in_flight_limit:
+        if self._held or len(self._pending) >= self.in_flight_limit:
             return False
         ready = self.buffer.valid_groups(self.version, self.max_age)
         return ready + len(self._pending) < self.limit
@@ -475,6 +503,8 @@ class TrajectoryCollector:
                     spt = self.rate.seconds_per_trajectory()
                     if spt is not None:
                         extra["seconds_per_trajectory"] = spt
+                if self.shard_load is not None:
+                    extra["shard_load"] = self.shard_load()
                 await self.hooks.report_progress(demand, self.version,
                                                  pending_work=self.pending_work(), **extra)
                 self.reports += 1

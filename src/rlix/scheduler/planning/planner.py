@@ -282,10 +282,10 @@ class _Victims:
         self.pool, self.specs, self.target = pool, specs, target
         self.progress, self.first, self.gate = progress, first, gate
         self.order: list[tuple] | None = None  # built at the first make_room: most passes need none
-        # (tp, exclude, first_shard) -> blocked_until of a make_room that found no room. Room
-        # only shrinks within a pass (claims add shards, victims only lose them; a claimant is
-        # below its target, so its own shards are never victims), so that answer stands, and
-        # it stands for a wider shard or more GPUs excluded too.
+        # (tp, exclude, first_shard, claimant's tier) -> blocked_until of a make_room that found
+        # no room. Room only shrinks within a pass (claims add shards, victims only lose them; a
+        # claimant is below its target, so its own shards are never victims), so that answer
+        # stands, and it stands for a wider shard, more GPUs excluded or a lower tier too.
         self.failed: dict[tuple, float | None] = {}
 
     def _build(self) -> list[tuple]:
@@ -305,11 +305,12 @@ class _Victims:
                   protected, dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
         """Shrink victims on one node until `tp` GPUs are free there; those GPUs."""
         pool = self.pool
-        memo = (tp, exclude, first_shard)
+        tier = self.specs[name].priority
+        memo = (tp, exclude, first_shard, tier)
         if memo in self.failed:
             return None, self.failed[memo]
-        for (tp0, exclude0, first0), until in self.failed.items():
-            if first0 == first_shard and tp >= tp0 and exclude0 <= exclude:
+        for (tp0, exclude0, first0, tier0), until in self.failed.items():
+            if first0 == first_shard and tp >= tp0 and exclude0 <= exclude and tier <= tier0:
                 return None, until
         gated = not first_shard and self.gate.work
         if self.order is None:
@@ -332,6 +333,10 @@ class _Victims:
                 blocked_until = t if blocked_until is None else min(blocked_until, t)
                 continue
             if gated and self.gate.short(h.pipeline):
+                continue
+            if gated and self.gate.busy(h, name):
+                t = h.since + self.gate.rotate_s  # then it may go, busy or not
+                blocked_until = t if blocked_until is None else min(blocked_until, t)
                 continue
             node = pool.node_of[h.gpus[0]]
             usable.setdefault(node, []).append(key)
@@ -365,7 +370,7 @@ class _Victims:
                     if key is None:
                         continue
                     h = pool.shards.get(key) if key is not LOCKED else None
-                    if h is None or h.pipeline == name or gate.short(h.pipeline) \
+                    if h is None or h.pipeline == name or gate.short(h.pipeline) or gate.busy(h, name) \
                             or pool.shard_count[h.pipeline] <= target.get(h.pipeline, 0):
                         break
                     if protected(h):
@@ -397,13 +402,19 @@ class _Gate:
           (wake + sleep) are not filled (its request waits, or its next step's work per shard
           ends within that of its report); `due_until`: when the earliest such estimate runs out;
       (d) `short`: a shard of a pipeline whose work per shard ends within margin x (sleep +
-          wake) is not shrunk for another's claim: it finishes first.
+          wake) is not shrunk for another's claim: it finishes first;
+      (e) `busy`: nor is a shard with requests running (its pipeline's `shard_load`) for a claim
+          of the same tier or a lower one, until it has been held `rotate_s`: the work in flight
+          is a move's cost too (re-dispatched onto the pipeline's other shards it queues there,
+          and across the pipeline's training step it goes stale). It is lent once it is idle
+          (the report that says so re-plans).
     Filling an idle GPU is otherwise always allowed: nothing is lost."""
 
     def __init__(self, pool: Pool, ledger: Ledger, progress: dict[str, Progress], now: float,
                  params: PlannerParams, requests: list[GpuRequest], training: set[str]) -> None:
         costs = params.move_costs
-        self.pool, self.ledger = pool, ledger
+        self.pool, self.ledger, self.progress = pool, ledger, progress
+        self.now, self.rotate_s = now, params.rotate_s
         self.margin = costs.margin
         self.move_s = costs.sleep_s + costs.wake_s  # a shard slept for another that wakes
         self.cold_s = costs.cold_start_s
@@ -497,6 +508,14 @@ class _Gate:
             if not exclude.intersection(last):
                 out.setdefault(pool.node_of[last[0]], []).append(last)
         return out
+
+    def busy(self, h: Holding, claimant: str) -> bool:
+        """Rule (e): `h` has requests running and may not go to `claimant` for that."""
+        p = self.progress.get(h.pipeline)
+        if p is None or not p.shard_load.get(h.dp_rank) or self.now - h.since >= self.rotate_s:
+            return False
+        specs = self.ledger.pipelines
+        return specs[h.pipeline].priority >= specs[claimant].priority
 
     def short(self, pipeline: str) -> bool:
         """Its work per shard ends sooner than a move of one of them would repay (decided at
