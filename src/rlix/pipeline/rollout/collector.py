@@ -192,8 +192,8 @@ class TrajectoryCollector:
     def take(self, n_groups: int) -> list[Group]:
         """The next step's batch (the oldest valid groups, counted as trained). Until the version
         moves, the window is one batch shorter: a group started while the trainer trains can
-        serve only the steps after this one (admitted for the batch just taken, it went stale a
-        step later: with two shards awake, a third of a long pipeline's samples did)."""
+        serve only the steps after this one (counted for the batch just taken, it would be one
+        batch too many and go stale a step later)."""
         groups = self.buffer.take(n_groups, self.version, self.max_age)
         self._taken = True
         self._report_due.set()
