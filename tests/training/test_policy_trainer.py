@@ -53,6 +53,26 @@ def test_step_does_not_depend_on_micro_batch_size(tiny_model_dir, samples_factor
                for n, p in weights(a).items())
 
 
+def test_micro_batches_group_samples_by_length_within_the_padded_token_budget(tiny_model_dir):
+    """Long-tailed lengths: short samples share a micro-batch, many to one, and no micro-batch
+    pads more tokens than micro_batch_size x the longest sample; every sample is in exactly one."""
+    trainer = PolicyTrainer(str(tiny_model_dir), micro_batch_size=4)
+    lengths = [6] * 40 + [60, 6, 90, 6]  # (prompt 4 + response) per sample
+    samples = [TrainSample([1, 2, 3, 4], [5] * (n - 4), [-1.0] * (n - 4), 0.5, 0) for n in lengths]
+    chunks = list(trainer._chunks(samples))
+    assert sorted(i for c in chunks for i in c) == list(range(len(samples)))
+    budget = 4 * max(lengths)
+    for c in chunks:
+        assert len(c) * max(lengths[i] for i in c) <= budget
+    assert len(chunks) == 2  # the 42 short ones together, then 60 and 90 (in batch order: 11)
+    assert [sorted(lengths[i] for i in c) for c in chunks] == [[6] * 42, [60, 90]]
+    # logprobs come back in the batch's order, whatever the micro-batches' order
+    got = trainer.compute_logprobs(samples)
+    assert [len(g) for g in got] == [n - 4 for n in lengths]
+    one = PolicyTrainer(str(tiny_model_dir), micro_batch_size=1).compute_logprobs(samples)
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(got, one))
+
+
 def test_sequence_aggregation_and_kl_reference(tiny_model_dir, samples_factory):
     trainer = PolicyTrainer(str(tiny_model_dir), aggregation="sequence", kl_coef=0.1)
     assert trainer.ref_model is not None

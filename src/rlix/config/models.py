@@ -308,7 +308,8 @@ class TrainConfig(_Strict):
     lr: Float = Field(1e-3, gt=0, le=1, description="AdamW learning rate")
     weight_decay: Float = Field(0.0, ge=0, le=100)
     micro_batch_size: Int = Field(16, ge=1, le=MAX_SEQS,
-                                  description="samples per forward/backward (gradients accumulate)")
+                                  description="padded tokens per forward/backward, in samples "
+                                  "of the batch's longest (samples are grouped by length; gradients accumulate)")
     clip_eps: Float = Field(0.2, gt=0, le=10, description="PPO ratio clip")
     kl_coef: Float = Field(0.0, ge=0, le=1e6, description="KL penalty to the initial model (0 = no reference model)")
     aggregation: Literal["token", "sequence"] = Field("token", description="loss mean over tokens or sequences")

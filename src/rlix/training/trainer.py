@@ -171,9 +171,25 @@ class PolicyTrainer:
             if min(ids) < 0 or max(ids) >= self.vocab_size:
                 raise TrainingError(f"sample {i}: token id out of the vocabulary [0, {self.vocab_size})")
 
-    def _chunks(self, samples: Sequence[TrainSample]) -> Iterator[Sequence[TrainSample]]:
-        for i in range(0, len(samples), self.micro_batch_size):
-            yield samples[i:i + self.micro_batch_size]
+    def _chunks(self, samples: Sequence[TrainSample]) -> Iterator[list[int]]:
+        """Micro-batches, as indices into `samples`: the samples in order of length, each
+        micro-batch as many as fit `micro_batch_size` x the batch's longest sample in padded
+        tokens. A micro-batch is padded to its longest sample, so taken in the batch's order a
+        few long samples (RL's response lengths are long-tailed) padded most micro-batches to
+        their length; sorted, short samples go together, many to a micro-batch, and a
+        micro-batch never holds more tokens (the memory it needs) than `micro_batch_size` of
+        the longest did before. The loss does not depend on the split (one normalizer for the
+        whole batch), so neither does the step."""
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        budget = self.micro_batch_size * max(lengths, default=0)
+        chunk: list[int] = []
+        for i in sorted(range(len(samples)), key=lambda i: lengths[i]):
+            if chunk and (len(chunk) + 1) * lengths[i] > budget:
+                yield chunk
+                chunk = []
+            chunk.append(i)
+        if chunk:
+            yield chunk
 
     def _logprobs(self, model: torch.nn.Module, chunk: Sequence[TrainSample]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,11 +231,12 @@ class PolicyTrainer:
         """Logprobs of each sample's response under the current policy (no grad)."""
         self._require_on_device()
         self._check(samples)
-        out: list[list[float]] = []
-        for chunk in self._chunks(samples):
+        out: list[list[float]] = [[] for _ in samples]
+        for idx in self._chunks(samples):
+            chunk = [samples[i] for i in idx]
             logp, _ = self._logprobs(self.model, chunk)
-            rows = logp.cpu().tolist()
-            out.extend(row[:len(s.response_ids)] for row, s in zip(rows, chunk))
+            for i, row in zip(idx, logp.cpu().tolist()):
+                out[i] = row[:len(samples[i].response_ids)]
         return out
 
     # -- the step ---------------------------------------------------------------------------
@@ -297,7 +314,8 @@ class PolicyTrainer:
             normalizer = (num_tokens if self.aggregation == "token" else num_seqs) / self.world_size
             self.optimizer.zero_grad(set_to_none=True)
             sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, ratio sum, kl sum
-            for chunk in self._chunks(samples):
+            for idx in self._chunks(samples):
+                chunk = [samples[i] for i in idx]
                 logp, mask = self._logprobs(self.model, chunk)
                 behaviour = torch.zeros(logp.shape)  # built on the host, copied once
                 for i, s in enumerate(chunk):
