@@ -123,6 +123,7 @@ class Supervisor:
         while any(s.state == "setup" for s in self.slots.values()):
             check()
             self._poll_setup(timeout_s=0.25)
+            self._poll_scheduler()  # a pipeline set up gets GPUs while others still set up
             self._poll_progress()
             self._check_heartbeats()
 
