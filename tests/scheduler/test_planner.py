@@ -513,3 +513,12 @@ def test_the_cost_table_is_read_from_a_file_and_a_bad_one_names_the_field(tmp_pa
     (tmp_path / "top.yaml").write_text("costs: {}\nwhen: today\n")
     with pytest.raises(ConfigError, match=r"top.yaml: when: unknown field"):
         load_move_costs(tmp_path / "top.yaml")
+    # read with the config's bounded loader: a duplicate key and an alias bomb are refused
+    (tmp_path / "dup.yaml").write_text("costs:\n  sleep_s: 0.1\n  sleep_s: 0.2\n")
+    with pytest.raises(ConfigError, match=r"sleep_s"):
+        load_move_costs(tmp_path / "dup.yaml")
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+    (tmp_path / "bomb.yaml").write_text(bomb + "costs: {}\n")
+    with pytest.raises(ConfigError):
+        load_move_costs(tmp_path / "bomb.yaml")

@@ -25,11 +25,10 @@ from pydantic import (
     model_validator,
 )
 
-from rlix.config.safe_yaml import load_yaml
 from rlix.envs.agent_config import EnvConfig
 from rlix.errors import ConfigError
 from rlix.envs.config import TaskConfig
-from rlix.scheduler.costs import MoveCosts, load_move_costs, move_costs_from
+from rlix.scheduler.costs import MoveCosts, load_move_costs
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Topology
 
@@ -192,9 +191,7 @@ class SchedulerConfig(_Strict):
         so a bad one is refused with the config."""
         if isinstance(value, str):
             try:
-                if not Path(value).expanduser().is_file():
-                    return load_move_costs(value)  # its own "no such cost table"
-                return move_costs_from(load_yaml(Path(value).expanduser()), str(Path(value).expanduser()))
+                return load_move_costs(value)
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return value

@@ -117,17 +117,15 @@ def move_costs_from(data: object, source: str = "<costs>") -> MoveCosts:
 
 
 def load_move_costs(path: str | Path) -> MoveCosts:
-    """Read a cost table (YAML or JSON); every problem is one ConfigError naming file and field."""
-    import yaml  # JSON is YAML too
+    """Read a cost table (YAML or JSON, which is YAML too) with the config's bounded loader (no
+    alias bombs, no duplicate keys, a size cap); every problem is one ConfigError naming file and
+    field."""
+    from rlix.config.safe_yaml import load_yaml  # deferred: rlix.config's models import this module
 
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{p}: no such cost table")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, PermissionError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{p}: not a readable YAML/JSON cost table ({exc.__class__.__name__})") from None
-    return move_costs_from(data, str(p))
+    return move_costs_from(load_yaml(p), str(p))
 
 
 def save_move_costs(path: str | Path, costs: MoveCosts, about: str | None = None) -> Path:
