@@ -124,3 +124,20 @@ def test_crowded_example_runs_queue_and_rlix_and_says_partition_does_not_apply()
     rl = report["policies"]["rlix"]
     assert rl["pipelines"]["small-2"]["crashes"] == 1
     assert all(f["train_steps"] == 10 for f in rl["pipelines"].values())
+
+
+#: measured makespans (s) of bench/timeshare_gpu.py runs on H200s, docs/BENCHMARKS.md (rows H, K)
+MEASURED = {"gpu-mix4-g32.yaml": {"rlix": 136.79, "exclusive-partition": 184.82},
+            "gpu-mix2.yaml": {"rlix": 87.13, "exclusive-partition": 101.78}}
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_the_simulator_predicts_the_measured_gpu_makespans_within_15_percent(name):
+    """Issue 35, acceptance 6: the files are fitted to the partition runs' engine and train
+    figures (and each run's set-up); the time-shared makespan is a prediction."""
+    from rlix.sim import load_scenario
+
+    report = run_scenario(load_scenario(EXAMPLES / name))
+    for policy, measured in MEASURED[name].items():
+        got = report["policies"][policy]["makespan_s"]
+        assert abs(got - measured) / measured <= 0.15, (policy, got, measured)
