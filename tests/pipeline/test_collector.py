@@ -469,8 +469,8 @@ def test_a_verifier_that_raises_stops_the_pipeline_after_max_failed_groups_with_
         buf, engine = ReplayBuffer(), FakeEngine()
         col = TrajectoryCollector(engine, Tok(), Broken(["a"], 4), buf, Hooks(),
                                   RolloutConfig(group_size=4, groups_per_step=3, max_new_tokens=5,
-                                                concurrency=2), max_age=1, seed=1, max_failed_groups=5)
-        col.pipeline = "math"
+                                                concurrency=2), max_age=1, seed=1, max_failed_groups=5,
+                                  pipeline="math")
         col.start()
         with pytest.raises(PipelineStalledError) as err:
             await asyncio.wait_for(col.wait_for(3), 10)

@@ -278,8 +278,8 @@ class PipelineRunner:
             seed=random.Random(cfg.seed).randrange(1 << 30) + self.start_step,
             max_failed_groups=cfg.max_failed_groups, episodes=episodes,
             active_shards=lambda: len(self.fleet.active_ranks()) if self.fleet is not None else 0,
-            steps=cfg.steps, shard_load=self.router.load if self.router is not None else None)
-        self.collector.pipeline = cfg.name
+            steps=cfg.steps, shard_load=self.router.load if self.router is not None else None,
+            pipeline=cfg.name)
         self.collector.set_version(self.start_step)
 
     async def _generate(self, token_ids: list[int], sampling_params: GenerateSamplingParams,

@@ -123,7 +123,7 @@ class TrajectoryCollector:
                  max_retries: int = 3, retry_delay_s: float = 0.5, granularity: float = 0.02,
                  max_failed_groups: int = 32, episodes: AgentEpisodes | None = None,
                  active_shards: Callable[[], int] | None = None, steps: int | None = None,
-                 shard_load: Callable[[], dict[int, int]] | None = None) -> None:
+                 shard_load: Callable[[], dict[int, int]] | None = None, pipeline: str = "") -> None:
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0, got {max_age}")
         self.generate, self.tokenizer, self.task = generate, tokenizer, task
@@ -171,7 +171,7 @@ class TrajectoryCollector:
         self.max_failed_groups = max_failed_groups
         self.failed_in_a_row = 0
         self.fatal: PipelineStalledError | None = None
-        self.pipeline = ""  # how the stall error names the pipeline
+        self.pipeline = pipeline  # how the stall error names the pipeline
 
     # ------------------------------------------------------------------ control
     @property
