@@ -103,11 +103,13 @@ def test_slices_of_a_gpu_are_its_one_bundle(ray_one_gpu):
 @pytest.mark.slow
 def test_two_pipelines_generate_on_one_gpu_at_once(tmp_path):
     """Two pipelines on one fake GPU in 2 slices: both finish; at some moment both hold a
-    generating shard; every process was started on the one device with half its memory."""
+    generating shard; every process was started on the one device with half its memory. (Each is
+    planned for from its own set-up's end: enough steps that the first one set up is still
+    running when the other is, whatever the skew of their set-ups.)"""
     from rlix.run import run
 
     ray.shutdown()
-    pipe = {"model": "tiny", "min_shards": 1, "max_shards": 1, "steps": 4,
+    pipe = {"model": "tiny", "min_shards": 1, "max_shards": 1, "steps": 20,
             "task": {"name": "pattern", "patterns": ["a"]},
             "rollout": {"groups_per_step": 4, "group_size": 4, "max_new_tokens": 8, "concurrency": 4}}
     cfg = {"cluster": {"nodes": 1, "gpus_per_node": 1, "gpu_slices": 2},
@@ -128,7 +130,7 @@ def test_two_pipelines_generate_on_one_gpu_at_once(tmp_path):
     assert both_generating, summary["role_changes"]
     assert {c["gpu"] for c in summary["role_changes"]} <= {0, 1}
     for name, p in summary["pipelines"].items():
-        assert p["steps"] == 4, name
+        assert p["steps"] == 20, name
         assert p["trainer_placement"]["visible_devices"] == "0"
         assert p["shard_placements"], name
         for start in p["shard_placements"]:

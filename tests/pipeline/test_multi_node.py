@@ -54,16 +54,18 @@ def test_two_pipelines_time_share_two_nodes_and_every_shard_serves_its_trainers_
     cluster = json.loads((tmp_path / "run" / "cluster.json").read_text())
     nodes = {n["node_id"] for n in cluster["nodes"]}
     assert len(nodes) == 2
+    shard_nodes: dict[str, set[str]] = {}
     for name, p in summary["pipelines"].items():
         assert p["state"] == "done" and p["steps"] == steps, (name, p.get("error"))
         assert p["checksum_checks"] > 0 and p["checksum_mismatches"] == [], name
         assert p["version_mismatches"] == [], name
-        shard_nodes: dict[int, list[str]] = {}
         for placed in p["shard_placements"]:
             assert placed["node_id"] in nodes
-            shard_nodes.setdefault(placed["rank"], []).append(placed["node_id"])
-        # whether one rank also moves between the nodes depends on timing: not asserted
-        assert {n for ns in shard_nodes.values() for n in ns} == nodes, f"{name}: shards on one node only"
+            shard_nodes.setdefault(name, set()).add(placed["node_id"])
+    # nodes-p1 (3 shards on 4 GPUs) has shards on both nodes; whether nodes-p2's second shard
+    # lands on the other node, or one rank moves between them, depends on timing: not asserted
+    assert shard_nodes["nodes-p1"] == nodes, "nodes-p1: shards on one node only"
+    assert set().union(*shard_nodes.values()) == nodes
     p1 = summary["pipelines"]["nodes-p1"]
     ranks = p1["trainer_placement"]["ranks"]
     assert len(ranks) == 3 and {r["node_id"] for r in ranks} == nodes, "data-parallel ranks on both nodes"

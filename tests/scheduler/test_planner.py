@@ -249,6 +249,34 @@ def test_a_new_shard_avoids_other_pipelines_training_homes():
     assert [set(h.gpus) & homes for h in led.shards_of("a").values()] == [set()]
 
 
+def test_a_pipeline_whose_only_shards_sit_on_peers_homes_moves_one_home_when_its_own_is_free():
+    """Three fixed homes on four GPUs. a's only shard sits on b's home (a trained meanwhile): b's
+    next train step would preempt it mid-generation, with a's own home lent to a third pipeline.
+    Once a's home is free, a's shard moves home, waking the engine a has there; a shard a borrows
+    beside one at home, or one on the GPU that is nobody's home, stays where it is."""
+    from rlix.scheduler.types import Plan, ShardMove
+
+    spec = dict(train_gpus=1, max_shards=2, fixed_trainer=True)
+    led = make(1, 4, PipelineSpec("a", **spec), PipelineSpec("b", **spec), PipelineSpec("c", **spec))
+    home = {n: next(iter(led.train_home[n])) for n in "abc"}
+    free = (set(range(4)) - set(home.values())).pop()  # nobody's home
+    led.last_shard_gpus[("a", 0)] = (home["a"],)  # a's engine at home sleeps there
+    led.apply(Plan(expands=[ShardMove("a", 1, (home["b"],)), ShardMove("b", 0, (free,)),
+                            ShardMove("c", 0, (home["c"],))]), 0.0)
+    prog = {n: Progress(n, remaining=8, target=8) for n in "abc"}  # one shard's worth each
+    assert step(led, 10.0, progress=prog).shrinks == []  # woken within dwell_s: it stays
+    p = step(led, 100.0, progress=prog)
+    assert [(m.pipeline, m.gpus) for m in p.shrinks] == [("a", (home["b"],))]
+    assert ("a", 0, (home["a"],)) in [(m.pipeline, m.dp_rank, m.gpus) for m in p.expands]
+    assert [h.gpus for h in led.shards_of("a").values()] == [(home["a"],)]
+    # at home, nothing moves again; a shard on nobody's home never moves for this
+    assert step(led, 200.0, progress=prog).shrinks == []
+    led = make(1, 4, PipelineSpec("a", **spec), PipelineSpec("b", **spec), PipelineSpec("c", **spec))
+    led.apply(Plan(expands=[ShardMove("a", 1, (free,)), ShardMove("b", 0, (home["b"],)),
+                            ShardMove("c", 0, (home["c"],))]), 0.0)
+    assert step(led, 100.0, progress=prog).shrinks == []
+
+
 def test_pending_work_keeps_one_shard_whatever_the_figure_says():
     led = make(1, 2, PipelineSpec("a", max_shards=2), PipelineSpec("b", max_shards=2))
     step(led, 0.0)

@@ -172,6 +172,10 @@ class PipelineModel(_Strict):
     min_shards: int = Field(1, ge=0)
     max_shards: int = Field(ge=1)
     partial_overlap: bool = True
+    #: its trainer is bound to a home chosen at registration, as `rlix run`'s trainer processes
+    #: are (every train step on the same GPUs, preempting any other pipeline's shard there);
+    #: False: the planner may place each step anywhere (a simulated trainer only)
+    fixed_trainer: bool = False
     seqs_per_shard: int = Field(8, ge=1)
     engine: EngineModel | None = None
     transitions: TransitionModel | None = None  # deprecated: what the simulator charges it only
@@ -392,7 +396,8 @@ def build_scenario(model: ScenarioModel, source: str = "<scenario>") -> Scenario
             seen[name] = where
             spec = PipelineSpec(name=name, priority=p.priority, weight=p.weight, train_gpus=p.train_gpus,
                                 tp=p.tp, min_shards=p.min_shards, max_shards=p.max_shards,
-                                partial_overlap=p.partial_overlap, seqs_per_shard=p.seqs_per_shard)
+                                partial_overlap=p.partial_overlap, seqs_per_shard=p.seqs_per_shard,
+                                fixed_trainer=p.fixed_trainer)
             setups.append(PipelineSetup(
                 index=len(setups), spec=spec, steps=p.steps, max_staleness=p.max_staleness,
                 train_gpu_seconds=p.train_gpu_seconds, engine=p.engine or model.engine,

@@ -179,6 +179,7 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
     def protected(h: Holding) -> bool:
         return now - h.since < params.dwell_s
 
+    _come_home(pool, ledger, target, progress, training, now, params.dwell_s)
     victims = _Victims(pool, specs, target, progress, first, gate)
     wake_at: float | None = None
 
@@ -229,6 +230,42 @@ def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress]
     if rotation is not None:
         wake_at = rotation if wake_at is None else min(wake_at, rotation)
     return wake_at
+
+
+def _come_home(pool: Pool, ledger: Ledger, target: dict[str, int], progress: dict[str, Progress],
+               training: set[str], now: float, dwell_s: float) -> None:
+    """A pipeline whose shards all sit on other pipelines' training homes while its own home is
+    free moves one of them home, where its own engine sleeps (on whole GPUs, at its target: one
+    below it claims its home as a further shard anyway). Each of those owners' train steps
+    preempts a shard on its home mid-generation; with no shard of its own at home the pipeline
+    then had nowhere to carry that work on, its home meanwhile lent to a third pipeline whose
+    shard the next owner's step preempted in turn. At home only its own trainer preempts it, and
+    a shard it borrows beside that one hands its work over to it when preempted. The least
+    loaded one moves; none woken less than `dwell_s` ago."""
+    homes = ledger.train_home
+    if ledger.topology.slices != 1 or not homes:
+        return
+    owner = {g: name for name, home in homes.items() for g in home}
+    for name, home in homes.items():
+        spec = ledger.pipelines.get(name)
+        if spec is None or name in training or not pool.shard_count.get(name) \
+                or pool.shard_count[name] < target.get(name, 0) or ledger.shard_exclusion(name) & home:
+            continue
+        mine = [(key, h) for key, h in pool.shards.items() if h.pipeline == name]
+        if any(owner.get(g) in (None, name) for _, h in mine for g in h.gpus):
+            continue  # one of its shards is at home or on a GPU that is nobody's home
+        free = sorted(g for g in home if pool.state[g] is None)
+        movable = [(key, h) for key, h in mine if now - h.since >= dwell_s]
+        if len(free) < spec.tp or not movable:
+            continue
+        prog = progress.get(name)
+        load = prog.shard_load if prog is not None else {}
+        key, h = min(movable, key=lambda kh: (load.get(kh[1].dp_rank, 0), kh[1].dp_rank))
+        gpus = tuple(free[:spec.tp])
+        pool.shrink(key)
+        asleep_there = [r for r in range(spec.max_shards) if r not in pool.ranks[name]
+                        and ledger.last_shard_gpus.get((name, r)) == gpus]
+        pool.expand(name, asleep_there[0] if asleep_there else h.dp_rank, gpus, now)
 
 
 def _rotation_at(pool: Pool, demands: list[Demand], ledger: Ledger, now: float,
