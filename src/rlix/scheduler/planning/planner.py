@@ -248,9 +248,10 @@ def _come_home(pool: Pool, ledger: Ledger, target: dict[str, int], progress: dic
     owner = {g: name for name, home in homes.items() for g in home}
     for name, home in homes.items():
         spec = ledger.pipelines.get(name)
-        if spec is None or name in training or not pool.shard_count.get(name) \
-                or pool.shard_count[name] < target.get(name, 0) or ledger.shard_exclusion(name) & home:
-            continue
+        wanted = target.get(name, 0)
+        if spec is None or name in training or not pool.shard_count.get(name) or not wanted \
+                or pool.shard_count[name] < wanted or ledger.shard_exclusion(name) & home:
+            continue  # (no demand: its shards go to whoever claims them; below target: it claims)
         mine = [(key, h) for key, h in pool.shards.items() if h.pipeline == name]
         if any(owner.get(g) in (None, name) for _, h in mine for g in h.gpus):
             continue  # one of its shards is at home or on a GPU that is nobody's home
