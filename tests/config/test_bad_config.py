@@ -19,7 +19,7 @@ import yaml
 
 from rlix.cli import main
 from rlix.config import load_config
-from rlix.config.safe_yaml import MAX_ALIASES, MAX_DEPTH, MAX_FILE_BYTES
+from rlix.safe_yaml import MAX_ALIASES, MAX_DEPTH, MAX_FILE_BYTES
 from rlix.config.models import MAX_SEED
 from rlix.config.preflight import preflight, previous_run
 from rlix.errors import MAX_MESSAGE, ConfigError

@@ -1,6 +1,6 @@
 """Load YAML into typed config; every failure becomes one ConfigError line naming file and field.
 
-The file is read by rlix.config.safe_yaml (bounded: no alias bombs, no duplicate keys); every
+The file is read by rlix.safe_yaml (bounded: no alias bombs, no duplicate keys); every
 message is one line of at most rlix.errors.MAX_MESSAGE characters, inputs shortened.
 """
 
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from rlix.errors import ConfigError, problems_line, short_repr
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import anchor
-from rlix.config.safe_yaml import load_yaml  # noqa: F401 - also read from here
+from rlix.safe_yaml import load_yaml  # noqa: F401 - also read from here
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlix.errors import ConfigError
+from rlix.safe_yaml import load_yaml
 
 
 class MoveCosts(BaseModel):
@@ -120,8 +121,6 @@ def load_move_costs(path: str | Path) -> MoveCosts:
     """Read a cost table (YAML or JSON, which is YAML too) with the config's bounded loader (no
     alias bombs, no duplicate keys, a size cap); every problem is one ConfigError naming file and
     field."""
-    from rlix.config.safe_yaml import load_yaml  # deferred: rlix.config's models import this module
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"{p}: no such cost table")

@@ -1,11 +1,12 @@
-"""The YAML reader of config files: PyYAML's SafeLoader with bounds.
+"""The YAML reader of config files and cost tables: PyYAML's SafeLoader with bounds.
 
 Safe against hostile or broken files, not only against code execution: a file larger than
 MAX_FILE_BYTES, nesting deeper than MAX_DEPTH, more than MAX_ALIASES alias uses, aliases that
 expand beyond MAX_NODES nodes or MAX_CHARS characters of scalars (an "alias bomb": 676 bytes
 that expand to a billion nodes), a recursive alias and a key repeated in one mapping are
 refused, naming the line, as one ConfigError of at most rlix.errors.MAX_MESSAGE characters.
-Imports nothing of rlix but its errors, so every config model can read files with it.
+Imports nothing of rlix but its errors, so any layer reads files with it (the config, the
+scheduler's cost tables).
 """
 
 from __future__ import annotations
