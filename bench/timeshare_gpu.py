@@ -235,6 +235,8 @@ def run_details(run: dict) -> dict:
         "rlix_wall_s": s.get("wall_s"),
         "steps": {n: p.get("steps") for n, p in pipes.items()},
         "tokens": {n: p.get("collector", {}).get("tokens") for n, p in pipes.items()},
+        # samples started and not trained, by reason ("stale": generated too long before its step)
+        "dropped": {n: p.get("accounting", {}).get("dropped", {}) for n, p in pipes.items()},
         "length_limits": {n: p["collector"]["length_limits"] for n, p in pipes.items()
                           if p.get("collector", {}).get("length_limits")},
         "shard_starts": ts.shard_starts(s) if s else None,
