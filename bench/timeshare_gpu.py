@@ -51,7 +51,6 @@ steps each, to check the script. Ends by printing one JSON line of the headline 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import shutil

@@ -11,7 +11,6 @@ docs/CONFIG.md lists the bounds.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (

@@ -26,7 +26,7 @@ from rlix.scheduler.planning.pool import LOCKED, Pool
 from rlix.scheduler.planning.shares import TIME_SLACK_S, Demand, floor_order, rollout_targets
 from rlix.scheduler.planning.stage_placement import StagePlacer
 from rlix.scheduler.state import Ledger
-from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Role, Stage
+from rlix.scheduler.types import GpuRequest, Grant, Holding, PipelineSpec, Plan, Progress, Stage
 
 
 @dataclass(frozen=True)
