@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 from rlix.inference.engine.api import GenerationOutput, SamplingParams
 from rlix.inference.engine.engine import TorchEngine
 
+from polling import until
+
 
 class Helpers:
     @staticmethod
@@ -29,12 +31,7 @@ class Helpers:
 
     @staticmethod
     async def wait_for(predicate, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not predicate():
-            if loop.time() > deadline:
-                raise AssertionError("condition not reached in time")
-            await asyncio.sleep(0.002)
+        await until(predicate, timeout, every=0.002)
 
     @staticmethod
     @torch.inference_mode()

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import polling
+
 T = TypeVar("T")
 
 #: how long a condition the scheduler should reach at once may take on a busy 2-core machine
@@ -19,9 +21,4 @@ def run(coro: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
 
 async def until(cond: Callable[[], object], timeout: float = TIMEOUT) -> None:
     """Poll the event loop until cond() holds; AssertionError after `timeout` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
+    await polling.until(cond, timeout)
