@@ -11,7 +11,7 @@ One pass, two phases:
      filled with shards for any pipeline whose demand is still unmet (work-conserving).
      Where pipelines report their rate (`Progress.seconds_per_trajectory`), a shard is taken
      from one pipeline for another only when the work it buys repays the move by
-     `MoveCosts.margin` (`_Gate`; a pipeline's first shard is never held back by it).
+     `MoveCosts.margin` (`MoveGate`; a pipeline's first shard is never held back by it).
 The planner never mutates the ledger; `Ledger.apply(plan)` does, after checking invariants.
 """
 
@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from rlix.scheduler.costs import MoveCosts
+from rlix.scheduler.planning.move_gate import ANY, NONE, WARM, MoveGate, report_is_stale
 from rlix.scheduler.planning.pool import LOCKED, Pool
 from rlix.scheduler.planning.shares import TIME_SLACK_S, Demand, floor_order, rollout_targets
 from rlix.scheduler.planning.stage_placement import StagePlacer
@@ -63,10 +64,6 @@ class PlannerParams:
             raise ValueError(f"move_costs must be a MoveCosts, got {type(self.move_costs).__name__}")
 
 
-def report_is_stale(progress: Progress, now: float | None, stale_s: float | None) -> bool:
-    return stale_s is not None and now is not None and now - progress.reported_at > stale_s
-
-
 def rollout_demand(spec: PipelineSpec, progress: Progress | None, now: float | None = None,
                    stale_s: float | None = None) -> int:
     """Shards a pipeline could use now. No report (or only one older than `stale_s`) means
@@ -94,7 +91,8 @@ def plan(ledger: Ledger, requests: list[GpuRequest], progress: dict[str, Progres
               for name, spec in ledger.pipelines.items()}
     grants, wake_requests = _serve_requests(pool, ledger, requests, progress, demand, now, params)
     training = pool.training | {g.pipeline for g in grants}
-    gate = _Gate(pool, ledger, progress, now, params, requests, training)
+    gate = MoveGate(pool, ledger, progress, now, params.move_costs, params.report_stale_s,
+                    params.rotate_s, requests, training)
     wake_rollout = _rebalance_rollout(pool, ledger, progress, demand, now, params, training, gate)
     # only times still ahead: a deadline reached now was acted on by this pass, and a timer for
     # it would hide a later one (a rotation due after it was then never planned)
@@ -165,7 +163,7 @@ def _serve_requests(pool: Pool, ledger: Ledger, requests: list[GpuRequest],
 # ---------------------------------------------------------------------- phase 2
 def _rebalance_rollout(pool: Pool, ledger: Ledger, progress: dict[str, Progress],
                        demand: dict[str, int], now: float, params: PlannerParams,
-                       training: set[str], gate: "_Gate") -> float | None:
+                       training: set[str], gate: MoveGate) -> float | None:
     specs = ledger.pipelines
     demands = [Demand(name, demand[name], s.tp, s.priority, s.weight, s.min_shards,
                       pool.shard_count[name], ledger.shardless_since.get(name, ledger.version),
@@ -288,10 +286,10 @@ def _rotation_at(pool: Pool, demands: list[Demand], ledger: Ledger, now: float,
 
 
 def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float,
-               first: dict[str, int], gate: "_Gate") -> None:
+               first: dict[str, int], gate: MoveGate) -> None:
     """Work conservation: idle GPUs go to whoever still has unmet demand that fits (a training
     home whose owner wants it back sooner than a shard there would repay its wake excepted:
-    `_Gate.due`)."""
+    `MoveGate.due`)."""
     specs = ledger.pipelines
     heap = [(-specs[n].priority, pool.shard_count[n] / d, first[n], n) for n, d in demand.items()
             if pool.shard_count[n] < d]
@@ -313,10 +311,10 @@ def _fill_idle(pool: Pool, ledger: Ledger, demand: dict[str, int], now: float,
 class _Victims:
     """Shards that may be shrunk to make room: those of pipelines above their target,
     cheapest first (lowest tier, idle or least loaded, then the largest surplus); for a claim
-    that is not a first shard, not those of a pipeline about to finish its work (`_Gate.short`)."""
+    that is not a first shard, not those of a pipeline about to finish its work (`MoveGate.short`)."""
 
     def __init__(self, pool: Pool, specs: dict[str, PipelineSpec], target: dict[str, int],
-                 progress: dict[str, Progress], first: dict[str, int], gate: "_Gate") -> None:
+                 progress: dict[str, Progress], first: dict[str, int], gate: MoveGate) -> None:
         self.pool, self.specs, self.target = pool, specs, target
         self.progress, self.first, self.gate = progress, first, gate
         self.order: list[tuple] | None = None  # built at the first make_room: most passes need none
@@ -394,7 +392,7 @@ class _Victims:
 
     def make_warm_room(self, name: str, warm: dict[int, list[tuple[int, ...]]], protected,
                        dwell_s: float) -> tuple[tuple[int, ...] | None, float | None]:
-        """Free the GPUs of one of `name`'s sleeping engines (`_Gate.warm_targets`, in rank
+        """Free the GPUs of one of `name`'s sleeping engines (`MoveGate.warm_targets`, in rank
         order) where every shard on them may be shrunk (a victim, not within its dwell time,
         not about to finish); those GPUs (a claim that is never a first shard)."""
         pool, target, gate = self.pool, self.target, self.gate
@@ -422,145 +420,3 @@ class _Victims:
                         pool.shrink(k)
                     return gpus, None
         return None, blocked_until
-
-
-#: what a claim that must take GPUs from another pipeline may do (`_Gate.claim`)
-ANY, WARM, NONE = 0, 1, 2
-
-
-class _Gate:
-    """Per pass: what moves cost (`PlannerParams.move_costs`) and each pipeline's expected
-    generation work in shard-seconds (`Progress.work_s`; only pipelines that report their rate,
-    with a report not stale). Three rules, none for a pipeline's first shard (the rollout floor
-    and its bound stay as they were) and none on non-rollout requests (phase 1 never asks):
-      (a) `claim`: a shard of one pipeline is shrunk to give another a shard only if the
-          receiver's work on it, work / (its shards + 1), is at least margin x (sleep + wake,
-          + a cold start where none of its ranks has an engine on the GPUs freed);
-      (b) `due`: idle GPUs of a training home whose owner wants them back sooner than margin x
-          (wake + sleep) are not filled (its request waits, or its next step's work per shard
-          ends within that of its report); `due_until`: when the earliest such estimate runs out;
-      (d) `short`: a shard of a pipeline whose work per shard ends within margin x (sleep +
-          wake) is not shrunk for another's claim: it finishes first;
-      (e) `busy`: nor is a shard with requests running (its pipeline's `shard_load`) for a claim
-          of the same tier or a lower one, until it has been held `rotate_s`: the work in flight
-          is a move's cost too (re-dispatched onto the pipeline's other shards it queues there,
-          and across the pipeline's training step it goes stale). It is lent once it is idle
-          (the report that says so re-plans).
-    Filling an idle GPU is otherwise always allowed: nothing is lost."""
-
-    def __init__(self, pool: Pool, ledger: Ledger, progress: dict[str, Progress], now: float,
-                 params: PlannerParams, requests: list[GpuRequest], training: set[str]) -> None:
-        costs = params.move_costs
-        self.pool, self.ledger, self.progress = pool, ledger, progress
-        self.now, self.rotate_s = now, params.rotate_s
-        self.margin = costs.margin
-        self.move_s = costs.sleep_s + costs.wake_s  # a shard slept for another that wakes
-        self.cold_s = costs.cold_start_s
-        self.work: dict[str, float] = {}
-        self.due: frozenset[int] = frozenset()
-        self.due_until: float | None = None
-        self._short: dict[str, bool] = {}
-        self._exclude: dict[str, frozenset[int]] = {}
-        # the training homes of pipelines still setting up: their trainer and engine are loading
-        # there, so no other pipeline's shard goes there until they are ready (the pipelines that
-        # are ready start at once, each on the GPUs nobody is setting up on)
-        self.setting_up_homes: frozenset[int] = frozenset(
-            g for n, p in progress.items() if p.setting_up for g in ledger.train_home.get(n, ()))
-        if not costs.gated:
-            return
-        stale_s = params.report_stale_s
-        pipelines = ledger.pipelines
-        for name, p in progress.items():
-            if p.seconds_per_trajectory is not None and name in pipelines \
-                    and not report_is_stale(p, now, stale_s):
-                self.work[name] = p.remaining * p.seconds_per_trajectory
-        if self.work and ledger.train_home:
-            self._find_due(progress, now, requests, training)
-
-    def _find_due(self, progress: dict[str, Progress], now: float, requests: list[GpuRequest],
-                  training: set[str]) -> None:
-        waiting = {r.pipeline for r in requests}
-        threshold = self.margin * self.move_s
-        due: set[int] = set()
-        for owner, home in self.ledger.train_home.items():
-            work = self.work.get(owner)
-            if work is None or owner in training:
-                continue
-            if owner in waiting:  # its request waits for GPUs of its home: it wants them now
-                due |= home
-                continue
-            shards = self.pool.shard_count[owner]
-            if work > 0 and shards == 0:
-                continue  # no shard, work left: its train step is not near
-            p = progress[owner]
-            # its next train request comes when the next step's batch is in, not its whole window
-            next_work = p.next_step_remaining * (p.seconds_per_trajectory or 0.0)
-            ends = p.reported_at + next_work / max(1, shards)
-            if ends - threshold <= now < ends + threshold:
-                due |= home
-                until = ends + threshold
-                self.due_until = until if self.due_until is None else min(self.due_until, until)
-        self.due = frozenset(due)
-
-    def exclude(self, name: str, first_shard: bool) -> frozenset[int]:
-        """GPUs a shard of `name` may not go to in this pass."""
-        base = self.ledger.shard_exclusion(name)
-        if self.setting_up_homes:
-            base = base | (self.setting_up_homes - self.ledger.train_home.get(name, frozenset()))
-        if first_shard or not self.due:
-            return base
-        out = self._exclude.get(name)
-        if out is None:
-            out = self._exclude[name] = base | self.due
-        return out
-
-    def claim(self, name: str, shards: int) -> int:
-        """ANY, WARM (only onto GPUs where one of its ranks has an engine) or NONE."""
-        work = self.work.get(name)
-        if work is None:
-            return ANY
-        per_shard = work / (shards + 1)
-        need = self.margin * self.move_s
-        if per_shard < need:
-            return NONE
-        return WARM if per_shard < need + self.margin * self.cold_s else ANY
-
-    def warm_targets(self, name: str, max_shards: int,
-                     exclude: frozenset[int]) -> dict[int, list[tuple[int, ...]]] | None:
-        """node -> last GPUs of each inactive rank of `name` not put to sleep in this pass (its
-        engine is there). None: anywhere (on slices a moved rank keeps its process, and one
-        has run)."""
-        pool, ledger = self.pool, self.ledger
-        active = pool.ranks[name]
-        slept = {m.dp_rank for m in pool.shrinks if m.pipeline == name}
-        whole = ledger.topology.slices == 1
-        out: dict[int, list[tuple[int, ...]]] = {}
-        for rank in range(max_shards):
-            if rank in active or rank in slept:
-                continue
-            last = ledger.last_shard_gpus.get((name, rank))
-            if last is None:
-                continue
-            if not whole:
-                return None
-            if not exclude.intersection(last):
-                out.setdefault(pool.node_of[last[0]], []).append(last)
-        return out
-
-    def busy(self, h: Holding, claimant: str) -> bool:
-        """Rule (e): `h` has requests running and may not go to `claimant` for that."""
-        p = self.progress.get(h.pipeline)
-        if p is None or not p.shard_load.get(h.dp_rank) or self.now - h.since >= self.rotate_s:
-            return False
-        specs = self.ledger.pipelines
-        return specs[h.pipeline].priority >= specs[claimant].priority
-
-    def short(self, pipeline: str) -> bool:
-        """Its work per shard ends sooner than a move of one of them would repay (decided at
-        the first look in a pass, so a pass's answers agree)."""
-        out = self._short.get(pipeline)
-        if out is None:
-            work = self.work.get(pipeline)
-            out = bool(work) and work / max(1, self.pool.shard_count[pipeline]) < self.margin * self.move_s
-            self._short[pipeline] = out
-        return out
