@@ -91,7 +91,7 @@ class SchedulerHooks:
         cycling, self._cycling = self._cycling, None
         sent = complete or cycling
         if sent is not None:
-            self._sent_busy = any(n > 0 for n in sent.shard_load.values())
+            self._sent_busy = sent.busy
         if cycling is not None:
             self.granted = list(await self.scheduler.cycle.remote(self.pipeline, "train", self.train_gpus,
                                                                   complete or cycling))
@@ -158,13 +158,12 @@ class SchedulerHooks:
         if seconds_per_trajectory is not None:
             self._rate = seconds_per_trajectory
         progress = self._progress(demand, step, shard_load, turns_outstanding, pending_work)
-        busy = any(n > 0 for n in (shard_load or {}).values())
-        went_idle = shard_load is not None and self._sent_busy and not busy
+        went_idle = shard_load is not None and self._sent_busy and not progress.busy
         if demand.complete and not went_idle:
             self._complete = progress
             return
         self._complete = None
-        self._sent_busy = busy
+        self._sent_busy = progress.busy
         await self.scheduler.report_progress.remote(progress)
 
     async def clear_progress(self) -> None:

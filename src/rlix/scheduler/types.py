@@ -150,6 +150,11 @@ class Progress:
         spt = self.seconds_per_trajectory
         return None if spt is None else self.remaining * spt
 
+    @property
+    def busy(self) -> bool:
+        """A shard of it has requests running (`shard_load`)."""
+        return any(n > 0 for n in self.shard_load.values())
+
 
 @dataclass(frozen=True)
 class Holding:
