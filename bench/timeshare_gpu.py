@@ -40,7 +40,10 @@ of it (written after every run, so a cut-short invocation leaves what it measure
 timeline picture is copied beside them as OUT/<run>.timeline.png.
 
     python3 bench/timeshare_gpu.py [--gpus N] [--workloads mix,longtail,agentic]
-                                   [--modes timeshared,partition,queue] [--out DIR] [--dry-run]
+                                   [--modes timeshared,partition,queue] [--slices S] [--out DIR] [--dry-run]
+`--slices S`: the time-shared and queued runs schedule every GPU as S slices (`cluster.gpu_slices`),
+so one pipeline's shard can generate on a GPU where another (or its own) trainer trains; the
+partition keeps whole GPUs, each pipeline's shard sleeping while its trainer trains there.
 Before the timed runs, one untimed one-step `rlix run` per model warms the machine (the preset
 written, kernels compiled, libraries read): otherwise the first mode timed pays for all of them
 (`--no-warmup` skips it; `warmup_s` says what it took).
@@ -140,8 +143,10 @@ def _workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
     raise ValueError(f"unknown workload {workload!r}")
 
 
-def run_config(args: argparse.Namespace, pipelines: list[dict]) -> dict:
-    return {"cluster": {"nodes": 1, "gpus_per_node": args.gpus}, "device": "cpu" if args.dry_run else "auto",
+def run_config(args: argparse.Namespace, pipelines: list[dict], slices: int = 1) -> dict:
+    """The run's config; `slices` > 1: the scheduler sees every GPU as that many (`cluster.gpu_slices`)."""
+    cluster = {"nodes": 1, "gpus_per_node": args.gpus, **({"gpu_slices": slices} if slices > 1 else {})}
+    return {"cluster": cluster, "device": "cpu" if args.dry_run else "auto",
             "scheduler": {"dwell_s": 0, "aging_s": 10}, "control_plane": "rlix", "pipelines": pipelines}
 
 
@@ -247,6 +252,7 @@ def run_details(run: dict) -> dict:
 def workload(w: str, args: argparse.Namespace, out: Path, bench: Bench, book: dict) -> dict:
     pipes = workload_pipelines(w, args)
     cfg = run_config(args, pipes)
+    shared_cfg = run_config(args, pipes, args.slices)  # the modes that run through the scheduler
     runs: dict[str, list[dict]] = {}
 
     def keep(mode: str, run: dict) -> None:
@@ -256,12 +262,13 @@ def workload(w: str, args: argparse.Namespace, out: Path, bench: Bench, book: di
 
     for mode in args.modes:
         if mode == "timeshared":
-            keep(mode, launch(cfg, f"{w}-timeshared", "rlix", args, out, bench))
+            keep(mode, launch(shared_cfg, f"{w}-timeshared", "rlix", args, out, bench))
         elif mode == "partition":
             keep(mode, launch(cfg, f"{w}-partition", "standalone", args, out, bench))
         else:
             for p in pipes:
-                keep(mode, launch(dict(cfg, pipelines=[p]), f"{w}-queue-{p['name']}", "rlix", args, out, bench))
+                keep(mode, launch(dict(shared_cfg, pipelines=[p]), f"{w}-queue-{p['name']}", "rlix", args, out,
+                                  bench))
     makespans = {m: round(sum(r["makespan_s"] for r in rs), 2) for m, rs in runs.items()}
     shared = [r["summary"] for r in runs.get("timeshared", []) if r["summary"]]
     acc = ts.account(shared)
@@ -276,7 +283,7 @@ def workload(w: str, args: argparse.Namespace, out: Path, bench: Bench, book: di
         f"{w}_startup_s": {m: [r["startup_s"] for r in rs] for m, rs in runs.items()},
         f"{w}_move_costs": ts.move_costs(shared),
         f"{w}_failed_pipelines": [f for rs in runs.values() for r in rs for f in r["failed"]],
-        f"{w}_config": cfg,
+        f"{w}_config": cfg, f"{w}_gpu_slices": args.slices,
         f"{w}_runs": {r["name"]: book["runs"][r["name"]] for rs in runs.values() for r in rs},
     }
     (out / f"{w}.json").write_text(json.dumps(details, indent=1, default=str))
@@ -349,6 +356,10 @@ def main() -> None:
     ap.add_argument("--capture-graphs", action="store_true",
                     help="every pipeline's shards capture all their CUDA graphs when they start "
                          "(rollout.capture_graphs), not on the steps' path")
+    ap.add_argument("--slices", type=int, default=1,
+                    help="the time-shared and queued runs see every GPU as this many (cluster.gpu_slices: a "
+                         "pipeline's shards may generate beside a trainer on the same GPU); the partition "
+                         "keeps whole GPUs")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the untimed one-step run per model that warms the machine first")
     ap.add_argument("--dry-run", action="store_true", help="tiny model on fake GPUs (CPU), a few steps: checks the script")
@@ -407,7 +418,7 @@ def main() -> None:
         "shard_starts_after_setup": sum(ts.shard_starts(s)["after_setup"] for s in shared) if shared else None,
         "failed_pipelines": failed, "move_costs": table["costs"],
         **({"move_costs_refused": refused} if refused else {}),
-        "gpus": args.gpus, "device": device, "model": args.model, "dry_run": args.dry_run,
+        "gpus": args.gpus, "gpu_slices": args.slices, "device": device, "model": args.model, "dry_run": args.dry_run,
         "warmup_s": book.get("warmup_s"),
         "wall_s": round(time.perf_counter() - t0, 1)})
     book["headline"] = headline

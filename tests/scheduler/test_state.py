@@ -85,3 +85,17 @@ def test_register_rejects_what_cannot_fit():
 def test_release_what_is_not_held(led):
     with pytest.raises(LedgerError, match="holds no GPUs"):
         led.release("a", Stage.TRAIN)
+
+
+def test_training_homes_on_slices_spread_over_physical_devices():
+    """4 GPUs as 8 slices: four trainers get one device each (homes 0-3 would have put two
+    trainers on each of GPUs 0 and 1 and none on 2 and 3); a two-rank trainer two devices."""
+    led = Ledger(Topology.uniform(1, 4).sliced(2))
+    for name in "abcd":
+        led.register(PipelineSpec(name, train_gpus=1, max_shards=4, fixed_trainer=True))
+    devices = [g // 2 for name in "abcd" for g in led.train_home[name]]
+    assert sorted(devices) == [0, 1, 2, 3]
+    led.register(PipelineSpec("e", train_gpus=2, max_shards=4, fixed_trainer=True))
+    home = sorted(led.train_home["e"])
+    assert len(home) == 2 and home[0] // 2 != home[1] // 2
+    assert not set(home) & {g for name in "abcd" for g in led.train_home[name]}

@@ -17,6 +17,7 @@ the ledger as it was):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from rlix.errors import LedgerError
@@ -301,9 +302,15 @@ class Ledger:
         return list(h.gpus)
 
     def _pick_train_home(self, spec: PipelineSpec) -> frozenset[int]:
-        """Node-packed GPUs for a pipeline's trainer, spread away from earlier homes."""
+        """Node-packed GPUs for a pipeline's trainer, spread away from earlier homes. On slices
+        (`Topology.slices` > 1) homes are spread over the physical devices first: two trainers
+        on slices of one device would contend for its compute while another device trained
+        nothing, and the ranks of one trainer never share a device (NCCL needs one each)."""
         used = {g for home in self.train_home.values() for g in home}
-        order = sorted(range(self.topology.num_gpus), key=lambda g: (g in used, self.node_of[g], g))
+        per = self.topology.slices
+        homes_on = Counter(g // per for g in used)  # trainers' slices per physical device
+        order = sorted(range(self.topology.num_gpus),
+                       key=lambda g: (g in used, homes_on[g // per], self.node_of[g], g))
         # Prefer whole nodes: take GPUs node by node, least-used nodes first.
         by_node: dict[int, list[int]] = {}
         for g in order:
@@ -312,7 +319,7 @@ class Ledger:
         picked: list[int] = []
         for nd in nodes:
             for g in by_node[nd]:
-                if len(picked) < spec.train_gpus:
+                if len(picked) < spec.train_gpus and all(g // per != p // per for p in picked):
                     picked.append(g)
         return frozenset(picked)
 
