@@ -11,6 +11,8 @@ way samples are put together decides how many tokens the step computes. Each cas
                                 capped at --max-tokens), grouped by length (the trainer's way)
   longtail_batch_order_tokens_per_s   the same batch, micro-batches in the batch's order
   longtail_speedup              longtail_tokens_per_s / longtail_batch_order_tokens_per_s
+  longtail_after_reload_step_s  the grouped longtail step right after an offload and a reload
+                                (what a pipeline's trainer does before every step)
 Tokens are response tokens trained (what the step's loss covers), per second of train_step.
 
     python3 bench/trainer_step.py [--model qwen2-0.5b-shape] [--samples 256] [--micro 8]
@@ -52,11 +54,16 @@ def batch_order(trainer: PolicyTrainer):  # type: ignore[no-untyped-def]
     return chunks
 
 
-def timed(trainer: PolicyTrainer, samples: list[TrainSample], steps: int) -> float:
-    """Median seconds of `steps` train steps, after one untimed."""
+def timed(trainer: PolicyTrainer, samples: list[TrainSample], steps: int, offload: bool = False) -> float:
+    """Median seconds of `steps` train steps, after one untimed. `offload`: the trainer's state
+    goes to the host and back before each (untimed), as a time-shared or colocated pipeline's
+    trainer does between its steps (the GPU memory given back to the driver each time)."""
     trainer.train_step(samples)
     took = []
     for _ in range(steps):
+        if offload:
+            trainer.offload()
+            trainer.reload()
         torch.cuda.synchronize() if trainer.device.type == "cuda" else None
         t0 = time.perf_counter()
         trainer.train_step(samples)
@@ -92,10 +99,12 @@ def main() -> None:
                  "longtail_micro_batches": len(list(trainer._chunks(longtail)))}
     s_fixed = timed(trainer, fixed, args.steps)
     s_tail = timed(trainer, longtail, args.steps)
+    s_tail_offload = timed(trainer, longtail, args.steps, offload=True)
     trainer._chunks = batch_order(trainer)  # type: ignore[method-assign]
     s_order = timed(trainer, longtail, args.steps)
     out.update({"fixed_step_s": round(s_fixed, 3), "longtail_step_s": round(s_tail, 3),
                 "longtail_batch_order_step_s": round(s_order, 3),
+                "longtail_after_reload_step_s": round(s_tail_offload, 3),
                 "fixed_tokens_per_s": round(tokens_fixed / s_fixed), "longtail_tokens_per_s": round(tokens_tail / s_tail),
                 "longtail_batch_order_tokens_per_s": round(tokens_tail / s_order),
                 "longtail_speedup": round(s_order / s_tail, 3), "wall_s": round(time.perf_counter() - t0, 1)})

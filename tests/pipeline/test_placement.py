@@ -252,6 +252,30 @@ def test_engines_started_in_the_background_are_waited_for_never_doubled(tiny_mod
     asyncio.run(main())
 
 
+def test_background_engines_start_beside_the_set_up_ones_not_after(tiny_model_dir):
+    """prestart(now, background=...): the background engines are launched at the same moment
+    as the ones set-up waits for (started after them, they were still loading when the first
+    shards were placed there); a background set on a GPU set-up starts anyway is left to it."""
+    def placement(gpus):
+        return {env.VISIBLE_DEVICES_VAR: ",".join(str(g) for g in gpus)}
+
+    async def main() -> None:
+        fleet = _fleet(tiny_model_dir, placement)
+        try:
+            engines = await fleet.prestart([(0,)], background=[(0,), (1,)])
+            assert [e.gpus for e in engines] == [(0,)]
+            assert list(fleet._starting) == [(1,)]
+            assert len(fleet.launcher.pids()) == 2, "the background engine was launched with the first"
+            fleet.setup_done = True
+            assert await fleet.place({0: [1]}) == Placed([], [0])  # the background engine
+            assert fleet.starts_after_setup == 0 and len(fleet.placements) == 2
+        finally:
+            await fleet.shutdown()
+            await fleet.client.aclose()
+
+    asyncio.run(main())
+
+
 def _wait_dead(pid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:

@@ -54,6 +54,8 @@ class StepRecord:
     group_setup_s: float = 0.0
     group_teardown_s: float = 0.0
     group_destroyed: bool | None = None  # None: one rank, no group
+    # of train_s, the trainer's own train_step (the rest: taking the batch and the call's transfer)
+    trainer_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -234,7 +236,8 @@ class GrpoLoop:
             finished_at=time.time(), train_ranks=int(metrics.get("ranks", 1)),
             group_setup_s=float(metrics.get("group_setup_s", 0.0)),
             group_teardown_s=float(metrics.get("group_teardown_s", 0.0)),
-            group_destroyed=bool(metrics["group_destroyed"]) if "group_destroyed" in metrics else None)
+            group_destroyed=bool(metrics["group_destroyed"]) if "group_destroyed" in metrics else None,
+            trainer_s=float(metrics.get("seconds", 0.0)))
         self.records.append(record)
         if self.on_step is not None:
             result = self.on_step(record)

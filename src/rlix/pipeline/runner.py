@@ -232,8 +232,7 @@ class PipelineRunner:
                                 restart_on_move=dev.device == "cuda" or not vllm)
         if placed:
             now, later = self.hooks.resident_gpu_sets(cfg, dev, train_gpus)
-            await self.fleet.prestart(now)
-            self.fleet.prestart_later(later)
+            await self.fleet.prestart(now, background=later)
 
     async def _start_coordinator(self) -> list[int]:
         """The coordinator over the fleet and the trainer (both started); unplaced shards

@@ -180,13 +180,19 @@ class ShardFleet:
                 await one_shard.aclose()
         return engine
 
-    async def prestart(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> list[ResidentEngine]:
+    async def prestart(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None,
+                       background: Iterable[Sequence[int]] = ()) -> list[ResidentEngine]:
         """Start an engine process on each GPU set at once and put each to sleep: resident
         engines that ranks placed there later wake instead of starting (as standalone mode
         starts its shards during set-up). Sets that see the same devices as another get one
-        process. A failed start ends them all and raises."""
-        results = await asyncio.gather(*(self._start_resident(g, level) for g in self._distinct(gpu_sets)),
-                                       return_exceptions=True)
+        process. A failed start ends them all and raises. `background`: sets started at the
+        same moment and not waited for (`prestart_later`; one seeing the same devices as one
+        of `gpu_sets` is left to it): started only after these, they were still loading when
+        the pipeline's first shards were placed on them, and its first step waited."""
+        now = self._distinct(gpu_sets)
+        self.prestart_later([tuple(g) for g in background
+                             if not any(tuple(g) == w or self._sees_the_same(w, g) for w in now)], level)
+        results = await asyncio.gather(*(self._start_resident(g, level) for g in now), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self.shutdown()
