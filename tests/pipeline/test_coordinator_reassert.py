@@ -1,6 +1,7 @@
 """ShardCoordinator.reassert, what a restarted scheduler calls: the awake shards become what its
 ledger says, once the old scheduler's calls still running here are done; repeating it changes
-nothing. A fake fleet records what the coordinator asks of it (no processes)."""
+nothing. And a resize whose ranks wait on different starts. A fake fleet records what the
+coordinator asks of it (no processes)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class FakeFleet:
         self.calls: list[tuple] = []
         self.place_gate = asyncio.Event()
         self.place_gate.set()
+        self.starting: set[tuple[int, ...]] = set()  # GPUs whose engine starts in the background
+        self.start_gate = asyncio.Event()  # that start's end
+
+    def starting_on(self, gpus):
+        return tuple(gpus) in self.starting
 
     async def start(self, ranks, active=False):
         for r in ranks:
@@ -32,6 +38,8 @@ class FakeFleet:
     async def place(self, gpus_of):
         self.calls.append(("place", {int(r): tuple(g) for r, g in gpus_of.items()}))
         await self.place_gate.wait()
+        if any(tuple(g) in self.starting for g in gpus_of.values()):
+            await self.start_gate.wait()
         new = [r for r in gpus_of if r not in self.shards]
         for r, gpus in gpus_of.items():
             info = self.shards.setdefault(r, Shard(r, f"http://shard-{r}"))
@@ -117,5 +125,28 @@ def test_reassert_waits_for_the_old_schedulers_call_still_running_here():
         out = await asyncio.wait_for(reassert, 2)
         assert out["reasserted"] == {"remove": [2], "add": []}
         assert fleet.active_ranks() == [] and fleet.shards[2].asleep is True and coord.assigned == {}
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_ranks_whose_engine_is_up_are_routed_to_before_those_waiting_for_a_background_start():
+    """One resize gives rank 0 GPU 0 (its engine is up) and rank 1 GPU 1 (its engine still
+    starting in the background): rank 0 generates at once, rank 1 when its start ends; the
+    call answers with both woken."""
+    async def main() -> None:
+        fleet = FakeFleet()
+        coord = ShardCoordinator(fleet, no_sync, placed=True)  # type: ignore[arg-type]
+        fleet.starting = {(1,)}
+        call = asyncio.ensure_future(coord.resize_inference([], {0: [0], 1: [1]}))
+        for _ in range(200):
+            if fleet.active_ranks():
+                break
+            await asyncio.sleep(0.01)
+        assert fleet.active_ranks() == [0] and not call.done()
+        fleet.starting.clear()
+        fleet.start_gate.set()
+        out = await asyncio.wait_for(call, 2)
+        assert fleet.active_ranks() == [0, 1] and out["woke"] == [0, 1]
+        assert coord.assigned == {0: (0,), 1: (1,)}
 
     asyncio.run(asyncio.wait_for(main(), 10))

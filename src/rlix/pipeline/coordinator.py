@@ -162,7 +162,16 @@ class ShardCoordinator:
         self._resizing += 1
         self._no_resize.clear()
         try:
-            return await self._resize(remove, add)
+            starting = {r: g for r, g in add.items()
+                        if self.placed and self.fleet.starting_on(tuple(int(x) for x in g or ()))}
+            if not starting or len(starting) == len(add):
+                return await self._resize(remove, add)
+            # ranks placed where their engine is up are woken and routed to now; those placed on
+            # an engine still starting in the background follow when it is up (together, the
+            # ranks that could generate at once waited seconds for the slowest start)
+            out = await self._resize(remove, {r: g for r, g in add.items() if r not in starting})
+            late = await self._resize([], starting)
+            return {**late, **out, "woke": out.get("woke", []) + late.get("woke", [])}
         except GpuMemoryError as exc:
             raise self._fail(exc) from None
         finally:

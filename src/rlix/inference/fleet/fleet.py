@@ -185,18 +185,19 @@ class ShardFleet:
         """Start an engine process on each GPU set at once and put each to sleep: resident
         engines that ranks placed there later wake instead of starting (as standalone mode
         starts its shards during set-up). Sets that see the same devices as another get one
-        process. A failed start ends them all and raises. `background`: sets started at the
-        same moment and not waited for (`prestart_later`; one seeing the same devices as one
-        of `gpu_sets` is left to it): started only after these, they were still loading when
-        the pipeline's first shards were placed on them, and its first step waited."""
+        process. A failed start ends them all and raises. `background`: sets started once
+        these are up and not waited for (`prestart_later`; one seeing the same devices as one
+        of `gpu_sets` is left to it). Not beside them: every pipeline's engines starting at once
+        slowed every set-up, the trainers' too (docs/BENCHMARKS.md); a rank placed on one still
+        starting does not hold up the others (`ShardCoordinator.resize_inference`)."""
         now = self._distinct(gpu_sets)
-        self.prestart_later([tuple(g) for g in background
-                             if not any(tuple(g) == w or self._sees_the_same(w, g) for w in now)], level)
         results = await asyncio.gather(*(self._start_resident(g, level) for g in now), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self.shutdown()
             raise failed[0]
+        self.prestart_later([tuple(g) for g in background
+                             if not any(tuple(g) == w or self._sees_the_same(w, g) for w in now)], level)
         return list(results)  # type: ignore[arg-type]
 
     def prestart_later(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> None:
@@ -205,6 +206,13 @@ class ShardFleet:
         process); a start that fails is logged and forgotten (a rank placed there starts one)."""
         for gpus in self._distinct(gpu_sets):
             self._starting[gpus] = asyncio.ensure_future(self._start_resident(gpus, level))
+
+    def starting_on(self, gpus: Sequence[int]) -> bool:
+        """A background start of the engine a process on `gpus` would be is still under way
+        (a rank placed there waits for it)."""
+        want = tuple(int(g) for g in gpus)
+        return bool(want) and any(not task.done() and (key == want or self._sees_the_same(key, want))
+                                  for key, task in self._starting.items())
 
     async def _started_on(self, gpus: tuple[int, ...]) -> None:
         """Wait for a background start of an engine that a process on `gpus` would be, if any."""
