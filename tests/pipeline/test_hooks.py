@@ -176,3 +176,35 @@ def test_scheduler_hooks_carry_the_measured_rate_on_every_report():
     assert sent[0][0].seconds_per_trajectory == 0.25
     assert sent[1][3].seconds_per_trajectory == 0.25  # with the training request
     assert sent[2][2].seconds_per_trajectory == 0.25  # with the release
+
+
+def test_scheduler_hooks_say_where_their_engines_are_still_starting():
+    """At `ready` and in every report: the run's GPUs whose engine of this pipeline is still
+    starting in the background (the planner puts no further shard there meanwhile)."""
+    from rlix.pipeline.scheduler_hooks import SchedulerHooks
+
+    class Fleet:
+        shards: dict = {}
+        starting = {(2,), (3,)}
+
+        def starting_on(self, gpus):  # type: ignore[no-untyped-def]
+            return tuple(gpus) in self.starting
+
+        async def sleep_partial(self, ranks):  # type: ignore[no-untyped-def]
+            return {}
+
+    class Coordinator:
+        fleet = Fleet()
+
+    sched = _FakeScheduler()
+    sched.ready = _Method(sched.calls, "ready")
+    hooks = SchedulerHooks(sched, "p", 1, gpus=[0, 1, 2, 3])
+
+    async def main() -> None:
+        await hooks.join(Coordinator(), None)  # type: ignore[arg-type]
+        Coordinator.fleet.starting = {(3,)}
+        await hooks.report_progress(D(4, 8), 0)
+
+    asyncio.run(main())
+    assert sched.calls[0] == ("ready", ("p", frozenset({2, 3})))
+    assert sched.calls[1][0] == "report_progress" and sched.calls[1][1][0].engines_starting == frozenset({3})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlix.errors import LedgerError
 from rlix.scheduler.planning.planner import PlannerParams, plan, rollout_demand
 from rlix.scheduler.planning.shares import Demand, rollout_targets
 from rlix.scheduler.state import Ledger
@@ -550,3 +551,29 @@ def test_the_cost_table_is_read_from_a_file_and_a_bad_one_names_the_field(tmp_pa
     (tmp_path / "bomb.yaml").write_text(bomb + "costs: {}\n")
     with pytest.raises(ConfigError):
         load_move_costs(tmp_path / "bomb.yaml")
+
+
+def test_no_further_shard_goes_where_the_pipelines_engine_is_still_starting():
+    """A pipeline alone on 4 idle GPUs whose engines on GPUs 2 and 3 are still starting gets its
+    first shard anywhere and further ones only on GPUs 0 and 1 (a shard on 2 or 3 would hold
+    the GPU without generating until the start ends); once the report says they are up, it
+    gets them too."""
+    led = make(1, 4, PipelineSpec("a", max_shards=4))
+    led.note_engines_starting("a", frozenset({2, 3}))
+    step(led, 0.0, progress={"a": Progress("a", remaining=64, target=64, engines_starting=frozenset({2, 3}))})
+    assert sorted(g for h in led.shards_of("a").values() for g in h.gpus) == [0, 1]
+    led.note_engines_starting("a", frozenset())
+    step(led, 1.0, progress={"a": Progress("a", remaining=64, target=64)})
+    assert sorted(g for h in led.shards_of("a").values() for g in h.gpus) == [0, 1, 2, 3]
+    # the first shard is never held back: its pipeline would otherwise have nothing
+    led = make(1, 2, PipelineSpec("b", max_shards=2))
+    led.note_engines_starting("b", frozenset({0, 1}))
+    step(led, 0.0)
+    assert shard_counts(led) == {"b": 1}
+
+
+def test_engines_starting_on_gpus_that_do_not_exist_are_refused():
+    led = make(1, 2, PipelineSpec("a", max_shards=2))
+    with pytest.raises(LedgerError, match="do not exist"):
+        led.note_engines_starting("a", frozenset({5}))
+    assert led.engines_starting == {}

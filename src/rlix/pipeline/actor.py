@@ -29,11 +29,13 @@ if TYPE_CHECKING:
     from rlix.pipeline.runner import PipelineRunner
 
 
-def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any) -> RLixHooks:
-    """The strategy of a run mode: "rlix" time-shares through the scheduler; "standalone"
-    runs on the fixed `gpus`."""
+def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any,
+               devices: DevicePlan | None = None) -> RLixHooks:
+    """The strategy of a run mode: "rlix" time-shares through the scheduler (on any of the
+    run's GPUs, `devices`); "standalone" runs on the fixed `gpus`."""
     if mode == "rlix":
-        return SchedulerHooks(get_scheduler(), cfg.name, cfg.train_gpus, handle)
+        return SchedulerHooks(get_scheduler(), cfg.name, cfg.train_gpus, handle,
+                              devices.gpu_ids if devices is not None else [])
     return ColocatedHooks(gpus, cfg.train_gpus)
 
 
@@ -47,7 +49,7 @@ class PipelineActor:
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         config = PipelineConfig.model_validate(cfg)
-        hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor)
+        hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor, devices)
         self.runner = PipelineRunner(config, hooks, run_dir=run_dir, api_key=api_key, resume=resume,
                                      devices=devices, vllm_python=vllm_python,
                                      experiment_log=LoggingConfig.model_validate(experiment_log)

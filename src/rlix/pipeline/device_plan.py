@@ -35,6 +35,11 @@ class DevicePlan:
         return now, later
 
     @property
+    def gpu_ids(self) -> list[int]:
+        """The scheduler's GPU ids of the run (slices where the GPUs are sliced); [] unplaced."""
+        return [s.gpu for s in self.reservation.slots] if self.reservation is not None else []
+
+    @property
     def sleep_level(self) -> int:
         """Shards leaving a GPU drop their weights there (2); on CPU offloading them (1) is
         cheaper and frees nothing another holder could use anyway."""

@@ -12,6 +12,7 @@ from rlix.scheduler.types import Progress
 
 if TYPE_CHECKING:  # annotations only: the coordinator imports the inference fleet
     from rlix.config.models import PipelineConfig
+    from rlix.inference.fleet.fleet import ShardFleet
     from rlix.pipeline.coordinator import ShardCoordinator
     from rlix.pipeline.device_plan import DevicePlan
     from rlix.pipeline.rollout.types import RolloutDemand
@@ -21,13 +22,17 @@ log = logging.getLogger("rlix.pipeline")
 
 class SchedulerHooks:
     """`coordinator_handle` is what the scheduler calls back (`resize_inference`): the
-    pipeline's Ray actor."""
+    pipeline's Ray actor. `gpus`: the scheduler's GPU ids the pipeline may be given (where its
+    reports say engines are still starting)."""
 
     mode = "rlix"
 
-    def __init__(self, scheduler: Any, pipeline: str, train_gpus: int, coordinator_handle: Any = None) -> None:
+    def __init__(self, scheduler: Any, pipeline: str, train_gpus: int, coordinator_handle: Any = None,
+                 gpus: list[int] | None = None) -> None:
         self.scheduler, self.pipeline, self.train_gpus = scheduler, pipeline, train_gpus
         self.coordinator_handle = coordinator_handle
+        self.gpus = list(gpus or [])
+        self.fleet: ShardFleet | None = None  # known from `join` on
         self.granted: list[int] = []
         self.home: list[int] = []
         self.wait_s = 0.0
@@ -67,7 +72,8 @@ class SchedulerHooks:
         (Placed shards start only when the scheduler first gives them GPUs.) Then the
         scheduler plans for the pipeline: each is planned for as soon as it is ready."""
         await coordinator.fleet.sleep_partial(sorted(coordinator.fleet.shards))
-        await self.scheduler.ready.remote(self.pipeline)
+        self.fleet = coordinator.fleet
+        await self.scheduler.ready.remote(self.pipeline, self.engines_starting())
 
     async def leave(self) -> None:
         """The last release is collected (its error logged), then the pipeline unregisters."""
@@ -137,13 +143,20 @@ class SchedulerHooks:
             log.warning("%s: the scheduler did not say which shards it places: %r", self.pipeline, exc)
             return None
 
+    def engines_starting(self) -> frozenset[int]:
+        """The GPUs where an engine of this pipeline is still starting in the background."""
+        if self.fleet is None:
+            return frozenset()
+        return frozenset(g for g in self.gpus if self.fleet.starting_on((g,)))
+
     def _progress(self, demand: RolloutDemand, step: int,
                   shard_load: dict[int, int] | None = None, turns_outstanding: int | None = None,
                   pending_work: bool = False) -> Progress:
         return Progress(self.pipeline, remaining=demand.remaining, target=demand.target,
                         for_next_step=demand.for_next_step,
                         step=int(step), shard_load=dict(shard_load or {}), turns_outstanding=turns_outstanding,
-                        pending_work=bool(pending_work), seconds_per_trajectory=self._rate)
+                        pending_work=bool(pending_work), seconds_per_trajectory=self._rate,
+                        engines_starting=self.engines_starting())
 
     async def report_progress(self, demand: RolloutDemand, step: int,
                               shard_load: dict[int, int] | None = None,

@@ -296,10 +296,11 @@ class AsyncScheduler:
         self._replan(f"release {pipeline}/{stage.name.lower()}")
         return freed
 
-    def ready(self, pipeline: str) -> None:
+    def ready(self, pipeline: str, engines_starting: frozenset[int] = frozenset()) -> None:
         """The pipeline finished setting up: planned for from now on, each pipeline as soon as
-        it is ready (one waiting for the slowest to set up would idle the GPUs meanwhile)."""
-        if self.core.ready(pipeline):
+        it is ready (one waiting for the slowest to set up would idle the GPUs meanwhile).
+        `engines_starting`: GPUs where its engines are still starting (`Progress`)."""
+        if self.core.ready(pipeline, engines_starting):
             self._replan(f"ready {pipeline}")
 
     def report_progress(self, progress: Progress) -> None:

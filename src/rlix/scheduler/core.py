@@ -113,10 +113,12 @@ class SchedulerCore:
                  spec.name, spec.priority, spec.train_gpus, spec.tp, spec.min_shards,
                  spec.max_shards)
 
-    def ready(self, name: str) -> bool:
+    def ready(self, name: str, engines_starting: frozenset[int] = frozenset()) -> bool:
         """The pipeline finished setting up: from now on it is planned for (until its first
-        report, at full demand). False when it was not setting up (a call repeated)."""
+        report, at full demand; `engines_starting`: where its engines still start, as a report
+        says). False when it was not setting up (a call repeated)."""
         self.require(name)
+        self._note_engines(name, engines_starting)
         prog = self.progress.get(name)
         if prog is None or not prog.setting_up:
             return False
@@ -230,8 +232,15 @@ class SchedulerCore:
                                     and 0 < spt < float("inf")):
             raise SchedulerError(f"{progress.pipeline}: seconds_per_trajectory must be a positive "
                                  f"finite number or None (unknown), got {spt!r}")
+        self._note_engines(progress.pipeline, progress.engines_starting)
         # Stamped with our clock: the reporter's clock is another process's.
         self.progress[progress.pipeline] = dataclasses.replace(progress, reported_at=self.clock())
+
+    def _note_engines(self, name: str, gpus: frozenset[int]) -> None:
+        try:
+            self.ledger.note_engines_starting(name, frozenset(gpus))
+        except (LedgerError, TypeError) as exc:
+            raise SchedulerError(str(exc)) from exc
 
     # ------------------------------------------------------------------ planning
     def replan(self, reason: str = "") -> Plan:

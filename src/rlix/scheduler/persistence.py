@@ -205,7 +205,7 @@ def _encode(core: SchedulerCore, service: ServiceState) -> dict[str, Any]:
         "version": ledger.version,
         "pending": [{"id": r.id, "pipeline": r.pipeline, "stage": r.stage.name, "gpus": r.gpus,
                      "submitted_at": r.submitted_at} for r in core.pending.values()],
-        "progress": [asdict(p) for p in core.progress.values()],
+        "progress": [dict(asdict(p), engines_starting=sorted(p.engines_starting)) for p in core.progress.values()],
         "plan_log": list(core.plan_log),
         "role_seq": core.role_seq,
         "role_first": core.role_log[0]["seq"] if core.role_log else core.role_seq + 1,
@@ -258,7 +258,8 @@ def _decode(core: SchedulerCore, state: dict[str, Any], shift: float,
     core.progress = {}
     for d in state["progress"]:
         d = dict(d, shard_load={int(k): int(v) for k, v in d["shard_load"].items()},
-                 reported_at=float(d["reported_at"]) + shift)
+                 reported_at=float(d["reported_at"]) + shift,
+                 engines_starting=frozenset(int(g) for g in d.get("engines_starting", ())))
         core.progress[d["pipeline"]] = Progress(**d)
     core.plan_log.clear()
     core.plan_log.extend(dict(p, at=p["at"] + shift) for p in state["plan_log"])

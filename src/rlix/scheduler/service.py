@@ -305,10 +305,10 @@ class SchedulerService:
         self._start()
         return await self._sched.cycle(pipeline, stage, gpus, progress)
 
-    async def ready(self, pipeline: str) -> None:
-        """The pipeline's set-up ended: plan for it now."""
+    async def ready(self, pipeline: str, engines_starting: frozenset[int] = frozenset()) -> None:
+        """The pipeline's set-up ended: plan for it now (`engines_starting`: see `Progress`)."""
         self._start()
-        self._sched.ready(pipeline)
+        self._sched.ready(pipeline, engines_starting)
 
     async def report_progress(self, progress: Progress) -> None:
         self._start()

@@ -27,7 +27,8 @@ HoldingKey = tuple
 
 
 class Ledger:
-    """Mutable GPU state. The planner reads it; only `apply`, `release` and `unregister` change it."""
+    """Mutable GPU state. The planner reads it; only `apply`, `release`, `unregister` and
+    `note_engines_starting` change it."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
@@ -37,6 +38,9 @@ class Ledger:
         self.holdings: dict[HoldingKey, Holding] = {}
         self.pipelines: dict[str, PipelineSpec] = {}
         self.train_home: dict[str, frozenset[int]] = {}
+        # where each pipeline's engines are still starting (its reports say; not persisted: a
+        # restarted scheduler learns it from the next report, and meanwhile only plans as before)
+        self.engines_starting: dict[str, frozenset[int]] = {}
         self.last_shard_gpus: dict[tuple[str, int], tuple[int, ...]] = {}
         # pipeline -> ledger version since which it has held no shard (absent: it holds one);
         # the rollout floor serves the longest-waiting first, so names never decide who starves
@@ -87,6 +91,7 @@ class Ledger:
             freed.extend(self._drop(key))
         del self.pipelines[name]
         self.train_home.pop(name, None)
+        self.engines_starting.pop(name, None)
         self.shardless_since.pop(name, None)
         self.holding_since.pop(name, None)
         for key in [k for k in self.last_shard_gpus if k[0] == name]:
@@ -94,6 +99,17 @@ class Ledger:
         self.version += 1
         self.check_invariants()
         return sorted(freed)
+
+    def note_engines_starting(self, pipeline: str, gpus: frozenset[int]) -> None:
+        """Where `pipeline`'s engines are still starting, as it last said (replaces the last)."""
+        self._require(pipeline)
+        bad = sorted(g for g in gpus if not (isinstance(g, int) and 0 <= g < self.topology.num_gpus))
+        if bad:
+            raise LedgerError(f"pipeline {pipeline!r}: engines starting on GPUs {bad} that do not exist")
+        if gpus:
+            self.engines_starting[pipeline] = frozenset(gpus)
+        else:
+            self.engines_starting.pop(pipeline, None)
 
     # ------------------------------------------------------------------ queries
     def holding_of(self, gpu: int) -> Holding | None:

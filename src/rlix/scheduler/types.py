@@ -127,6 +127,9 @@ class Progress:
     its trainer and engines): it has no demand yet, so the GPUs stay with pipelines that can use
     them, and it is planned for from its `ready` on (no report then means full demand). The
     scheduler stamps it at registration; the pipeline never sends it.
+    `engines_starting`: GPUs where the pipeline's engine process is still starting in the
+    background: a shard placed there generates only once it is up (seconds), so the planner
+    puts no further shard of the pipeline there meanwhile (`Ledger.engines_starting`).
     """
 
     pipeline: str
@@ -140,6 +143,7 @@ class Progress:
     seconds_per_trajectory: float | None = None
     setting_up: bool = False
     for_next_step: int | None = None
+    engines_starting: frozenset[int] = frozenset()
 
     @property
     def next_step_remaining(self) -> int:

@@ -97,15 +97,18 @@ class MoveGate:
         self.due = frozenset(due)
 
     def exclude(self, name: str, first_shard: bool) -> frozenset[int]:
-        """GPUs a shard of `name` may not go to in this pass."""
+        """GPUs a shard of `name` may not go to in this pass. Beyond its first shard, none where
+        its engine is still starting (`Ledger.engines_starting`): that shard would hold the GPU
+        without generating until the start ends, and a claim on the GPU meanwhile (another
+        pipeline's training) waited for the start too."""
         base = self.ledger.shard_exclusion(name)
         if self.setting_up_homes:
             base = base | (self.setting_up_homes - self.ledger.train_home.get(name, frozenset()))
-        if first_shard or not self.due:
+        if first_shard:
             return base
         out = self._exclude.get(name)
         if out is None:
-            out = self._exclude[name] = base | self.due
+            out = self._exclude[name] = base | self.ledger.engines_starting.get(name, frozenset()) | self.due
         return out
 
     def claim(self, name: str, shards: int) -> int:
