@@ -101,7 +101,7 @@ class StepRow(_Part):
     only the phases it models, and the timeline reads rows that lack some."""
 
     step: int | None = None
-    reward: float = 0.0
+    reward: float | None = None  # None: not recorded (the simulator's steps)
     reward_std: float = 0.0
     samples: int = 0
     tokens: int = 0
