@@ -26,13 +26,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from rlix.timeline import (  # deferred: see _cmd_run
-        CHART_FILE,
-        TRACE_FILE,
-        account_lines,
-        load_summary,
-        write_timeline,
-    )
+    from rlix.run_summary import load_summary  # deferred: see _cmd_run
+    from rlix.timeline import CHART_FILE, TRACE_FILE, account_lines, write_timeline  # deferred: see _cmd_run
 
     account = write_timeline(args.run_dir, load_summary(args.run_dir))
     print("\n".join(account_lines(account)))
@@ -49,8 +44,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not (args.resume or args.overwrite):  # a run_dir holding a previous run is refused, before Ray
         refuse_reused_run_dir(load_config(args.config), args.config)
     from rlix.run import run  # deferred: see above
+    from rlix.run_summary import RunSummary
 
-    result = run(args.config, resume=args.resume, mode=args.mode, address=args.address)
+    summary = RunSummary.model_validate(run(args.config, resume=args.resume, mode=args.mode, address=args.address))
     import ray  # deferred: see above
 
     if ray.is_initialized():  # the cluster's workers end here (pinned buffers freed): said, as it takes seconds
@@ -58,8 +54,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ray.shutdown()
         print(f"Ray stopped in {time.perf_counter() - t0:.1f}s", flush=True)
     # a run where some pipeline failed (the others finished) or served unsynced weights
-    failed = [n for n, s in result["pipelines"].items()
-              if s.get("version_mismatches") or s.get("state") == "failed"]
+    failed = [n for n, s in summary.pipelines.items() if s.version_mismatches or s.failed]
     return 1 if failed else 0
 
 

@@ -6,9 +6,12 @@ instead of a traceback.
 
 from __future__ import annotations
 
-import reprlib
-
 import re
+import reprlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class RlixError(Exception):
@@ -208,6 +211,21 @@ def problems_line(source: str, problems: list[str], limit: int = MAX_MESSAGE) ->
     if len(line) + len(tail) > limit:
         line = line[: max(limit - len(tail) - 3, 0)] + "..."
     return line + tail
+
+
+def format_validation_error(source: str, err: ValidationError) -> str:
+    """`file: field.path: reason (got value)` for each problem, joined on one line of at most
+    MAX_MESSAGE characters (each value shortened)."""
+    parts = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling)"
+        elif "input" in e and e["type"] != "missing" and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {short_repr(e['input'])})"
+        parts.append(f"{loc[:120] or '<top>'}: {msg[:300]}")
+    return problems_line(source, parts)
 
 
 def actor_death(exc: BaseException) -> str:

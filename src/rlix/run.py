@@ -19,7 +19,8 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, TextIO
+from collections.abc import Callable, Mapping
+from typing import TextIO
 
 import ray
 
@@ -37,7 +38,8 @@ from rlix.private_files import narrow_to_owner, write_private
 from rlix.scheduler.service import check_scheduler, start_scheduler, topology_from_ray
 from rlix.supervise import InterruptFlag, Supervisor
 from rlix.run_log import RunLog
-from rlix.timeline import account_lines, run_fields, write_timeline
+from rlix.run_summary import SUMMARY_FILE, GpuAccount, PipelineSummary, RunSpan, RunSummary
+from rlix.timeline import account_lines, write_timeline
 
 
 def prepare_run_dir(cfg: RlixConfig, config_path: str) -> Path:
@@ -51,10 +53,11 @@ def prepare_run_dir(cfg: RlixConfig, config_path: str) -> Path:
 
 def run(config_path: str, *, resume: bool = False, mode: str | None = None, address: str | None = None,
         out: TextIO = sys.stdout) -> dict:
-    """Run a config to the end; returns the summary (also written to RUN_DIR/summary.json,
-    whatever the ending: finished, failed, interrupted). `address` (else RAY_ADDRESS) attaches
-    to a running Ray cluster; without one a local cluster is started: several simulated nodes
-    on this machine when the config asks for more than one."""
+    """Run a config to the end; returns the summary as summary.json's JSON data (the file is
+    written whatever the ending: finished, failed, interrupted; `RunSummary.model_validate`
+    reads the dict back typed). `address` (else RAY_ADDRESS) attaches to a running Ray
+    cluster; without one a local cluster is started: several simulated nodes on this machine
+    when the config asks for more than one."""
     cfg: RlixConfig = load_config(config_path)
     preflight(cfg, config_path)  # before Ray: a bad file, task or verifier fails in a second
     mode = mode or env.control_plane(cfg.control_plane)
@@ -71,7 +74,7 @@ def run(config_path: str, *, resume: bool = False, mode: str | None = None, addr
         keep_ray_token_private(say)
     try:
         return _run_on_ray(cfg, config_path, mode=mode, run_dir=run_dir, say=say, resume=resume,
-                           t_start=t_start)
+                           t_start=t_start).to_dict()
     finally:
         say.close()
         if simulated is not None:
@@ -141,7 +144,7 @@ def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog)
 
 
 def _run_on_ray(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
-                resume: bool, t_start: float) -> dict:
+                resume: bool, t_start: float) -> RunSummary:
     gpus = topology_from_ray() if cfg.cluster.is_auto else cfg.cluster.physical_topology()
     reservation = GpuReservation.reserve(gpus, slices=cfg.cluster.gpu_slices, fake=cfg.device == "cpu")
     topology = gpus.sliced(cfg.cluster.gpu_slices)  # what the scheduler hands out
@@ -219,7 +222,7 @@ def _say_endpoint(method, field: str, port: int | None, label: str, say: RunLog)
 def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: RunLog,
            devices: DevicePlan, scheduler, all_gpus: list[int], resume: bool, t_start: float,
            first_plan_held: bool = False, role_log_from: int = 0,
-           started: Callable[[], None] | None = None) -> dict:
+           started: Callable[[], None] | None = None) -> RunSummary:
     """Start a config's pipelines against a scheduler (None: standalone), follow them to the
     end, stop them, and write the summary whatever the ending. The scheduler plans for each
     pipeline once it is set up (SchedulerHooks.join); `first_plan_held`: a run's own scheduler,
@@ -283,30 +286,31 @@ def follow(cfg: RlixConfig, config_path: str, *, mode: str, run_dir: Path, say: 
         result = _write_summary(config_path, mode, run_dir, supervisor, ending,
                                 round(time.perf_counter() - t_start, 1), say,
                                 gpu_nodes=_gpu_nodes(devices, all_gpus))
-    failed = {n: s["error"] for n, s in result["pipelines"].items() if s.get("state") == "failed"}
-    if failed and len(failed) == len(result["pipelines"]):
+    failed = {n: s.error for n, s in result.pipelines.items() if s.failed}
+    if failed and len(failed) == len(result.pipelines):
         raise PipelineFailedError("; ".join(f"{n}: {e}" for n, e in failed.items()))
     return result
 
 
 def _write_summary(config_path: str, mode: str, run_dir: Path, supervisor: Supervisor | None,
-                   ending: str, wall_s: float, say: RunLog, gpu_nodes: list[int] | None = None) -> dict:
+                   ending: str, wall_s: float, say: RunLog, gpu_nodes: list[int] | None = None) -> RunSummary:
     """summary.json, gpu_memory.json and the timeline, whatever the ending; the summary table
     and the GPU-time account to the log."""
-    summaries = supervisor.summaries() if supervisor is not None else {}
-    result = {"config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
-              "pipelines": summaries,
-              "role_changes": supervisor.role_changes if supervisor is not None else [],
-              "lost_nodes": supervisor.lost_nodes if supervisor is not None else [],
-              "ledger_audits": supervisor.ledger_audits if supervisor is not None else []}
-    _timeline(run_dir, result, wall_s, gpu_nodes, say)
-    (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
-    (run_dir / "gpu_memory.json").write_text(json.dumps(memory_ledger(summaries), indent=1))
-    for line in summary_table(result):
+    summary = RunSummary.model_validate({
+        "config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
+        "pipelines": supervisor.summaries() if supervisor is not None else {},
+        "role_changes": supervisor.role_changes if supervisor is not None else [],
+        "lost_nodes": supervisor.lost_nodes if supervisor is not None else [],
+        "ledger_audits": supervisor.ledger_audits if supervisor is not None else []})
+    _timeline(run_dir, summary, wall_s, gpu_nodes, say)
+    summary.write(run_dir / SUMMARY_FILE)
+    (run_dir / "gpu_memory.json").write_text(json.dumps(memory_ledger(summary.pipelines), indent=1))
+    for line in summary_table(summary):
         say(line)
-    for line in account_lines(result["gpu_account"]) if result.get("gpu_account") else []:
-        say(line)
-    return result
+    if summary.gpu_account is not None:
+        for line in account_lines(summary.gpu_account.model_dump()):
+            say(line)
+    return summary
 
 
 def _ray_worker(pid: int) -> bool:
@@ -337,14 +341,14 @@ def _gpu_nodes(devices: DevicePlan, gpus: list[int]) -> list[int] | None:
     return [devices.reservation.slot(g).node for g in gpus]
 
 
-def _timeline(run_dir: Path, result: dict, wall_s: float, gpu_nodes: list[int] | None,
+def _timeline(run_dir: Path, summary: RunSummary, wall_s: float, gpu_nodes: list[int] | None,
               say: RunLog) -> None:
     """The summary's `run` span and `gpu_account`; RUN_DIR/timeline.json and timeline.png
     (rlix.timeline). A timeline that cannot be drawn is said, and the run's ending stands."""
     ended = time.time()
-    result["run"] = run_fields(ended - wall_s, ended, gpu_nodes or [])
+    summary.run = RunSpan(started_at=ended - wall_s, ended_at=ended, gpu_nodes=gpu_nodes or [])
     try:
-        result["gpu_account"] = write_timeline(run_dir, result)
+        summary.gpu_account = GpuAccount.model_validate(write_timeline(run_dir, summary))
     except Exception as exc:  # noqa: BLE001 - the summary matters more than its chart
         say(f"timeline not written: {one_line(exc)}")
 
@@ -363,36 +367,35 @@ def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:
                       resident_engines=cfg.cluster.resident_engines and device == "cuda")
 
 
-def memory_ledger(summaries: dict[str, dict]) -> dict[str, list[dict]]:
+def memory_ledger(summaries: Mapping[str, PipelineSummary]) -> dict[str, list[dict]]:
     """The GPU memory ledger of the run: per GPU, every hand-off (holder, event, bytes it still
     held, free memory on the device) in time order."""
     out: dict[str, list[dict]] = {}
     for name, s in summaries.items():
-        for row in s.get("gpu_memory", []):
-            for g in row.get("gpus") or ["-"]:
-                out.setdefault(str(g), []).append({"pipeline": name, **row})
-    return {g: sorted(rows, key=lambda r: r.get("at", 0.0)) for g, rows in sorted(out.items())}
+        for row in s.gpu_memory:
+            for g in row.gpus or ["-"]:
+                out.setdefault(str(g), []).append({"pipeline": name, **row.model_dump(mode="json", exclude_unset=True)})
+    return {g: sorted(rows, key=lambda r: r["at"]) for g, rows in sorted(out.items())}
 
 
-def summary_table(result: dict) -> list[str]:
+def summary_table(summary: RunSummary) -> list[str]:
     rows = [("pipeline", "steps", "reward first5", "reward last5", "gain", "dropped", "gpu-s", "sync s")]
-    for name, s in result["pipelines"].items():
-        if "reward_first5" not in s:  # failed before its first summary
-            rows.append((name, str(s.get("steps", 0)), "-", "-", "-", "-", str(s.get("gpu_seconds", "-")), "-"))
+    for name, s in summary.pipelines.items():
+        gpu_s = "-" if s.gpu_seconds is None else str(s.gpu_seconds)
+        if s.reward_first5 is None or s.reward_last5 is None:  # failed before its first summary
+            rows.append((name, str(s.steps), "-", "-", "-", "-", gpu_s, "-"))
             continue
-        dropped = sum(s["accounting"].get("dropped", {}).values())
-        rows.append((name, str(s["steps"]), f"{s['reward_first5']:.3f}", f"{s['reward_last5']:.3f}",
-                     f"{s['reward_last5'] - s['reward_first5']:+.3f}", str(dropped),
-                     str(s.get("gpu_seconds", "-")), f"{s['sync_s']:.2f}"))
+        dropped = sum(s.accounting.dropped.values()) if s.accounting is not None else 0
+        rows.append((name, str(s.steps), f"{s.reward_first5:.3f}", f"{s.reward_last5:.3f}",
+                     f"{s.reward_last5 - s.reward_first5:+.3f}", str(dropped), gpu_s, f"{s.sync_s:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"summary ({result['mode']}, {result['wall_s']}s):"]
+    lines = [f"summary ({summary.mode}, {summary.wall_s}s):"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    for name, s in result["pipelines"].items():
-        for f in s.get("failures", []):
-            lines.append(f"  {name} failed at step {f.get('step')}: {f['reason']}"
-                         + (f" -> {f['then']}" if f.get("then") else ""))
-        if s.get("state") == "failed":
-            lines.append(f"  {name} FAILED: {s['error']}")
-    if result.get("ending", "finished") != "finished":
-        lines.append(f"  run {result['ending']}")
+    for name, s in summary.pipelines.items():
+        for f in s.failures:
+            lines.append(f"  {name} failed at step {f.step}: {f.reason}" + (f" -> {f.then}" if f.then else ""))
+        if s.failed:
+            lines.append(f"  {name} FAILED: {s.error}")
+    if summary.ending != "finished":
+        lines.append(f"  run {summary.ending}")
     return lines

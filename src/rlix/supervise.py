@@ -24,14 +24,16 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pydantic import ValidationError
 
 from rlix.config.models import LoggingConfig, PipelineConfig
-from rlix.errors import PipelineHungError, SchedulerError, one_line
+from rlix.errors import PipelineHungError, SchedulerError, format_validation_error, one_line
 from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.reporting.metrics_file import read_metrics
 from rlix.placement import on_this_node
 from rlix.private_files import write_private
+from rlix.run_summary import Failure, PipelineSummary
 from rlix.scheduler.core import gpu_roles
 
 #: how long a live pipeline may take to stop (checkpoint, leave, processes ended)
@@ -56,7 +58,7 @@ class PipelineSlot:
     last_progress: dict = field(default_factory=dict)
     restarts: int = 0
     failures: list[dict] = field(default_factory=list)  # every failure: reason, step, what followed
-    summary: dict | None = None
+    summary: PipelineSummary | None = None
     seen_step: int | None = None
     seen_deaths: int = 0
     started: float = 0.0  # monotonic time of the current incarnation's start
@@ -199,14 +201,15 @@ class Supervisor:
         for ref in done:
             slot = running[ref]
             try:
-                slot.summary = ray.get(ref)
+                summary = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - its failure is its own
                 self.fail(slot, one_line(exc))
                 continue
+            slot.summary = self._typed_summary(slot, summary)
             slot.state = "done"
-            self.say(f"{slot.name}: finished {slot.summary.get('steps')} step(s)")
-            steps = slot.summary.get("steps")
-            if self.on_step is not None and isinstance(steps, int):
+            steps = slot.summary.steps
+            self.say(f"{slot.name}: finished {steps} step(s)")
+            if self.on_step is not None:
                 self.on_step(slot.name, steps, max(steps, slot.cfg.steps), None)
             self._end(slot)
 
@@ -354,14 +357,29 @@ class Supervisor:
         self._processes.pop(slot.name, None)
         self._write_processes()
 
-    def _fetch_summary(self, slot: PipelineSlot, alive: bool) -> dict:
+    def _fetch_summary(self, slot: PipelineSlot, alive: bool) -> PipelineSummary:
         if alive and slot.actor is not None:
             try:
-                return ray.get(slot.actor.summary.remote(), timeout=SUMMARY_TIMEOUT_S)
+                summary = ray.get(slot.actor.summary.remote(), timeout=SUMMARY_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - dead, or never set up: from its metrics file
                 pass
+            else:
+                return self._typed_summary(slot, summary)
+        return self._metrics_summary(slot)
+
+    def _metrics_summary(self, slot: PipelineSlot) -> PipelineSummary:
+        """What its metrics file says: the steps it finished and their rewards."""
         rows = read_metrics(self.run_dir / slot.name / "metrics.jsonl")
-        return {"pipeline": slot.name, "steps": len(rows), "rewards": [r["reward"] for r in rows]}
+        return PipelineSummary(pipeline=slot.name, steps=len(rows), rewards=[r["reward"] for r in rows])
+
+    def _typed_summary(self, slot: PipelineSlot, summary: dict) -> PipelineSummary:
+        """The runner's summary as a PipelineSummary; one that does not fit the model (the two
+        drifted apart) is said, naming the fields, and its metrics file's summary stands in."""
+        try:
+            return PipelineSummary.model_validate(summary)
+        except ValidationError as exc:
+            self.say(format_validation_error(f"{slot.name}: its summary is not a PipelineSummary", exc))
+            return self._metrics_summary(slot)
 
     def trainer_pids(self) -> list[int]:
         """Every trainer PID (rank 0's) reported in this run, ended pipelines' too."""
@@ -392,17 +410,18 @@ class Supervisor:
         self.ledger_audits.append(audit)
         return audit
 
-    def summaries(self) -> dict[str, dict]:
+    def summaries(self) -> dict[str, PipelineSummary]:
+        """Each pipeline's summary (the runner's, or what is known of one that never gave it)
+        with what the supervisor saw: its state, GPU-seconds, restarts and failures."""
         out = {}
         for name, slot in self.slots.items():
-            s = dict(slot.summary or {"pipeline": name, "steps": 0, "rewards": []})
-            s["gpu_seconds"] = round(self.gpu_seconds.get(name, 0.0), 1)
-            s["state"] = slot.state
-            s["restarts"] = slot.restarts
-            s["failures"] = list(slot.failures)
+            ours: dict[str, Any] = {"gpu_seconds": round(self.gpu_seconds.get(name, 0.0), 1),
+                                    "state": slot.state, "restarts": slot.restarts,
+                                    "failures": [Failure.model_validate(f) for f in slot.failures]}
             if slot.state == "failed":
-                s["error"] = slot.failures[-1]["reason"]
-            out[name] = s
+                ours["error"] = slot.failures[-1]["reason"]
+            base = slot.summary or PipelineSummary(pipeline=name, steps=0, rewards=[])
+            out[name] = base.model_copy(update=ours)
         return out
 
 

@@ -353,7 +353,7 @@ def test_a_runs_summary_gets_its_span_account_and_timeline_files(tmp_path):
     result = _write_summary("cfg.yaml", "rlix", tmp_path, FakeSupervisor(real_summary()), "finished",
                             80.0, said.append, gpu_nodes=[0, 0, 1, 1])
     written = json.loads((tmp_path / "summary.json").read_text())
-    assert written["gpu_account"] == result["gpu_account"]
+    assert result.gpu_account is not None and written["gpu_account"] == result.gpu_account.model_dump()
     assert written["run"]["gpu_nodes"] == [0, 0, 1, 1]
     assert written["run"]["ended_at"] - written["run"]["started_at"] == pytest.approx(80.0)
     assert_account_adds_up(written["gpu_account"], 4, written["gpu_account"]["span_s"], tol=5e-4)
@@ -368,7 +368,8 @@ def test_a_run_that_ended_before_anything_ran_still_gets_its_summary(tmp_path):
 
     said: list[str] = []
     result = _write_summary("cfg.yaml", "rlix", tmp_path, None, "failed: boom", 3.0, said.append)
-    assert result["gpu_account"]["gpu_s"] == 0 and (tmp_path / TRACE_FILE).exists()
+    assert result.gpu_account is not None and result.gpu_account.gpu_s == 0
+    assert (tmp_path / TRACE_FILE).exists()
     assert any("who held which GPU is not known" in line for line in said)
 
 

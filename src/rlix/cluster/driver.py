@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                         scheduler=scheduler, all_gpus=list(range(info.topology.num_gpus)),
                         resume=args.resume, t_start=t_start,
                         role_log_from=changes[-1]["seq"] if changes else 0)
-        failed = [n for n, p in result["pipelines"].items() if p.get("state") == "failed"]
+        failed = [n for n, p in result.pipelines.items() if p.failed]
         if failed:
             state, reason = "failed", f"pipeline(s) {failed} failed"
     except KeyboardInterrupt:

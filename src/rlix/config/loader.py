@@ -11,27 +11,12 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from rlix.errors import ConfigError, problems_line, short_repr
+from rlix.errors import ConfigError, format_validation_error
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import anchor
 from rlix.safe_yaml import load_yaml  # noqa: F401 - also read from here
 
 M = TypeVar("M", bound=BaseModel)
-
-
-def format_validation_error(source: str, err: ValidationError) -> str:
-    """`file: field.path: reason (got value)` for each problem, joined on one line of at most
-    MAX_MESSAGE characters (each value shortened)."""
-    parts = []
-    for e in err.errors(include_url=False):
-        loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling)"
-        elif "input" in e and e["type"] != "missing" and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {short_repr(e['input'])})"
-        parts.append(f"{loc[:120] or '<top>'}: {msg[:300]}")
-    return problems_line(source, parts)
 
 
 def load_model(model: type[M], path: str | Path, error: type[ConfigError] = ConfigError) -> M:

@@ -23,6 +23,7 @@ from rich.progress import Progress
 from collections.abc import Callable
 from pathlib import Path
 
+from rlix.run_summary import SUMMARY_FILE, GpuAccount
 from rlix.sim.policies import POLICIES, applicable, simulate
 from rlix.sim.results import NotApplicable, PipelineResult, RunResult
 from rlix.sim.report import build_report, render
@@ -103,8 +104,8 @@ def write_run(run_dir: Path, scenario: Scenario, policy: str, trace: SimTrace, e
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = trace.summary(scenario.name, policy, end, scenario.topology.node_of(),
                             [p.name for p in scenario.pipelines])
-    summary["gpu_account"] = write_timeline(run_dir, summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    summary.gpu_account = GpuAccount.model_validate(write_timeline(run_dir, summary))
+    summary.write(run_dir / SUMMARY_FILE)
 
 
 def cli_sim(path: str, as_json: bool, out: str | None = None) -> int:

@@ -7,8 +7,8 @@ Times are simulated seconds from 0."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
+from rlix.run_summary import RunSummary
 from rlix.scheduler.core import gpu_roles, plan_reason
 from rlix.scheduler.state import Ledger
 from rlix.timeline import run_fields
@@ -50,7 +50,7 @@ class SimTrace:
         self.step_start[pipeline] = finished
 
     def summary(self, name: str, policy: str, end: float, gpu_nodes: list[int],
-                pipelines: Iterable[str]) -> dict[str, Any]:
+                pipelines: Iterable[str]) -> RunSummary:
         """The run as `rlix run`'s summary.json has it. Events are cut at `end` (a wake or sync
         planned for later than the pipeline's end never happened)."""
         def cut(events: list[list]) -> list[list]:
@@ -60,8 +60,8 @@ class SimTrace:
                     out.append([min(at, end), kind, ranks, version, seconds - max(0.0, at - end)])
             return out
 
-        return {"config": f"{name} ({policy}, simulated)", "mode": f"sim {policy}", "wall_s": end,
-                "run": run_fields(0.0, end, gpu_nodes), "role_changes": self.changes,
-                "lost_nodes": [],
-                "pipelines": {p: {"records": self.records.get(p, []),
-                                  "events": cut(self.events.get(p, []))} for p in pipelines}}
+        return RunSummary.model_validate({
+            "config": f"{name} ({policy}, simulated)", "mode": f"sim {policy}", "wall_s": end,
+            "run": run_fields(0.0, end, gpu_nodes), "role_changes": self.changes, "lost_nodes": [],
+            "pipelines": {p: {"records": self.records.get(p, []), "events": cut(self.events.get(p, []))}
+                          for p in pipelines}})

@@ -1,6 +1,6 @@
 """A run's timeline: who held every GPU when and why, what each pipeline did, and where every
-GPU-second went. Pure (no Ray): it reads a run's summary (`rlix run`'s summary.json, or the
-simulator's of the same shape) and writes
+GPU-second went. Pure (no Ray): it reads a run's summary (`rlix.run_summary.RunSummary`:
+`rlix run`'s summary.json, or the simulator's of the same shape) and writes
 
 - RUN_DIR/timeline.json: a Chrome / Perfetto trace (`trace.py`);
 - RUN_DIR/timeline.png: a Gantt chart, GPUs as rows, pipelines as colours (`chart.py`);
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlix.errors import ConfigError
+from rlix.run_summary import RunSummary
 from rlix.timeline.account import account_lines, gpu_account
 from rlix.timeline.model import CATEGORIES, FREE, HELD, Holding, Part, Timeline, build_timeline
 from rlix.timeline.trace import chrome_trace
@@ -27,7 +27,7 @@ CHART_FILE = "timeline.png"
 
 __all__ = ["CATEGORIES", "CHART_FILE", "FREE", "HELD", "Holding", "Part", "TRACE_FILE", "Timeline",
            "account_lines", "build_timeline", "chrome_trace", "draw_png", "gpu_account",
-           "load_summary", "run_fields", "write_timeline"]
+           "run_fields", "write_timeline"]
 
 
 def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
@@ -38,37 +38,20 @@ def draw_png(tl: Timeline, path: str | Path, title: str = "") -> Path:
 
 
 def run_fields(started_at: float, ended_at: float, gpu_nodes: Sequence[int]) -> dict[str, Any]:
-    """What a summary's `run` holds for its timeline: the run's wall-clock span and the node
-    (index) of each GPU the scheduler handed out."""
+    """What a summary's `run` holds for its timeline (`RunSpan`'s JSON data): the run's
+    wall-clock span and the node (index) of each GPU the scheduler handed out."""
     return {"started_at": started_at, "ended_at": ended_at, "gpu_nodes": [int(n) for n in gpu_nodes]}
 
 
-def write_timeline(run_dir: str | Path, summary: Mapping[str, Any], title: str | None = None,
+def write_timeline(run_dir: str | Path, summary: RunSummary | Mapping[str, Any], title: str | None = None,
                    chart: bool = True) -> dict[str, Any]:
-    """RUN_DIR/timeline.json (and timeline.png with `chart`) from a summary; returns the
-    account, rounded to milliseconds."""
+    """RUN_DIR/timeline.json (and timeline.png with `chart`) from a summary (its JSON data is
+    validated as a RunSummary); returns the account, rounded to milliseconds."""
     run_dir = Path(run_dir)
+    summary = RunSummary.coerce(summary)
     tl = build_timeline(summary)
-    title = title if title is not None else str(summary.get("config") or run_dir.name)
+    title = title if title is not None else (summary.config or run_dir.name)
     (run_dir / TRACE_FILE).write_text(json.dumps(chrome_trace(tl, title)))
     if chart:
         draw_png(tl, run_dir / CHART_FILE, title)
     return gpu_account(tl, digits=3)
-
-
-def load_summary(run_dir: str | Path) -> dict[str, Any]:
-    """A run dir's summary.json; a ConfigError (one line) when it is not there or not JSON."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ConfigError(f"{run_dir}: no such run directory")
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        raise ConfigError(f"{path}: not found (rlix run writes it when a run ends; rlix sim --out, "
-                          f"one per policy)")
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable summary ({' '.join(str(exc).split())})") from None
-    if not isinstance(summary, dict) or not isinstance(summary.get("role_changes", []), list):
-        raise ConfigError(f"{path}: not a run summary (no role_changes list)")
-    return summary

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlix.run_summary import RunSummary, StepRow
+
 #: what a held GPU did (a pipeline's account has these) and what a free one was
 HELD = ("generate", "train", "sync", "switch", "waiting")
 FREE = ("idle", "lost")
@@ -149,24 +151,23 @@ def _num(x: Any, default: float = 0.0) -> float:
     return v if math.isfinite(v) else default
 
 
-def run_span(summary: Mapping[str, Any]) -> tuple[float, float]:
+def run_span(summary: RunSummary) -> tuple[float, float]:
     """[start, end] of the run in wall-clock seconds: `run` (started_at, ended_at) when the
     summary has it, else its last timestamp and `wall_s` before it; widened to every timestamp."""
-    stamps = [_num(c.get("at")) for c in summary.get("role_changes", [])]
-    stamps += [_num(n.get("at")) for n in summary.get("lost_nodes", []) if n.get("at") is not None]
-    for p in summary.get("pipelines", {}).values():
-        for r in p.get("records", []):
-            if r.get("finished_at") is not None:
-                end = _num(r["finished_at"])
-                stamps += [end - _num(r.get("step_s")), end]
-        for e in p.get("events", []):
-            stamps += [_num(e[0]) - _num(e[4] if len(e) > 4 else 0), _num(e[0])]
-    run = summary.get("run") or {}
-    if "started_at" in run and "ended_at" in run:
-        start, end = _num(run["started_at"]), _num(run["ended_at"])
+    stamps = [_num(c.at) for c in summary.role_changes]
+    stamps += [_num(n.at) for n in summary.lost_nodes]
+    for p in summary.pipelines.values():
+        for r in p.records:
+            if r.finished_at is not None:
+                end = _num(r.finished_at)
+                stamps += [end - _num(r.step_s), end]
+        for e in p.events:
+            stamps += [_num(e.at) - _num(e.seconds), _num(e.at)]
+    if summary.run is not None:
+        start, end = _num(summary.run.started_at), _num(summary.run.ended_at)
     elif stamps:
         end = max(stamps)
-        start = end - _num(summary.get("wall_s"), 0.0)
+        start = end - _num(summary.wall_s)
     else:
         start = end = 0.0
     if stamps:
@@ -174,17 +175,17 @@ def run_span(summary: Mapping[str, Any]) -> tuple[float, float]:
     return start, end
 
 
-def run_gpus(summary: Mapping[str, Any]) -> tuple[list[int], dict[int, int | None]]:
+def run_gpus(summary: RunSummary) -> tuple[list[int], dict[int, int | None]]:
     """The run's GPUs and the node of each: `run.gpu_nodes` (node index per GPU id) when the
     summary has it, else every GPU the role log names (0 up to the highest), nodes unknown."""
-    nodes = (summary.get("run") or {}).get("gpu_nodes")
+    nodes = summary.run.gpu_nodes if summary.run is not None else []
     if nodes:
-        node_of: dict[int, int | None] = {g: int(n) for g, n in enumerate(nodes)}
+        node_of: dict[int, int | None] = dict(enumerate(nodes))
     else:
-        seen = [int(c["gpu"]) for c in summary.get("role_changes", [])]
-        seen += [int(g) for n in summary.get("lost_nodes", []) for g in n.get("gpus", [])]
+        seen = [c.gpu for c in summary.role_changes]
+        seen += [g for n in summary.lost_nodes for g in n.gpus]
         node_of = {g: None for g in range(max(seen) + 1 if seen else 0)}
-    extra = {int(c["gpu"]) for c in summary.get("role_changes", [])} - set(node_of)
+    extra = {c.gpu for c in summary.role_changes} - set(node_of)
     for g in sorted(extra):
         node_of[g] = None
     return sorted(node_of), node_of
@@ -225,48 +226,48 @@ def tile(start: float, end: float, base: str, marks: Iterable[tuple[float, float
     return tuple(parts)
 
 
-def step_phases(records: list[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], list[Span], float]]:
+def step_phases(records: list[StepRow]) -> list[tuple[StepRow, list[Span], float]]:
     """Each step's phases as spans, one after another (a step starts no earlier than the last
     one ended), with the time its version was published (the end of its cache build)."""
     out = []
     prev_end = -math.inf
-    for r in sorted((r for r in records if r.get("finished_at") is not None),
-                    key=lambda r: _num(r["finished_at"])):
-        finished = _num(r.get("finished_at"))
-        t = max(finished - _num(r.get("step_s")), prev_end)
+    for r in sorted((r for r in records if r.finished_at is not None), key=lambda r: _num(r.finished_at)):
+        finished = _num(r.finished_at)
+        t = max(finished - _num(r.step_s), prev_end)
         spans = []
         for name, keys in STEP_PHASES:
             keys = keys if isinstance(keys, tuple) else (keys,)
-            dur = sum(max(0.0, _num(r.get(k))) for k in keys)
+            dur = sum(max(0.0, _num(getattr(r, k))) for k in keys)
             if dur > 0:
-                spans.append(Span(t, t + dur, name, {"step": r.get("step")}))
+                spans.append(Span(t, t + dur, name, {"step": r.step}))
             t += dur
             if name == "cache":
                 published = t
-        sync = max(0.0, _num(r.get("sync_s")))
+        sync = max(0.0, _num(r.sync_s))
         if sync > 0:
-            spans.append(Span(t, t + sync, "sync", {"step": r.get("step")}))
-        prev_end = max(t + sync, t + max(0.0, _num(r.get("release_s"))))
+            spans.append(Span(t, t + sync, "sync", {"step": r.step}))
+        prev_end = max(t + sync, t + max(0.0, _num(r.release_s)))
         out.append((r, spans, published))
     return out
 
 
-def build_timeline(summary: Mapping[str, Any]) -> Timeline:
+def build_timeline(summary: RunSummary | Mapping[str, Any]) -> Timeline:
     """The timeline of a run from its summary (`rlix run`'s summary.json, or the simulator's
-    of the same shape): `role_changes`, `lost_nodes`, `run` and per pipeline `records` and
-    `events`."""
+    of the same shape; JSON data is validated as a RunSummary): `role_changes`, `lost_nodes`,
+    `run` and per pipeline `records` and `events`."""
+    summary = RunSummary.coerce(summary)
     start, end = run_span(summary)
     gpus, node_of = run_gpus(summary)
-    changes = sorted((dict(c, reason=c.get("reason") or infer_reason(c["before"], c["after"]))
-                      for c in summary.get("role_changes", [])),
-                     key=lambda c: (_num(c["at"]), c.get("seq", 0)))
+    changes = sorted((dict(c.model_dump(), reason=c.reason or infer_reason(c.before, c.after))
+                      for c in summary.role_changes),
+                     key=lambda c: (_num(c["at"]), c["seq"]))
     lost_logged = {c["gpu"] for c in changes if c["reason"] == "lost"}
-    for node in summary.get("lost_nodes", []):  # an idle GPU that left has no role-log entry
-        for g in node.get("gpus", []):
-            if int(g) not in lost_logged and node.get("at") is not None:
-                changes.append({"seq": 0, "at": _num(node["at"]), "gpu": int(g), "before": "",
+    for node in summary.lost_nodes:  # an idle GPU that left has no role-log entry
+        for g in node.gpus:
+            if g not in lost_logged:
+                changes.append({"seq": 0, "at": _num(node.at), "gpu": g, "before": "",
                                 "after": "lost", "reason": "lost"})
-    changes.sort(key=lambda c: (_num(c["at"]), c.get("seq", 0)))
+    changes.sort(key=lambda c: (_num(c["at"]), c["seq"]))
 
     pipelines: list[str] = []
 
@@ -274,7 +275,7 @@ def build_timeline(summary: Mapping[str, Any]) -> Timeline:
         if name is not None and name not in pipelines:
             pipelines.append(name)
 
-    for name in summary.get("pipelines", {}):  # the config's order first
+    for name in summary.pipelines:  # the config's order first
         seen(name)
     for c in changes:
         for role in (c["before"], c["after"]):
@@ -291,21 +292,20 @@ def build_timeline(summary: Mapping[str, Any]) -> Timeline:
     activations: dict[tuple[str, int], list[float]] = {}
     has_events: set[str] = set()
     has_records: set[str] = set()
-    for name, p in summary.get("pipelines", {}).items():
+    for name, p in summary.pipelines.items():
         marks = []
-        for r, spans, published in step_phases(p.get("records", [])):
+        for r, spans, published in step_phases(p.records):
             has_records.add(name)
             phases[name].extend(spans)
             marks += [(s.start, s.end, PHASE_CATEGORY[s.name], _STEP) for s in spans
                       if s.name in PHASE_CATEGORY]
-            if r.get("step") is not None:
-                instants[name].append(Instant(published, f"v{r['step']}", {
-                    "version": r["step"], "reward": r.get("reward")}, "version"))
+            if r.step is not None:
+                instants[name].append(Instant(published, f"v{r.step}", {
+                    "version": r.step, "reward": r.reward}, "version"))
         train_marks[name] = _Marks(marks)
-        for e in p.get("events", []):
-            at, kind, ranks = _num(e[0]), str(e[1]), [int(r) for r in (e[2] or [])]
-            version = e[3] if len(e) > 3 else None
-            seconds = max(0.0, _num(e[4] if len(e) > 4 else 0.0))
+        for e in p.events:
+            at, kind, ranks, version = _num(e.at), e.kind, e.ranks, e.version
+            seconds = max(0.0, _num(e.seconds))
             has_events.add(name)
             args = {"ranks": ranks, "version": version, "seconds": seconds}
             if seconds > 0:
