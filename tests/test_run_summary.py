@@ -131,3 +131,21 @@ def test_the_summary_table_and_memory_ledger_read_the_model():
     assert all(r in wrote for r in rows)  # each row as the pipeline wrote it, nothing added
     for rs in ledger.values():
         assert [r["at"] for r in rs] == sorted(r["at"] for r in rs)
+
+
+def test_a_run_level_part_that_does_not_fit_leaves_it_out_and_the_summary_is_still_written(tmp_path):
+    """The summary is written whatever the ending: a role log entry of another shape (a
+    scheduler of another version) is said, naming the field, and left out, not raised from the
+    run's `finally`."""
+    from rlix.run import _write_summary
+
+    data = raw()
+    supervisor = SimpleNamespace(
+        summaries=lambda: {n: PipelineSummary.model_validate(p) for n, p in data["pipelines"].items()},
+        role_changes=[{"seq": 1, "at": 0.0, "gpu": 0, "before": "idle", "after": "x", "colour": "red"}],
+        lost_nodes=[], ledger_audits=[])
+    said: list[str] = []
+    summary = _write_summary("c.yaml", "rlix", tmp_path, supervisor, "finished", 1.0, said.append)  # type: ignore[arg-type]
+    assert summary.role_changes == [] and set(summary.pipelines) == set(data["pipelines"])
+    assert load_summary(tmp_path).pipelines.keys() == summary.pipelines.keys()
+    assert any("role_changes" in line and "colour" in line for line in said)

@@ -17,19 +17,20 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from collections.abc import Callable, Mapping
 from typing import TextIO
 
 import ray
+from pydantic import ValidationError
 
 from rlix import env
 from rlix.simulated_cluster import SimulatedCluster
 from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
-from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, one_line
+from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, format_validation_error, one_line
 from rlix.httpkit import check_ray_address
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
@@ -296,12 +297,17 @@ def _write_summary(config_path: str, mode: str, run_dir: Path, supervisor: Super
                    ending: str, wall_s: float, say: RunLog, gpu_nodes: list[int] | None = None) -> RunSummary:
     """summary.json, gpu_memory.json and the timeline, whatever the ending; the summary table
     and the GPU-time account to the log."""
-    summary = RunSummary.model_validate({
-        "config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
-        "pipelines": supervisor.summaries() if supervisor is not None else {},
-        "role_changes": supervisor.role_changes if supervisor is not None else [],
-        "lost_nodes": supervisor.lost_nodes if supervisor is not None else [],
-        "ledger_audits": supervisor.ledger_audits if supervisor is not None else []})
+    raw = {"config": config_path, "mode": mode, "wall_s": wall_s, "ending": ending,
+           "pipelines": supervisor.summaries() if supervisor is not None else {},
+           "role_changes": supervisor.role_changes if supervisor is not None else [],
+           "lost_nodes": supervisor.lost_nodes if supervisor is not None else [],
+           "ledger_audits": supervisor.ledger_audits if supervisor is not None else []}
+    try:
+        summary = RunSummary.model_validate(raw)
+    except ValidationError as exc:  # the summary is written whatever: without the parts that misfit
+        say(f"{format_validation_error('summary.json', exc)}: written without the run's role log, "
+            f"lost nodes and ledger audits")
+        summary = RunSummary.model_validate(dict(raw, role_changes=[], lost_nodes=[], ledger_audits=[]))
     _timeline(run_dir, summary, wall_s, gpu_nodes, say)
     summary.write(run_dir / SUMMARY_FILE)
     (run_dir / "gpu_memory.json").write_text(json.dumps(memory_ledger(summary.pipelines), indent=1))
