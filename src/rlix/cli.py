@@ -44,7 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not (args.resume or args.overwrite):  # a run_dir holding a previous run is refused, before Ray
         refuse_reused_run_dir(load_config(args.config), args.config)
     from rlix.run import run  # deferred: see above
-    from rlix.run_summary import RunSummary
+    from rlix.run_summary import RunSummary  # deferred: see above
 
     summary = RunSummary.model_validate(run(args.config, resume=args.resume, mode=args.mode, address=args.address))
     import ray  # deferred: see above
