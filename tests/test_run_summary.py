@@ -149,3 +149,15 @@ def test_a_run_level_part_that_does_not_fit_leaves_it_out_and_the_summary_is_sti
     assert summary.role_changes == [] and set(summary.pipelines) == set(data["pipelines"])
     assert load_summary(tmp_path).pipelines.keys() == summary.pipelines.keys()
     assert any("role_changes" in line and "colour" in line for line in said)
+
+
+def test_every_shape_the_coordinator_writes_a_shard_death_in_validates():
+    """A death (exit code and log tail), a hung shard killed, and one forgotten because it held
+    no GPU (`then`): a fault run's summary is typed like any other, not replaced by its metrics."""
+    deaths = [{"rank": 0, "pid": 11, "exit_code": -9, "at": 1.0, "assigned": True, "what": "died",
+               "log_tail": "..."},
+              {"rank": 1, "pid": 12, "exit_code": None, "at": 2.0, "assigned": True, "what": "hung", "hung": True},
+              {"rank": 2, "pid": 13, "exit_code": 1, "at": 3.0, "assigned": False, "what": "died",
+               "log_tail": "", "then": "forgotten (it held no GPU)"}]
+    summary = PipelineSummary.model_validate({"pipeline": "p", "shard_deaths": deaths})
+    assert [d.then for d in summary.shard_deaths] == [None, None, "forgotten (it held no GPU)"]

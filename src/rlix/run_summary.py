@@ -232,6 +232,7 @@ class ShardDeath(_Part):
     what: str
     hung: bool = False  # killed for not answering
     log_tail: str = ""
+    then: str | None = None  # what followed when it was not replaced (e.g. it held no GPU)
 
 
 class ShardReplacement(_Part):
