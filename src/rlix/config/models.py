@@ -293,7 +293,7 @@ class VllmOptions(_Strict):
     cpu_kvcache_gib: Int = Field(1, ge=1, le=4096, description="on CPU: KV cache of each server in GiB "
                                                       "(VLLM_CPU_KVCACHE_SPACE)")
     startup_timeout_s: Seconds = Field(600.0, gt=0, description="a server not healthy within this fails "
-                                                             "(cold start is ~85 s on a 2-core CPU)")
+                                                             "(a cold start on a small CPU takes minutes)")
     extra_args: list[Annotated[str, AfterValidator(_no_nul)]] = Field(
         default_factory=list, description="more arguments for vLLM's server, as is")
 

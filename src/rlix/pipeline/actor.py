@@ -7,8 +7,7 @@ mode's name is read here, once, to pick the hooks that are the mode from then on
 This module stays light (the runner, and with it torch and transformers, is imported by the
 constructor): a process that receives this actor's handle loads its class to learn its methods,
 and the scheduler receives one with every registration. With the runner imported here, each
-registration made the scheduler import torch first, holding every call behind it (2 s on this
-CPU, 14 s on a GPU machine).
+registration made the scheduler import torch first, holding every call behind it.
 """
 
 from __future__ import annotations

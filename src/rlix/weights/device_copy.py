@@ -2,8 +2,8 @@
 
 A shard that slept on the trainer's GPU can take the new version straight from the trainer's
 device memory (CUDA IPC, one device-to-device copy) while the trainer is still there, instead
-of from the host cache after the trainer offloaded (a host-to-device copy, ~20x slower on an
-H100). This is that copy: one flat device buffer in the host cache's layout (same layout id, so
+of from the host cache after the trainer offloaded (a host-to-device copy, an order of magnitude
+slower: docs/BENCHMARKS.md). This is that copy: one flat device buffer in the host cache's layout (same layout id, so
 a shard initialised for one accepts the other), one version at a time, freed before the
 trainer's memory is measured free. It offers what the sync driver (sync.py) reads of a cache:
 `layout`, `lease(version)`, `checksums(version)`.

@@ -283,7 +283,7 @@ class ShardFleet:
         placed now, unbound from it and made resident: dp ranks are labels, and any engine of
         the pipeline serves any of them after a wake and sync. Without this, a plan that put
         rank 1 where rank 0 had just been put to sleep started a second process on that GPU
-        (13 s on an H200, with the GPU's holder slowed meanwhile)."""
+        (a process start is seconds, and slows the GPU's holder meanwhile)."""
         for rank, info in list(self.shards.items()):
             if rank in placing or info.state is not Life.ASLEEP or not self.supports_sleep:
                 continue

@@ -429,7 +429,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     `threads`: torch CPU threads of the engine (default: torch's). On CPU only the engine's
     thread computes with them; this thread loads with one: libgomp keeps a thread team per
     thread that starts parallel regions, and with more of them than cores every region of the
-    engine's forward paid for waking its team (41 against 48-51 ms a decode step measured).
+    engine's forward paid for waking its team.
     `capture_graphs`: on CUDA, every CUDA graph is captured before the server listens (a
     graph otherwise is captured by the first step that needs its shape, on that step's path)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread

@@ -1,10 +1,10 @@
 """Page-locking host memory that something else allocated (a shared-memory mapping).
 
-The GPU's copy engines read page-locked memory directly (~55 GB/s host->GPU on an H100);
-from ordinary pageable memory the driver bounces every copy through a staging buffer of its
-own (~9 GB/s) and the copy cannot overlap anything. torch only pins memory it allocates
+The GPU's copy engines read page-locked memory directly; from ordinary pageable memory the
+driver bounces every copy through a staging buffer of its own (several times slower:
+docs/BENCHMARKS.md) and the copy cannot overlap anything. torch only pins memory it allocates
 itself, so a shared-memory segment (the weight cache, or its mapping in a shard) is
-registered with cudaHostRegister instead. Registering costs ~0.15 s per GiB: do it once per
+registered with cudaHostRegister instead. Registering costs time per GiB: do it once per
 mapping and keep it for the mapping's lifetime.
 
 A registration must end before its memory is unmapped: CUDA keeps translating the address to

@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step: one replay instead of hundreds of kernel launches.
 
-A forward launched op by op from Python is launch-bound on a GPU (transformers' 24-layer decode
-step cost ~28 ms on an H100 for the 0.5B shape whatever the batch). So on CUDA the decode step
+A forward launched op by op from Python is launch-bound on a GPU (a 24-layer decode step costs
+about the same whatever the batch: docs/BENCHMARKS.md). So on CUDA the decode step
 is captured once per (batch bucket, key-span bucket) over static input buffers and replayed.
 The batch is padded to its bucket with dummy rows (token 0 at position 0 of cache rows no running
 sequence owns, which prefill overwrites before use); keys are read over the span bucket

@@ -17,7 +17,7 @@ go through rlix's own row kernels (`cpu_kernels`: they stream the weights near t
 rate, which neither library path does at few rows). Larger matmuls, where the CPU has oneDNN's
 bf16 path (AVX-512 or AMX), run on copies of the weights reordered once into oneDNN's blocked
 layout (what vLLM's CPU backend and inductor's frozen linears do): plain bf16 `torch.mm`
-re-blocks the weights on every call and was measured 1.5-3.7x slower a matmul on such a CPU.
+re-blocks the weights on every call (several times slower a matmul on such a CPU).
 There the gate and up projections are two matmuls, SiLU in the first's epilogue and the product
 in the second's (oneDNN post-ops): 5-14% less time for the MLP's first half than one matmul and
 two passes over its output (measured at 1-32 rows on the 0.5B shape). The copies are remade after every

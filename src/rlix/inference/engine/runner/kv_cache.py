@@ -27,9 +27,9 @@ from rlix.inference.engine.runner.vmm import VirtualBuffer
 
 
 #: Positions per row allocated up front (the cache doubles, up to max_len, when a sequence
-#: needs more). Small, because every wake after a sleep allocates it again: on CPU, touching
-#: 64 rows x 256 positions of the tiny preset (34 MB) cost 15-20 ms per wake, most of a wake's
-#: time. CUDA-graph decode allocates the full max_len instead (its storage must not move).
+#: needs more). Small, because every wake after a sleep allocates it again, and on CPU touching
+#: a large cache was most of a wake's time. CUDA-graph decode allocates the full max_len instead
+#: (its storage must not move).
 DEFAULT_INITIAL_CAPACITY = 64
 
 

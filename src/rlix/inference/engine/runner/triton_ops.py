@@ -1,8 +1,7 @@
 """Triton kernels for the fused decode step on CUDA: one launch where torch needs several.
 
-Measured on an H100 (0.5B shape, 32 rows): a decode step through torch ops spent 1.09 ms in its
-24 attention halves and 0.68 ms in its MLP halves, almost all of it in ~25 small kernels per
-layer, not in reading the 30 MB of the layer's weights. These kernels cut a layer to nine
+A decode step through torch ops at few rows spends its time in ~25 small kernels per layer, not
+in reading the layer's weights (docs/BENCHMARKS.md has the profile). These kernels cut a layer to nine
 launches: residual add + RMSNorm in one kernel, rotary on q and k with the new key and value
 written straight into the slot cache, decode attention that reads only each row's live keys
 (grid: rows x KV heads; the KV head's query group shares each key block; online softmax), and
