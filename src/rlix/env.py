@@ -49,11 +49,6 @@ def ray_token_auth() -> bool:
     return os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "token"
 
 
-def is_ci() -> bool:
-    """True under CI (`CI=true`), where progress bars and colours are turned off."""
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
 def cache_dir() -> Path:
     """Where rlix keeps built artefacts (model presets...): `RLIX_CACHE_DIR`, else ~/.cache/rlix."""
     value = os.environ.get("RLIX_CACHE_DIR", "").strip()
@@ -116,11 +111,6 @@ def vllm_python() -> str | None:
         return value
     linked = Path(sys.prefix) / "bin" / "rlix-vllm-python"
     return str(linked) if linked.exists() else None
-
-
-def require_vllm() -> bool:
-    """`RLIX_REQUIRE_VLLM=1` (CI's vLLM step): tests that need vLLM fail instead of skipping."""
-    return os.environ.get("RLIX_REQUIRE_VLLM", "").strip() in ("1", "true", "yes")
 
 
 NCCL_DEFAULTS = {

@@ -149,13 +149,18 @@ def vllm_skip_reason() -> str | None:
     return None
 
 
+def vllm_required() -> bool:
+    """`RLIX_REQUIRE_VLLM=1` (CI's vLLM step): tests that need vLLM fail instead of skipping.
+    A test-run setting, read here rather than by the product (rlix.env)."""
+    return os.environ.get("RLIX_REQUIRE_VLLM", "").strip() in ("1", "true", "yes")
+
+
 def need_vllm() -> None:
     """Skip without vLLM, or fail where it is required (CI's vLLM step, RLIX_REQUIRE_VLLM=1)."""
     import pytest
 
-    from rlix import env
     reason = vllm_skip_reason()
-    if reason and env.require_vllm():
+    if reason and vllm_required():
         pytest.fail(f"vLLM is required here (RLIX_REQUIRE_VLLM): {reason}")
     if reason:
         pytest.skip(reason)

@@ -32,6 +32,9 @@ from rlix.inference.fleet.backends import EngineBackendConfig, make_backend, ser
 from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.private_files import PRIVATE_MODE, open_private, write_private
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
+from kit import need_vllm  # noqa: E402
+
 #: an address in a file: host:port (IPv4) or a URL's
 ADDRESS = re.compile(rb"(?:\b\d{1,3}(?:\.\d{1,3}){3}:\d{2,5}\b)|(?:https?://[\w.-]+:\d{2,5})")
 #: files that cannot hold an address as text (weights, optimizer state, images)
@@ -391,29 +394,13 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     assert down.returncode == 0, down.stderr[-2000:]
 
 
-def _need_vllm() -> None:
-    """Skip without vLLM, or fail where it is required (CI's vLLM step, RLIX_REQUIRE_VLLM=1)."""
-    python, reason = env.vllm_python(), None
-    if not python:
-        reason = "no Python with vLLM: run scripts/setup-vllm.sh or set RLIX_VLLM_PYTHON"
-    else:
-        try:
-            subprocess.run([python, "-c", "import vllm"], check=True, capture_output=True, timeout=180)
-        except (OSError, subprocess.SubprocessError) as exc:
-            reason = f"{python} cannot import vllm: {exc}"
-    if reason and env.require_vllm():
-        pytest.fail(f"vLLM is required here (RLIX_REQUIRE_VLLM): {reason}")
-    if reason:
-        pytest.skip(reason)
-
-
 @pytest.mark.vllm
 def test_a_vllm_shard_takes_its_token_from_vllm_api_key(tiny_model_dir, tmp_path):
     """vLLM's server given the token only in VLLM_API_KEY: not on its command line, and /v1
     refuses a request without it."""
     import httpx
 
-    _need_vllm()
+    need_vllm()
     token = "tok-" + secrets.token_urlsafe(18)
     backend = make_backend(EngineBackendConfig(backend="vllm", model=str(tiny_model_dir), served_model_name="tiny",
                                                max_model_len=512, max_num_seqs=4, dtype="bfloat16",
