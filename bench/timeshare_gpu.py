@@ -27,7 +27,8 @@ and shutdown included; the queue's is the sum of its runs'):
   w_timeshared_vs_queue         makespan(queue) / makespan(timeshared)       ended first)
   w_switch_share                the time-shared run's GPU-seconds of shards put to sleep, woken
                                 and started, over all its GPU-seconds (N x its wall time)
-  w_idle_share                  its GPU-seconds nobody held, over the same
+  w_idle_share                  its GPU-seconds nobody held, over the same (with --slices, of the
+                                slices'; w_idle_share_devices: device-seconds no slice was held)
   w_shard_starts_after_setup    shard processes started after each pipeline's set-up ended
 and overall (all time-shared runs): switch_share, idle_share, shard_starts_after_setup, and
 failed_pipelines (every pipeline of every run that did not finish its steps; [] = all did).
@@ -277,6 +278,10 @@ def workload(w: str, args: argparse.Namespace, out: Path, bench: Bench, book: di
                f"{w}_switch_share": acc["switch_share"] if acc else None,
                f"{w}_idle_share": acc["idle_share"] if acc else None,
                f"{w}_shard_starts_after_setup": starts}
+    if args.slices > 1:  # the account counts slices; idle as the devices saw it
+        traces = [out / "runs" / r["name"] / "timeline.json" for r in runs.get("timeshared", [])]
+        shares = [ts.device_idle_share(json.loads(t.read_text()), args.slices) for t in traces if t.is_file()]
+        figures[f"{w}_idle_share_devices"] = shares[0] if len(shares) == 1 else shares or None
     details = {
         **figures,
         f"{w}_account": {m: ts.account([r["summary"] for r in rs if r["summary"]]) for m, rs in runs.items()},

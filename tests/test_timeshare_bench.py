@@ -136,3 +136,18 @@ def test_unfinished_names_each_pipeline_short_of_its_steps():
                    "mix-timeshared/d (not in the summary)"]
     assert ts.unfinished(None, {"a": 3}, "run") == ["run/a (no summary)"]
     assert ts.unfinished(summary, {"a": 3}, "run") == []
+
+
+def test_device_idle_share_counts_a_device_busy_while_any_of_its_slices_is_held():
+    """One device as two slices over 10 s: slice 0 held 0-4 s, slice 1 held 2-6 s: the device
+    is idle 4 of its 10 s (the slices' account says 12 of 20); two devices, the second never
+    held: 14 of 20."""
+    def span(gpu, t0, t1, role):
+        return {"ph": "X", "cat": "gpu", "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"gpu": gpu, "role": role}}
+    events = [span(0, 0, 4, "a/train"), span(0, 4, 10, "idle"), span(1, 0, 2, "idle"), span(1, 2, 6, "b/generate#0"),
+              span(1, 6, 10, "idle"), {"ph": "X", "cat": "gpu part", "ts": 0, "dur": 1e7, "args": {"gpu": 0}}]
+    trace = {"traceEvents": events, "otherData": {"span_s": 10.0}}
+    assert ts.device_idle_share(trace, slices=2) == 0.4
+    trace["traceEvents"] = events + [span(2, 0, 10, "idle"), span(3, 0, 10, "idle")]
+    assert ts.device_idle_share(trace, slices=2) == 0.7
+    assert ts.device_idle_share({"traceEvents": []}, slices=2) is None

@@ -143,6 +143,37 @@ def account(summaries: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
             "idle_share": round(total["idle"] / gpu_s, 4)}
 
 
+def device_idle_share(trace: Mapping[str, Any], slices: int) -> float | None:
+    """Of a run's physical GPU-seconds, those in which no slice of the device was held (its
+    timeline.json: each slice's role spans). The account counts a slice as a GPU, so a device
+    with one slice training and the other idle is half idle there; here it is busy. None
+    without spans."""
+    span_s = float(trace.get("otherData", {}).get("span_s") or 0.0)
+    busy: dict[int, list[tuple[float, float]]] = {}
+    slots: set[int] = set()
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != "gpu":
+            continue
+        gpu = int(e["args"]["gpu"])
+        slots.add(gpu)
+        if e["args"].get("role") != "idle":
+            t0 = float(e["ts"]) / 1e6
+            busy.setdefault(gpu // slices, []).append((t0, t0 + float(e["dur"]) / 1e6))
+    devices = {g // slices for g in slots}
+    if not devices or span_s <= 0:
+        return None
+    idle = 0.0
+    for d in devices:
+        held, end = 0.0, float("-inf")
+        for a, b in sorted(busy.get(d, [])):  # length of the union of the device's busy spans
+            a = max(a, end)
+            if b > a:
+                held += b - a
+                end = b
+        idle += max(0.0, span_s - held)
+    return round(idle / (span_s * len(devices)), 4)
+
+
 def _median(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
