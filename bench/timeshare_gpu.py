@@ -14,7 +14,9 @@ round(steps x (1 + spread x k)) steps, so that they end at different times):
   longtail  every pipeline's sample lengths drawn from a lognormal (`rollout.length_tail`: most
             short, a few up to --tail-max-tokens): a step waits for its longest samples
   agentic   the multi-turn tool-calling example (examples/agentic_two_pipelines.yaml), every tool
-            call taking --tool-latency s
+            call taking --tool-latency s; --agentic-tokens and --agentic-groups give each turn
+            longer replies and each step more episodes (the example's 16 tokens and 4 groups
+            leave the GPUs nearly idle: its steps are bound by the tool calls in every mode)
 
 mix and longtail set `rollout.ignore_eos`: a model with random weights samples its end-of-text
 token at random (~0.5% a token with the built-in 384-token vocabulary), which would cut every
@@ -137,9 +139,15 @@ def _workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
         example = yaml.safe_load(AGENTIC.read_text())["pipelines"][0]
         env = dict(example["env"], tool_latency_s=args.tool_latency)
         model = args.agentic_model or args.model
+        turns = dict(example["rollout"])
+        if args.agentic_tokens is not None:  # a turn's reply: the example's 16 tokens, or more
+            turns.update(max_new_tokens=args.agentic_tokens,
+                         max_model_len=max(turns["max_model_len"], 4 * (args.agentic_tokens + 64)))
+        if args.agentic_groups is not None:
+            turns.update(groups_per_step=args.agentic_groups, concurrency=2 * args.agentic_groups)
         return [pipeline(f"agent-{i}", i, n, steps_of(args.agentic_steps, i, args.spread), model,
-                         dict(example["rollout"]), {"lr": lr if model != "tiny" else example["train"]["lr"],
-                                                    "micro_batch_size": 32}, env)
+                         dict(turns), {"lr": lr if model != "tiny" else example["train"]["lr"],
+                                       "micro_batch_size": 32}, env)
                 for i in range(n)]
     raise ValueError(f"unknown workload {workload!r}")
 
@@ -354,6 +362,11 @@ def main() -> None:
     ap.add_argument("--tail-steps", type=int, default=6)
     ap.add_argument("--agentic-steps", type=int, default=6)
     ap.add_argument("--tool-latency", type=float, default=0.5, help="agentic: seconds per tool call")
+    ap.add_argument("--agentic-tokens", type=int, default=None,
+                    help="agentic: max_new_tokens of each turn's reply (default: the example's 16; a "
+                         "GPU-bound agentic workload needs replies of hundreds)")
+    ap.add_argument("--agentic-groups", type=int, default=None,
+                    help="agentic: groups per step (default: the example's 4), all in flight")
     ap.add_argument("--run-timeout", type=float, default=300, help="seconds one rlix run may take (then SIGINT)")
     ap.add_argument("--max-staleness", type=int, default=None,
                     help="every pipeline's max_staleness (default: the config's, 1). Above 1 a pipeline "
