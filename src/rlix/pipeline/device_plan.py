@@ -31,7 +31,7 @@ class DevicePlan:
         if self.reservation is None or self.multi_node or tp != 1:
             return [], []
         now = [(int(g),) for g in home]
-        later = [(s.gpu,) for s in self.reservation.slots if (s.gpu,) not in now] if self.resident_engines else []
+        later = [(g,) for g in self.gpu_ids if (g,) not in now] if self.resident_engines else []
         return now, later
 
     @property

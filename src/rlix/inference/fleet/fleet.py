@@ -186,18 +186,17 @@ class ShardFleet:
         engines that ranks placed there later wake instead of starting (as standalone mode
         starts its shards during set-up). Sets that see the same devices as another get one
         process. A failed start ends them all and raises. `background`: sets started once
-        these are up and not waited for (`prestart_later`; one seeing the same devices as one
-        of `gpu_sets` is left to it). Not beside them: every pipeline's engines starting at once
+        these are up and not waited for (`prestart_later`, which leaves a set that sees the
+        devices of one started here to it). Not beside them: every pipeline's engines starting at once
         slowed every set-up, the trainers' too (docs/BENCHMARKS.md); a rank placed on one still
         starting does not hold up the others (`ShardCoordinator.resize_inference`)."""
-        now = self._distinct(gpu_sets)
-        results = await asyncio.gather(*(self._start_resident(g, level) for g in now), return_exceptions=True)
+        results = await asyncio.gather(*(self._start_resident(g, level) for g in self._distinct(gpu_sets)),
+                                       return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self.shutdown()
             raise failed[0]
-        self.prestart_later([tuple(g) for g in background
-                             if not any(tuple(g) == w or self._sees_the_same(w, g) for w in now)], level)
+        self.prestart_later(background, level)
         return list(results)  # type: ignore[arg-type]
 
     def prestart_later(self, gpu_sets: Iterable[Sequence[int]], level: int | None = None) -> None:
