@@ -328,7 +328,7 @@ def main() -> None:
             console.log(f"{k} healthy at {procs[k].url} after {time.perf_counter() - t0:.0f} s")
         keep["pids"] = {k: group_pids(p.pid) for k, p in procs.items() if p.pid}
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, disable=env.is_ci()) as progress:
+                      TimeElapsedColumn(), console=console, disable=not console.is_terminal) as progress:
             rows = asyncio.run(bench({k: p.url for k, p in procs.items()},
                                      {k: p.pid for k, p in procs.items() if p.pid}, wl, vocab, rounds, progress,
                                      not args.no_freeze, keep.setdefault("idle_cores_per_pid", {})))
