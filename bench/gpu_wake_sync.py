@@ -2,7 +2,7 @@
 
 The real path: an embedded engine server process on CUDA (ShardProcess + EmbeddedBackend) is
 put to sleep at level 2 (`POST /sleep?level=2`: weights and KV cache dropped), then woken and
-synced from the weight cache in ONE `/sync_weights` call by `ShardWeightPusher.sync(version,
+synced from the weight cache in ONE `/sync_weights` call by `WeightPath.refit(version,
 {0: url}, wake=[0])`. The cache is a BucketCache built here, as a trainer builds it, from the
 model's bf16 state dict on the GPU (host memory "auto": page-locked shared memory on CUDA).
 
@@ -22,6 +22,7 @@ Ends by printing one JSON line of headline figures.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import secrets
 import statistics
@@ -37,7 +38,8 @@ from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig
 from rlix.inference.fleet.shard_process import ShardProcess
 from rlix.models.presets import resolve_model
 from rlix.weights.cache import BucketCache
-from rlix.weights.push import ShardWeightPusher
+from rlix.weights.api import ShardTarget
+from rlix.weights.refit import WeightPath
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import benchkit  # noqa: E402
@@ -114,7 +116,13 @@ def measure(args: argparse.Namespace, bench: benchkit.Bench) -> dict:
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               startup_timeout_s=300)
     shard = ShardProcess(EmbeddedBackend(cfg), key)
-    pusher = ShardWeightPusher(lambda: cache, key)
+
+    class Built:  # the bench builds each version itself (timed apart): publishing only answers it
+        async def publish(self, version, audit=False, on_device=False):  # noqa: ANN001, ANN202
+            return cache.published(version)
+
+    loop = asyncio.new_event_loop()
+    weights = WeightPath(Built(), api_key=key)
     http = httpx.Client(timeout=120, headers={"Authorization": f"Bearer {key}"})
     out: dict = {"model": args.model, "dtypes": dtypes, "cache_host": cache.host,
                  "bytes": nbytes, "buckets": layout.num_buckets, "tensors": len(layout.entries),
@@ -135,6 +143,7 @@ def measure(args: argparse.Namespace, bench: benchkit.Bench) -> dict:
             cache.build_latest(version, state)
             pack_s = time.perf_counter() - t0
             cache.promote_active(version)
+            loop.run_until_complete(weights.publish(version))
             greedy(http, url)  # serving, graphs captured, KV in use: a real preemption point
             free_awake = free_gpu()
             t0 = time.perf_counter()
@@ -143,7 +152,7 @@ def measure(args: argparse.Namespace, bench: benchkit.Bench) -> dict:
             sleep_s = time.perf_counter() - t0
             free_asleep = free_gpu()
             t0 = time.perf_counter()
-            report = pusher.sync(version, {0: url}, wake=[0])
+            report = loop.run_until_complete(weights.refit(version, {0: ShardTarget(url)}, wake=[0]))
             wake_sync_s = time.perf_counter() - t0
             assert report.bundled and report.reported == {0: version}, report
             log(f"rep {rep}: sleep {sleep_s * 1e3:.1f} ms, wake+sync {wake_sync_s * 1e3:.1f} ms")
@@ -161,19 +170,21 @@ def measure(args: argparse.Namespace, bench: benchkit.Bench) -> dict:
             version += 1
             cache.build_latest(version, state)
             cache.promote_active(version)
+            loop.run_until_complete(weights.publish(version))
             http.post(f"{url}/sleep", params={"level": 2}).raise_for_status()
             free_gpu()
             t0 = time.perf_counter()
             http.post(f"{url}/wake_up").raise_for_status()
             wakes.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            report = pusher.sync(version, {0: url})
+            report = loop.run_until_complete(weights.refit(version, {0: ShardTarget(url)}))
             syncs.append(time.perf_counter() - t0)
             assert report.bundled, report
             bench.advance()
         same_after_split = greedy(http, url) == before
     finally:
-        pusher.close()
+        loop.run_until_complete(weights.close())
+        loop.close()
         http.close()
         shard.stop()
 

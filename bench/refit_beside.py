@@ -18,6 +18,7 @@ Ends by printing one JSON line of the headline figures.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -34,7 +35,8 @@ from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig  
 from rlix.inference.fleet.shard_process import ShardProcess  # noqa: E402
 from rlix.models.presets import resolve_model  # noqa: E402
 from rlix.training.trainer import PolicyTrainer  # noqa: E402
-from rlix.weights.push import ShardWeightPusher  # noqa: E402
+from rlix.weights.api import ShardTarget  # noqa: E402
+from rlix.weights.refit import WeightPath  # noqa: E402
 
 KEY = "refit-bench"
 
@@ -79,7 +81,13 @@ def main() -> None:
     shard = ShardProcess(EmbeddedBackend(EngineBackendConfig(
         backend="embedded", model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=8,
         max_model_len=256)), KEY)
-    pusher = ShardWeightPusher(lambda: trainer.device_copy, KEY, transport="cuda_ipc", wake_tags=["weights"])
+
+    class Here:  # the trainer's side of the weight path, in this process
+        async def publish(self, version, audit=False, on_device=False):  # noqa: ANN001, ANN202
+            return trainer.publish(version, on_device)
+
+    loop = asyncio.new_event_loop()
+    weights = WeightPath(Here(), api_key=KEY)
     http = httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"})
     rows = []
     try:
@@ -88,14 +96,14 @@ def main() -> None:
         for version in range(1, args.rounds + 2):
             http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
             t0 = time.perf_counter()
-            cache = trainer.build_cache(version, on_device=True)
-            cache.promote_active(version)
+            loop.run_until_complete(weights.publish(version, on_device=True))
             built = time.perf_counter() - t0
             t0 = time.perf_counter()
-            report = pusher.sync(version, {0: shard.url}, wake=[0])
+            report = loop.run_until_complete(weights.refit(version, {0: ShardTarget(shard.url, beside=trainer.rank)},
+                                                           wake=[0]))
             wall = time.perf_counter() - t0
             status = http.get(f"{shard.url}/weight_transfer_status").json()
-            assert report.reported == {0: version}, report
+            assert report.reported == {0: version} and report.route == "device", report
             rows.append({"call_ms": 1000 * report.seconds, "setup_ms": 1000 * report.setup_seconds,
                          "wall_ms": 1000 * wall, "build_ms": 1000 * built,
                          **{f"server_{k}_ms": v for k, v in status["last_sync_ms"].items()},
@@ -104,7 +112,8 @@ def main() -> None:
         total = trainer.cache.layout.total_bytes
         buckets = trainer.cache.layout.num_buckets
     finally:
-        pusher.close()
+        loop.run_until_complete(weights.close())
+        loop.close()
         http.close()
         shard.stop()
     warm = rows[1:]

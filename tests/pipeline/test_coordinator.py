@@ -5,6 +5,7 @@ flight; sleeping ones are not touched."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
@@ -18,7 +19,10 @@ from rlix.inference.fleet.local_launcher import LocalLauncher
 from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
 from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.weights.api import PublishedVersion
+from rlix.weights.refit import WeightPath
 from rlix.training.actor import TrainerActor
+from rlix.training.group import TrainerGroup
 from rlix.training.types import TrainSample
 
 KEY = "coordinator-test"
@@ -46,7 +50,7 @@ async def greedy(url: str) -> list[int]:
 
 @pytest.mark.parametrize("wake_in_sync", [False, True], ids=["wake-then-sync", "wake-in-sync"])
 def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_local, tiny_model_dir, wake_in_sync):
-    async def main(trainer) -> None:  # noqa: ANN001
+    async def main(trainer, path) -> None:  # noqa: ANN001
         router = Router(KEY)
         server = RouterServer(router)
         await server.start()
@@ -55,13 +59,13 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
                                                    served_model_name="tiny", max_model_len=128))
         fleet = ShardFleet(LocalLauncher(backend, KEY), router, client)
 
-        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=wake_in_sync)
+        coord = ShardCoordinator(fleet, path, wake_in_sync=wake_in_sync)
         try:
             await coord.start([0, 1], version=0)
             before = await greedy(fleet.shards[0].url)
             await fleet.sleep_partial([0, 1])
             ray.get(trainer.train_step.remote(batch(1)))
-            ray.get(trainer.publish.remote(1))
+            await path.publish(1)
             coord.announce(1)
             await coord.resize_inference([], {0: [0]})
             assert fleet.active_ranks() == [0] and coord.versions == {0: 1, 1: 0}
@@ -72,7 +76,7 @@ def test_wake_syncs_then_activates_and_publish_refits_only_active_shards(ray_loc
             after = await greedy(fleet.shards[0].url)
             assert after != before  # serving the trained weights
             ray.get(trainer.train_step.remote(batch(2)))
-            ray.get(trainer.publish.remote(2))
+            await path.publish(2)
             assert await coord.publish(2) == [0]  # only the active shard is refitted
             assert coord.versions == {0: 2, 1: 0}
             await coord.resize_inference([0], {1: [1]})  # the scheduler moves the shard
@@ -115,11 +119,20 @@ def _embedded_fleet(model_dir, launcher_kw: dict | None = None, **fleet_kw):
 
 
 def _with_trainer(model_dir, main) -> None:  # noqa: ANN001
-    """asyncio.run(main(trainer)) with a trainer actor, closed and killed afterwards."""
+    """asyncio.run(main(trainer, path)) with a trainer actor and the weight path over it (the
+    pipeline's), closed and killed afterwards."""
     trainer = TrainerActor.options(max_concurrency=2).remote(str(model_dir), TrainConfig(lr=0.05),
-                                                             seed=0, api_key=KEY)
+                                                             seed=0)
+
+    async def run() -> None:
+        path = WeightPath(TrainerGroup([trainer]), api_key=KEY)
+        try:
+            await main(trainer, path)
+        finally:
+            await path.close()
+
     try:
-        asyncio.run(main(trainer))
+        asyncio.run(run())
     finally:
         ray.get(trainer.close.remote())
         ray.kill(trainer)
@@ -134,15 +147,15 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
 
     from rlix.errors import ShardDiedError
 
-    async def main(trainer) -> None:  # noqa: ANN001
+    async def main(trainer, path) -> None:  # noqa: ANN001
         router, client, launcher, fleet = _embedded_fleet(tiny_model_dir)
-        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, max_restarts=2)
+        coord = ShardCoordinator(fleet, path, wake_in_sync=True, max_restarts=2)
         try:
             await coord.start([0, 1], version=0)
             await fleet.sleep_partial([1])
             await coord.resize_inference([], {0: [0]})  # the scheduler gives rank 0 a GPU
             ray.get(trainer.train_step.remote(batch(1)))
-            ray.get(trainer.publish.remote(1))
+            await path.publish(1)
             await coord.publish(1)
             trained = await greedy(fleet.shards[0].url)
             assert await coord.replace_dead() == []  # all alive: nothing happens
@@ -178,7 +191,7 @@ def test_dead_shard_is_replaced_synced_and_reactivated_or_forgotten(ray_local, t
             os.kill(launcher.server_pids()[0], signal.SIGKILL)
             assert _wait_gone(launcher.pids()[0])
             ray.get(trainer.train_step.remote(batch(2)))
-            ray.get(trainer.publish.remote(2))
+            await path.publish(2)
             assert await coord.publish(2) == []
             assert await coord.replace_dead() == [] and coord.versions[0] == 2
             assert fleet.active_ranks() == [0] and coord.history[0][-1] == 2
@@ -203,13 +216,13 @@ def test_a_dead_shard_given_other_gpus_is_recorded_and_started_anew(ray_local, t
     import os
     import signal
 
-    async def main(trainer) -> None:  # noqa: ANN001
+    async def main(trainer, path) -> None:  # noqa: ANN001
         router, client, launcher, fleet = _embedded_fleet(
             tiny_model_dir, {"placement": lambda gpus: {"RLIX_TEST_GPUS": ",".join(map(str, gpus))}},
             restart_on_move=restart_on_move)
-        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, placed=True)
+        coord = ShardCoordinator(fleet, path, wake_in_sync=True, placed=True)
         try:
-            ray.get(trainer.publish.remote(0))
+            await path.publish(0)
             await coord.resize_inference([], {0: [0]})
             assert fleet.active_ranks() == [0] and fleet.shards[0].gpus == (0,)
             await coord.resize_inference([0], {})  # taken back: asleep
@@ -233,19 +246,19 @@ def test_a_shard_moved_back_wakes_its_resident_engine_and_is_synced_to_the_lates
     waited), a new version is published while it is away, and it moves back: it takes the
     engine left asleep on GPU 0 (no third process), which is synced to the new version before
     it is routed to."""
-    async def main(trainer) -> None:  # noqa: ANN001
+    async def main(trainer, path) -> None:  # noqa: ANN001
         router, client, launcher, fleet = _embedded_fleet(
             tiny_model_dir, {"placement": lambda gpus: {"RLIX_TEST_GPUS": ",".join(map(str, gpus))}},
             restart_on_move=True)
-        coord = ShardCoordinator(fleet, trainer.sync_weights.remote, wake_in_sync=True, placed=True)
+        coord = ShardCoordinator(fleet, path, wake_in_sync=True, placed=True)
         try:
-            ray.get(trainer.publish.remote(0))
+            await path.publish(0)
             await coord.resize_inference([], {0: [0]})
             on_gpu0 = fleet.pids()[0]
             await coord.resize_inference([0], {0: [1]})
             on_gpu1 = fleet.pids()[0]
             assert on_gpu1 != on_gpu0 and list(fleet.resident_pids().values()) == [on_gpu0]
-            ray.get(trainer.publish.remote(1))
+            await path.publish(1)
             coord.announce(1)
             await coord.resize_inference([0], {0: [0]})
             assert fleet.pids()[0] == on_gpu0 and list(fleet.resident_pids().values()) == [on_gpu1]
@@ -297,32 +310,24 @@ time.sleep(600)
 
 
 class TrainerHere:
-    """A PolicyTrainer in the test's process with its host cache, and pushers over that cache
-    (closed by `close`): `sync` is what the pipeline's trainer does for the coordinator; a
-    pusher waking the weights only is the CPU stand-in for the sync from the trainer's GPU."""
+    """A PolicyTrainer in the test's process with its host cache: a `Publisher` for the weight
+    path, as the pipeline's trainer group is. With `on_device`, the CPU stand-in for each
+    trainer rank's GPU copy is the host cache itself (the device route then wakes the weights
+    only, as it does on a GPU): `ranks` names the ranks said to hold one."""
 
     def __init__(self, model_dir) -> None:  # noqa: ANN001
         from rlix.training.trainer import PolicyTrainer
 
         self.trainer = PolicyTrainer(str(model_dir), lr=0.05)
-        self.pushers: list = []
-        self.host = self.pusher()
+        self.ranks = [0]
 
-    def pusher(self, wake_tags: list[str] | None = None):  # noqa: ANN201
-        from rlix.weights.push import ShardWeightPusher
-
-        self.pushers.append(ShardWeightPusher(lambda: self.trainer.cache, KEY, wake_tags=wake_tags))
-        return self.pushers[-1]
-
-    async def sync(self, version, urls, wake):  # noqa: ANN001, ANN201
-        return await asyncio.to_thread(self.host.sync, version, urls, wake)
-
-    def publish(self, version: int) -> None:
-        self.trainer.build_cache(version).promote_active(version)
+    async def publish(self, version: int, audit: bool = False, on_device: bool = False) -> PublishedVersion:
+        published = self.trainer.publish(version)
+        if on_device:
+            return dataclasses.replace(published, device_refs={r: published.refs for r in self.ranks})
+        return published
 
     def close(self) -> None:
-        for p in self.pushers:
-            p.close()
         if self.trainer.cache is not None:
             self.trainer.cache.close()
 
@@ -339,26 +344,32 @@ def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weig
     copy: the host cache, with the same weights-only wake): the shards asleep on the trainer's
     GPUs get the new version while their KV cache stays asleep; the one the scheduler gives its
     GPU back wakes with no sync; the other is cooled (weights dropped) and synced at its wake."""
-    beside = here.pusher(wake_tags=["weights"])
-    device_calls: list[dict] = []
+    here.ranks = [0, 1]
+    routes: list[dict] = []
 
-    async def device_sync(version, plan):  # noqa: ANN001, ANN202
-        device_calls.append({r: sorted(s) for r, s in plan.items()})
-        return [await asyncio.to_thread(beside.sync, version, urls, list(urls)) for _, urls in sorted(plan.items())]
+    class Recorded(WeightPath):
+        async def refit(self, version, targets, wake=()):  # noqa: ANN001, ANN202
+            report = await super().refit(version, targets, wake)
+            routes.append({r: (t.beside, report.route) for r, t in targets.items()})
+            return report
+
+    path = Recorded(here, api_key=KEY)
 
     async def main() -> None:
         router, client, _, fleet = _embedded_fleet(tiny_model_dir)
-        coord = ShardCoordinator(fleet, here.sync, wake_in_sync=True, device_sync=device_sync)
+        coord = ShardCoordinator(fleet, path, wake_in_sync=True, beside_trainer=True)
         http = httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {KEY}"})
         try:
-            here.publish(0)
+            await path.publish(0)
             await coord.start([0, 1, 2], version=0)
             await coord.resize_inference([], {0: [0], 1: [1], 2: [2]})
             await coord.resize_inference([0, 1], {})  # the trainer takes GPUs 0 and 1
             here.trainer.train_step(batch(1))
-            here.publish(1)
-            synced = await coord.sync_beside_trainer(1, trainer_gpus=[0, 1], device_ranks=[0, 1])
-            assert synced == [0, 1] and device_calls == [{0: [0], 1: [1]}]  # rank i -> the shard on GPU i
+            routes.clear()
+            await path.publish(1, on_device=True)
+            synced = await coord.sync_beside_trainer(1, trainer_gpus=[0, 1], device_ranks=path.device_ranks)
+            # rank i -> the shard on GPU i, from rank i's copy
+            assert synced == [0, 1] and routes == [{0: (0, "device"), 1: (1, "device")}]
             assert coord.versions == {0: 1, 1: 1, 2: 0} and coord.warm == {0, 1}
             for r in (0, 1):  # weights at version 1, KV cache still asleep, not routed
                 url = fleet.shards[r].url
@@ -377,9 +388,12 @@ def test_shards_synced_beside_the_trainer_wake_without_a_sync_or_drop_their_weig
             n = len(coord.stats.events)
             await coord.resize_inference([], {1: [1]})  # given a GPU later: synced at its wake
             assert [e.kind for e in coord.stats.events[n:]] == ["sync", "activate"]
+            assert routes[-1] == {1: (None, "host")}
             assert coord.versions == {0: 1, 1: 1, 2: 0} and coord.stats.version_mismatches == []
-            assert await coord.sync_beside_trainer(2, [0, 1], []) == []  # no GPU copy: nothing
+            await path.publish(2)
+            assert path.device_ranks == [] and await coord.sync_beside_trainer(2, [0, 1], []) == []  # no GPU copy
         finally:
+            await path.close()
             await http.aclose()
             await fleet.shutdown()
             await client.aclose()
@@ -391,20 +405,25 @@ def test_a_failed_sync_beside_the_trainer_leaves_the_shard_to_the_host_cache(ray
     """The device sync raises: nothing is lost; the shard is marked as holding nothing known
     (synced at its wake from the host cache) and its weights, if any came, are cooled when the
     scheduler does not give it its GPU."""
-    async def device_sync(version, plan):  # noqa: ANN001, ANN202
-        raise RuntimeError("CUDA IPC unavailable")
+    class NoDeviceRoute(WeightPath):
+        async def refit(self, version, targets, wake=()):  # noqa: ANN001, ANN202
+            if any(t.beside is not None for t in targets.values()):
+                raise RuntimeError("CUDA IPC unavailable")
+            return await super().refit(version, targets, wake)
+
+    path = NoDeviceRoute(here, api_key=KEY)
 
     async def main() -> None:
         _, client, _, fleet = _embedded_fleet(tiny_model_dir)
-        coord = ShardCoordinator(fleet, here.sync, wake_in_sync=True, device_sync=device_sync)
+        coord = ShardCoordinator(fleet, path, wake_in_sync=True, beside_trainer=True)
         try:
-            here.publish(0)
+            await path.publish(0)
             await coord.start([0], version=0)
             await coord.resize_inference([], {0: [0]})
             await coord.resize_inference([0], {})
             here.trainer.train_step(batch(1))
-            here.publish(1)
-            assert await coord.sync_beside_trainer(1, [0], [0]) == []
+            await path.publish(1, on_device=True)
+            assert await coord.sync_beside_trainer(1, [0], path.device_ranks) == []
             assert coord.versions[0] is None and coord.warm == {0}
             assert fleet.shards[0].asleep is None  # whatever it holds: any sleep asks it
             coord.announce(1)
@@ -413,6 +432,7 @@ def test_a_failed_sync_beside_the_trainer_leaves_the_shard_to_the_host_cache(ray
             assert [e.kind for e in coord.stats.events[n:]] == ["sync", "activate"]
             assert coord.versions[0] == 1 and coord.warm == set()
         finally:
+            await path.close()
             await fleet.shutdown()
             await client.aclose()
 

@@ -79,14 +79,17 @@ class FakeFleet:
                 self.shards[r].enter(Life.INACTIVE if woken else Life.UNKNOWN)
 
 
-async def no_sync(version, urls, wake):  # every shard serves the latest version already
-    raise AssertionError("no sync expected")
+class NoRefit:
+    """Every shard serves the latest version already: a refit is a test failure."""
+
+    async def refit(self, version, targets, wake=()):  # noqa: ANN001, ANN201
+        raise AssertionError("no refit expected")
 
 
 def test_reassert_sleeps_and_wakes_only_the_difference_and_repeats_change_nothing():
     async def main() -> None:
         fleet = FakeFleet()
-        coord = ShardCoordinator(fleet, no_sync)  # type: ignore[arg-type]
+        coord = ShardCoordinator(fleet, NoRefit())  # type: ignore[arg-type]
         await coord.start([0, 1, 2], version=0)
         await fleet.sleep_partial([0, 1, 2])
         await coord.resize_inference([], {0: [0]})
@@ -112,7 +115,7 @@ def test_reassert_waits_for_the_old_schedulers_call_still_running_here():
     when the restarted one says rank 2 is not awake: it ends asleep, not awake."""
     async def main() -> None:
         fleet = FakeFleet()
-        coord = ShardCoordinator(fleet, no_sync, placed=True)  # type: ignore[arg-type]
+        coord = ShardCoordinator(fleet, NoRefit(), placed=True)  # type: ignore[arg-type]
         fleet.place_gate.clear()
         old_call = asyncio.ensure_future(coord.resize_inference([], {2: [2]}))
         while not fleet.calls:
@@ -135,7 +138,7 @@ def test_ranks_whose_engine_is_up_are_routed_to_before_those_waiting_for_a_backg
     call answers with both woken."""
     async def main() -> None:
         fleet = FakeFleet()
-        coord = ShardCoordinator(fleet, no_sync, placed=True)  # type: ignore[arg-type]
+        coord = ShardCoordinator(fleet, NoRefit(), placed=True)  # type: ignore[arg-type]
         fleet.starting = {(1,)}
         call = asyncio.ensure_future(coord.resize_inference([], {0: [0], 1: [1]}))
         for _ in range(200):

@@ -88,7 +88,7 @@ class FakeCoordinator:
 
 def make_loop(rows: list) -> tuple[GrpoLoop, FakeTrainer]:
     trainer = FakeTrainer()
-    loop = GrpoLoop(PipelineConfig(name="p", steps=3), trainer=trainer, coordinator=FakeCoordinator(),
+    loop = GrpoLoop(PipelineConfig(name="p", steps=3), trainer=trainer, weights=trainer, coordinator=FakeCoordinator(),
                     collector=FakeCollector(), buffer=FakeBuffer(), hooks=FakeHooks(),
                     on_step=rows.append)
     return loop, trainer
@@ -173,7 +173,7 @@ def test_shards_beside_the_trainer_are_synced_from_its_gpu_before_the_offload_an
         rows: list = []
         trainer = Trainer()
         trainer.finish.set()
-        loop = GrpoLoop(PipelineConfig(name="p", steps=1), trainer=trainer, coordinator=Coordinator(),
+        loop = GrpoLoop(PipelineConfig(name="p", steps=1), trainer=trainer, weights=trainer, coordinator=Coordinator(),
                         collector=FakeCollector(), buffer=FakeBuffer(), hooks=Hooks(), on_step=rows.append)
         await loop.run()
         assert calls == [("publish", 1, True), ("beside", 1, [2, 5], [0, 1]), ("offload",), ("release",),

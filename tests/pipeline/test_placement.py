@@ -392,12 +392,13 @@ def test_a_wake_that_runs_out_of_gpu_memory_ends_the_pipeline_naming_gpu_and_sha
     the pipeline's failure, and raises it to the scheduler's call."""
     from rlix.pipeline.coordinator import ShardCoordinator
 
-    async def out_of_memory(version, urls, wake):
-        raise RuntimeError("shard 0: update failed: CUDA out of memory. Tried to allocate 2.00 GiB")
+    class OutOfMemory:
+        async def refit(self, version, targets, wake=()):  # noqa: ANN001, ANN202
+            raise RuntimeError("shard 0: update failed: CUDA out of memory. Tried to allocate 2.00 GiB")
 
     async def main() -> None:
         fleet = _fleet(tiny_model_dir, lambda gpus: {env.VISIBLE_DEVICES_VAR: "1"})
-        coord = ShardCoordinator(fleet, out_of_memory, wake_in_sync=True, placed=True)
+        coord = ShardCoordinator(fleet, OutOfMemory(), wake_in_sync=True, placed=True)
         try:
             coord.announce(1)  # a newer version than the shard's disk weights: it must sync
             with pytest.raises(GpuMemoryError) as err:

@@ -3,6 +3,8 @@ NodeCacheActor on another node of a 2-node Ray cluster filled from a real Traine
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import socket
 import threading
@@ -246,7 +248,10 @@ def test_a_node_cache_on_another_node_holds_the_trainers_bytes(two_nodes, tiny_m
 
     from rlix.config.models import TrainConfig
     from rlix.training.actor import TrainerActor
-    from rlix.weights.nodes.node_cache import NodeCacheActor
+    from rlix.training.group import TrainerGroup
+    from rlix.weights.api import ShardTarget
+    from rlix.weights.nodes.node_cache import NodeCacheActor, NodeReplicaRoute
+    from rlix.weights.refit import WeightPath
 
     from rlix.inference.fleet.backends import EngineBackendConfig, make_backend
     from rlix.inference.fleet.shard_process import ShardProcess
@@ -257,7 +262,7 @@ def test_a_node_cache_on_another_node_holds_the_trainers_bytes(two_nodes, tiny_m
     shard.start()
     trainer = TrainerActor.options(resources={"node_a": 0.01}).remote(
         str(tiny_model_dir), TrainConfig(micro_batch_size=4), cpu_threads=1)
-    node = NodeCacheActor.options(resources={"node_b": 0.01}).remote("key", io_timeout_s=20)
+    node = NodeCacheActor.options(resources={"node_b": 0.01}).remote(io_timeout_s=20)
     try:
         info = ray.get(trainer.publish.remote(1), timeout=120)
         assert ray.get(trainer.node_id.remote()) != ray.get(node.node_id.remote())
@@ -276,12 +281,26 @@ def test_a_node_cache_on_another_node_holds_the_trainers_bytes(two_nodes, tiny_m
         with pytest.raises(WeightCacheError, match="not in the cache"):
             ray.get(node.ensure.remote(9, trainer, timeout_s=30), timeout=30)
         assert ray.get(node.versions.remote()) == (1, 2)
-        # this node's shards are synced from the replica, as the trainer syncs its own node's
-        shard.wait_ready(120)
-        report = ray.get(node.sync_weights.remote(2, {0: shard.url}), timeout=60)
-        assert report.ranks == [0] and not report.failed and report.bytes == info.bytes
-        assert report.reported == {0: 2}
         assert ray.get(node.pid.remote()) != ray.get(trainer.pid.remote())
+        # the pipeline's weight path refits this node's shard through a replica here (its
+        # route fills it), as it refits the trainer's node's shards from the trainer's cache
+        shard.wait_ready(120)
+        node_b = ray.get(node.node_id.remote())
+        route = NodeReplicaRoute(node_b, trainer)
+
+        async def refit():  # noqa: ANN202
+            path = WeightPath(TrainerGroup([trainer]), api_key="key", trainer_node=ray.get(trainer.node_id.remote()),
+                              replica_for=lambda n: route)
+            try:
+                await path.publish(3)
+                return await path.refit(3, {0: ShardTarget(shard.url, node_b)})
+            finally:
+                await path.close()
+
+        report = asyncio.run(refit())
+        assert report.route == "node" and report.ranks == [0] and report.bytes == info.bytes
+        assert report.reported == {0: 3}
+        assert [(r["node"], r["version"]) for r in route.replications] == [(node_b, 3)]
     finally:
         shard.stop()
         ray.get([node.close.remote(), trainer.close.remote()], timeout=30)

@@ -194,14 +194,15 @@ def test_level2_reload_lands_in_one_allocation_that_becomes_the_parameters(tiny_
 
 
 def test_level2_sleep_then_one_call_wake_and_sync_into_an_engine_server(tiny_model_dir):
-    """The real path: engine server on CUDA, /sleep?level=2, then ShardWeightPusher.sync with
+    """The real path: engine server on CUDA, /sleep?level=2, then the weight path's refit with
     wake in one /sync_weights call from the page-locked shm cache; output as before."""
     import httpx
     from safetensors.torch import load_file
 
     from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig
     from rlix.inference.fleet.shard_process import ShardProcess
-    from rlix.weights.push import ShardWeightPusher
+    from rlix.weights.api import ShardTarget
+    from rlix.weights.refit import WeightPath
 
     key = "gpu-test-token"
     cfg = EngineBackendConfig(backend="embedded", model=str(tiny_model_dir), device="cuda",
@@ -209,7 +210,13 @@ def test_level2_sleep_then_one_call_wake_and_sync_into_an_engine_server(tiny_mod
     shard = ShardProcess(EmbeddedBackend(cfg), key)
     sd = load_file(str(tiny_model_dir / "model.safetensors"), device="cuda")
     cache = BucketCache.for_model(sd, bucket_bytes=1 << 20)
-    pusher = ShardWeightPusher(lambda: cache, key)
+
+    class CachePublisher:  # the trainer's side, here: the state dict into the cache
+        async def publish(self, version, audit=False, on_device=False):  # noqa: ANN001, ANN202
+            cache.build_latest(version, sd)
+            cache.promote_active(version)
+            return cache.published(version)
+
     http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"})
 
     def greedy() -> list[int]:
@@ -219,22 +226,27 @@ def test_level2_sleep_then_one_call_wake_and_sync_into_an_engine_server(tiny_mod
         r.raise_for_status()
         return r.json()["choices"][0]["token_ids"]
 
+    async def main() -> None:
+        path = WeightPath(CachePublisher(), api_key=key)
+        try:
+            before = greedy()
+            for version in (1, 2, 3):  # both cache slots, the first one twice
+                await path.publish(version)
+                http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
+                assert http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
+                report = await path.refit(version, {0: ShardTarget(shard.url)}, wake=[0])
+                assert report.bundled and report.route == "host" and report.reported == {0: version}
+                assert not http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
+                assert greedy() == before
+        finally:
+            await path.close()
+
     try:
         assert cache.host == "pinned_shm"
         shard.start()
         shard.wait_ready()
-        before = greedy()
-        for version in (1, 2, 3):  # both cache slots, the first one twice
-            cache.build_latest(version, sd)
-            cache.promote_active(version)
-            http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
-            assert http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
-            report = pusher.sync(version, {0: shard.url}, wake=[0])
-            assert report.bundled and report.reported == {0: version}
-            assert not http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
-            assert greedy() == before
+        asyncio.run(main())
     finally:
-        pusher.close()
         http.close()
         shard.stop()
         cache.close()
@@ -242,57 +254,68 @@ def test_level2_sleep_then_one_call_wake_and_sync_into_an_engine_server(tiny_mod
 
 def test_a_shard_asleep_beside_the_trainer_takes_its_gpu_copy_by_cuda_ipc(tiny_model_dir):
     """The trainer still on the GPU packs the new version there (DeviceCopy); the shard asleep
-    at level 2 on the same GPU gets it in one /sync_weights call by CUDA IPC, its weights woken
-    and its KV cache still asleep; it serves exactly the trainer's tensors; the trainer's
-    offload frees the copy before measuring the GPU."""
+    at level 2 on the same GPU gets it in one /sync_weights call by CUDA IPC (the weight path's
+    device route), its weights woken and its KV cache still asleep; it serves exactly the
+    trainer's tensors; the trainer's offload frees the copy before measuring the GPU."""
     import httpx
 
     from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig
     from rlix.inference.fleet.shard_process import ShardProcess
     from rlix.training.trainer import PolicyTrainer
+    from rlix.weights.api import ShardTarget
     from rlix.weights.buckets import tensor_checksums
-    from rlix.weights.push import ShardWeightPusher
+    from rlix.weights.refit import WeightPath
 
     key = "gpu-test-token"
     cfg = EngineBackendConfig(backend="embedded", model=str(tiny_model_dir), device="cuda",
                               max_num_seqs=8, max_model_len=256)
     shard = ShardProcess(EmbeddedBackend(cfg), key)
     trainer = PolicyTrainer(str(tiny_model_dir), device="cuda", lr=0.05)  # the shard's dtype
-    pusher = ShardWeightPusher(lambda: trainer.device_copy, key, transport="cuda_ipc", wake_tags=["weights"])
-    host = ShardWeightPusher(lambda: trainer.cache, key)
+
+    class Here:  # the trainer's side of the weight path, in this process
+        async def publish(self, version, audit=False, on_device=False):  # noqa: ANN001, ANN202
+            return trainer.publish(version, on_device)
+
     http = httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"})
+
+    async def main() -> None:
+        path = WeightPath(Here(), api_key=key)
+        beside, on_host = {0: ShardTarget(shard.url, beside=trainer.rank)}, {0: ShardTarget(shard.url)}
+        try:
+            for version in (1, 2):
+                with torch.no_grad():  # a different model each version
+                    for p in trainer.model.parameters():
+                        p.add_(torch.randn_like(p) * 0.01)
+                http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
+                await path.publish(version, on_device=True)
+                assert path.device_ranks == [trainer.rank] and trainer.device_copy.version == version
+                report = await path.refit(version, beside, wake=[0])
+                assert report.bundled and report.route == "device" and report.reported == {0: version}
+                assert http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]  # KV still asleep
+                served = http.get(f"{shard.url}/weight_checksums").json()
+                assert served["checksums"] == tensor_checksums(trainer.state_for_sync())
+                # the host cache was filled from the device copy: the same bytes
+                assert trainer.cache.checksums(version) == trainer.device_copy.checksums(version)
+                http.post(f"{shard.url}/wake_up").raise_for_status()
+                assert not http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
+                if version == 1:  # the host path still works after the IPC one (transport switch)
+                    http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
+                    again = await path.refit(version, on_host, wake=[0])
+                    assert again.route == "host" and again.reported == {0: version}
+                    assert http.get(f"{shard.url}/weight_checksums").json()["checksums"] == served["checksums"]
+        finally:
+            await path.close()
+
     try:
         shard.start()
         shard.wait_ready()
-        for version in (1, 2):
-            with torch.no_grad():  # a different model each version
-                for p in trainer.model.parameters():
-                    p.add_(torch.randn_like(p) * 0.01)
-            http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
-            cache = trainer.build_cache(version, on_device=True)
-            cache.promote_active(version)
-            assert trainer.device_copy is not None and trainer.device_copy.version == version
-            report = pusher.sync(version, {0: shard.url}, wake=[0])
-            assert report.bundled and report.reported == {0: version}
-            assert http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]  # KV still asleep
-            served = http.get(f"{shard.url}/weight_checksums").json()
-            assert served["checksums"] == tensor_checksums(trainer.state_for_sync())
-            # the host cache was filled from the device copy: the same bytes
-            assert cache.checksums(version) == trainer.device_copy.checksums(version)
-            http.post(f"{shard.url}/wake_up").raise_for_status()
-            assert not http.get(f"{shard.url}/is_sleeping").json()["is_sleeping"]
-            if version == 1:  # the host path still works after the IPC one (transport switch)
-                http.post(f"{shard.url}/sleep", params={"level": 2}).raise_for_status()
-                assert host.sync(version, {0: shard.url}, wake=[0]).reported == {0: version}
-                assert http.get(f"{shard.url}/weight_checksums").json()["checksums"] == served["checksums"]
+        asyncio.run(main())
         allocated = torch.cuda.memory_allocated()
         copy_bytes = trainer.device_copy.nbytes
         trainer.offload()
         assert trainer.device_copy.nbytes == 0
         assert torch.cuda.memory_allocated() <= allocated - copy_bytes
     finally:
-        pusher.close()
-        host.close()
         http.close()
         shard.stop()
         if trainer.cache is not None:

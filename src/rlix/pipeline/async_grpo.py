@@ -26,6 +26,7 @@ from rlix.pipeline.hooks import RLixHooks
 from rlix.training.group import TrainerGroup
 from rlix.training.grpo import group_advantages
 from rlix.training.types import TrainSample
+from rlix.weights.refit import WeightPath
 
 
 @dataclass
@@ -75,17 +76,18 @@ def to_samples(groups: list[Group]) -> list[TrainSample]:
 
 
 class GrpoLoop:
-    """Drives one pipeline's steps, as its config says. `trainer` is a TrainerActor handle
-    (awaitable calls); `hooks` the mode's RLixHooks; `on_step(record)` is called after every
+    """Drives one pipeline's steps, as its config says. `trainer` trains (a TrainerGroup);
+    `weights` publishes each new version (the pipeline's WeightPath); `hooks` the mode's RLixHooks; `on_step(record)` is called after every
     step, `checkpoint(step)` every `checkpoint_every` steps, `record_batch(step, samples)` with
     each batch before it is trained on (record_rollouts)."""
 
-    def __init__(self, cfg: PipelineConfig, *, trainer: TrainerGroup, coordinator: ShardCoordinator,
+    def __init__(self, cfg: PipelineConfig, *, trainer: TrainerGroup, weights: WeightPath,
+                 coordinator: ShardCoordinator,
                  collector: TrajectoryCollector, buffer: ReplayBuffer, hooks: RLixHooks,
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
                  checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0,
                  record_batch: Callable[[int, list[TrainSample]], None] | None = None) -> None:
-        self.name, self.trainer, self.coordinator = cfg.name, trainer, coordinator
+        self.name, self.trainer, self.weights, self.coordinator = cfg.name, trainer, weights, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
         self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
         self.steps = cfg.steps
@@ -157,10 +159,10 @@ class GrpoLoop:
                 t["train"] = time.perf_counter()
                 new = version + 1
                 beside = self.coordinator.syncs_on_device
-                published = await self.trainer.publish(new, self.audit, on_device=beside)
+                published = await self.weights.publish(new, self.audit, on_device=beside)
                 t["cache"] = time.perf_counter()
                 if beside:  # the shards asleep on the trainer's GPUs, from its GPU copy
-                    await self.coordinator.sync_beside_trainer(new, gpus, self.trainer.device_ranks)
+                    await self.coordinator.sync_beside_trainer(new, gpus, self.weights.device_ranks)
                 t["beside"] = time.perf_counter()
                 released = await self.trainer.offload()
                 self._memory("release", gpus, released)

@@ -7,12 +7,13 @@ and only then routed to. After each training step `publish(version)` gives the s
 stayed active the new version in flight: pause(keep) -> selective sync -> resume, so running
 requests continue on the new weights and none is lost.
 
-Every sync is checked: the shard itself must report the version just synced (in its answer to
-a one-call sync, otherwise through `/weight_info`), and the coordinator keeps each shard's
-version history, so tests can prove that a shard only ever served versions it was synced to.
+Every sync is a refit by the pipeline's weight path (rlix.weights.refit), one call per shard,
+and is checked: the shard itself reports the version it serves in its answer, and the
+coordinator keeps each shard's version history, so tests can prove that a shard only ever
+served versions it was synced to.
 
 With `wake_in_sync` (engines that offer /sync_weights), a stale shard that wakes is woken by
-its sync call: one round trip from the trainer instead of a wake, then start, buckets, finish.
+its refit call: one round trip instead of a wake and then a refit.
 
 A shard whose process dies (`replace_dead`, polled by the pipeline) is forgotten; if the
 scheduler had it on GPUs, a new process is started there, synced to the latest version and
@@ -34,24 +35,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from rlix.errors import GpuMemoryError, RlixError, ShardDiedError
 from rlix.inference.fleet.fleet import ShardFleet
-from rlix.weights.api import SyncReport
 from rlix.pipeline.weight_audit import engine_checksums, mismatches
+from rlix.weights.api import ShardTarget, SyncReport
 from rlix.weights.vllm.names import Digest
 
 log = logging.getLogger("rlix.pipeline")
 
-#: (version, {rank: url}, ranks to wake first) -> the sync's report (`reported` holds the
-#: versions shards answered in the same call); the pipeline passes TrainerActor.sync_weights
-SyncFn = Callable[[int, dict[int, str], list[int]], Awaitable[SyncReport]]
-#: (version, {trainer rank: {rank: url}}) -> a report per trainer rank: the shards on each
-#: trainer rank's GPU synced from its GPU copy (TrainerGroup.sync_on_device)
-DeviceSyncFn = Callable[[int, dict[int, dict[int, str]]], Awaitable[list[SyncReport]]]
+
+class Refit(Protocol):
+    """What the coordinator needs of the weight path (rlix.weights.refit.WeightPath): move
+    these shards to a published version, waking those in `wake` inside their call; the report's
+    `reported` holds the version each shard answered serving."""
+
+    async def refit(self, version: int, targets: Mapping[int, ShardTarget],
+                    wake: Collection[int] = ()) -> SyncReport: ...
 
 
 @dataclass
@@ -84,17 +87,18 @@ class CoordinatorStats:
 
 
 class ShardCoordinator:
-    """See module doc. `sync(version, {rank: url}, wake)` moves those shards to a cached version
-    (it runs where the cache lives: the trainer's process)."""
+    """See module doc. `weights.refit(version, targets, wake)` moves shards to a published
+    version. `beside_trainer`: the trainer keeps a GPU copy of each version until its offload,
+    and the shards asleep on its GPUs are refitted from it (`sync_beside_trainer`)."""
 
-    def __init__(self, fleet: ShardFleet, sync: SyncFn, *, initial_version: int = 0,
+    def __init__(self, fleet: ShardFleet, weights: Refit, *, initial_version: int = 0,
                  wake_in_sync: bool = False, placed: bool = False,
                  audit: Callable[[int], Awaitable[Mapping[str, int | Digest]]] | None = None,
                  served_checksums: Callable[[ShardFleet, list[int]], Awaitable[dict[int, dict]]] | None = None,
-                 max_restarts: int = 3, device_sync: DeviceSyncFn | None = None) -> None:
+                 max_restarts: int = 3, beside_trainer: bool = False) -> None:
         self.fleet = fleet
-        # syncs from the trainer's GPU copies (None: shards are synced from the host cache only)
-        self._device_sync = device_sync
+        self.weights = weights
+        self.beside_trainer = beside_trainer
         self.homes: dict[int, tuple[int, ...]] = {}  # rank -> the GPUs it was last given
         self.warm: set[int] = set()  # asleep, but holding the latest weights on their GPU
         # placed: each shard's process runs on the GPUs the scheduler names in `add` and is
@@ -111,7 +115,6 @@ class ShardCoordinator:
         # taken back; a dead one of these is replaced, any other dead one just forgotten
         self.assigned: dict[int, tuple[int, ...]] = {}
         self.failed = asyncio.Event()
-        self._sync_fn = sync
         self.wake_in_sync = wake_in_sync and fleet.supports_sleep
         self.initial_version = initial_version  # what a shard process started from disk serves
         self.latest = initial_version  # newest version the trainer has published
@@ -395,7 +398,7 @@ class ShardCoordinator:
 
     @property
     def syncs_on_device(self) -> bool:
-        return self._device_sync is not None
+        return self.beside_trainer
 
     async def sync_beside_trainer(self, version: int, trainer_gpus: list[int],
                                   device_ranks: list[int]) -> list[int]:
@@ -404,17 +407,17 @@ class ShardCoordinator:
         synced to `version` from that copy, its weights woken, its KV cache left asleep. Such a
         shard then wakes in one KV allocation when the scheduler gives it the GPU. Returns the
         shards synced; a failure is logged and leaves the shard to the host-cache sync."""
-        if self._device_sync is None or not device_ranks:
+        if not self.beside_trainer or not device_ranks:
             return []
         async with self._lock:
             on_gpu = {trainer_gpus[i]: i for i in device_ranks if i < len(trainer_gpus)}
-            plan: dict[int, dict[int, str]] = {}
+            targets: dict[int, ShardTarget] = {}
             for r, info in self.fleet.shards.items():
                 gpus = info.gpus or self.homes.get(r, ())
                 if (not info.active and info.asleep is True and len(gpus) == 1 and gpus[0] in on_gpu
                         and self.versions.get(r) != version):
-                    plan.setdefault(on_gpu[gpus[0]], {})[r] = info.url
-            ranks = sorted(r for shards in plan.values() for r in shards)
+                    targets[r] = ShardTarget(info.url, self.fleet.node_of(r), beside=on_gpu[gpus[0]])
+            ranks = sorted(targets)
             if not ranks:
                 return []
             t0 = time.perf_counter()
@@ -422,7 +425,7 @@ class ShardCoordinator:
             # sleep or wake asks them (a sleep then drops those weights)
             self.fleet.note_woken(ranks, woken=False)
             try:
-                reports = await self._device_sync(version, plan)
+                report = await self.weights.refit(version, targets, wake=ranks)
             except Exception as exc:  # noqa: BLE001 - the host-cache sync at wake still works
                 for r in ranks:
                     self.versions[r] = None  # whatever it holds now: synced again at its wake
@@ -431,18 +434,17 @@ class ShardCoordinator:
                             "synced from the host cache when they wake", self.fleet.holder, ranks, exc)
                 return []
             dt = time.perf_counter() - t0
-            synced = sorted(r for rep in reports for r in rep.ranks)
+            synced = sorted(report.ranks)
             for r in synced:
-                got = int(next(rep.reported.get(r, version) for rep in reports if r in rep.ranks))
+                got = int(report.reported.get(r, version))
                 if got != version:
                     self.stats.version_mismatches.append(f"shard {r}: synced {version}, reports {got}")
                 self.versions[r] = got
                 self.history.setdefault(r, []).append(got)
             self.warm.update(synced)
             self.stats.sync_seconds += dt
-            self.stats.device_sync_calls_s.append(max((rep.seconds + rep.setup_seconds for rep in reports),
-                                                      default=0.0))
-            self.stats.device_sync_phases_ms.append({r: p for rep in reports for r, p in rep.shard_phases_ms.items()})
+            self.stats.device_sync_calls_s.append(report.seconds + report.setup_seconds)
+            self.stats.device_sync_phases_ms.append(dict(report.shard_phases_ms))
             self._event("device_sync", synced, version, dt)
             log.info("synced shards %s to version %d from the trainer's GPU in %.4fs", synced, version, dt)
             if self._audit is not None and synced:
@@ -515,11 +517,11 @@ class ShardCoordinator:
         """Sync `ranks` to the latest version (waking the sleeping ones in the same call if
         `wake`), then record what each shard says it serves."""
         version = self.latest
-        urls = {r: self.fleet.shards[r].url for r in ranks}
+        targets = {r: ShardTarget(self.fleet.shards[r].url, self.fleet.node_of(r)) for r in ranks}
         asleep = self.fleet.asleep_ranks(ranks) if wake else []
         t0 = time.perf_counter()
         try:
-            rep = await self._sync_fn(version, urls, asleep)
+            rep = await self.weights.refit(version, targets, asleep)
         except BaseException as exc:
             self.fleet.note_woken(asleep, woken=False)  # maybe woken before it failed
             if self.placed and "out of memory" in str(exc).lower():  # half an update may be held
@@ -529,17 +531,13 @@ class ShardCoordinator:
         self.fleet.note_woken(asleep)
         dt = time.perf_counter() - t0
         self.stats.sync_seconds += dt
-        reported = {int(r): int(v) for r, v in rep.reported.items()}
-        unanswered = [r for r in ranks if r not in reported]
-        if unanswered:
-            answers = await self.fleet.client.fan_out("GET", "/weight_info", unanswered)
-            reported.update({r: int(answers[r]["weight_version"]) for r in unanswered})
         for r in ranks:
-            got = reported[r]
+            got = rep.reported.get(r)
             if got != version:
                 self.stats.version_mismatches.append(f"shard {r}: synced {version}, reports {got}")
             self.versions[r] = got
-            self.history[r].append(got)
+            if got is not None:
+                self.history[r].append(got)
         self._event(kind, ranks, version, dt)
         log.info("%s shards %s to version %d in %.3fs", kind, ranks, version, dt)
         if self._audit is not None:

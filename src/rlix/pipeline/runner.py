@@ -42,11 +42,12 @@ from rlix.pipeline.rollout.collector import TrajectoryCollector
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.shard_engine import served_dtype, shard_engine
 from rlix.pipeline.weight_audit import vllm_checksums
+from rlix.weights.nodes.node_cache import NodeReplicaRoute
+from rlix.weights.refit import WeightPath
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experiment_log
 from rlix.pipeline.hooks import RLixHooks
 from rlix.pipeline.reporting.metrics_file import read_metrics, write_metrics
-from rlix.pipeline.weight_routes import WeightRoutes
 from rlix.training.group import TrainerGroup
 from rlix.training.types import TrainSample
 
@@ -91,7 +92,8 @@ class PipelineRunner:
         self.data_plane: DataPlaneThread | None = None
         self.router: Router | None = None
         self.fleet: ShardFleet | None = None
-        self.weight_routes: WeightRoutes | None = None  # several nodes: a cache replica per node
+        self.weights: WeightPath | None = None  # publishes versions, refits shards
+        self.replica_routes: list[NodeReplicaRoute] = []  # several nodes: a cache replica per node
         self.coordinator: ShardCoordinator | None = None
         self.buffer = ReplayBuffer()
         self.collector: TrajectoryCollector | None = None
@@ -140,7 +142,7 @@ class PipelineRunner:
         await timed("join", self.hooks.join(self.coordinator, self.cfg))
         self.fleet.setup_done = True
         self.ready.set()
-        self.loop = GrpoLoop(self.cfg, trainer=self.trainer, coordinator=self.coordinator,
+        self.loop = GrpoLoop(self.cfg, trainer=self.trainer, weights=self.weights, coordinator=self.coordinator,
                              collector=self.collector, buffer=self.buffer, hooks=self.hooks,
                              start_step=self.start_step, on_step=self._on_step, checkpoint=self._checkpoint,
                              release_timeout_s=self.devices.release_timeout_s,
@@ -169,7 +171,7 @@ class PipelineRunner:
         if dev.memory_share < 1:
             extra["memory_share"] = dev.memory_share
         self.trainer = TrainerGroup.start(
-            path, cfg.train, ranks, seed=cfg.seed, temperature=cfg.rollout.temperature, api_key=self.api_key,
+            path, cfg.train, ranks, seed=cfg.seed, temperature=cfg.rollout.temperature,
             cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda",
             engine=cfg.engine, served_dtype=served_dtype(self.devices), **extra)
         ckpt = self.checkpoint_dir
@@ -186,7 +188,6 @@ class PipelineRunner:
             if self.resume:
                 self.resumed_from = f"no checkpoint in {ckpt}: starting at step 0"
             write_metrics(metrics, [])
-        await self.trainer.publish(self.start_step, cfg.audit_weights)
         pids, nodes = await self.trainer.pids(), await self.trainer.node_ids()
         visible = await self.trainer.visible_devices()
         self.trainer_placement = {"gpus": list(gpus), "pid": pids[0], "node_id": nodes[0],
@@ -194,7 +195,19 @@ class PipelineRunner:
                                   "ranks": [{"rank": r, "gpu": gpus[r] if r < len(gpus) else None, "pid": pids[r],
                                              "node_id": nodes[r], "visible_devices": visible[r]}
                                             for r in range(len(pids))]}
+        self.weights = WeightPath(self.trainer, api_key=self.api_key, engine=cfg.engine, trainer_node=nodes[0],
+                                  # shards off the trainer's node are refitted from their node's replica
+                                  replica_for=self._replica_route if dev.multi_node else None)
+        await self.weights.publish(self.start_step, cfg.audit_weights)
         await self.trainer.offload()
+
+    def _replica_route(self, node: str) -> NodeReplicaRoute:
+        """The weight route to a node other than the trainer's: a replica there, filled from
+        rank 0's cache."""
+        assert self.trainer is not None
+        route = NodeReplicaRoute(node, self.trainer.ranks[0])
+        self.replica_routes.append(route)
+        return route
 
     async def _start_engines(self, train_gpus: list[int]) -> None:
         """The router on its own thread (control calls never queue behind rollout traffic on this
@@ -241,20 +254,16 @@ class PipelineRunner:
         assert self.trainer is not None and self.fleet is not None and self.backend is not None
         vllm = self.backend.name == "vllm"
         placed = dev.reservation is not None
-        sync: Any = self.trainer.sync_weights
-        if dev.multi_node:  # shards off the trainer's node are synced from their node's replica
-            self.weight_routes = WeightRoutes(sync, self.trainer.ranks[0], self.trainer_placement["node_id"],
-                                              self.fleet.node_of, api_key=self.api_key, engine=self.backend.name)
-            sync = self.weight_routes
+        assert self.weights is not None
         beside = dev.device == "cuda" and not vllm and not dev.multi_node
-        self.coordinator = ShardCoordinator(self.fleet, sync, initial_version=0,
+        self.coordinator = ShardCoordinator(self.fleet, self.weights, initial_version=0,
                                             wake_in_sync=True,  # our engine serves /sync_weights
                                             placed=placed,
                                             audit=self.trainer.weight_checksums if cfg.audit_weights else None,
                                             served_checksums=vllm_checksums if vllm else None,
                                             # on GPUs, our engine's shards asleep beside a trainer
                                             # rank take the new version from its GPU (CUDA IPC)
-                                            device_sync=self.trainer.sync_on_device if beside else None)
+                                            beside_trainer=beside)
         ranks = sorted(self.hooks.shard_gpus(cfg))
         if not placed:  # placed shards start where and when they are first given GPUs
             await self.coordinator.start(ranks, version=0, active=False)
@@ -487,7 +496,7 @@ class PipelineRunner:
             "trainer_placement": self.trainer_placement,
             "shard_placements": list(self.fleet.placements) if self.fleet is not None else [],
             "shard_starts_after_setup": self.fleet.starts_after_setup if self.fleet is not None else 0,
-            "replications": list(self.weight_routes.replications) if self.weight_routes is not None else [],
+            "replications": [r for route in self.replica_routes for r in route.replications],
             **({"env": self.env.stats()} if self.env is not None else {}),
         }
 
@@ -524,8 +533,8 @@ class PipelineRunner:
             await timed("data plane", self.data_plane.stop())
         if self.fleet is not None:
             await timed("shards", self.fleet.shutdown())
-        if self.weight_routes is not None:
-            await timed("weight replicas", self.weight_routes.close())
+        if self.weights is not None:
+            await timed("weight path", self.weights.close())
         if self.trainer is not None:
             await timed("trainer", self.trainer.close())
         if self.experiment_log:

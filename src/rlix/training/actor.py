@@ -3,18 +3,19 @@
 Everything interesting lives in trainer.py (testable without Ray). Placement is the caller's:
 `TrainerActor.options(num_gpus=1).remote(model, train_cfg, device="cuda", rank=r, world_size=n)`.
 The weight cache stays in this process (pinned, or shared memory another process on the host
-can map), so the two verbs of the weight path run here: `publish(version)` snapshots the
-weights into the cache, `sync_weights(version, shards)` moves chosen shards to a cached
-version. Remote callers get typed summaries, never the tensors.
+can map): `publish(version)` snapshots the weights into it and answers where the version's
+buckets lie; the pipeline's WeightPath (rlix.weights.refit) then refits shards from there.
+Remote callers get typed summaries and references, never the tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,13 +28,10 @@ from rlix.devices import DeviceMemory
 from rlix.errors import WeightCacheError
 from rlix.threads import yield_cores_to_control
 from rlix.training.trainer import PolicyTrainer
-from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
+from rlix.training.types import GroupSpec, TrainSample
 from rlix.weights.nodes import relay
-from rlix.weights.api import SyncReport
+from rlix.weights.api import PublishedVersion, VersionRefs
 from rlix.weights.buckets import tensor_checksums
-from rlix.weights.http_endpoint import HttpShardEndpoint
-from rlix.weights.push import ShardWeightPusher
-from rlix.weights.vllm.endpoint import VllmShardEndpoint
 from rlix.weights.vllm.names import Digest, vllm_digests
 
 
@@ -45,27 +43,24 @@ def _samples(samples: Sequence[TrainSample | Mapping[str, Any]]) -> list[TrainSa
 class TrainerActor:
     """One PolicyTrainer rank, configured by the pipeline's `train:` section.
 
-    `api_key` is the shards' token (for `sync_weights`); `cpu_threads` caps torch's threads
+    `cpu_threads` caps torch's threads
     (several trainers and shards on a few cores: oversubscription cost 7x); other keyword
     arguments (device, dtype, rank, world_size, cache_host...) go to PolicyTrainer."""
 
     def __init__(self, model: str, train: TrainConfig | None = None, *, seed: int = 0,
-                 temperature: float = 1.0, api_key: str = "", cpu_threads: int | None = None,
+                 temperature: float = 1.0, cpu_threads: int | None = None,
                  engine: str = "embedded", served_dtype: str = "bfloat16", **kwargs: Any) -> None:
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
         self.trainer = PolicyTrainer.from_config(model, train or TrainConfig(), seed=seed,
                                                  temperature=temperature, **kwargs)
-        self.api_key = api_key
-        # the shards' engine: how syncs reach them and how their served weights are audited
+        # the shards' engine: how their served weights are audited
         self.engine = engine
         self.served_dtype = getattr(torch, served_dtype)
         self._checksums: dict[int, dict[str, int | Digest]] = {}
         # a checkpoint asked for while a step trains (Ctrl-C, a failure elsewhere) waits for it:
         # weights, optimizer state and step counter are saved as one consistent state
         self._state = threading.Lock()
-        self._pusher: ShardWeightPusher | None = None
-        self._device_pusher: ShardWeightPusher | None = None  # from the GPU copy (CUDA IPC)
         # On a CPU device forward/backward run on a thread of their own that yields the cores to
         # control threads (rlix.threads), so cache builds, syncs and the shards' control calls
         # stay prompt. On CUDA they stay on the calling thread (the current device is per thread).
@@ -89,42 +84,25 @@ class TrainerActor:
 
     def publish(self, version: int, audit: bool = False, on_device: bool = False) -> PublishedVersion:
         """Snapshot the weights into the cache as `version` and make it the version shards are
-        synced to (the cache keeps at most two). `audit`: also keep per-tensor checksums of it,
-        computed where the weights are (the GPU), for `weight_checksums`. `on_device`: keep a
-        copy on the GPU too, for `sync_on_device` until the offload."""
+        refitted to (the cache keeps at most two); the answer says where its buckets lie.
+        `audit`: also keep per-tensor checksums of it, computed where the weights are (the GPU),
+        for `weight_checksums`. `on_device`: keep a copy on the GPU too until the offload, for
+        the shards asleep on this GPU (its references in `device_refs`)."""
         audit_s = 0.0
         if audit:
             t0 = time.perf_counter()
             self._checksums = {int(version): self._audit_checksums(self.trainer.state_for_sync())}
             audit_s = time.perf_counter() - t0
-        started = time.perf_counter()
-        cache = self.trainer.build_cache(version, on_device)
-        cache.promote_active(version)
-        return PublishedVersion(int(version), cache.layout.num_buckets, cache.layout.total_bytes,
-                                time.perf_counter() - started, list(cache.versions()),
-                                [s.name for s in cache.shm_segments()], audit_s,
-                                on_device=self._device_version() == int(version))
+        published = self.trainer.publish(version, on_device)
+        return dataclasses.replace(published, audit_s=audit_s)
 
-    def build_device_copy(self, version: int) -> bool:
+    def build_device_copy(self, version: int) -> VersionRefs | None:
         """The other ranks' part of `publish(on_device=True)`: the GPU copy only (rank 0 keeps
-        the host cache). False where there is none (no room, not on CUDA)."""
-        return self.trainer.build_device_copy(version) is not None
-
-    def _device_version(self) -> int | None:
+        the host cache); its references, or None where there is none (no room, not on CUDA)."""
+        if self.trainer.build_device_copy(version) is None:
+            return None
         copy = self.trainer.device_copy
-        return None if copy is None else copy.version
-
-    def sync_on_device(self, version: int, shards: Mapping[int, str]) -> SyncReport:
-        """Move these engine servers ({dp rank: url}), each asleep on this trainer's GPU, to
-        `version` from the GPU copy by CUDA IPC, waking their weights only (their KV cache
-        stays asleep until the scheduler gives them the GPU). Our engine's servers only."""
-        if self._device_version() != int(version):
-            raise WeightCacheError(f"no device copy of version {version} "
-                                   f"(it holds {self._device_version()})")
-        if self._device_pusher is None:
-            self._device_pusher = ShardWeightPusher(lambda: self.trainer.device_copy, self.api_key,
-                                                    transport="cuda_ipc", wake_tags=["weights"])
-        return self._device_pusher.sync(version, {int(r): u for r, u in shards.items()}, wake=list(shards))
+        return copy.refs(version) if copy is not None else None
 
     def _audit_checksums(self, state: Mapping[str, torch.Tensor]) -> dict[str, int | Digest]:
         """What a shard's served weights are compared with: per-tensor checksums (rlix's engine
@@ -141,16 +119,6 @@ class TrainerActor:
         if int(version) not in self._checksums:
             raise WeightCacheError(f"no checksums of version {version} (publish it with audit=True)")
         return self._checksums[int(version)]
-
-    def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
-        """Move these engine servers ({dp rank: url}), and only those, to cached `version`,
-        waking the ranks in `wake` first."""
-        if self.trainer.cache is None:
-            raise WeightCacheError("no weight cache yet: publish a version first")
-        if self._pusher is None:
-            endpoint = VllmShardEndpoint if self.engine == "vllm" else HttpShardEndpoint
-            self._pusher = ShardWeightPusher(lambda: self.trainer.cache, self.api_key, endpoint=endpoint)
-        return self._pusher.sync(version, {int(r): u for r, u in shards.items()}, wake)
 
     def send_version(self, version: int, host: str, port: int) -> float:
         """Stream cached `version` to a replica on another node (a NodeCacheActor listening at
@@ -207,10 +175,6 @@ class TrainerActor:
 
     def close(self) -> None:
         """Free the host cache (its shared memory is unlinked); the actor can then be killed."""
-        for pusher in (self._pusher, self._device_pusher):
-            if pusher is not None:
-                pusher.close()
-        self._pusher = self._device_pusher = None
         if self.trainer.cache is not None:
             self.trainer.cache.close()
             self.trainer.cache = None

@@ -3,7 +3,7 @@
 `train_gpus > 1` runs the policy as `n` identical ranks: every step splits the batch across
 them and all-reduces the gradients in a process group that lives only for that step (a fresh
 rendezvous on rank 0's node, see trainer.py), so the ranks hold identical weights afterwards.
-Hence what concerns the weights (publish, sync, audit, save) runs on rank 0 only, and what
+Hence what concerns the weights (publish, audit, save) runs on rank 0 only, and what
 concerns every rank's GPU or state (reload, offload, train, load) runs on all of them at once.
 
 A plain class with async methods, used from the pipeline's event loop; a one-rank group behaves
@@ -13,6 +13,7 @@ exactly like the single TrainerActor it wraps (its errors pass through unchanged
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,8 +23,8 @@ from rlix.config.models import TrainConfig
 from rlix.devices import DeviceMemory
 from rlix.errors import RlixError, TrainerDiedError, TrainingError, actor_death, one_line
 from rlix.training.actor import TrainerActor
-from rlix.training.types import GroupSpec, PublishedVersion, TrainSample
-from rlix.weights.api import SyncReport
+from rlix.training.types import GroupSpec, TrainSample
+from rlix.weights.api import PublishedVersion
 from rlix.weights.vllm.names import Digest
 
 #: how long close() waits for a rank's own cleanup (it may be stuck in a step) before killing it
@@ -71,7 +72,6 @@ class TrainerGroup:
         self.ranks: list[Any] = list(ranks)
         self.step_timeout_s = float(step_timeout_s)
         self._pids: list[int | None] = [None] * len(self.ranks)  # known once pids() ran
-        self.device_ranks: list[int] = []  # ranks holding a GPU copy of the newest version
 
     @property
     def world_size(self) -> int:
@@ -203,25 +203,14 @@ class TrainerGroup:
     async def publish(self, version: int, audit: bool = False, on_device: bool = False) -> PublishedVersion:
         """Rank 0 snapshots its weights into its cache as `version` (see TrainerActor.publish).
         `on_device`: every rank also keeps a copy on its GPU until the offload, for the shards
-        there (`sync_on_device`); `device_ranks` then names the ranks that have one."""
+        there; `device_refs` then holds each such rank's references."""
         if not on_device:
-            self.device_ranks = []
             return await self._rank0(self.ranks[0].publish.remote(version, audit))
         results = await self._on_all([self.ranks[0].publish.remote(version, audit, True)]
                                      + [a.build_device_copy.remote(version) for a in self.ranks[1:]])
         published: PublishedVersion = results[0]
-        self.device_ranks = [r for r, ok in enumerate([published.on_device, *results[1:]]) if ok]
-        return published
-
-    async def sync_on_device(self, version: int, by_rank: Mapping[int, Mapping[int, str]]) -> list[SyncReport]:
-        """Each trainer rank named moves the shards on its GPU ({rank: {dp rank: url}}) to
-        `version` from its GPU copy (see TrainerActor.sync_on_device), all ranks at once."""
-        return list(await self._on_all(self.ranks[r].sync_on_device.remote(version, dict(shards))
-                                       for r, shards in sorted(by_rank.items())))
-
-    async def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
-        """Rank 0 moves these shards to cached `version` (see TrainerActor.sync_weights)."""
-        return await self._rank0(self.ranks[0].sync_weights.remote(version, dict(shards), list(wake)))
+        others = {r: refs for r, refs in enumerate(results[1:], start=1) if refs is not None}
+        return dataclasses.replace(published, device_refs={**published.device_refs, **others})
 
     async def weight_checksums(self, version: int) -> dict[str, int | Digest]:
         """Rank 0's checksums of a version published with `audit`."""

@@ -9,6 +9,7 @@ step, destroyed at its end) so no communicator holds GPU memory while the GPUs s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
+from rlix.weights.api import PublishedVersion
 from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, default_bucket_bytes, fusion_order, plan_layout
 from rlix.weights.cache import BucketCache, HostMemory
 from rlix.weights.device_copy import DeviceCopy
@@ -386,6 +388,19 @@ class PolicyTrainer:
         else:
             self.cache.write_version(int(version), lambda host: _copy_buckets(copied, host))
         return self.cache
+
+    def publish(self, version: int, on_device: bool = False) -> PublishedVersion:
+        """Build `version` into the cache (`build_cache`) and make it the version shards are
+        refitted to; the answer says where its buckets lie, in the host cache and (`on_device`,
+        where the GPU had room) in this rank's device copy."""
+        started = time.perf_counter()
+        cache = self.build_cache(version, on_device)
+        cache.promote_active(int(version))
+        published = cache.published(version, time.perf_counter() - started)
+        copy = self.device_copy
+        if on_device and copy is not None and copy.version == int(version):
+            published = dataclasses.replace(published, device_refs={self.rank: copy.refs(version)})
+        return published
 
     def build_device_copy(self, version: int, state: dict[str, torch.Tensor] | None = None
                           ) -> list[torch.Tensor] | None:

@@ -51,17 +51,3 @@ class GroupStats:
     setup_s: float
     teardown_s: float = 0.0
     destroyed: bool = False
-
-
-@dataclass(frozen=True)
-class PublishedVersion:
-    """A version the trainer put in its weight cache, ready for shards to sync to."""
-
-    version: int
-    num_buckets: int
-    bytes: int
-    seconds: float
-    versions: list[int]  # every version the cache holds now
-    shm_segments: list[str]  # the cache's shared-memory segments (empty when pinned instead)
-    audit_s: float = 0.0  # checksumming it for the weight audit (not part of `seconds`)
-    on_device: bool = False  # a copy stays on the trainer's GPU until its offload (sync_on_device)

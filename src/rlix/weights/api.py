@@ -1,14 +1,18 @@
-"""What the weight layer offers and needs: the sync driver's view of a shard, the shard side's
-view of an engine, and the typed report of a sync.
+"""What the weight layer offers and needs: the driver's view of a shard, the shard side's
+view of an engine, a route's view of where a version's bytes are, and the typed report of a
+refit.
 
-Two verbs cross this layer: a trainer *publishes* a version into its cache (cache.py), and the
-driver *syncs* chosen shards to it (sync.py -> `ShardEndpoint` -> the shard's `ShardUpdater`).
-The transport's own Protocols (how a bucket's bytes travel) are in transport/base.py.
+Two verbs cross this layer: a trainer *publishes* a version into its cache (cache.py), which
+answers the version's references (`VersionRefs`: where every bucket lies); the pipeline's
+`WeightPath` (refit.py) *refits* chosen shards to it, each through the `WeightRoute` that
+reaches it, one call per shard (`OneCallEndpoint`). The transport's own Protocols (how a
+bucket's bytes travel) are in transport/base.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -104,7 +108,70 @@ class SyncReport:
     #: rank -> where its one-call sync's time went, as the shard timed it (wake, start, buckets,
     #: finish, ms); bundled syncs to servers that report it
     shard_phases_ms: dict[int, dict[str, float]] = field(default_factory=dict)
+    route: str = ""  # the route(s) the version took ("host", "device", "node"; "+"-joined)
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class VersionRefs:
+    """Where one published version's buckets lie, as a shard on the same host reads them: one
+    message per bucket (a shared-memory segment and offset, or a CUDA IPC handle and offset).
+    Small and picklable: it crosses Ray from the trainer to the pipeline, then HTTP to each
+    shard, and no byte of the weights moves with it. Valid while the holder keeps the version
+    (the refit's lease, see `WeightRoute.lease`)."""
+
+    version: int
+    layout_json: str  # the bucket layout (sent to a shard once, before its first refit)
+    layout_id: str
+    transport: str  # the shard's receiver for these messages: "shm" or "cuda_ipc"
+    messages: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """A version the trainer put in its weight cache, ready for shards to be refitted to: the
+    references of its buckets in the host cache (None when the cache is not in shared memory,
+    so no shard can read it) and in the device copy of each trainer rank that kept one."""
+
+    version: int
+    num_buckets: int
+    bytes: int
+    seconds: float
+    versions: list[int]  # every version the cache holds now
+    refs: VersionRefs | None
+    audit_s: float = 0.0  # checksumming it for the weight audit (not part of `seconds`)
+    #: trainer rank -> its GPU copy's references (kept until that rank's offload)
+    device_refs: dict[int, VersionRefs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """One shard a refit moves: its server, the Ray node its process runs on (None: the
+    trainer's), and the trainer rank whose GPU it sleeps on when it is synced from that rank's
+    device copy (None: it is not)."""
+
+    url: str
+    node: str | None = None
+    beside: int | None = None
+
+
+@runtime_checkable
+class WeightRoute(Protocol):
+    """One way a published version reaches shards: the trainer's host cache (shared memory on
+    its node), a trainer rank's device copy (CUDA IPC on its GPU), or a node's replica of the
+    cache (shared memory on another node). A route declares which shards it reaches and what a
+    wake inside its refit brings back; `lease(version)` holds the version where the route keeps
+    it (filling it first if it must) and gives its references, for as long as the shards read."""
+
+    name: str
+    #: what a wake inside a refit brings back (None: everything; ["weights"]: the weights only)
+    wake_tags: list[str] | None
+
+    def reaches(self, target: ShardTarget, version: int) -> bool: ...
+
+    def lease(self, version: int) -> AbstractAsyncContextManager[VersionRefs]: ...
+
+    async def close(self) -> None: ...

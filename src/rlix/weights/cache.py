@@ -7,8 +7,9 @@ costs ~0.5 s per GiB: building a third version overwrites the slot not holding t
 Slots live in POSIX shared memory, so a receiving process on this host maps them with no copy at
 all (and a sync can hand every shard all its bucket references in one call). With CUDA present
 the segments are also page-locked ("pinned_shm"): the trainer's GPU->cache copies and a shard's
-cache->GPU copies then run at pinned speed (~55 GB/s, not ~9). Without room in /dev/shm for
-both versions the slots fall back to private pinned memory (the shm sender then stages).
+cache->GPU copies then run at pinned speed. Without room in /dev/shm for both versions the
+slots fall back to private pinned memory, which no shard can read: `refs` then answers None
+and publishing refuses (rlix.weights.refit), naming the room /dev/shm needs.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from typing import Literal
 import torch
 
 from rlix.errors import HostMemoryError, WeightCacheError
+from rlix.weights.api import PublishedVersion, VersionRefs
 from rlix.weights.buckets import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, bucket_views, fusion_order,
                                   named_weights, pack, plan_layout)
 from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
+from rlix.weights.transport.shm import ShmSender
 from rlix.weights.wire import SHM_DIR, Layout, ShmSegment, bucket_checksum
 
 HostMemory = Literal["auto", "pinned_shm", "pinned", "shm", "pageable"]
@@ -217,6 +220,19 @@ class BucketCache:
         finally:
             with self._lock:
                 slot.leases -= 1
+
+    def refs(self, version: int) -> VersionRefs | None:
+        """Where `version`'s buckets lie in shared memory, for shards on this host to read
+        (None when the slots are private memory)."""
+        messages = ShmSender(self.shm_segments).references(int(version), self.buckets(version), None)
+        if messages is None:
+            return None
+        return VersionRefs(int(version), self.layout.to_json(), self.layout.layout_id, "shm", tuple(messages))
+
+    def published(self, version: int, seconds: float = 0.0) -> PublishedVersion:
+        """What publishing `version` (built, made active) answers: its size and references."""
+        return PublishedVersion(int(version), self.layout.num_buckets, self.layout.total_bytes, seconds,
+                                list(self.versions()), self.refs(version))
 
     def shm_segments(self) -> list[ShmSegment]:
         return [s.segment for s in self._slots if s.segment is not None]

@@ -5,8 +5,9 @@ device memory (CUDA IPC, one device-to-device copy) while the trainer is still t
 of from the host cache after the trainer offloaded (a host-to-device copy, an order of magnitude
 slower: docs/BENCHMARKS.md). This is that copy: one flat device buffer in the host cache's layout (same layout id, so
 a shard initialised for one accepts the other), one version at a time, freed before the
-trainer's memory is measured free. It offers what the sync driver (sync.py) reads of a cache:
-`layout`, `lease(version)`, `checksums(version)`.
+trainer's memory is measured free. `refs(version)` gives the shards one CUDA IPC handle of
+the whole buffer (rlix.weights.refit's device route); `lease` and `checksums` are what the
+in-process driver (sync.py) reads of a cache.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from rlix.errors import WeightCacheError
+from rlix.weights.api import VersionRefs
 from rlix.weights.buckets import bucket_views, pack
 from rlix.weights.wire import Layout, bucket_checksum
 
@@ -66,6 +68,17 @@ class DeviceCopy:
         finally:
             with self._lock:
                 self._leases -= 1
+
+    def refs(self, version: int) -> VersionRefs:
+        """The buckets of `version` as CUDA IPC references (one handle of the whole buffer),
+        valid until `free`: a shard on this GPU opens it and copies each bucket device to device."""
+        from rlix.weights.transport.cuda_ipc import CudaIpcSender  # CUDA only
+
+        with self.lease(version) as buckets:
+            messages = CudaIpcSender(self.device).references(int(version), buckets, None)
+        if messages is None:
+            raise WeightCacheError("the device copy is not on a CUDA device")
+        return VersionRefs(int(version), self.layout.to_json(), self.layout.layout_id, "cuda_ipc", tuple(messages))
 
     def checksums(self, version: int) -> list[int]:
         with self.lease(version) as buckets:

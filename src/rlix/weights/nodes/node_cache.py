@@ -1,11 +1,12 @@
-"""NodeCacheActor: one pipeline's replica of the trainer's bucket cache, on one Ray node.
+"""A node's replica of the trainer's bucket cache, and the weight route through it.
 
 Shards map the trainer's cache through /dev/shm, which only works on the trainer's host. A
 pipeline with shards on another node puts one NodeCacheActor there: `ensure(version, trainer)`
 copies the version once over TCP (relay.py) into a replica in this node's /dev/shm, and
-`sync_weights` then moves this node's shards to it over shared memory, exactly as
-TrainerActor.sync_weights does on the trainer's host. A thin Ray shell over relay.py,
-BucketCache and ShardWeightPusher.
+`refs(version)` says where its buckets lie there. `NodeReplicaRoute` is the pipeline's side
+(a `WeightRoute` of rlix.weights.refit): it fills the replica and hands the pipeline's
+WeightPath those references, with which it refits the node's shards exactly as it does on the
+trainer's host. One copy per node that has shards, not one per shard.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlix.errors import WeightCacheError, WeightTransferError
-from rlix.weights.api import SyncReport
+from rlix.errors import WeightCacheError, WeightTransferError, one_line
+from rlix.weights.api import ShardTarget, VersionRefs
 from rlix.weights.cache import BucketCache, HostMemory
-from rlix.weights.http_endpoint import HttpShardEndpoint
-from rlix.weights.push import ShardWeightPusher
 from rlix.weights.nodes.relay import DEFAULT_TIMEOUT_S, RelayReceiver
-from rlix.weights.vllm.endpoint import VllmShardEndpoint
 from rlix.weights.wire import Layout
+
+log = logging.getLogger("rlix.weights")
 
 
 @dataclass(frozen=True)
@@ -47,29 +49,19 @@ class EnsureResult:
 
 @ray.remote(num_cpus=0)
 class NodeCacheActor:
-    """The replica of one pipeline's weights on this node, and the sync driver of its shards.
+    """The replica of one pipeline's weights on this node.
 
-    Place it on the node (NodeAffinitySchedulingStrategy). `api_key` is the shards' token,
-    `engine` their protocol ("embedded" or "vllm"), `idle_timeout_s` how long a shard waits on a
-    quiet sender before aborting an update. `io_timeout_s` bounds every socket operation of a
-    relay (a stalled trainer is detected within it); `host` is the replica's host memory kind."""
+    Place it on the node (NodeAffinitySchedulingStrategy). `io_timeout_s` bounds every socket
+    operation of a relay (a stalled trainer is detected within it); `host` is the replica's
+    host memory kind."""
 
-    def __init__(self, api_key: str, engine: str = "embedded", idle_timeout_s: float = 60.0, *,
-                 io_timeout_s: float = DEFAULT_TIMEOUT_S, host: HostMemory = "auto") -> None:
-        self.api_key, self.engine = api_key, engine
-        self.idle_timeout_s, self.io_timeout_s = idle_timeout_s, io_timeout_s
+    def __init__(self, *, io_timeout_s: float = DEFAULT_TIMEOUT_S, host: HostMemory = "auto") -> None:
+        self.io_timeout_s = io_timeout_s
         self.host_memory = host
         self._cache: BucketCache | None = None
-        self._pusher: ShardWeightPusher | None = None
         # one relay at a time: a second ensure of the same version waits and then finds it held,
         # so a version crosses the network once per node
         self._lock = asyncio.Lock()
-
-    def _held(self) -> BucketCache:
-        """The replica a sync reads (the pusher asks at each sync: a relay may replace it)."""
-        if self._cache is None:
-            raise WeightCacheError("no replica on this node yet: ensure a version first")
-        return self._cache
 
     def _replica(self, layout: Layout) -> BucketCache:
         if self._cache is None:
@@ -114,17 +106,15 @@ class NodeCacheActor:
                 self._cache = cache
                 return EnsureResult(version, True, received.bytes, time.perf_counter() - t0, sent.result())
 
-    async def sync_weights(self, version: int, shards: Mapping[int, str], wake: Iterable[int] = ()) -> SyncReport:
-        """Move these engine servers on this node ({dp rank: url}) to replica `version` over
-        shared memory, waking the ranks in `wake` first (TrainerActor.sync_weights, here)."""
+    def refs(self, version: int) -> VersionRefs:
+        """Where replica `version`'s buckets lie in this node's shared memory."""
         if self._cache is None:
             raise WeightCacheError("no replica on this node yet: ensure a version first")
-        if self._pusher is None:
-            endpoint = VllmShardEndpoint if self.engine == "vllm" else HttpShardEndpoint
-            self._pusher = ShardWeightPusher(self._held, self.api_key,
-                                             idle_timeout_s=self.idle_timeout_s, endpoint=endpoint)
-        return await asyncio.to_thread(self._pusher.sync, int(version),
-                                       {int(r): u for r, u in shards.items()}, list(wake))
+        refs = self._cache.refs(int(version))
+        if refs is None:
+            raise WeightCacheError(f"the replica on this node is not in shared memory (/dev/shm could not hold "
+                                   f"two versions, {2 * self._cache.layout.total_bytes / 2**20:.0f} MiB)")
+        return refs
 
     def versions(self) -> tuple[int, ...]:
         return self._cache.versions() if self._cache is not None else ()
@@ -143,9 +133,6 @@ class NodeCacheActor:
 
     def close(self) -> None:
         """Free the replica (its shared memory is unlinked); the actor can then be killed."""
-        if self._pusher is not None:
-            self._pusher.close()
-            self._pusher = None
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -153,3 +140,54 @@ class NodeCacheActor:
 
 async def _await_ref(ref: Any) -> Any:
     return await ref
+
+
+class NodeReplicaRoute:
+    """The weight route to the shards of one node other than the trainer's: `lease(version)`
+    fills the node's replica from the trainer (`trainer`: its rank-0 actor) unless it holds the
+    version already, and keeps it held (no other fill of this node) while the shards read it.
+    The replica actor is started on first use, and again after it died."""
+
+    name = "node"
+    wake_tags: list[str] | None = None
+
+    def __init__(self, node: str, trainer: Any, *, host: HostMemory = "auto") -> None:
+        self.node, self.trainer, self.host = node, trainer, host
+        self.replications: list[dict] = []  # every fill: node, version, bytes, seconds, at
+        self._actor: Any = None
+        self._lock = asyncio.Lock()
+
+    def reaches(self, target: ShardTarget, version: int) -> bool:
+        return target.node == self.node
+
+    def _replica(self) -> Any:
+        if self._actor is None:
+            self._actor = NodeCacheActor.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self.node, soft=False)).remote(host=self.host)
+        return self._actor
+
+    @contextlib.asynccontextmanager
+    async def lease(self, version: int) -> AsyncIterator[VersionRefs]:
+        async with self._lock:
+            replica = self._replica()
+            try:
+                filled = await replica.ensure.remote(int(version), self.trainer)
+                refs = await replica.refs.remote(int(version))
+            except ray.exceptions.RayActorError:
+                self._actor = None  # its node is gone, or it was killed: a new one next time
+                raise
+            if filled.transferred:
+                self.replications.append({"node": self.node, "version": int(version), "bytes": filled.bytes,
+                                          "seconds": round(filled.seconds, 4), "at": time.time()})
+            yield refs
+
+    async def close(self) -> None:
+        """End the replica (it unlinks its shared memory first)."""
+        actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        try:
+            await asyncio.wait_for(actor.close.remote(), 10.0)
+        except Exception as exc:  # noqa: BLE001 - its node may be gone: nothing left to free
+            log.debug("closing a weight replica: %s", one_line(exc))
+        ray.kill(actor)

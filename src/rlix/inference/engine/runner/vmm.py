@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from rlix.errors import VirtualMemoryError
+from rlix.errors import GpuMemoryError, VirtualMemoryError
 
 log = logging.getLogger(__name__)
 
