@@ -1,9 +1,9 @@
 """The one HTTP client of an engine server's weight endpoints.
 
-`HttpShardEndpoint` is the sync driver's `ShardEndpoint` (weights/api.py) for a shard behind an
-engine server: init_transfer, start, push, finish, abort, and `sync` (the whole update in one
-/sync_weights call) map onto the server's weight-transfer endpoints, so `WeightSync` drives
-shards in other processes as it drives in-process ones. Only small control messages go over
+`HttpShardEndpoint` is a shard behind an engine server as the drivers see it (weights/api.py's
+`OneCallEndpoint`): `sync` (the whole update in one /sync_weights call: what the pipeline's
+WeightPath sends) and init_transfer, start, push, finish, abort (the step-by-step protocol
+`WeightSync` drives) map onto the server's weight-transfer endpoints. Only small control messages go over
 HTTP; a bucket's bytes travel by the transport (shared memory on one host). `push_tensors`
 sends named tensors as a safetensors body instead (small models, simple callers, a shard woken
 from a level-2 sleep with nothing to fall back on).
