@@ -442,7 +442,7 @@ def cross_node_figures(args: argparse.Namespace, bench: Bench) -> dict:  # type:
         CacheHolder, SocketPeer = _cross_node_actors()
         on_a, on_b = {"resources": {"node_a": 0.01}}, {"resources": {"node_b": 0.01}}
         holder = CacheHolder.options(**on_a).remote(total, args.bucket_mib << 20)
-        replica = NodeCacheActor.options(**on_b).remote("bench")
+        replica = NodeCacheActor.options(**on_b).remote()
         src, dst = SocketPeer.options(**on_a).remote(total), SocketPeer.options(**on_b).remote(total)
         nbytes_ = ray.get(holder.publish.remote(0), timeout=300)
         a, b, r, h = ray.get([src.node_id.remote(), dst.node_id.remote(), replica.node_id.remote(),
