@@ -31,7 +31,7 @@ from rlix.private_files import open_private
 from rlix.procguard import pid_alive
 from rlix.scheduler.planning.planner import PlannerParams
 
-#: how long `rlix up` waits for the head to answer (a Ray start is ~5-10 s on 2 busy cores)
+#: how long `rlix up` waits for the head to answer (a Ray start takes seconds, more on busy cores)
 UP_TIMEOUT_S = 120.0
 #: how long `rlix down` waits for the head to stop its jobs and Ray (the head's drain, 180 s at
 #: most, then Ray's own shutdown)

@@ -9,7 +9,7 @@ on. The GPU benchmark can write a measured table (`save_move_costs`) that both r
       sleep_s: 0.055
       wake_sync_s: 0.041
       ...
-    about: "H100, qwen2-0.5b-shape, bench/gpu_pipelines.py, 2026-11-23"   # optional, free text
+    about: "the cards, the model shape, the benchmark and the date it was measured"   # optional, free text
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from rlix.safe_yaml import load_yaml
 class MoveCosts(BaseModel):
     """Seconds each move of a GPU costs, and how much work a move must promise to be made.
 
-    Defaults are the upper ends of what one H100 measured (docs/BENCHMARKS.md, "The main job on
-    one real GPU", 0.5B-1.5B shapes): a bigger model or a slower link costs more, so a cluster
+    Defaults are the upper ends of what one GPU measured for 0.5B-1.5B shapes (docs/BENCHMARKS.md,
+    "The main job on one real GPU"): a bigger model or a slower link costs more, so a cluster
     should measure its own table (the GPU benchmark writes one; `load_move_costs` reads it).
 
-    sleep_s: a shard's level-2 sleep until its GPU is free (measured 0.05-0.3 s, with the HTTP
-      call and the aborted requests handed back).
-    wake_sync_s: a sleeping shard's wake plus the weight sync until it serves (0.03-0.1 s).
+    sleep_s: a shard's level-2 sleep until its GPU is free (with the HTTP call and the aborted
+      requests handed back).
+    wake_sync_s: a sleeping shard's wake plus the weight sync until it serves.
     sync_s: the weight-sync part of `wake_sync_s`; also what an awake shard pauses for after
       each train step (its refit). At most `wake_sync_s`.
     recapture_s: the CUDA graphs a level-2 sleep released are captured again by the first decode
-      steps after a wake (0.3-0.6 s today): part of every wake's cost until that is fixed.
+      steps after a wake: part of every wake's cost where graphs do not survive a sleep.
     trainer_reload_s / trainer_offload_s: a trainer (or a log-prob stage's model) moves its
       weights and optimiser state onto its GPUs before a step, and off them after it, so that
       shards can use those GPUs in between (0.1-0.3 s each).

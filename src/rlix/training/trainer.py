@@ -122,7 +122,7 @@ class PolicyTrainer:
         moments that the first step will create (`zeros_like` each trainable parameter: its
         shape and dtype). Made at the first offload instead, it cost seconds of pinning per
         pipeline on a GPU that was held and idle; and the first reload copies from page-locked
-        memory (~6x faster than pageable). The parameters move into the slab here."""
+        memory (several times faster than pageable). The parameters move into the slab here."""
         specs: list[tuple[tuple, torch.Size, torch.dtype, torch.Tensor | None, Callable[[torch.Tensor], None] | None]]
         specs = [(key, t.shape, t.dtype, t, put) for key, t, put in self._state_tensors()]
         for group in self.optimizer.param_groups:
@@ -452,7 +452,8 @@ class PolicyTrainer:
 
     def _move(self, device: torch.device) -> None:
         """Move the state. With CUDA the host side is pinned buffers, allocated once and reused
-        by every offload (pinning costs ~0.5 s/GiB; pinned copies run ~6x faster than pageable)."""
+        by every offload (pinning is slow; pinned copies run several times faster than pageable:
+        docs/BENCHMARKS.md, "Figures that stood in code comments")."""
         if self.device.type != "cuda":
             self.model.to(device)
             if self.ref_model is not None:

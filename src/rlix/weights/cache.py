@@ -3,7 +3,7 @@
 The trainer snapshots into host memory and gives its GPUs back; shards are synced from here
 later, on their own schedule. Two slots at most (the version being built or just built, and the
 version shards are being moved to), allocated once and reused, because pinning host memory
-costs ~0.5 s per GiB: building a third version overwrites the slot not holding the active one.
+is slow (docs/BENCHMARKS.md): building a third version overwrites the slot not holding the active one.
 Slots live in POSIX shared memory, so a receiving process on this host maps them with no copy at
 all (and a sync can hand every shard all its bucket references in one call). With CUDA present
 the segments are also page-locked ("pinned_shm"): the trainer's GPU->cache copies and a shard's

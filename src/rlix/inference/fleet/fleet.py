@@ -78,7 +78,7 @@ class ShardFleet:
         self.poll_s = poll_s
         # False: mark -> sleep(mode=abort) in one call; the engine aborts what is in flight
         # itself and the router re-dispatches it. Two round trips fewer per preemption, which
-        # matters when each costs ~100 ms on a saturated CPU; keep True for engines (vLLM) whose
+        # matters where round trips are slow (a saturated CPU); keep True for engines (vLLM) whose
         # sleep should not meet running requests.
         self.drain_before_sleep = drain_before_sleep
         self.shards: dict[int, Shard] = {}  # the one record of each rank's state (shard.py)
@@ -236,8 +236,8 @@ class ShardFleet:
         """Make each rank's process run on its GPUs, seeing only them. A rank that must move
         leaves its process resident where it was (asleep) and takes the resident engine on its
         new GPUs if there is one, or the sleeping engine of a rank not placed now (a wake, not a
-        start: `_hand_over`); only where neither is does a process start
-        (~15 s on a GPU). A move that changes nothing the process sees (another slice of the
+        start: `_hand_over`); only where neither is does a process start (the costliest move:
+        model load and graph capture). A move that changes nothing the process sees (another slice of the
         same GPU, `cluster.gpu_slices`) keeps the process. A rank bound to another process is
         INACTIVE; a new process serves the weights on disk, a resident one is asleep. Returns the
         ranks that got a new process and those that took a resident one."""

@@ -164,7 +164,8 @@ class Pool:
         elsewhere at once would mean relaunching it). On whole GPUs, a rank that never ran
         goes before one whose engine sleeps on GPUs still busy: a shard process cannot change
         devices, so that one would be started anew elsewhere, and its engine lost where it
-        could have woken once those GPUs are free (a start costs ~15 s on a GPU, a wake ~30 ms)."""
+        could have woken once those GPUs are free (a process start costs orders of magnitude
+        more than a wake: docs/BENCHMARKS.md)."""
         active = self.active_ranks(pipeline)
         slept = {m.dp_rank for m in self.shrinks if m.pipeline == pipeline}
         whole_gpus = self.ledger.topology.slices == 1  # a move between slices keeps the process
