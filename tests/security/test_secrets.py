@@ -4,7 +4,9 @@ Every user of a machine can read any process's command line (/proc/PID/cmdline, 
 its owner can read its environment (/proc/PID/environ): a token rlix hands a process it starts
 (a shard server's, which lets its holder sleep or pause shards and push weights) goes in the
 environment. Files that hold an address or a token (the run's process table, its logs, a
-cluster's state file) are mode 0600; ordinary results keep the umask's mode.
+cluster's state file) are mode 0600; ordinary results keep the umask's mode. And nothing of a run
+or of an `rlix up` cluster listens where another machine could connect: every listening socket of
+their processes (Ray's included) is on loopback.
 
 `rlix run` and `rlix up` end to end take ~45 s and ~20 s on 2 cores: in the default step too.
 """
@@ -16,6 +18,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -34,6 +37,7 @@ from rlix.private_files import PRIVATE_MODE, open_private, write_private
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from kit import need_vllm  # noqa: E402
+from listen_kit import Listener, listening_sockets, off_loopback  # noqa: E402
 
 #: an address in a file: host:port (IPv4) or a URL's
 ADDRESS = re.compile(rb"(?:\b\d{1,3}(?:\.\d{1,3}){3}:\d{2,5}\b)|(?:https?://[\w.-]+:\d{2,5})")
@@ -99,6 +103,19 @@ def assert_no_token_on_any_command_line(token: str) -> None:
     for pid in all_pids():
         cmdline = proc_read(pid, "cmdline")
         assert cmdline is None or needle not in cmdline, f"pid {pid} shows the token: {shown(cmdline)}"
+
+
+def assert_listening_on_loopback_only(listeners: dict[tuple[int, str, int], Listener],
+                                      expected: dict[str, str]) -> None:
+    """None of `listeners` is reachable from another machine, and among them are sockets of
+    every kind of process in `expected` (what: a piece of its command line), so the check saw
+    the processes it is about rather than passing on none."""
+    wide = off_loopback(listeners.values())
+    assert not wide, "listening beyond this machine:\n" + "\n".join(wide)
+    missing = {what for what, piece in expected.items()
+               if not any(piece in s.cmdline for s in listeners.values())}
+    assert not missing, (f"no listening socket seen of {sorted(missing)}; seen: "
+                         + "; ".join(str(s) for s in listeners.values()))
 
 
 def assert_private_where_needed(root: Path, token: str) -> list[Path]:
@@ -231,6 +248,30 @@ def test_token_flags_warn_that_other_users_see_them(monkeypatch, capsys):
     assert served[-1]["api_key"] == "a" and served[-1]["shard_api_key"] == "s"
 
 
+def test_the_socket_listing_tells_loopback_from_reachable_listeners():
+    """The check the end-to-end tests rely on: it finds this process's listening sockets and
+    calls a wildcard or machine-wide one reachable, a loopback one (IPv4-mapped too) not."""
+    binds = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::1"),
+             (socket.AF_INET6, "::"), (socket.AF_INET6, "::ffff:127.0.0.1")]
+    socks = []
+    try:
+        for family, host in binds:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind((host, 0))
+            sock.listen()
+        ports = {sock.getsockname()[1]: host for sock, (_, host) in zip(socks, binds)}
+        mine = {s.port: s for s in listening_sockets([os.getpid()]) if s.port in ports}
+    finally:
+        for sock in socks:
+            sock.close()
+    assert set(mine) == set(ports)
+    assert {ports[p]: s.loopback for p, s in mine.items()} == {
+        "127.0.0.1": True, "0.0.0.0": False, "::1": True, "::": False, "::ffff:127.0.0.1": True}
+    wide = off_loopback(mine.values())
+    assert len(wide) == 2 and all(f"pid {os.getpid()} (" in w for w in wide), wide
+
+
 def test_rlix_up_opens_the_head_log_0600(tmp_path, monkeypatch):
     """The head log names the cluster's address; one left 0644 by an older rlix is narrowed."""
     from rlix.cluster import commands
@@ -297,12 +338,15 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
                                 env=child_env, start_new_session=True)
     seen: dict[str, set[int]] = {"shard": set(), "env": set()}
     holding: set[str] = set()  # files seen holding an address (processes.json is {} once the run ends)
+    listeners: dict[tuple[int, str, int], Listener] = {}  # every listening socket seen of the run
     checked = 0
     try:
         deadline = time.monotonic() + 300
         while proc.poll() is None:
             assert time.monotonic() < deadline, "the run did not finish in 300 s"
             below = descendants(proc.pid)
+            if checked % 5 == 0:  # about every second: servers come and go as the run goes on
+                listeners.update({(s.pid, s.address, s.port): s for s in listening_sockets(below | {proc.pid})})
             for pid in below:
                 cmdline = proc_read(pid, "cmdline")
                 if cmdline is None:
@@ -331,6 +375,9 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
             _end(proc.pid)
             proc.wait(10)
     assert checked >= 5, checked
+    assert_listening_on_loopback_only(listeners, {
+        "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "a Ray worker": "ray::",
+        "a shard server": "rlix.cli serve", "an environment server": "rlix.agents.serve"})
     assert seen["shard"], "no shard server seen holding the token in its environment"
     assert seen["env"], "no environment server seen"
     holding |= {p.relative_to(run_dir).as_posix() for p in assert_private_where_needed(run_dir, token)}
@@ -368,6 +415,11 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     try:
         assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
         assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
+        assert_listening_on_loopback_only(
+            {(s.pid, s.address, s.port): s for s in listening_sockets(session_members(session, os.getpid()))},
+            {"Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
+             "a Ray worker": "ray::"})
+        assert state["address"].startswith("127.0.0.1:"), state["address"]
         token = home / ".ray" / "auth_token"
         assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
         assert "made 0600" in (cluster / "head.log").read_text()
