@@ -30,6 +30,7 @@ import yaml
 
 from rlix import env
 from rlix.agents.supervisor import EnvServerSpec
+from rlix.cluster.reaper import session_members
 from rlix.envs.agent_config import EnvConfig
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend, server_launch
 from rlix.inference.fleet.shard_process import ShardProcess
@@ -395,12 +396,53 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
     assert mode(run_dir / "agent" / "metrics.jsonl") == 0o666 & ~umask()
 
 
-def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(tmp_path):
+JOB = "listens"
+
+
+def _job_config(tmp_path: Path, model: Path) -> str:
+    pipe = {"name": JOB, "model": str(model), "min_shards": 1, "max_shards": 1, "steps": 20000, "seed": 1,
+            "checkpoint_every": 0, "task": {"name": "pattern", "patterns": ["a"]},
+            "rollout": {"groups_per_step": 2, "group_size": 4, "max_new_tokens": 8, "concurrency": 2}}
+    path = tmp_path / f"{JOB}.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "runs" / JOB), "pipelines": [pipe]}))
+    return str(path)
+
+
+def _job_drivers(tmp_path: Path) -> set[int]:
+    """The drivers of this test's jobs (each in a session of its own), by their command line."""
+    out = set()
+    for pid in all_pids():
+        words = (proc_read(pid, "cmdline") or b"").split(b"\0")
+        if b"rlix.cluster.driver" in words and any(str(tmp_path).encode() in w for w in words):
+            out.add(pid)
+    return out
+
+
+def _wait_for_job_listeners(session: int, head: int, tmp_path: Path,
+                            listeners: dict[tuple[int, str, int], Listener], timeout_s: float = 120.0) -> None:
+    """Adds to `listeners` what the cluster's processes (its session, the head's descendants:
+    Ray's workers and the servers they start in sessions of their own) and the job's driver
+    listen on, until the driver and a shard server of the job both do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        drivers = _job_drivers(tmp_path)
+        pids = set(session_members(session, os.getpid())) | descendants(head) | drivers
+        listeners.update({(s.pid, s.address, s.port): s for s in listening_sockets(pids)})
+        shown_pids = {s.pid for s in listeners.values()}
+        shard = any("rlix.cli serve" in s.cmdline for s in listeners.values())
+        if drivers & shown_pids and shard:
+            return
+        assert time.monotonic() < deadline, (f"in {timeout_s:g} s: driver(s) {sorted(drivers)}, a shard server "
+                                             f"{'seen' if shard else 'not seen'}; listening: "
+                                             + "; ".join(str(s) for s in listeners.values()))
+        time.sleep(0.5)
+
+
+def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(tmp_path, tiny_model_dir):
     """Ray writes the cluster's token (~/.ray/auth_token) mode 0644; the head narrows it to
     0600. A client with no token (another HOME: another user, who could not read the owner's
-    token) is refused in one line, at once."""
-    from rlix.cluster.reaper import session_members
-
+    token) is refused in one line, at once. Nothing of the cluster listens beyond this machine:
+    its head and Ray, a job's driver, the job's shard server."""
     home = tmp_path / "home"
     home.mkdir()
     cli_env = {**os.environ, "RLIX_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(home)}
@@ -415,10 +457,11 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     try:
         assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
         assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
-        assert_listening_on_loopback_only(
-            {(s.pid, s.address, s.port): s for s in listening_sockets(session_members(session, os.getpid()))},
-            {"Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
-             "a Ray worker": "ray::"})
+        listeners = {(s.pid, s.address, s.port): s
+                     for s in listening_sockets(session_members(session, os.getpid()))}
+        assert_listening_on_loopback_only(listeners, {
+            "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
+            "a Ray worker": "ray::"})
         assert state["address"].startswith("127.0.0.1:"), state["address"]
         token = home / ".ray" / "auth_token"
         assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
@@ -426,6 +469,14 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
         owner = subprocess.run([sys.executable, "-m", "rlix.cli", "jobs"], capture_output=True, text=True,
                                env=cli_env, timeout=120)
         assert owner.returncode == 0 and owner.stdout.startswith("job"), owner.stderr[-2000:]
+        # a job: its driver joins the cluster, its pipeline's servers start under the head's Ray
+        job = _job_config(tmp_path, tiny_model_dir)
+        submitted = subprocess.run([sys.executable, "-m", "rlix.cli", "submit", job], capture_output=True, text=True,
+                                   env=cli_env, timeout=120)
+        assert submitted.returncode == 0, submitted.stderr[-2000:]
+        _wait_for_job_listeners(session, int(state["pid"]), tmp_path, listeners)
+        assert_listening_on_loopback_only(listeners, {
+            "the job's driver": f"rlix.cluster.driver --job {JOB}", "a shard server": "rlix.cli serve"})
         stranger_home = tmp_path / "stranger"
         stranger_home.mkdir()
         t0 = time.monotonic()
@@ -438,8 +489,8 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     finally:
         down = subprocess.run([sys.executable, "-m", "rlix.cli", "down"], capture_output=True, text=True,
                               env=cli_env, timeout=300)
-        for pid in session_members(session, os.getpid()):  # only what is still in its session
-            try:
+        for pid in [*session_members(session, os.getpid()), *_job_drivers(tmp_path)]:
+            try:  # only what is still in its session, and the job's driver
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
