@@ -273,6 +273,19 @@ def test_the_socket_listing_tells_loopback_from_reachable_listeners():
     assert len(wide) == 2 and all(f"pid {os.getpid()} (" in w for w in wide), wide
 
 
+def test_a_rendezvous_store_listens_on_its_host_alone():
+    """A TCPStore server torch makes from a host and port listens on every interface; the one of
+    a data-parallel step or a weight broadcast (serve_store) only on its host, and joins there."""
+    from rlix.tcp_store import join_store, serve_store
+
+    store = serve_store("127.0.0.1", 0, 2, 30.0, wait_for_workers=False)
+    client = join_store("127.0.0.1", store.port, 2, 30.0)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    mine = [(s.address, s.port) for s in listening_sockets([os.getpid()]) if s.port == store.port]
+    assert mine == [("127.0.0.1", store.port)], mine
+
+
 def test_rlix_up_opens_the_head_log_0600(tmp_path, monkeypatch):
     """The head log names the cluster's address; one left 0644 by an older rlix is narrowed."""
     from rlix.cluster import commands
