@@ -273,6 +273,28 @@ def test_the_socket_listing_tells_loopback_from_reachable_listeners():
     assert len(wide) == 2 and all(f"pid {os.getpid()} (" in w for w in wide), wide
 
 
+def test_rlix_commands_ask_for_a_loopback_ray_unless_told_otherwise(monkeypatch):
+    """What a Ray started by an rlix command binds hangs on RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at
+    Ray's import: set to "0" when absent, an explicit value (the user widening it) kept; which
+    node IPs count as this machine's loopback."""
+    from rlix.httpkit import is_loopback
+
+    monkeypatch.delenv(env.RAY_CLUSTER_VAR, raising=False)
+    env.keep_ray_on_loopback()
+    assert os.environ[env.RAY_CLUSTER_VAR] == "0" and not env.ray_widened()
+    monkeypatch.setenv(env.RAY_CLUSTER_VAR, "1")
+    child = {env.RAY_CLUSTER_VAR: "1"}
+    env.keep_ray_on_loopback()
+    env.keep_ray_on_loopback(child)
+    assert os.environ[env.RAY_CLUSTER_VAR] == child[env.RAY_CLUSTER_VAR] == "1" and env.ray_widened()
+    fresh: dict[str, str] = {}
+    env.keep_ray_on_loopback(fresh)
+    assert fresh == {env.RAY_CLUSTER_VAR: "0"}
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost", "::ffff:127.0.0.1")] \
+        == [True] * 6
+    assert not any(is_loopback(h) for h in ("192.0.2.2", "10.0.0.1", "::", "0.0.0.0", "::ffff:10.0.0.1", "node-7"))
+
+
 def test_a_rendezvous_store_listens_on_its_host_alone():
     """A TCPStore server torch makes from a host and port listens on every interface; the one of
     a data-parallel step or a weight broadcast (serve_store) only on its host, and joins there."""
