@@ -406,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     env.join_ray_with_token()  # before Ray is imported: it reads the mode once
+    env.keep_ray_on_loopback()  # likewise: a Ray started here binds 127.0.0.1 only
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,32 @@ def join_ray_with_token() -> None:
     it); an explicit RAY_AUTH_MODE is left as it is."""
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
         os.environ["RAY_AUTH_MODE"] = "token"
+
+
+#: Ray's switch (read once, when Ray is imported) between a Ray for this machine alone and one
+#: that other machines may join. "0": a Ray started here takes the loopback address as its node IP,
+#: and each of its servers (GCS, raylet and object manager, every worker's and driver's gRPC
+#: server, the runtime-env and dashboard agents, the metrics exporters) binds loopback because of
+#: it; `ray start --address` (another node joining) is refused. Unset or "1" (Ray's default on
+#: Linux): the machine's IP, and Ray's gRPC servers listen on every interface.
+RAY_CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback(environ: MutableMapping[str, str] | None = None) -> None:
+    """Before Ray is imported, in an rlix command (or in the environment `environ` of a process
+    we start): a Ray it starts (`rlix run` without an address, the `rlix up` head, a simulated
+    cluster) listens on 127.0.0.1 only, and processes started from it inherit the setting, so
+    they can join it (a process without it turns the address 127.0.0.1:port into the machine's
+    IP, where nothing listens). Joining a cluster elsewhere is unaffected. An explicit
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is left as it is: "1" widens a Ray rlix starts to every
+    interface, for machines that are to join it."""
+    (os.environ if environ is None else environ).setdefault(RAY_CLUSTER_VAR, "0")
+
+
+def ray_widened() -> bool:
+    """Whether the user asked for a Ray that listens beyond this machine (RAY_CLUSTER_VAR set
+    to "1" or "true", as Ray reads it)."""
+    return os.environ.get(RAY_CLUSTER_VAR, "").strip().lower() in ("1", "true")
 
 
 def ray_token_path() -> Path:

@@ -14,6 +14,7 @@ keep-alive timeout) is retried once on a fresh one; any other transport failure 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback: "localhost", 127.0.0.0/8, ::1, or an
+    IPv4-mapped 127.x (how a dual-stack socket shows an IPv4 loopback peer or bind)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
 
 
 def check_ray_address(address: str, timeout_s: float = 3.0) -> None:

@@ -31,7 +31,7 @@ from rlix.config import load_config
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
 from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, format_validation_error, one_line
-from rlix.httpkit import check_ray_address
+from rlix.httpkit import check_ray_address, is_loopback
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.placement import GpuReservation
 from rlix.procguard import pid_alive
@@ -115,6 +115,19 @@ def keep_ray_token_private(say: Callable[[str], None]) -> None:
         say(f"{path}: Ray's cluster token was readable by others (mode {was:o}); made 0600")
 
 
+def say_where_ray_listens(say: Callable[[str], None]) -> None:
+    """After this process started a Ray cluster: one line when its servers listen beyond this
+    machine. A Ray started with the loopback address as its node IP binds loopback only; the rlix
+    commands ask for that before Ray is imported (env.keep_ray_on_loopback), which a program that
+    imported Ray itself first cannot have done."""
+    ip = ray.util.get_node_ip_address()
+    if is_loopback(ip):
+        return
+    why = (f"{env.RAY_CLUSTER_VAR} asks for it" if env.ray_widened() else
+           f"Ray was imported before {env.RAY_CLUSTER_VAR}=0 could be set; the rlix commands set it first")
+    say(f"Ray listens beyond this machine (node IP {ip}, its gRPC servers on every interface): {why}")
+
+
 def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog) -> SimulatedCluster | None:
     """Attach to `address`, or start a local cluster: one node, or as many simulated nodes as
     the config names (the simulated cluster is returned: the caller ends it)."""
@@ -132,10 +145,12 @@ def _start_ray(cfg: RlixConfig, address: str | None, run_dir: Path, say: RunLog)
         # "local": a new cluster, never one another program started on this machine
         ray.init(address="local", num_cpus=cpus, num_gpus=None if cfg.cluster.is_auto else cfg.cluster.physical_gpus,
                  include_dashboard=False, **init)
+        say_where_ray_listens(say)
         return None
     nodes, per_node = int(cfg.cluster.nodes), int(cfg.cluster.gpus_per_node)
     simulated = SimulatedCluster(nodes, per_node, cpus_per_node=max(2, -(-cpus // nodes)))
     simulated.connect(**init)
+    say_where_ray_listens(say)
     shown = simulated.nodes()
     write_private(run_dir / "cluster.json", json.dumps({"address": simulated.address,  # an address: 0600
                                                          "nodes": [asdict(n) for n in shown]}, indent=1))

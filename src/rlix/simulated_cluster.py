@@ -4,7 +4,9 @@
 attach to: the multi-node paths (shards and trainers as actors on their node, a weight replica
 per node, a node leaving mid-run) then run for real, only the wire is local. Each node is its
 own raylet with its own object store and worker processes, so killing a node's raylet by its
-PID takes that node's processes with it, as losing a machine would.
+PID takes that node's processes with it, as losing a machine would. Under the rlix commands
+(env.keep_ray_on_loopback) every node's address is 127.0.0.1 and all of Ray's servers listen
+there; the nodes are told apart by their node IDs, never by address.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Every user of a machine can read any process's command line (/proc/PID/cmdline, 
 its owner can read its environment (/proc/PID/environ): a token rlix hands a process it starts
 (a shard server's, which lets its holder sleep or pause shards and push weights) goes in the
 environment. Files that hold an address or a token (the run's process table, its logs, a
-cluster's state file) are mode 0600; ordinary results keep the umask's mode.
+cluster's state file) are mode 0600; ordinary results keep the umask's mode. And nothing of a run
+or of an `rlix up` cluster listens where another machine could connect: every listening socket of
+their processes (Ray's included) is on loopback.
 
 `rlix run` and `rlix up` end to end take ~45 s and ~20 s on 2 cores: in the default step too.
 """
@@ -16,6 +18,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -27,6 +30,7 @@ import yaml
 
 from rlix import env
 from rlix.agents.supervisor import EnvServerSpec
+from rlix.cluster.reaper import session_members
 from rlix.envs.agent_config import EnvConfig
 from rlix.inference.fleet.backends import EngineBackendConfig, make_backend, server_launch
 from rlix.inference.fleet.shard_process import ShardProcess
@@ -34,6 +38,7 @@ from rlix.private_files import PRIVATE_MODE, open_private, write_private
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 from kit import need_vllm  # noqa: E402
+from listen_kit import Listener, listening_sockets, off_loopback  # noqa: E402
 
 #: an address in a file: host:port (IPv4) or a URL's
 ADDRESS = re.compile(rb"(?:\b\d{1,3}(?:\.\d{1,3}){3}:\d{2,5}\b)|(?:https?://[\w.-]+:\d{2,5})")
@@ -99,6 +104,19 @@ def assert_no_token_on_any_command_line(token: str) -> None:
     for pid in all_pids():
         cmdline = proc_read(pid, "cmdline")
         assert cmdline is None or needle not in cmdline, f"pid {pid} shows the token: {shown(cmdline)}"
+
+
+def assert_listening_on_loopback_only(listeners: dict[tuple[int, str, int], Listener],
+                                      expected: dict[str, str]) -> None:
+    """None of `listeners` is reachable from another machine, and among them are sockets of
+    every kind of process in `expected` (what: a piece of its command line), so the check saw
+    the processes it is about rather than passing on none."""
+    wide = off_loopback(listeners.values())
+    assert not wide, "listening beyond this machine:\n" + "\n".join(wide)
+    missing = {what for what, piece in expected.items()
+               if not any(piece in s.cmdline for s in listeners.values())}
+    assert not missing, (f"no listening socket seen of {sorted(missing)}; seen: "
+                         + "; ".join(str(s) for s in listeners.values()))
 
 
 def assert_private_where_needed(root: Path, token: str) -> list[Path]:
@@ -231,6 +249,65 @@ def test_token_flags_warn_that_other_users_see_them(monkeypatch, capsys):
     assert served[-1]["api_key"] == "a" and served[-1]["shard_api_key"] == "s"
 
 
+def test_the_socket_listing_tells_loopback_from_reachable_listeners():
+    """The check the end-to-end tests rely on: it finds this process's listening sockets and
+    calls a wildcard or machine-wide one reachable, a loopback one (IPv4-mapped too) not."""
+    binds = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::1"),
+             (socket.AF_INET6, "::"), (socket.AF_INET6, "::ffff:127.0.0.1")]
+    socks = []
+    try:
+        for family, host in binds:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind((host, 0))
+            sock.listen()
+        ports = {sock.getsockname()[1]: host for sock, (_, host) in zip(socks, binds)}
+        mine = {s.port: s for s in listening_sockets([os.getpid()]) if s.port in ports}
+    finally:
+        for sock in socks:
+            sock.close()
+    assert set(mine) == set(ports)
+    assert {ports[p]: s.loopback for p, s in mine.items()} == {
+        "127.0.0.1": True, "0.0.0.0": False, "::1": True, "::": False, "::ffff:127.0.0.1": True}
+    wide = off_loopback(mine.values())
+    assert len(wide) == 2 and all(f"pid {os.getpid()} (" in w for w in wide), wide
+
+
+def test_rlix_commands_ask_for_a_loopback_ray_unless_told_otherwise(monkeypatch):
+    """What a Ray started by an rlix command binds hangs on RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at
+    Ray's import: set to "0" when absent, an explicit value (the user widening it) kept; which
+    node IPs count as this machine's loopback."""
+    from rlix.httpkit import is_loopback
+
+    monkeypatch.delenv(env.RAY_CLUSTER_VAR, raising=False)
+    env.keep_ray_on_loopback()
+    assert os.environ[env.RAY_CLUSTER_VAR] == "0" and not env.ray_widened()
+    monkeypatch.setenv(env.RAY_CLUSTER_VAR, "1")
+    child = {env.RAY_CLUSTER_VAR: "1"}
+    env.keep_ray_on_loopback()
+    env.keep_ray_on_loopback(child)
+    assert os.environ[env.RAY_CLUSTER_VAR] == child[env.RAY_CLUSTER_VAR] == "1" and env.ray_widened()
+    fresh: dict[str, str] = {}
+    env.keep_ray_on_loopback(fresh)
+    assert fresh == {env.RAY_CLUSTER_VAR: "0"}
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost", "::ffff:127.0.0.1")] \
+        == [True] * 6
+    assert not any(is_loopback(h) for h in ("192.0.2.2", "10.0.0.1", "::", "0.0.0.0", "::ffff:10.0.0.1", "node-7"))
+
+
+def test_a_rendezvous_store_listens_on_its_host_alone():
+    """A TCPStore server torch makes from a host and port listens on every interface; the one of
+    a data-parallel step or a weight broadcast (serve_store) only on its host, and joins there."""
+    from rlix.tcp_store import join_store, serve_store
+
+    store = serve_store("127.0.0.1", 0, 2, 30.0, wait_for_workers=False)
+    client = join_store("127.0.0.1", store.port, 2, 30.0)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    mine = [(s.address, s.port) for s in listening_sockets([os.getpid()]) if s.port == store.port]
+    assert mine == [("127.0.0.1", store.port)], mine
+
+
 def test_rlix_up_opens_the_head_log_0600(tmp_path, monkeypatch):
     """The head log names the cluster's address; one left 0644 by an older rlix is narrowed."""
     from rlix.cluster import commands
@@ -297,12 +374,15 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
                                 env=child_env, start_new_session=True)
     seen: dict[str, set[int]] = {"shard": set(), "env": set()}
     holding: set[str] = set()  # files seen holding an address (processes.json is {} once the run ends)
+    listeners: dict[tuple[int, str, int], Listener] = {}  # every listening socket seen of the run
     checked = 0
     try:
         deadline = time.monotonic() + 300
         while proc.poll() is None:
             assert time.monotonic() < deadline, "the run did not finish in 300 s"
             below = descendants(proc.pid)
+            if checked % 5 == 0:  # about every second: servers come and go as the run goes on
+                listeners.update({(s.pid, s.address, s.port): s for s in listening_sockets(below | {proc.pid})})
             for pid in below:
                 cmdline = proc_read(pid, "cmdline")
                 if cmdline is None:
@@ -331,6 +411,9 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
             _end(proc.pid)
             proc.wait(10)
     assert checked >= 5, checked
+    assert_listening_on_loopback_only(listeners, {
+        "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "a Ray worker": "ray::",
+        "a shard server": "rlix.cli serve", "an environment server": "rlix.agents.serve"})
     assert seen["shard"], "no shard server seen holding the token in its environment"
     assert seen["env"], "no environment server seen"
     holding |= {p.relative_to(run_dir).as_posix() for p in assert_private_where_needed(run_dir, token)}
@@ -348,12 +431,53 @@ def test_a_run_shows_its_token_on_no_command_line_and_keeps_addresses_private(tm
     assert mode(run_dir / "agent" / "metrics.jsonl") == 0o666 & ~umask()
 
 
-def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(tmp_path):
+JOB = "listens"
+
+
+def _job_config(tmp_path: Path, model: Path) -> str:
+    pipe = {"name": JOB, "model": str(model), "min_shards": 1, "max_shards": 1, "steps": 20000, "seed": 1,
+            "checkpoint_every": 0, "task": {"name": "pattern", "patterns": ["a"]},
+            "rollout": {"groups_per_step": 2, "group_size": 4, "max_new_tokens": 8, "concurrency": 2}}
+    path = tmp_path / f"{JOB}.yaml"
+    path.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "runs" / JOB), "pipelines": [pipe]}))
+    return str(path)
+
+
+def _job_drivers(tmp_path: Path) -> set[int]:
+    """The drivers of this test's jobs (each in a session of its own), by their command line."""
+    out = set()
+    for pid in all_pids():
+        words = (proc_read(pid, "cmdline") or b"").split(b"\0")
+        if b"rlix.cluster.driver" in words and any(str(tmp_path).encode() in w for w in words):
+            out.add(pid)
+    return out
+
+
+def _wait_for_job_listeners(session: int, head: int, tmp_path: Path,
+                            listeners: dict[tuple[int, str, int], Listener], timeout_s: float = 120.0) -> None:
+    """Adds to `listeners` what the cluster's processes (its session, the head's descendants:
+    Ray's workers and the servers they start in sessions of their own) and the job's driver
+    listen on, until the driver and a shard server of the job both do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        drivers = _job_drivers(tmp_path)
+        pids = set(session_members(session, os.getpid())) | descendants(head) | drivers
+        listeners.update({(s.pid, s.address, s.port): s for s in listening_sockets(pids)})
+        shown_pids = {s.pid for s in listeners.values()}
+        shard = any("rlix.cli serve" in s.cmdline for s in listeners.values())
+        if drivers & shown_pids and shard:
+            return
+        assert time.monotonic() < deadline, (f"in {timeout_s:g} s: driver(s) {sorted(drivers)}, a shard server "
+                                             f"{'seen' if shard else 'not seen'}; listening: "
+                                             + "; ".join(str(s) for s in listeners.values()))
+        time.sleep(0.5)
+
+
+def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(tmp_path, tiny_model_dir):
     """Ray writes the cluster's token (~/.ray/auth_token) mode 0644; the head narrows it to
     0600. A client with no token (another HOME: another user, who could not read the owner's
-    token) is refused in one line, at once."""
-    from rlix.cluster.reaper import session_members
-
+    token) is refused in one line, at once. Nothing of the cluster listens beyond this machine:
+    its head and Ray, a job's driver, the job's shard server."""
     home = tmp_path / "home"
     home.mkdir()
     cli_env = {**os.environ, "RLIX_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(home)}
@@ -368,12 +492,26 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     try:
         assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
         assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
+        listeners = {(s.pid, s.address, s.port): s
+                     for s in listening_sockets(session_members(session, os.getpid()))}
+        assert_listening_on_loopback_only(listeners, {
+            "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
+            "a Ray worker": "ray::"})
+        assert state["address"].startswith("127.0.0.1:"), state["address"]
         token = home / ".ray" / "auth_token"
         assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
         assert "made 0600" in (cluster / "head.log").read_text()
         owner = subprocess.run([sys.executable, "-m", "rlix.cli", "jobs"], capture_output=True, text=True,
                                env=cli_env, timeout=120)
         assert owner.returncode == 0 and owner.stdout.startswith("job"), owner.stderr[-2000:]
+        # a job: its driver joins the cluster, its pipeline's servers start under the head's Ray
+        job = _job_config(tmp_path, tiny_model_dir)
+        submitted = subprocess.run([sys.executable, "-m", "rlix.cli", "submit", job], capture_output=True, text=True,
+                                   env=cli_env, timeout=120)
+        assert submitted.returncode == 0, submitted.stderr[-2000:]
+        _wait_for_job_listeners(session, int(state["pid"]), tmp_path, listeners)
+        assert_listening_on_loopback_only(listeners, {
+            "the job's driver": f"rlix.cluster.driver --job {JOB}", "a shard server": "rlix.cli serve"})
         stranger_home = tmp_path / "stranger"
         stranger_home.mkdir()
         t0 = time.monotonic()
@@ -386,8 +524,8 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     finally:
         down = subprocess.run([sys.executable, "-m", "rlix.cli", "down"], capture_output=True, text=True,
                               env=cli_env, timeout=300)
-        for pid in session_members(session, os.getpid()):  # only what is still in its session
-            try:
+        for pid in [*session_members(session, os.getpid()), *_job_drivers(tmp_path)]:
+            try:  # only what is still in its session, and the job's driver
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass

@@ -136,8 +136,10 @@ def up(*, num_gpus: int | None, num_cpus: int, gpu_slices: int, quotas: list[str
         if port is not None:
             cmd += [flag, str(port)]
     log = cluster_dir() / "head.log"
+    head_env = env.child_env()
+    env.keep_ray_on_loopback(head_env)  # a Ray it starts binds 127.0.0.1 only
     with open_private(log, "ab") as fh:  # it holds the cluster's address: the owner's alone
-        head = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        head = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=head_env,
                                 start_new_session=True)  # it outlives this command: that is the point
     deadline = time.monotonic() + UP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -210,8 +212,10 @@ def submit(config_path: str, *, name: str | None = None, user: str | None = None
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.driver", "--job", job.name, "--config", job.config,
            "--address", address] + (["--resume"] if resume else [])
+    driver_env = env.child_env()
+    env.keep_ray_on_loopback(driver_env)  # so it can join a cluster on 127.0.0.1
     with open_private(log, "ab") as fh:  # it holds the cluster's address: the owner's alone
-        subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=driver_env,
                          start_new_session=True)  # an independent Ray job: it outlives this shell
     where = (f"queued, position {row['queue_position']}: {row['reason']}" if row["state"] == "queued"
              else row["state"])

@@ -30,7 +30,7 @@ from rlix.cluster.jobs import Job, book_file_text, end_unfinished, jobs_file, pa
 from rlix.cluster.registry import ClusterInfo, start_registry
 from rlix.placement import GpuReservation
 from rlix.private_files import write_private
-from rlix.run import keep_ray_token_private
+from rlix.run import keep_ray_token_private, say_where_ray_listens
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ray.init(num_cpus=args.num_cpus, num_gpus=args.num_gpus, namespace="rlix", include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR")
+        say_where_ray_listens(lambda line: print(f"rlix head: {line}", flush=True))
     keep_ray_token_private(lambda line: print(f"rlix head: {line}", flush=True))
     # after ray.init, which installs handlers of its own: `rlix down` must drain the jobs first
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -30,6 +30,7 @@ from rlix.config.models import TrainConfig
 from rlix.devices import DeviceMemory, cap_process_memory, measure, release_and_measure, wait_for_free
 from rlix.errors import GpuMemoryError, TrainingError
 from rlix.models.presets import resolve_model
+from rlix.tcp_store import join_store, serve_store
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
 from rlix.weights.api import PublishedVersion
@@ -260,8 +261,11 @@ class PolicyTrainer:
                                 "trainer creates and destroys its own for each step")
         backend = group.backend or ("nccl" if self.device.type == "cuda" else "gloo")
         t0 = time.perf_counter()
-        dist.init_process_group(backend, init_method=group.init_method, rank=group.rank,
-                                world_size=group.world_size,
+        # the rendezvous served on the master address alone (rlix.tcp_store says why)
+        store = (serve_store(group.master_addr, group.master_port, group.world_size, group.timeout_s)
+                 if group.rank == 0 else
+                 join_store(group.master_addr, group.master_port, group.world_size, group.timeout_s))
+        dist.init_process_group(backend, store=store, rank=group.rank, world_size=group.world_size,
                                 timeout=timedelta(seconds=group.timeout_s))
         stats = GroupStats(setup_s=time.perf_counter() - t0)
         try:

@@ -38,10 +38,6 @@ class GroupSpec:
     backend: str | None = None
     timeout_s: float = 300.0
 
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.master_addr}:{self.master_port}"
-
 
 @dataclass
 class GroupStats:

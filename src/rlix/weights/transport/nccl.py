@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlix import env
+from rlix.tcp_store import join_store, serve_store
 from rlix.weights.transport.base import Message, ReceiverBase, SenderBase, header
 from rlix.weights.transport.staging import CudaStager
 
@@ -75,8 +76,7 @@ class NcclSender(SenderBase):
         self._stager: CudaStager | None = None
 
     def open(self, num_ranks: int) -> dict[str, Any]:
-        self._store = dist.TCPStore(self.host, 0, num_ranks + 1, is_master=True,
-                                    timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
+        self._store = serve_store(self.host, 0, num_ranks + 1, self.timeout, wait_for_workers=False)
         self._info = {"host": self.host, "port": int(self._store.port), "world_size": num_ranks + 1,
                       "prefix": f"rlix-sync-{secrets.token_hex(6)}", "backend": self.backend,
                       "timeout": self.timeout}
@@ -128,8 +128,7 @@ class NcclReceiver(ReceiverBase):
 
     def open(self, info: dict[str, Any]) -> None:
         timeout = float(info.get("timeout", 120.0))
-        store = dist.TCPStore(info["host"], int(info["port"]), int(info["world_size"]), is_master=False,
-                              timeout=timedelta(seconds=timeout))
+        store = join_store(info["host"], int(info["port"]), int(info["world_size"]), timeout)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._group = _make_group(info["backend"], dist.PrefixStore(info["prefix"], store),
