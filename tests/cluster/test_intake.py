@@ -270,3 +270,15 @@ def test_without_token_auth_nothing_is_proved_and_the_peer_still_names_the_user(
     finally:
         server.close()
     assert answer["user"] == ME and registry.jobs[0].user == ME
+
+
+def test_the_largest_job_fits_the_size_cap_and_one_pipeline_more_is_refused_by_name(served):
+    server, registry, _ = served
+    pipes = [PipelineNeeds(f"{i:03d}" + "p" * 61, 4096, 64, 4096, 4096, False) for i in range(intake.MAX_JOB_PIPELINES)]
+    big = Job(name="n" * 128, user="u" * 128, pipelines=pipes, config="/" + "c" * 4095, run_dir="/" + "r" * 4095)
+    assert submit_job(server.path, big, token=TOKEN)["row"]["name"] == "n" * 128
+    big.name, big.pipelines = "more", [*pipes, PipelineNeeds("one-more", 1, 1, 1, 1)]
+    with pytest.raises(ConfigError, match=rf"^the request: job.pipelines: List should have at most "
+                                          rf"{intake.MAX_JOB_PIPELINES} items"):
+        submit_job(server.path, big, token=TOKEN)
+    assert len(registry.jobs) == 1

@@ -76,8 +76,10 @@ PROTOCOL = "submit/1"
 SOCKET_PARENT = Path("/tmp")
 SOCKET_DIR_PREFIX = "rlix-submit-"
 SOCKET_NAME = "submit.sock"
-#: the largest request line the head reads (a job of 64 pipelines is ~10 KiB)
-MAX_REQUEST_BYTES = 64 * 1024
+#: the most pipelines one job may have (a request of that many, every name and path its longest: ~55 KiB)
+MAX_JOB_PIPELINES = 256
+#: the largest request line the head reads
+MAX_REQUEST_BYTES = 128 * 1024
 #: how long the head waits for a whole request after a client connects
 REQUEST_TIMEOUT_S = 10.0
 #: connections the head serves at once; more are told it is busy
@@ -116,7 +118,7 @@ class JobRequest(_Strict):
     name: Label
     config: PathStr
     run_dir: PathStr
-    pipelines: list[PipelineRequest] = Field(min_length=1, max_length=64)
+    pipelines: list[PipelineRequest] = Field(min_length=1, max_length=MAX_JOB_PIPELINES)
 
 
 class SubmitRequest(_Strict):
@@ -136,7 +138,7 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a connected Unix socket, as the kernel
     recorded them when it connected."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
+    pid, uid, gid = struct.unpack("iII", raw)  # struct ucred: pid_t, uid_t (unsigned), gid_t
     return pid, uid, gid
 
 
@@ -236,18 +238,15 @@ class SubmitServer:
                 time.sleep(0.05)  # out of descriptors, say: try again rather than stop serving
                 continue
             if not self._slots.acquire(blocking=False):
-                threading.Thread(target=self._busy, args=(conn,), daemon=True).start()
+                with conn:  # one short line into a fresh socket's empty buffer: it does not block
+                    try:
+                        conn.settimeout(0.5)
+                        _send(conn, {"ok": False, "error": "the cluster's head is busy with other "
+                                                           "submissions; try again"})
+                    except OSError:
+                        pass
                 continue
             threading.Thread(target=self._serve_one, args=(conn, submit), daemon=True).start()
-
-    def _busy(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(1.0)
-                _send(conn, {"ok": False, "error": "the cluster's head is busy with other submissions; "
-                                                   "try again"})
-            except OSError:
-                pass
 
     def _serve_one(self, conn: socket.socket, submit: Callable[[Job], dict]) -> None:
         try:
