@@ -21,7 +21,7 @@ import pytest
 
 from rlix.cluster import intake
 from rlix.cluster.intake import SubmitServer, peer_credentials, remove_socket, submit_job, user_name
-from rlix.cluster.jobs import Job, PipelineNeeds
+from rlix.cluster.jobs import Job, JobBook, PipelineNeeds
 from rlix.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "SO_PEERCRED"), reason="SO_PEERCRED is Linux's")
@@ -31,21 +31,22 @@ ME = pwd.getpwuid(os.getuid()).pw_name
 
 
 def a_job(name: str = "j1", user: str = "ann") -> Job:
-    return Job(name=name, user=user, pipelines=[PipelineNeeds("p1", 1, 1, 1, 2, True)],
+    return Job(name=name, user=user, pipelines=[PipelineNeeds(f"{name}-p", 1, 1, 1, 2, True)],
                config="/cfg/j1.yaml", run_dir="/runs/j1")
 
 
 class Registry:
-    """Records what reaches it; refuses a name it has seen (as JobBook does a live job's)."""
+    """The registry's `submit` without Ray: a JobBook of a large cluster, what reached it kept."""
 
     def __init__(self) -> None:
-        self.jobs: list[Job] = []
+        self.book = JobBook(1 << 30)  # room for the largest job
+
+    @property
+    def jobs(self) -> list[Job]:
+        return list(self.book.jobs.values())
 
     def __call__(self, job: Job) -> dict:
-        if any(j.name == job.name for j in self.jobs):
-            raise ConfigError(f"job {job.name!r} is already admitted; cancel it or pick another name")
-        self.jobs.append(job)
-        return {**job.row(), "queue_position": None}
+        return self.book.row(self.book.submit(job).name)
 
 
 @pytest.fixture()
@@ -282,3 +283,46 @@ def test_the_largest_job_fits_the_size_cap_and_one_pipeline_more_is_refused_by_n
                                           rf"{intake.MAX_JOB_PIPELINES} items"):
         submit_job(server.path, big, token=TOKEN)
     assert len(registry.jobs) == 1
+
+
+def test_rlix_submit_prints_the_heads_note_and_starts_the_driver_after_the_head_took_the_job(
+        served, tmp_path, monkeypatch):
+    """`commands.submit` up to the socket as the CLI runs it (Ray's part stood in for: the
+    registry only says where the socket is): the head's line comes first, then the usual one
+    with the user the head named; a refusal starts no driver."""
+    import yaml
+
+    from rlix.cluster import commands
+
+    server, registry, _ = served
+    pipe = {"name": "pa", "model": "tiny", "min_shards": 1, "max_shards": 1, "steps": 2,
+            "task": {"name": "pattern", "patterns": ["a"]}}
+    config = tmp_path / "ja.yaml"
+    config.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"), "pipelines": [pipe]}))
+
+    class Info:
+        submit_socket = str(server.path)
+
+    class Handle:
+        class cluster_info:  # noqa: N801 - as a Ray actor handle's method
+            @staticmethod
+            def remote() -> Info:
+                return Info()
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(commands, "connect", lambda address=None: "127.0.0.1:6379")
+    monkeypatch.setattr(commands, "get_registry", lambda: Handle)
+    monkeypatch.setattr(commands.ray, "get", lambda ref, **kw: ref)
+    monkeypatch.setattr(commands.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    monkeypatch.setattr(commands.env, "ray_token", lambda: TOKEN)
+    lines: list[str] = []
+    row = commands.submit(str(config), user="carol", out=lines.append)
+    assert row["user"] == ME and registry.jobs[0].user == ME
+    assert lines == [f"job ja counts against {ME!r}, the account that submitted it, not 'carol': only the "
+                     f"cluster's owner may name another user",
+                     f"submitted job ja (user {ME}; pipelines pa): admitted; log: rlix logs ja"]
+    assert len(started) == 1 and started[0][2:5] == ["rlix.cluster.driver", "--job", "ja"]
+    monkeypatch.setattr(commands.env, "ray_token", lambda: "not-the-token")
+    with pytest.raises(ConfigError, match="does not prove the cluster's Ray token"):
+        commands.submit(str(config), name="jb", overwrite=True, out=lines.append)
+    assert len(started) == 1 and len(lines) == 2
