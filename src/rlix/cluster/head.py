@@ -30,7 +30,7 @@ import ray
 
 from rlix import env
 from rlix.cluster.jobs import Job, book_file_text, end_unfinished, jobs_file, parse_quotas, read_book_file
-from rlix.cluster.intake import SubmitServer
+from rlix.cluster.intake import SUBMIT_TIMEOUT_S, SubmitServer
 from rlix.cluster.registry import ClusterInfo, ask, start_registry
 from rlix.placement import GpuReservation
 from rlix.private_files import write_private
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         registry = start_registry(info, quotas, tuple(Job.from_record(r) for r in earlier), head_key)
         ray.get(registry.jobs.remote())  # up and answering
         registry.watch_drivers.remote()  # for as long as the registry lives
-        intake.serve(lambda job: ask(registry.submit.remote(job, head_key), timeout=60))
+        intake.serve(lambda job: ask(registry.submit.remote(job, head_key), timeout=SUBMIT_TIMEOUT_S))
     except BaseException:
         intake.close()
         raise

@@ -86,8 +86,10 @@ REQUEST_TIMEOUT_S = 10.0
 MAX_CLIENTS = 8
 #: how often the accepting thread looks whether the server was closed
 ACCEPT_POLL_S = 0.25
+#: how long the head waits for the registry to take a job
+SUBMIT_TIMEOUT_S = 60.0
 #: how long a client waits for the head's answer (the registry's call included)
-CLIENT_TIMEOUT_S = 60.0
+CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + SUBMIT_TIMEOUT_S + 10.0
 #: the largest line a client reads back (a job's row)
 MAX_ANSWER_BYTES = 1024 * 1024
 _CLIENT, _HEAD = b"rlix submit/1 client\0", b"rlix submit/1 head\0"
@@ -197,7 +199,7 @@ class SubmitServer:
         self.token = token
         self.owner_uid = os.getuid() if owner_uid is None else owner_uid
         self.timeout_s, self.max_bytes, self.say = timeout_s, max_bytes, say
-        self._slots = threading.BoundedSemaphore(max_clients)
+        self._slots, self._max_clients = threading.BoundedSemaphore(max_clients), max_clients
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.directory = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir=parent))
@@ -218,11 +220,18 @@ class SubmitServer:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop taking connections (one being answered finishes) and remove the socket and its
-        directory."""
+        """Stop taking connections, let those being answered finish (within the request timeout
+        and the registry's call: a job taken as the head goes down is in the registry before
+        the head cancels the live ones), and remove the socket and its directory. Again: nothing."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 + ACCEPT_POLL_S)
+            deadline = time.monotonic() + self.timeout_s + SUBMIT_TIMEOUT_S
+            for _ in range(self._max_clients):  # every slot back: no answer in flight
+                if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    break
         self._sock.close()
         remove_socket(self.path)
 
@@ -246,7 +255,11 @@ class SubmitServer:
                     except OSError:
                         pass
                 continue
-            threading.Thread(target=self._serve_one, args=(conn, submit), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve_one, args=(conn, submit), daemon=True).start()
+            except RuntimeError:  # no thread to be had: this one is not served
+                conn.close()
+                self._slots.release()
 
     def _serve_one(self, conn: socket.socket, submit: Callable[[Job], dict]) -> None:
         try:
