@@ -337,7 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="add a config's pipelines to the shared cluster as one job")
     submit.add_argument("config", help="run config YAML (its cluster section is ignored: the cluster is shared)")
     submit.add_argument("--name", default=None, help="job name (default: the config file's name)")
-    submit.add_argument("--user", default=None, help="whose quota it counts against (default: RLIX_USER or USER)")
+    submit.add_argument("--user", default=None,
+                        help="whose quota it counts against (default: RLIX_USER or USER); honoured for the "
+                             "cluster's owner only: any other account's job counts against that account")
     again = submit.add_mutually_exclusive_group()  # without either, a run_dir holding a previous run is refused
     again.add_argument("--resume", action="store_true", help="continue from the checkpoints in run_dir")
     again.add_argument("--overwrite", action="store_true",

@@ -70,6 +70,19 @@ def ray_token_path() -> Path:
     return Path(value).expanduser() if value else Path.home() / ".ray" / "auth_token"
 
 
+def ray_token() -> str | None:
+    """The Ray token this process holds, where Ray itself looks: `RAY_AUTH_TOKEN`, else the file
+    at ray_token_path(); None when there is none it can read. rlix only uses it as a key (the
+    proof a job's submitter holds it, rlix.cluster.intake): never printed, logged or passed on."""
+    value = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if value:
+        return value
+    try:
+        return ray_token_path().read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def ray_token_auth() -> bool:
     """Whether this process's Ray uses token authentication (`RAY_AUTH_MODE=token`, which Ray
     itself sets when it starts or joins a cluster with a token)."""

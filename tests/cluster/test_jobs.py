@@ -59,6 +59,7 @@ def test_user_caps_count_what_admitted_jobs_may_hold():
     c3 = book.submit(job("c3", user="carol", max_shards=1))
     assert c3.state == "queued" and "user 'carol' is at 4 of a 4-GPU cap" in c3.reason
     assert book.submit(job("d1", user="dave", max_shards=3)).state == "admitted"  # no cap for dave
+    book.get("c1").driver_pid = 4242  # its driver attached
     book.cancel("c1")  # running jobs are asked to stop; their drivers end them
     assert book.get("c1").cancel_requested and book.get("c1").state == "admitted"
     book.set_state("c1", "cancelled")
@@ -91,6 +92,19 @@ def test_cancel_of_a_queued_job_ends_it_and_jobs_are_found_by_pipeline_name():
     rows = book.rows()
     assert [(r["name"], r["state"], r["queue_position"]) for r in rows] == [("a", "admitted", None),
                                                                           ("two", "cancelled", None)]
+
+
+def test_cancel_of_an_admitted_job_whose_driver_never_attached_ends_it_at_once():
+    """Its client died before starting the driver (or the driver before joining): nothing would
+    ever see a cancel flag, and its floor would hold the queue (and `rlix down` for its drain)."""
+    book = JobBook(1)
+    book.submit(job("a", max_shards=1))
+    waiting = book.submit(job("b", max_shards=1))
+    assert book.get("a").state == "admitted" and waiting.state == "queued"
+    ended = book.cancel("a")
+    assert (ended.state, ended.reason, ended.cancel_requested) == ("cancelled", "cancelled before its driver "
+                                                                                "started", False)
+    assert book.get("b").state == "admitted"  # its floor went to the queue
 
 
 def test_a_job_whose_driver_died_is_failed_and_its_place_goes_to_the_queue():

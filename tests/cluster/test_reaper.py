@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from rlix.cluster.intake import SOCKET_DIR_PREFIX
 from rlix.cluster.reaper import session_members
 
 # a stand-in head: starts a child that outlives it (as Ray's agents do), writes both PIDs, waits
@@ -42,9 +46,9 @@ BOOK = {"jobs": [{"name": "live", "user": "ann", "state": "running", "reason": "
                  {"name": "old", "user": "ann", "state": "done", "reason": "", "ended_at": 1.0}]}
 
 
-def start(tmp_path: Path, head_s: float) -> tuple[subprocess.Popen, int, int, Path]:
+def start(tmp_path: Path, head_s: float, state_text: str = "{}") -> tuple[subprocess.Popen, int, int, Path]:
     pids, state = tmp_path / "pids", tmp_path / "state.json"
-    state.write_text("{}")
+    state.write_text(state_text)
     (tmp_path / "jobs.json").write_text(json.dumps(BOOK))
     reaper = subprocess.Popen([sys.executable, "-m", "rlix.cluster.reaper", "--state", str(state),
                                "--jobs", str(tmp_path / "jobs.json"), "--",
@@ -59,7 +63,12 @@ def start(tmp_path: Path, head_s: float) -> tuple[subprocess.Popen, int, int, Pa
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="the reaper reads /proc")
 def test_a_sigkilled_heads_leftovers_are_ended(tmp_path):
-    reaper, head, child, state = start(tmp_path, 120)
+    # the head's job submission socket, in the directory it made under /tmp (rlix.cluster.intake)
+    sock_dir = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir="/tmp"))
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(sock_dir / "submit.sock"))
+    listening.close()  # its file stays, as a SIGKILLed head leaves it
+    reaper, head, child, state = start(tmp_path, 120, json.dumps({"submit_socket": str(sock_dir / "submit.sock")}))
     try:
         assert set(session_members(reaper.pid, reaper.pid)) >= {head, child}
         os.kill(head, signal.SIGKILL)
@@ -68,6 +77,7 @@ def test_a_sigkilled_heads_leftovers_are_ended(tmp_path):
         assert not alive(child)  # it ignored SIGTERM: the reaper's SIGKILL ended it
         assert time.monotonic() - t0 >= 4.0  # after the grace period, not before
         assert not state.exists()  # the dead head's state file is not left to mislead `rlix status`
+        assert not sock_dir.exists()  # nor its socket in /tmp
         assert "ended 1 process(es)" in reaper.stderr.read()
         # the job that was running is recorded as ended, with how; the one that ended is kept
         book = tmp_path / "jobs.json"
@@ -78,6 +88,7 @@ def test_a_sigkilled_heads_leftovers_are_ended(tmp_path):
         assert jobs["old"] == BOOK["jobs"][1]
         assert book.stat().st_mode & 0o777 == 0o600
     finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
         for pid in (head, child, reaper.pid):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)

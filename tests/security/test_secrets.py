@@ -8,21 +8,27 @@ cluster's state file) are mode 0600; ordinary results keep the umask's mode. And
 or of an `rlix up` cluster listens where another machine could connect: every listening socket of
 their processes (Ray's included) is on loopback.
 
-`rlix run` and `rlix up` end to end take ~45 s and ~20 s on 2 cores: in the default step too.
+`rlix run` and `rlix up` end to end take ~45 s and ~20 s on 2 cores: in the default step too
+(the two `rlix up` tests share one cluster; the one that runs a client as another account needs
+root and the account `nobody`, and skips, saying so, without them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import secrets
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -473,15 +479,29 @@ def _wait_for_job_listeners(session: int, head: int, tmp_path: Path,
         time.sleep(0.5)
 
 
-def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(tmp_path, tiny_model_dir):
-    """Ray writes the cluster's token (~/.ray/auth_token) mode 0644; the head narrows it to
-    0600. A client with no token (another HOME: another user, who could not read the owner's
-    token) is refused in one line, at once. Nothing of the cluster listens beyond this machine:
-    its head and Ray, a job's driver, the job's shard server."""
+@dataclass
+class SharedCluster:
+    env: dict[str, str]  # the owner's: its HOME (Ray's token) and RLIX_CACHE_DIR
+    home: Path
+    cluster: Path  # the state file's directory
+    state: dict
+
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlix.cli", *args], capture_output=True, text=True,
+                              env=env or self.env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory):
+    """One `rlix up` (a fresh HOME: Ray makes its token there) for the tests below; `rlix down`
+    after them, and whatever is left in its session ended by PID."""
+    from rlix.cluster.reaper import session_members
+
+    tmp_path = tmp_path_factory.mktemp("shared")
     home = tmp_path / "home"
     home.mkdir()
     cli_env = {**os.environ, "RLIX_CACHE_DIR": str(tmp_path / "cache"), "HOME": str(home)}
-    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+    for var in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RLIX_USER"):
         cli_env.pop(var, None)
     up = subprocess.run([sys.executable, "-m", "rlix.cli", "up", "--num-gpus", "1", "--num-cpus", "2"],
                         capture_output=True, text=True, env=cli_env, timeout=180)
@@ -490,37 +510,7 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
     state = json.loads((cluster / "state.json").read_text())
     session = int(state["session"])
     try:
-        assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
-        assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
-        listeners = {(s.pid, s.address, s.port): s
-                     for s in listening_sockets(session_members(session, os.getpid()))}
-        assert_listening_on_loopback_only(listeners, {
-            "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
-            "a Ray worker": "ray::"})
-        assert state["address"].startswith("127.0.0.1:"), state["address"]
-        token = home / ".ray" / "auth_token"
-        assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
-        assert "made 0600" in (cluster / "head.log").read_text()
-        owner = subprocess.run([sys.executable, "-m", "rlix.cli", "jobs"], capture_output=True, text=True,
-                               env=cli_env, timeout=120)
-        assert owner.returncode == 0 and owner.stdout.startswith("job"), owner.stderr[-2000:]
-        # a job: its driver joins the cluster, its pipeline's servers start under the head's Ray
-        job = _job_config(tmp_path, tiny_model_dir)
-        submitted = subprocess.run([sys.executable, "-m", "rlix.cli", "submit", job], capture_output=True, text=True,
-                                   env=cli_env, timeout=120)
-        assert submitted.returncode == 0, submitted.stderr[-2000:]
-        _wait_for_job_listeners(session, int(state["pid"]), tmp_path, listeners)
-        assert_listening_on_loopback_only(listeners, {
-            "the job's driver": f"rlix.cluster.driver --job {JOB}", "a shard server": "rlix.cli serve"})
-        stranger_home = tmp_path / "stranger"
-        stranger_home.mkdir()
-        t0 = time.monotonic()
-        stranger = subprocess.run([sys.executable, "-m", "rlix.cli", "jobs"], capture_output=True, text=True,
-                                  env={**cli_env, "HOME": str(stranger_home)}, timeout=120)
-        err = stranger.stderr.strip().splitlines()
-        assert stranger.returncode == 2 and len(err) == 1, stranger.stderr[-2000:]
-        assert f"no Ray token at {stranger_home / '.ray' / 'auth_token'}" in err[0], err
-        assert time.monotonic() - t0 < 30
+        yield SharedCluster(cli_env, home, cluster, state)
     finally:
         down = subprocess.run([sys.executable, "-m", "rlix.cli", "down"], capture_output=True, text=True,
                               env=cli_env, timeout=300)
@@ -530,6 +520,183 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
             except ProcessLookupError:
                 pass
     assert down.returncode == 0, down.stderr[-2000:]
+    assert not Path(state["submit_socket"]).parent.exists()  # the head removed its socket
+
+
+def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_token(shared_cluster, tmp_path,
+                                                                                      tiny_model_dir):
+    """Ray writes the cluster's token (~/.ray/auth_token) mode 0644; the head narrows it to
+    0600. A client with no token (another HOME: another user, who could not read the owner's
+    token) is refused in one line, at once. The job submission socket is reachable by every
+    account (the token and the peer's uid gate it: rlix.cluster.intake), in a directory of its own.
+    Nothing of the cluster listens beyond this machine: its head and Ray, a job's driver, the
+    job's shard server."""
+    from rlix.cluster.reaper import session_members
+
+    cluster, state = shared_cluster.cluster, shared_cluster.state
+    session = int(state["session"])
+    assert mode(cluster / "state.json") == mode(cluster / "head.log") == 0o600
+    assert state["address"].split(":")[0] in (cluster / "head.log").read_text()
+    listeners = {(s.pid, s.address, s.port): s for s in listening_sockets(session_members(session, os.getpid()))}
+    assert_listening_on_loopback_only(listeners, {
+        "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
+        "a Ray worker": "ray::"})
+    assert state["address"].startswith("127.0.0.1:"), state["address"]
+    # a job: its driver joins the cluster, its pipeline's servers start under the head's Ray
+    submitted = shared_cluster.cli("submit", _job_config(tmp_path, tiny_model_dir))
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    _wait_for_job_listeners(session, int(state["pid"]), tmp_path, listeners)
+    assert_listening_on_loopback_only(listeners, {
+        "the job's driver": f"rlix.cluster.driver --job {JOB}", "a shard server": "rlix.cli serve"})
+    token = shared_cluster.home / ".ray" / "auth_token"
+    assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
+    assert "made 0600" in (cluster / "head.log").read_text()
+    sock = Path(state["submit_socket"])
+    assert mode(sock.parent) == 0o711 and sock.parent.stat().st_uid == os.getuid() and mode(sock) == 0o666
+    assert f"rlix head: takes jobs at {sock} " in (cluster / "head.log").read_text()
+    owner = shared_cluster.cli("jobs")
+    assert owner.returncode == 0 and owner.stdout.startswith("job"), owner.stderr[-2000:]
+    stranger_home = cluster.parent.parent / "stranger"
+    stranger_home.mkdir()
+    t0 = time.monotonic()
+    stranger = shared_cluster.cli("jobs", env={**shared_cluster.env, "HOME": str(stranger_home)})
+    err = stranger.stderr.strip().splitlines()
+    assert stranger.returncode == 2 and len(err) == 1, stranger.stderr[-2000:]
+    assert f"no Ray token at {stranger_home / '.ray' / 'auth_token'}" in err[0], err
+    assert time.monotonic() - t0 < 30
+
+
+#: run as another account: submit a job asking for the owner's name, first with a wrong token
+AS_ANOTHER_ACCOUNT = """
+import json, sys
+from rlix import env
+from rlix.cluster.intake import submit_job
+from rlix.cluster.jobs import Job, PipelineNeeds
+from rlix.errors import ConfigError
+
+sock, asked = sys.argv[1], sys.argv[2]
+job = Job(name="intruder", user=asked, pipelines=[PipelineNeeds("intruder", 1, 1, 1, 1)],
+          config="/nowhere/intruder.yaml", run_dir="/nowhere/intruder")
+out = {}
+try:
+    submit_job(sock, job, token="not-the-token")
+except ConfigError as exc:
+    out["wrong_token"] = str(exc)
+out.update(submit_job(sock, job, token=env.ray_token()))  # its own copy of the token (its HOME)
+print(json.dumps(out))
+"""
+
+#: run as the owner: call the job registry through Ray, as any token holder can, naming a user
+DIRECT = """
+import json
+from rlix import env
+env.join_ray_with_token()
+env.keep_ray_on_loopback()  # as every rlix command: the cluster's Ray is on 127.0.0.1
+from rlix.cluster.commands import connect
+from rlix.cluster.jobs import Job, PipelineNeeds
+from rlix.cluster.registry import ask, get_registry
+from rlix.errors import ConfigError
+
+connect()
+registry, out = get_registry(), {}
+for how, args in (("no key", ()), ("a guessed key", (b"0" * 32,))):
+    job = Job(name="forged", user="someone", pipelines=[PipelineNeeds("forged", 1, 1, 1, 1)])
+    try:
+        ask(registry.submit.remote(job, *args), timeout=60)
+        out[how] = "taken"
+    except ConfigError as exc:
+        out[how] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def interpreter_for(uid: int, gid: int) -> tuple[str, str] | None:
+    """A Python that account `uid` can run and import rlix's submission client with, and the
+    PYTHONPATH that does it: this one, else the system's python3 with this environment's
+    site-packages (an interpreter under /root, as here, is out of another account's reach)."""
+    import pydantic
+
+    import rlix
+
+    src = str(Path(rlix.__file__).resolve().parents[1])
+    site = str(Path(pydantic.__file__).resolve().parents[1])
+    system = shutil.which("python3", path=os.pathsep.join(("/usr/local/bin", "/usr/bin", "/bin")))
+    for exe in dict.fromkeys(p for p in (sys.executable, system) if p):
+        for path in (src, f"{src}{os.pathsep}{site}"):
+            try:
+                probe = subprocess.run([exe, "-c", "import rlix.cluster.intake"], user=uid, group=gid,
+                                       extra_groups=[], env={"PYTHONPATH": path, "HOME": "/"}, cwd="/",
+                                       capture_output=True, timeout=60)
+            except OSError:  # it cannot even start it
+                break
+            if probe.returncode == 0:
+                return exe, path
+    return None
+
+
+def test_a_job_submitted_by_another_account_counts_against_that_account(shared_cluster):
+    """Issue 38: a client holding the token, run as another uid (nobody) and asking for the
+    cluster owner's name, gets a job that counts against nobody: the head reads the uid from
+    the socket (SO_PEERCRED), not from the request, and `rlix jobs` shows it. The same account
+    with a wrong token is refused; the owner calling the registry through Ray without the head's
+    key cannot put a name on a job either."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run a client as another account")
+    try:
+        other = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no account 'nobody' to run a client as")
+    found = interpreter_for(other.pw_uid, other.pw_gid)
+    if found is None:
+        pytest.skip("no Python that 'nobody' can run imports rlix.cluster.intake here")
+    python, pythonpath = found
+    owner_name = pwd.getpwuid(os.getuid()).pw_name
+    sock = shared_cluster.state["submit_socket"]
+    home = Path(tempfile.mkdtemp(prefix="rlix-nobody-", dir="/tmp"))  # tmp_path's parents are 0700
+    try:
+        (home / ".ray").mkdir()
+        shutil.copyfile(shared_cluster.home / ".ray" / "auth_token", home / ".ray" / "auth_token")
+        for path in (home, home / ".ray", home / ".ray" / "auth_token"):
+            os.chown(path, other.pw_uid, other.pw_gid)
+        os.chmod(home / ".ray" / "auth_token", 0o600)
+        child = subprocess.run([python, "-c", AS_ANOTHER_ACCOUNT, sock, owner_name], user=other.pw_uid,
+                               group=other.pw_gid, extra_groups=[], cwd=home, capture_output=True, text=True,
+                               env={"HOME": str(home), "PYTHONPATH": pythonpath}, timeout=120)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert child.returncode == 0, child.stderr[-2000:]
+    out = json.loads(child.stdout)
+    assert out["wrong_token"].startswith("the cluster's head refused the job: it does not prove the cluster's Ray "
+                                         "token"), out
+    assert out["user"] == out["account"] == "nobody" and out["row"]["user"] == "nobody", out
+    assert out["note"] == (f"job intruder counts against 'nobody', the account that submitted it, not "
+                           f"{owner_name!r}: only the cluster's owner may name another user"), out
+
+    direct = subprocess.run([sys.executable, "-c", DIRECT], capture_output=True, text=True,
+                            env=shared_cluster.env, timeout=120)
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    refusal = ("the job registry takes jobs from the cluster's head only: submit with `rlix submit`, which "
+               "names the job's user by the account that submits it")
+    assert json.loads(direct.stdout) == {"no key": refusal, "a guessed key": refusal}
+
+    listed = shared_cluster.cli("jobs", "--json")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    rows = {r["name"]: r for r in json.loads(listed.stdout)}
+    assert "intruder" in rows and "forged" not in rows, rows  # nothing forged (the other job: the test above's)
+    assert (rows["intruder"]["user"], rows["intruder"]["account"]) == ("nobody", "nobody"), rows
+    log = (shared_cluster.cluster / "head.log").read_text()
+    submitted = rf"rlix head: job intruder submitted by nobody \(uid {other.pw_uid}, pid \d+\)\n"
+    assert re.search(submitted, log), log[-2000:]
+    assert re.search(rf"a submission from uid {other.pw_uid} \(pid \d+\) was not taken: the cluster's head "
+                     r"refused the job: it does not prove", log), log[-2000:]
+    token = (shared_cluster.home / ".ray" / "auth_token").read_text().strip()
+    assert token not in log
+    # its driver never started: a cancel ends it at once (`rlix down` does not wait for it)
+    cancel = shared_cluster.cli("cancel", "intruder")
+    assert cancel.returncode == 0, cancel.stderr[-2000:]
+    # queued behind the up test's job (it holds the one GPU) or admitted: either way ended now
+    assert re.search(r"job intruder: cancelled \(cancelled (while queued|before its driver started)\)",
+                     cancel.stdout), cancel.stdout
 
 
 @pytest.mark.vllm

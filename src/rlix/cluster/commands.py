@@ -3,7 +3,8 @@
 The cluster is found through its state file (`RLIX_CACHE_DIR/cluster/state.json`, written by
 the head process `rlix up` leaves running); `RAY_ADDRESS` or `--address` name a Ray cluster
 directly instead. Every command that reads or changes jobs is a short Ray driver that talks to
-the job registry by name.
+the job registry by name; `rlix submit` hands its job to the head's submission socket (its path
+from the registry), which names the job's user by the account that connects (rlix.cluster.intake).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 import ray
 
 from rlix import env
+from rlix.cluster.intake import submit_job
 from rlix.cluster.jobs import FINAL, Job, PipelineNeeds, jobs_file, parse_quotas
 from rlix.cluster.reaper import GRACE_S, session_members
-from rlix.cluster.registry import get_registry
+from rlix.cluster.registry import ask, get_registry
 from rlix.config import load_config
 from rlix.config.preflight import preflight, refuse_reused_run_dir
 from rlix.errors import ConfigError
@@ -201,13 +203,19 @@ def job_from_config(config_path: str, name: str | None, user: str) -> Job:
 def submit(config_path: str, *, name: str | None = None, user: str | None = None, resume: bool = False,
            overwrite: bool = False, address: str | None = None, out: Callable[[str], None] = print) -> dict:
     """Queue a config's pipelines as one job and start its driver; returns the job's row. A
-    run_dir holding a previous run is refused unless `resume` or `overwrite` (as `rlix run`)."""
+    run_dir holding a previous run is refused unless `resume` or `overwrite` (as `rlix run`).
+    The job goes through the head's socket with this process's Ray token proved: the head names
+    its user by this account (`user` is honoured for the cluster's owner only) and says so when
+    it is not the one asked for."""
     job = job_from_config(config_path, name, user or env.user())
     if not (resume or overwrite):
         refuse_reused_run_dir(load_config(config_path), config_path)
     address = connect(address)
-    registry = get_registry()
-    row = _ask(registry.submit.remote(job))
+    info = ray.get(get_registry().cluster_info.remote())
+    answer = submit_job(getattr(info, "submit_socket", ""), job, token=env.ray_token())
+    row = answer["row"]
+    if answer["note"]:
+        out(answer["note"])
     log = Path(job.run_dir) / "driver.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.driver", "--job", job.name, "--config", job.config,
@@ -219,17 +227,9 @@ def submit(config_path: str, *, name: str | None = None, user: str | None = None
                          start_new_session=True)  # an independent Ray job: it outlives this shell
     where = (f"queued, position {row['queue_position']}: {row['reason']}" if row["state"] == "queued"
              else row["state"])
-    out(f"submitted job {job.name} (user {job.user}; pipelines {', '.join(p.name for p in job.pipelines)}): "
+    out(f"submitted job {job.name} (user {row['user']}; pipelines {', '.join(p.name for p in job.pipelines)}): "
         f"{where}; log: rlix logs {job.name}")
     return row
-
-
-def _ask(ref):  # type: ignore[no-untyped-def]
-    """A registry call's answer; its own error (a ConfigError raised in the actor) as that error."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
 
 
 def jobs(address: str | None = None) -> list[dict]:
@@ -259,7 +259,7 @@ def cancel(name: str, *, wait_s: float = 60.0, address: str | None = None,
     """Cancel a job (by its name or a pipeline's); waits until it has ended, up to `wait_s`."""
     connect(address)
     registry = get_registry()
-    row = _ask(registry.cancel.remote(name))
+    row = ask(registry.cancel.remote(name))
     deadline = time.monotonic() + wait_s
     while row["state"] not in FINAL and time.monotonic() < deadline:
         ray.get(registry.wait_change.remote(1.0))
@@ -276,7 +276,7 @@ def logs(name: str, *, follow: bool = False, address: str | None = None,
     """Print a job's driver log; with `follow`, keep printing until the job has ended."""
     connect(address)
     registry = get_registry()
-    row = _ask(registry.job.remote(name))
+    row = ask(registry.job.remote(name))
     path = Path(row["run_dir"]) / "driver.log"
     pos = 0
     while True:

@@ -2,7 +2,9 @@
 
 It starts a local Ray cluster (or joins one given by address), reserves its GPUs for rlix,
 starts the scheduler (detached, restarted by Ray when its worker dies) and the job registry, then
-writes the cluster's state file, which is how every later command finds the cluster. It lives
+writes the cluster's state file, which is how every later command finds the cluster. Jobs come
+in through its submission socket (rlix.cluster.intake), which names each job's user by the
+account that connects, and reach the registry with a key only this process holds. It lives
 until `rlix down` sends it SIGTERM: then it cancels the live jobs, waits for their drivers to
 stop them (each saves a checkpoint), and takes everything down, its Ray cluster included.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -27,7 +30,8 @@ import ray
 
 from rlix import env
 from rlix.cluster.jobs import Job, book_file_text, end_unfinished, jobs_file, parse_quotas, read_book_file
-from rlix.cluster.registry import ClusterInfo, start_registry
+from rlix.cluster.intake import SUBMIT_TIMEOUT_S, SubmitServer
+from rlix.cluster.registry import ClusterInfo, ask, start_registry
 from rlix.placement import GpuReservation
 from rlix.private_files import write_private
 from rlix.run import keep_ray_token_private, say_where_ray_listens
@@ -66,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                  log_to_driver=False, logging_level="ERROR")
         say_where_ray_listens(lambda line: print(f"rlix head: {line}", flush=True))
     keep_ray_token_private(lambda line: print(f"rlix head: {line}", flush=True))
+    # what a client proves it holds to submit a job: the token this Ray admits its holders by
+    token = env.ray_token() if env.ray_token_auth() else None
+    if env.ray_token_auth() and token is None:
+        ray.shutdown()
+        print(f"rlix head: Ray uses token auth but no token is readable here ({env.ray_token_path()})",
+              flush=True)
+        return 2
     # after ray.init, which installs handlers of its own: `rlix down` must drain the jobs first
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -84,32 +95,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlix head: {urls}", flush=True)
         return 2
     address = ray.get_runtime_context().gcs_address
+    # the registry takes jobs from this process alone: a key made here, handed to it at its
+    # construction (never on a command line or in a file)
+    head_key = secrets.token_bytes(32)
+    intake = SubmitServer(token, say=lambda line: print(f"rlix head: {line}", flush=True))
     info = ClusterInfo(address=address, reservation=reservation, topology=topology,
-                       gpu_slices=args.gpu_slices, params=params, started_at=time.time())
+                       gpu_slices=args.gpu_slices, params=params, started_at=time.time(),
+                       submit_socket=str(intake.path))
     # the jobs of the cluster's earlier life: ended by its reaper when its head died (or here,
     # when nothing ended them), shown by `rlix jobs`
     book_file = jobs_file(state)
     earlier = read_book_file(book_file)
     end_unfinished(earlier, "the cluster went down without ending it (its head did not stop cleanly)")
-    registry = start_registry(info, quotas, tuple(Job.from_record(r) for r in earlier))
-    ray.get(registry.jobs.remote())  # up and answering
-    registry.watch_drivers.remote()  # for as long as the registry lives
+    registry = None
+    try:
+        registry = start_registry(info, quotas, tuple(Job.from_record(r) for r in earlier), head_key)
+        ray.get(registry.jobs.remote())  # up and answering
+        registry.watch_drivers.remote()  # for as long as the registry lives
+        intake.serve(lambda job: ask(registry.submit.remote(job, head_key), timeout=SUBMIT_TIMEOUT_S))
+    except BaseException:
+        intake.close()
+        raise
     # mode 0600: the cluster's address (and its endpoints') is for its owner's commands only
     write_private(state, json.dumps({"address": address, "pid": os.getpid(), "session": os.getsid(0),
                                      "gpus": gpus.num_gpus,
                                      "scheduled_gpus": topology.num_gpus, "gpu_slices": args.gpu_slices,
                                      "cuda": reservation.has_cuda, "started_at": info.started_at,
-                                     "token_auth": env.ray_token_auth(),
+                                     "token_auth": env.ray_token_auth(), "submit_socket": str(intake.path),
                                      "quotas": {"users": quotas.users, "default": quotas.default}, **urls}))
     print(f"rlix head: up at {address}, {gpus.num_gpus} GPU(s)"
           f"{f' as {topology.num_gpus} slices' if args.gpu_slices > 1 else ''}", flush=True)
     for what, url in urls.items():
         if url:
             print(f"rlix head: {what} at {url}", flush=True)
+    print(f"rlix head: takes jobs at {intake.path} (from any local account holding the cluster's token; "
+          f"a job counts against the account that submits it)", flush=True)
     written = ""
     try:
         while not stop.wait(1.0):
             written = _save_book(registry, book_file, written)
+        intake.close()  # no new job while the live ones are stopped
         print("rlix head: going down: cancelling live jobs", flush=True)
         t_down = time.monotonic()
         live = ray.get(registry.live_jobs.remote(), timeout=30)
@@ -131,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.get(registry.forget.remote(), timeout=30)
         book_file.unlink(missing_ok=True)  # every job ended: a clean end keeps no book
     finally:
+        intake.close()
         for actor in (registry, scheduler):
             try:
                 ray.kill(actor, no_restart=True)

@@ -54,7 +54,7 @@ class PipelineNeeds:
 @dataclass
 class Job:
     name: str
-    user: str
+    user: str  # whose quota it counts against (the submitting account, but for the owner's; see intake)
     pipelines: list[PipelineNeeds]
     config: str = ""
     run_dir: str = ""
@@ -67,6 +67,8 @@ class Job:
     started_at: float | None = None
     ended_at: float | None = None
     cancel_requested: bool = False
+    #: the local account that submitted it (its socket peer's uid, named: rlix.cluster.intake)
+    account: str = ""
 
     @property
     def minimum(self) -> int:
@@ -219,12 +221,17 @@ class JobBook:
         return job
 
     def cancel(self, name: str) -> Job:
-        """A queued job ends at once; a live one is asked to stop (its driver sees the flag)."""
+        """A queued job ends at once, and so does one whose driver never attached (its client
+        died before starting it, or it died before joining): nothing would ever see its flag,
+        and its floor would hold the queue. A live one is asked to stop (its driver sees the
+        flag). A driver that attaches to a job cancelled so finds it ended and leaves."""
         job = self.find(name)
         if job.state in FINAL:
             return job
         if job.state == "queued":
             return self.set_state(job.name, "cancelled", "cancelled while queued")
+        if job.driver_pid is None:
+            return self.set_state(job.name, "cancelled", "cancelled before its driver started")
         job.cancel_requested = True
         return job
 

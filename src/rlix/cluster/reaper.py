@@ -5,7 +5,8 @@ Why: the head starts Ray's processes (GCS, raylet, their agents, actor workers) 
 `rlix up` gives it. When the head is SIGKILLed, Ray ends most of them, but some agents are
 re-parented to init and live on (seen: DashboardAgent and RuntimeEnvAgent). The reaper is the
 session's leader, so whatever the head leaves behind shares its session id; it sends those
-SIGTERM, then SIGKILL after a grace period, and removes the state file the dead head wrote. A
+SIGTERM, then SIGKILL after a grace period, and removes the state file the dead head wrote (and
+the job submission socket it names, with its directory: rlix.cluster.intake). A
 SIGTERM to the reaper (as `rlix down` would send the head) is passed on to the head. Linux only
 (/proc); the standard library and rlix's Ray-free modules only. When the head died, the jobs
 still live in its book file are recorded as failed, with how the head ended.
@@ -14,6 +15,7 @@ still live in its book file are recorded as failed, with how the head ended.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -70,6 +72,19 @@ def record_head_death(path: Path, why: str) -> int:
     return n
 
 
+def remove_state(path: Path) -> None:
+    """A dead head's state file, and the submission socket it names (with its directory)."""
+    try:
+        sock = json.loads(path.read_text()).get("submit_socket")
+    except (OSError, ValueError, AttributeError):
+        sock = None
+    if isinstance(sock, str) and sock:
+        from rlix.cluster.intake import remove_socket  # deferred: only a dead head's leftovers need it
+
+        remove_socket(sock)
+    path.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlix.cluster.reaper")
     parser.add_argument("--state", default=None, help="the head's state file, removed if the head died")
@@ -90,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlix reaper: the head exited with {code}; ended {len(left)} process(es) it left",
               file=sys.stderr, flush=True)
     if code != 0 and args.state:
-        Path(args.state).unlink(missing_ok=True)
+        remove_state(Path(args.state))
     if code != 0 and args.jobs:
         how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
                else f"exited with code {code}")

@@ -4,11 +4,18 @@ It also holds what every job's driver needs to join the cluster (its GPU reserva
 scheduler's view of the GPUs, the planner's knobs), so a driver started from any shell finds
 everything through Ray by name. Its book is saved to Ray's key-value store at every change and
 read back when Ray restarts the actor, so a crash of its worker loses no job.
+
+It takes jobs from the head alone: `submit` needs the key the head made at random and handed it
+at construction (in the actor's creation arguments, which Ray keeps to restart it: never on a
+command line or in a file). Every holder of the cluster's Ray token can call the actor; only the
+head knows who is submitting (the kernel tells it a socket peer's uid, rlix.cluster.intake), so
+a client cannot put another user's name on a job by calling `submit` itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import pickle
 import socket
 from dataclasses import dataclass
@@ -41,6 +48,8 @@ class ClusterInfo:
     gpu_slices: int
     params: PlannerParams
     started_at: float
+    #: the head's job submission socket (rlix.cluster.intake); "" where the head serves none
+    submit_socket: str = ""
 
 
 def _kv_put(value: bytes) -> None:
@@ -59,8 +68,13 @@ def _kv_del() -> None:
 class JobRegistry:
     """See module doc. Every method answers at once except `wait_change`."""
 
-    def __init__(self, info: ClusterInfo, quotas: Quotas, ended: tuple[Job, ...] = ()) -> None:
-        """`ended`: the jobs of the cluster's earlier life (its book file), shown, never run."""
+    def __init__(self, info: ClusterInfo, quotas: Quotas, ended: tuple[Job, ...] = (),
+                 head_key: bytes = b"") -> None:
+        """`ended`: the jobs of the cluster's earlier life (its book file), shown, never run.
+        `head_key`: what `submit` must be given (see module doc)."""
+        if len(head_key) < 16:
+            raise ValueError("the job registry needs the head's key (16 bytes or more) to take jobs")
+        self._head_key = head_key
         self.info = info
         saved = _kv_get() if ray.get_runtime_context().was_current_actor_reconstructed else None
         if saved:
@@ -73,7 +87,11 @@ class JobRegistry:
     def cluster_info(self) -> ClusterInfo:
         return self.info
 
-    def submit(self, job: Job) -> dict:
+    def submit(self, job: Job, head_key: bytes = b"") -> dict:
+        """Queue `job` (admitted at once if it fits). From the head only (see module doc)."""
+        if not isinstance(head_key, bytes) or not hmac.compare_digest(head_key, self._head_key):
+            raise ConfigError("the job registry takes jobs from the cluster's head only: submit with "
+                              "`rlix submit`, which names the job's user by the account that submits it")
         return self.book.row(self._after(lambda: self.book.submit(job)).name)
 
     def attach_driver(self, name: str, pid: int, host: str | None = None) -> dict:
@@ -139,10 +157,20 @@ class JobRegistry:
         return result
 
 
-def start_registry(info: ClusterInfo, quotas: Quotas, ended: tuple[Job, ...] = ()):  # type: ignore[no-untyped-def]
-    """The registry actor, detached and restarted by Ray when its worker dies."""
+def start_registry(info: ClusterInfo, quotas: Quotas, ended: tuple[Job, ...],  # type: ignore[no-untyped-def]
+                   head_key: bytes):
+    """The registry actor, detached and restarted by Ray when its worker dies (with the same
+    arguments: the head's key survives a restart)."""
     return JobRegistry.options(name=REGISTRY_NAME, namespace=NAMESPACE, lifetime="detached",
-                               max_restarts=-1, max_task_retries=-1).remote(info, quotas, ended)
+                               max_restarts=-1, max_task_retries=-1).remote(info, quotas, ended, head_key)
+
+
+def ask(ref, timeout: float | None = None):  # type: ignore[no-untyped-def]
+    """A registry call's answer; its own error (a ConfigError raised in the actor) as that error."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as exc:
+        raise ConfigError(str(exc.cause) if exc.cause else str(exc)) from None
 
 
 def get_registry() -> Any:
@@ -153,4 +181,4 @@ def get_registry() -> Any:
             from None
 
 
-__all__ = ["FINAL", "REGISTRY_NAME", "ClusterInfo", "JobRegistry", "get_registry", "start_registry"]
+__all__ = ["FINAL", "REGISTRY_NAME", "ClusterInfo", "JobRegistry", "ask", "get_registry", "start_registry"]
