@@ -542,12 +542,22 @@ def test_rlix_up_writes_its_state_and_log_0600_and_admits_only_holders_of_its_to
         "Ray's GCS": "gcs_server", "a raylet": "raylet/raylet", "the head": "rlix.cluster.head",
         "a Ray worker": "ray::"})
     assert state["address"].startswith("127.0.0.1:"), state["address"]
-    # a job: its driver joins the cluster, its pipeline's servers start under the head's Ray
-    submitted = shared_cluster.cli("submit", _job_config(tmp_path, tiny_model_dir))
+    # a job: its driver joins the cluster, its pipeline's servers start under the head's Ray; its
+    # shards' token (given as RLIX_API_KEY here, to look for it) and Ray's are on no command line
+    shard_token = "rlix-secret-" + secrets.token_urlsafe(18)
+    submitted = shared_cluster.cli("submit", _job_config(tmp_path, tiny_model_dir),
+                                   env={**shared_cluster.env, "RLIX_API_KEY": shard_token})
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     _wait_for_job_listeners(session, int(state["pid"]), tmp_path, listeners)
     assert_listening_on_loopback_only(listeners, {
         "the job's driver": f"rlix.cluster.driver --job {JOB}", "a shard server": "rlix.cli serve"})
+    shards = [s.pid for s in listeners.values() if "rlix.cli serve" in s.cmdline]
+    assert any(environ(pid).get("RLIX_API_KEY") == shard_token for pid in shards), "the job's shards got another token"
+    ray_token = (shared_cluster.home / ".ray" / "auth_token").read_text().strip()
+    for token in (shard_token, ray_token):
+        assert_no_token_on_any_command_line(token)
+    job_files = assert_private_where_needed(tmp_path / "runs" / JOB, shard_token)
+    assert "driver.log" in {p.name for p in job_files}, job_files  # it holds the cluster's address: 0600
     token = shared_cluster.home / ".ray" / "auth_token"
     assert state["token_auth"] is True and mode(token) == 0o600, (state, oct(mode(token)))
     assert "made 0600" in (cluster / "head.log").read_text()
