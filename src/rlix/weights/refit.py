@@ -194,9 +194,11 @@ class WeightPath:
             return route
         return None
 
-    def _endpoint(self, rank: int, url: str) -> HttpShardEndpoint:
+    async def _endpoint(self, rank: int, url: str) -> HttpShardEndpoint:
         known = self._endpoints.get(rank)
         if known is None or known.url != url.rstrip("/"):  # a new process: its layout is sent again
+            if known is not None:
+                await known.aclose()  # the old process's connections
             known = self._endpoints[rank] = self.endpoint_type(url, self.api_key, f"shard {rank}")
             self._layouts.pop(rank, None)
         return known
@@ -204,7 +206,7 @@ class WeightPath:
     async def _refit_route(self, route: WeightRoute, version: int, targets: Mapping[int, ShardTarget],
                            wake: set[int]) -> SyncReport:
         ranks = sorted(targets)
-        endpoints = {r: self._endpoint(r, targets[r].url) for r in ranks}
+        endpoints = {r: await self._endpoint(r, targets[r].url) for r in ranks}
         failed: dict[int, str] = {}
         t0 = time.perf_counter()
         async with route.lease(version) as refs:
@@ -244,11 +246,6 @@ class WeightPath:
         phases = {r: dict(p) for r in reported if (p := one_call[r].last_phases_ms)}
         return SyncReport(version, ok, len(refs.messages), nbytes * len(ok), seconds, t1 - t0,
                           bundled=True, reported=reported, shard_phases_ms=phases, route=route.name)
-
-    def forget(self, rank: int) -> None:
-        """A shard gone for good: its endpoint is dropped."""
-        self._endpoints.pop(rank, None)
-        self._layouts.pop(rank, None)
 
     async def close(self) -> None:
         """Close every shard connection and end every node's replica."""
