@@ -27,10 +27,11 @@ import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from rlix.errors import WeightCacheError, WeightSyncError, one_line
 from rlix.weights.api import OneCallEndpoint, PublishedVersion, ShardTarget, SyncReport, VersionRefs, WeightRoute
+from rlix.weights.transport.base import Message
 from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.vllm.endpoint import VllmShardEndpoint
 
@@ -222,22 +223,11 @@ class WeightPath:
                     else:
                         self._layouts[r] = refs.layout_id
             live = [r for r in ranks if r not in failed]
-            tags = route.wake_tags
             t1 = time.perf_counter()
             one_call: dict[int, OneCallEndpoint] = {r: endpoints[r] for r in live}
-            answers = await asyncio.gather(
-                *(one_call[r].sync(version, refs.layout_id, {"transport": refs.transport, "rank": 1 + i},
-                                   list(refs.messages), (tags if tags is not None else True) if r in wake else False)
-                  for i, r in enumerate(live)), return_exceptions=True)
+            reported = await sync_in_one_call(one_call, version, refs.layout_id, {"transport": refs.transport},
+                                              list(refs.messages), wake, route.wake_tags, failed)
             seconds = time.perf_counter() - t1
-        reported: dict[int, int] = {}
-        for r, res in zip(live, answers):
-            if isinstance(res, BaseException):
-                failed[r] = f"update: {one_line(res)}"
-            elif res != version:
-                failed[r] = f"applied version {res}, expected {version}"
-            else:
-                reported[r] = int(res)
         ok = [r for r in ranks if r not in failed]
         if failed:
             raise WeightSyncError(f"refit to version {version} failed on {len(failed)} of {len(ranks)} shard(s)",
@@ -255,6 +245,29 @@ class WeightPath:
         replicas, self.replicas = list(self.replicas.values()), {}
         for route in (self.host, *self.devices.values(), *replicas):
             await route.close()
+
+
+async def sync_in_one_call(endpoints: Mapping[int, OneCallEndpoint], version: int, layout_id: str,
+                           transfer: Mapping[str, Any], messages: list[Message], wake: Collection[int],
+                           wake_tags: list[str] | None, failed: dict[int, str]) -> dict[int, int]:
+    """Every endpoint's whole update in one call at once (each its own transfer `rank`, 1 up),
+    waking those in `wake` first (`wake_tags`: what comes back; None: everything). Returns the
+    version each shard that took it answered; records each failure, or a shard that answered
+    another version, in `failed` (that shard keeps its old weights)."""
+    ranks = list(endpoints)
+    answers = await asyncio.gather(
+        *(endpoints[r].sync(version, layout_id, {**transfer, "rank": 1 + i}, messages,
+                            (wake_tags if wake_tags is not None else True) if r in wake else False)
+          for i, r in enumerate(ranks)), return_exceptions=True)
+    reported: dict[int, int] = {}
+    for r, res in zip(ranks, answers):
+        if isinstance(res, BaseException):
+            failed[r] = f"update: {one_line(res)}"
+        elif res != version:
+            failed[r] = f"applied version {res}, expected {version}"
+        else:
+            reported[r] = int(res)
+    return reported
 
 
 def merge_reports(version: int, parts: list[tuple[list[int], SyncReport | BaseException]],

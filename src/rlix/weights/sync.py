@@ -22,6 +22,7 @@ from typing import Any, cast
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.weights.cache import BucketCache
 from rlix.weights.api import OneCallEndpoint, ShardEndpoint, SyncReport
+from rlix.weights.refit import sync_in_one_call
 from rlix.weights.transport import Transport, make_transport
 
 COLLECTIVE = ("nccl",)
@@ -172,21 +173,10 @@ class WeightSync:
         layout = self.cache.layout
         info = {**sender.open(len(live)), "transport": self.transport.kind}
         t1 = time.perf_counter()
-        tags = self.wake_tags
         one_call = {r: cast(OneCallEndpoint, self.endpoints[r]) for r in live}  # all say one_call
-        results = await asyncio.gather(
-            *(one_call[r].sync(version, layout.layout_id, {**info, "rank": 1 + i}, bundle,
-                               (tags if tags is not None else True) if r in wake else False)
-              for i, r in enumerate(live)), return_exceptions=True)
+        reported = await sync_in_one_call(one_call, version, layout.layout_id, info, bundle, wake,
+                                          self.wake_tags, failed)
         seconds = time.perf_counter() - t1
-        reported: dict[int, int] = {}
-        for r, res in zip(live, results):
-            if isinstance(res, BaseException):
-                failed[r] = f"update: {res}"
-            elif res != version:
-                failed[r] = f"applied version {res}, expected {version}"
-            else:
-                reported[r] = int(res)
         ok = _succeeded(version, ranks, failed)
         phases = {r: dict(p) for r in reported if (p := one_call[r].last_phases_ms)}
         return SyncReport(version, ok, layout.num_buckets, layout.total_bytes * len(ok), seconds,
