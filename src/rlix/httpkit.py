@@ -44,8 +44,9 @@ def is_loopback(host: str) -> bool:
         addr = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return False
-    mapped = getattr(addr, "ipv4_mapped", None)
-    return (mapped or addr).is_loopback
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
 
 
 def check_ray_address(address: str, timeout_s: float = 3.0) -> None:

@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from typing import Any, Protocol
 
 from rlix.errors import WeightCacheError, WeightSyncError, one_line
-from rlix.weights.api import OneCallEndpoint, PublishedVersion, ShardTarget, SyncReport, VersionRefs, WeightRoute
+from rlix.weights.api import (OneCallEndpoint, PublishedVersion, ShardEndpoint, ShardTarget, SyncReport, VersionRefs,
+                             WeightRoute)
 from rlix.weights.transport.base import Message
 from rlix.weights.http_endpoint import HttpShardEndpoint
 from rlix.weights.vllm.endpoint import VllmShardEndpoint
@@ -211,17 +212,9 @@ class WeightPath:
         failed: dict[int, str] = {}
         t0 = time.perf_counter()
         async with route.lease(version) as refs:
-            need = [r for r in ranks if self._layouts.get(r) != refs.layout_id]
-            if need:
-                info = {"layout": refs.layout_json, "transport": refs.transport, "verify": False,
-                        "partial": False, "idle_timeout_s": self.idle_timeout_s}
-                answers = await asyncio.gather(*(endpoints[r].init_transfer(info) for r in need),
-                                               return_exceptions=True)
-                for r, res in zip(need, answers):
-                    if isinstance(res, BaseException):
-                        failed[r] = f"layout refused: {one_line(res)}"
-                    else:
-                        self._layouts[r] = refs.layout_id
+            info = {"layout": refs.layout_json, "transport": refs.transport, "verify": False,
+                    "partial": False, "idle_timeout_s": self.idle_timeout_s}
+            await send_layout(endpoints, ranks, refs.layout_id, info, self._layouts, failed)
             live = [r for r in ranks if r not in failed]
             t1 = time.perf_counter()
             one_call: dict[int, OneCallEndpoint] = {r: endpoints[r] for r in live}
@@ -247,6 +240,20 @@ class WeightPath:
             await route.close()
 
 
+async def send_layout(endpoints: Mapping[int, ShardEndpoint], ranks: list[int], layout_id: str,
+                      info: Mapping[str, Any], accepted: dict[int, str], failed: dict[int, str]) -> None:
+    """The layout (in `info`) to each of `ranks` whose endpoint has not accepted `layout_id` yet
+    (`accepted`: rank -> the layout id it took, updated here); a refusal goes into `failed`."""
+    need = [r for r in ranks if accepted.get(r) != layout_id]
+    answers = await asyncio.gather(*(endpoints[r].init_transfer(dict(info)) for r in need),
+                                   return_exceptions=True)
+    for r, res in zip(need, answers):
+        if isinstance(res, BaseException):
+            failed[r] = f"layout refused: {res}"
+        else:
+            accepted[r] = layout_id
+
+
 async def sync_in_one_call(endpoints: Mapping[int, OneCallEndpoint], version: int, layout_id: str,
                            transfer: Mapping[str, Any], messages: list[Message], wake: Collection[int],
                            wake_tags: list[str] | None, failed: dict[int, str]) -> dict[int, int]:
@@ -262,7 +269,7 @@ async def sync_in_one_call(endpoints: Mapping[int, OneCallEndpoint], version: in
     reported: dict[int, int] = {}
     for r, res in zip(ranks, answers):
         if isinstance(res, BaseException):
-            failed[r] = f"update: {one_line(res)}"
+            failed[r] = f"update: {res}"
         elif res != version:
             failed[r] = f"applied version {res}, expected {version}"
         else:

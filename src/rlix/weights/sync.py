@@ -22,7 +22,7 @@ from typing import Any, cast
 from rlix.errors import WeightSyncError, WeightUpdateError
 from rlix.weights.cache import BucketCache
 from rlix.weights.api import OneCallEndpoint, ShardEndpoint, SyncReport
-from rlix.weights.refit import sync_in_one_call
+from rlix.weights.refit import send_layout, sync_in_one_call
 from rlix.weights.transport import Transport, make_transport
 
 COLLECTIVE = ("nccl",)
@@ -90,16 +90,7 @@ class WeightSync:
         collective = self.transport.kind in COLLECTIVE
         t0 = time.perf_counter()
         checksums = await asyncio.to_thread(self.cache.checksums, version) if self.verify else None
-        need_init = [r for r in ranks if self._initialised.get(r) != layout.layout_id]
-        if need_init:
-            info = self.init_info()
-            results = await asyncio.gather(*(self.endpoints[r].init_transfer(info) for r in need_init),
-                                           return_exceptions=True)
-            for r, res in zip(need_init, results):
-                if isinstance(res, BaseException):
-                    failed[r] = f"layout refused: {res}"
-                else:
-                    self._initialised[r] = layout.layout_id
+        await send_layout(self.endpoints, ranks, layout.layout_id, self.init_info(), self._initialised, failed)
         live = [r for r in ranks if r not in failed]
         if collective and failed:
             live, failed = [], {**failed, **{r: "not synced: another target refused the layout"
