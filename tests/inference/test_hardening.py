@@ -212,7 +212,7 @@ def test_rlix_router_serves_shards_a_user_started(shard):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
             time.sleep(0.1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         r = httpx.get(f"http://127.0.0.1:{port}/router/shards", headers={"Authorization": "Bearer admin"})
         assert r.json()["active"] == [0]
