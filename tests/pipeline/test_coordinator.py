@@ -21,8 +21,8 @@ from rlix.inference.router.app import RouterServer
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.weights.api import PublishedVersion
 from rlix.weights.refit import WeightPath
-from rlix.training.actor import TrainerActor
-from rlix.training.group import TrainerGroup
+from rlix.training.ranks import TrainerActor
+from rlix.training.ranks import TrainerGroup
 from rlix.training.types import TrainSample
 
 KEY = "coordinator-test"

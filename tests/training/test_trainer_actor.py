@@ -21,7 +21,7 @@ def local_ray():
 
 def test_one_step_through_the_actor(local_ray, tiny_model_dir, samples_factory, tmp_path):
     from rlix.config.models import TrainConfig
-    from rlix.training.actor import TrainerActor
+    from rlix.training.ranks import TrainerActor
 
     actor = TrainerActor.remote(str(tiny_model_dir), TrainConfig(micro_batch_size=4))
     samples = samples_factory(6, seed=60)

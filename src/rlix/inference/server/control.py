@@ -21,22 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import pickle
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
 from safetensors.torch import load
 
 from rlix.devices import measure
 from rlix.errors import InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.core import SLEEP_TAGS
+from rlix.inference.server import control_schema as C
 from rlix.inference.server.control_schema import (AbortRequestsBody, AbortWeightUpdateBody,
                                                   FinishWeightUpdateBody, InitTransferInfo,
                                                   StartWeightUpdateBody, SyncWeightsBody,
-                                                  UpdateWeightsBody)
+                                                  UpdateWeightsBody, json_body, parse_body)
 from rlix.weights.buckets import tensor_checksums
 from rlix.weights.shard_updater import ShardUpdater
 
@@ -325,3 +329,104 @@ def bucket_message(info: Any) -> dict[str, Any] | None:
                                       param="update_info") from None
         return message if isinstance(message, dict) else None
     return dict(info) if "bucket" in info else None
+
+
+def control_routes(control: ControlPlane) -> APIRouter:
+    """The control plane's HTTP face: each route parses its body into its model (control_schema)
+    and hands it to `control`; the server's app mounts it beside the data plane."""
+    router = APIRouter()
+
+    async def query_only(request: Request) -> None:
+        """A body on a query-parameter endpoint: empty or {}, else 400 before anything happens."""
+        parse_body(C.QueryOnlyBody, await json_body(request))
+
+    @router.post("/pause")
+    async def pause(request: Request, mode: str = Query("abort"), clear_cache: bool = Query(True)) -> JSONResponse:
+        await query_only(request)
+        return JSONResponse(await control.pause(mode))
+
+    @router.post("/resume")
+    async def resume(request: Request) -> JSONResponse:
+        await query_only(request)
+        return JSONResponse(await control.resume())
+
+    @router.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse(control.is_paused())
+
+    @router.post("/sleep")
+    async def sleep(request: Request, level: int = Query(1), mode: str = Query("abort")) -> JSONResponse:
+        await query_only(request)
+        return JSONResponse(await control.sleep(level, mode))
+
+    @router.post("/wake_up")
+    async def wake_up(request: Request) -> JSONResponse:
+        await query_only(request)
+        return JSONResponse(await control.wake_up(request.query_params.getlist("tags")))
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse(control.is_sleeping())
+
+    @router.post("/abort_requests")
+    async def abort_requests(request: Request) -> JSONResponse:
+        body = parse_body(C.AbortRequestsBody, await json_body(request, required=True))
+        return JSONResponse(await control.abort_requests(body))
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> JSONResponse:
+        body = parse_body(C.InitTransferBody, await json_body(request, required=True))
+        return JSONResponse(control.init_weight_transfer_engine(body.init_info))
+
+    @router.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> JSONResponse:
+        body = parse_body(C.StartWeightUpdateBody, await json_body(request))
+        return JSONResponse(await control.start_weight_update(body))
+
+    @router.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        raw = await request.body()
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            return JSONResponse(await control.update_weights(lambda: decode_safetensors(raw)))
+        try:
+            body = parse_body(C.UpdateWeightsBody, json.loads(raw or b"null"))
+        except (ValueError, RecursionError, InvalidRequestError) as exc:  # the update in progress is aborted too
+            error = exc
+            return JSONResponse(await control.update_weights(lambda: _raise(error)))
+        message = bucket_message(body.update_info.model_dump(exclude_none=True))
+        if message is not None:
+            return JSONResponse(await control.update_bucket(message))
+        return JSONResponse(await control.update_weights(lambda: control.tensors_from_json(body)))
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> JSONResponse:
+        body = parse_body(C.FinishWeightUpdateBody, await json_body(request))
+        return JSONResponse(await control.finish_weight_update(body))
+
+    @router.post("/sync_weights")
+    async def sync_weights(request: Request) -> JSONResponse:
+        body = parse_body(C.SyncWeightsBody, await json_body(request, required=True))
+        return JSONResponse(await control.sync_weights(body))
+
+    @router.post("/abort_weight_update")
+    async def abort_weight_update(request: Request) -> JSONResponse:
+        body = parse_body(C.AbortWeightUpdateBody, await json_body(request))
+        return JSONResponse(await control.abort_weight_update(body))
+
+    @router.get("/weight_transfer_status")
+    async def weight_transfer_status() -> JSONResponse:
+        return JSONResponse(control.transfer_status())
+
+    @router.get("/weight_info")
+    async def weight_info() -> JSONResponse:
+        return JSONResponse(control.weight_info())
+
+    @router.get("/weight_checksums")
+    async def weight_checksums() -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(control.weight_checksums))
+
+    return router
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc

@@ -9,8 +9,10 @@ list's length, a string's characters, a number's range.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from rlix.errors import InvalidRequestError
@@ -122,3 +124,17 @@ def parse_body(model: type[M], body: Any) -> M:
         where = ".".join(str(x) for x in first.get("loc", ())) or None
         raise InvalidRequestError(f"{where}: {first.get('msg')}" if where else str(first.get("msg")),
                                   param=where) from None
+
+
+async def json_body(request: Request, required: bool = False) -> Any:
+    """The request's body as JSON (None when empty and not `required`), or an InvalidRequestError;
+    its size and nesting were bounded by the RequestGuard before it was read."""
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise InvalidRequestError("Invalid JSON format")
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise InvalidRequestError("Invalid JSON format") from None
