@@ -99,23 +99,32 @@ class PolicyTrainer:
         # time-shared trainer starts before it is granted its GPU)
         self._host: dict[tuple, torch.Tensor] = {}
         self.on_device = not offloaded
-        start = torch.device("cpu") if offloaded else self.device
-        self.model = self._load(_as_dtype(dtype)).to(start)
-        self.model.train()
         # The engines serve the run's dtype when one is given, else the checkpoint's; sync in it.
         saved = json.loads((self.model_path / "config.json").read_text())
         self.sync_dtype = _as_dtype(dtype) or _as_dtype(saved.get("dtype") or saved.get("torch_dtype"))
-        self.ref_model = None
-        if self.kl_coef > 0:
-            self.ref_model = self._load(_as_dtype(dtype)).to(start).eval().requires_grad_(False)
+        self.step = 0
+        self.cache: BucketCache | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.model = self._build_state(_as_dtype(dtype), torch.device("cpu") if offloaded else self.device)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.step = 0
-        self.cache: BucketCache | None = None
+        self.optimizer = torch.optim.AdamW(self._trained_tensors(), lr=lr, weight_decay=weight_decay)
         if offloaded and self.device.type == "cuda":
             self._pin_host_state()
+
+    def _build_state(self, dtype: torch.dtype | None, start: torch.device) -> torch.nn.Module:
+        """The policy (and the reference model, with a KL term) on `start`: whole on every rank.
+        (training/fsdp.py's trainer keeps a shard of each parameter instead.)"""
+        model = self._load(dtype).to(start)
+        model.train()
+        if self.kl_coef > 0:
+            self.ref_model = self._load(dtype).to(start).eval().requires_grad_(False)
+        return model
+
+    def _trained_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer steps."""
+        return list(self.model.parameters())
 
     def _pin_host_state(self) -> None:
         """(CUDA, offloaded) The host side of every offload, made now, during set-up, while no
@@ -307,6 +316,7 @@ class PolicyTrainer:
         dev = self.device
         with self._step_group(group) as group_stats:
             distributed = group_stats is not None
+            model = self._step_model()
             local = torch.tensor([sum(s.trained_tokens() for s in samples),
                                   sum(1 for s in samples if s.trained_tokens()), len(samples)],
                                  dtype=torch.float64, device=dev)
@@ -320,9 +330,9 @@ class PolicyTrainer:
             normalizer = (num_tokens if self.aggregation == "token" else num_seqs) / self.world_size
             self.optimizer.zero_grad(set_to_none=True)
             sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, ratio sum, kl sum
-            for idx in self._chunks(samples):
+            for idx, scale in self._step_chunks(samples):
                 chunk = [samples[i] for i in idx]
-                logp, mask = self._logprobs(self.model, chunk)
+                logp, mask = self._logprobs(model, chunk)
                 behaviour = torch.zeros(logp.shape)  # built on the host, copied once
                 for i, s in enumerate(chunk):
                     behaviour[i, :len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
@@ -335,19 +345,18 @@ class PolicyTrainer:
                 loss, m = policy_loss(logp, behaviour, adv, mask, clip_eps=self.clip_eps,
                                       clip_eps_high=self.clip_eps_high, aggregation=self.aggregation,
                                       ref_logprobs=ref, kl_coef=self.kl_coef, normalizer=normalizer)
-                loss.backward()
-                n = m["num_tokens"]
-                sums += torch.tensor([m["loss"], m["clip_fraction"] * n, m["ratio"] * n,
+                (loss * scale).backward()
+                n = m["num_tokens"] * scale
+                sums += torch.tensor([m["loss"] * scale, m["clip_fraction"] * n, m["ratio"] * n,
                                       m.get("kl", 0.0) * n], dtype=torch.float64)
             if distributed:
-                self._all_reduce_mean_grads()
+                self._reduce_grads(model)
                 reduced = sums.to(dev)
                 dist.all_reduce(reduced)
                 sums = reduced.cpu()
             limit = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm = self._optimizer_step(model, limit)
+            del model
         self.step += 1
         loss_sum, clipped, ratio_sum, kl_sum = sums.tolist()
         metrics = {
@@ -363,19 +372,34 @@ class PolicyTrainer:
                            group_teardown_s=group_stats.teardown_s, group_destroyed=float(group_stats.destroyed))
         return metrics
 
+    # step hooks: what a sharded trainer (training/fsdp.py) does differently inside a step
+    def _step_model(self) -> torch.nn.Module:
+        """The module the step runs forward and backward through."""
+        return self.model
+
+    def _step_chunks(self, samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], float]]:
+        """The step's micro-batches and each one's weight in the loss (1: all of them count)."""
+        for idx in self._chunks(samples):
+            yield idx, 1.0
+
+    def _reduce_grads(self, model: torch.nn.Module) -> None:
+        """Average the gradients over the ranks (a data-parallel step)."""
+        self._all_reduce_mean_grads()
+
+    def _optimizer_step(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the gradients to `max_norm` (the whole model's norm), step; the norm before."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
     # -- weights out ------------------------------------------------------------------------
     def state_for_sync(self) -> dict[str, torch.Tensor]:
         """The weights under the checkpoint's (= the engine's canonical) names: tied tensors once,
         under their first name (no `lm_head.weight` when embeddings are tied), plus persistent
         buffers; in the checkpoint's dtype. Shares storage with the model where no cast is needed.
         Works offloaded too (the tensors are then the host copies)."""
-        saved = set(self.model.state_dict().keys())
-        out = {n: p.detach() for n, p in self.model.named_parameters()}
-        out.update({n: b.detach() for n, b in self.model.named_buffers() if n in saved and n not in out})
-        if self.sync_dtype is not None:
-            out = {n: t if t.dtype == self.sync_dtype or not t.is_floating_point() else t.to(self.sync_dtype)
-                   for n, t in out.items()}
-        return out
+        return weights_for_sync(self.model, self.sync_dtype)
 
     def build_cache(self, version: int, on_device: bool = False) -> BucketCache:
         """Snapshot the weights into the host bucket cache as `version` (the cache is allocated
@@ -440,6 +464,10 @@ class PolicyTrainer:
                     if buf is not None:
                         yield ((tag, "b", mod_name, bname), buf,
                                lambda t, mod=mod, bname=bname: mod._buffers.__setitem__(bname, t))
+        yield from self._optimizer_tensors()
+
+    def _optimizer_tensors(self) -> Iterator[tuple[tuple, torch.Tensor, Callable[[torch.Tensor], None]]]:
+        """AdamW's moments, as `_state_tensors` lists them."""
         for param, state in self.optimizer.state.items():
             for key, value in state.items():
                 if key != "step" and isinstance(value, torch.Tensor):
@@ -523,6 +551,11 @@ class PolicyTrainer:
                     and not f.name.endswith(".index.json"):
                 shutil.copy2(f, root / "model" / f.name)
         torch.save(self.optimizer.state_dict(), root / "optimizer.pt")
+        self._save_trainer_state(root)
+        return root
+
+    def _save_trainer_state(self, root: Path) -> None:
+        """RNG state and step counter (`rng.pt`, `trainer.json`)."""
         rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -530,7 +563,12 @@ class PolicyTrainer:
         (root / "trainer.json").write_text(json.dumps(
             {"step": self.step, "seed": self.seed, "model": str(self.model_path),
              "world_size": self.world_size}, indent=2))
-        return root
+
+    def _load_rng(self, root: Path) -> None:
+        rng = torch.load(root / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Resume from save_checkpoint(path): weights in place, optimizer, RNG, step. The
@@ -552,11 +590,19 @@ class PolicyTrainer:
                                                   weights_only=True))
         if not self.on_device:  # load_state_dict put the optimizer state beside the CPU params
             self._move(torch.device("cpu"))
-        rng = torch.load(root / "rng.pt", weights_only=True)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        self._load_rng(root)
         self.step = int(json.loads((root / "trainer.json").read_text())["step"])
+
+
+def weights_for_sync(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`model`'s weights as shards are synced to: parameters under the checkpoint's names (tied
+    ones once, under their first name), persistent buffers, floating ones cast to `dtype`."""
+    saved = set(model.state_dict().keys())
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    out.update({n: b.detach() for n, b in model.named_buffers() if n in saved and n not in out})
+    if dtype is not None:
+        out = {n: t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype) for n, t in out.items()}
+    return out
 
 
 def _copy_buckets(device: list[torch.Tensor], host: list[torch.Tensor]) -> None:

@@ -187,12 +187,43 @@ def _scatter(layout: Layout, buckets: Sequence[torch.Tensor], entry: TensorEntry
         dst = buckets[entry.bucket][entry.offset: entry.offset + entry.nbytes]
         dst.view(entry.dtype).view(entry.shape).copy_(src, non_blocking=True)
         return
-    flat = src.contiguous().reshape(-1).view(torch.uint8)
-    bucket, offset, start, remaining = entry.bucket, entry.offset, 0, entry.nbytes
+    _scatter_bytes(layout, buckets, entry, src.contiguous().reshape(-1).view(torch.uint8), 0)
+
+
+def _scatter_bytes(layout: Layout, buckets: Sequence[torch.Tensor], entry: TensorEntry,
+                   data: torch.Tensor, start: int) -> None:
+    """Bytes [start, start + len(data)) of `entry`'s tensor into its buckets, across the
+    bucket boundaries it spans."""
+    bucket, offset, skip = entry.bucket, entry.offset, start
+    while skip >= layout.bucket_sizes[bucket] - offset:  # the bucket where byte `start` lies
+        skip -= layout.bucket_sizes[bucket] - offset
+        bucket, offset = bucket + 1, 0
+    offset += skip
+    done, remaining = 0, data.numel()
     while remaining:
         take = min(remaining, layout.bucket_sizes[bucket] - offset)
-        buckets[bucket][offset: offset + take].copy_(flat[start: start + take], non_blocking=True)
-        start, remaining, bucket, offset = start + take, remaining - take, bucket + 1, 0
+        buckets[bucket][offset: offset + take].copy_(data[done: done + take], non_blocking=True)
+        done, remaining, bucket, offset = done + take, remaining - take, bucket + 1, 0
+
+
+def pack_rows(layout: Layout, buckets: Sequence[torch.Tensor], name: str, rows: torch.Tensor,
+              first_row: int) -> None:
+    """Rows [first_row, first_row + len(rows)) of tensor `name` (its first dimension) into the
+    buckets, leaving its other rows alone: how the ranks of a sharded trainer each write their
+    shard of a tensor (a dim-0 shard is one contiguous byte range of the full tensor). `rows`
+    must have the layout's dtype; copies from a GPU are waited for here."""
+    entry = layout.entries[layout.index[name]]
+    if rows.dtype != entry.dtype or tuple(rows.shape[1:]) != entry.shape[1:] \
+            or not 0 <= first_row <= first_row + rows.shape[0] <= (entry.shape[0] if entry.shape else 1):
+        raise WeightUpdateError(f"{name}: rows {first_row}..{first_row + rows.shape[0]} of {rows.dtype} "
+                                f"{tuple(rows.shape[1:])} do not fit the layout's {entry.dtype} {entry.shape}")
+    if rows.numel() == 0:
+        return
+    row_bytes = entry.nbytes // entry.shape[0]
+    _scatter_bytes(layout, buckets, entry, rows.contiguous().reshape(-1).view(torch.uint8),
+                   first_row * row_bytes)
+    if rows.is_cuda:
+        torch.cuda.synchronize(rows.device)
 
 
 def unpack(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:

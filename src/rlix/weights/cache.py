@@ -28,7 +28,7 @@ from rlix.weights.api import PublishedVersion, VersionRefs
 from rlix.weights.buckets import (DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, bucket_views, fusion_order,
                                   named_weights, pack, plan_layout)
 from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
-from rlix.weights.transport.shm import ShmSender
+from rlix.weights.transport.base import Message, header
 from rlix.weights.wire import SHM_DIR, Layout, ShmSegment, bucket_checksum
 
 HostMemory = Literal["auto", "pinned_shm", "pinned", "shm", "pageable"]
@@ -151,19 +151,50 @@ class BucketCache:
         version is left absent and the other versions untouched. `checksums`: the buckets'
         checksums when the caller already verified them (kept, not recomputed)."""
         version = int(version)
-        with self._lock:
-            slot = self._pick_slot(version)
-            slot.version, slot.building, slot.checksums = None, True, None
+        slot = self._begin(version)
         try:
             fill(list(slot.buckets))
         except BaseException:
-            with self._lock:
-                slot.building = False
+            self._end(slot, version, ok=False)
+            raise
+        self._end(slot, version, ok=True, checksums=checksums)
+
+    def begin_version(self, version: int) -> VersionRefs:
+        """Open `version`'s slot to writers in other processes of this host (the ranks of a
+        sharded trainer, each writing its shard: buckets.pack_rows) and answer where its
+        buckets lie; `end_version` closes it. The slot is picked as a build picks it. Needs the
+        cache in shared memory."""
+        version = int(version)
+        if self.host not in ("shm", "pinned_shm"):
+            raise WeightCacheError(f"the weight cache is in {self.host} memory, which other processes "
+                                   f"cannot write; a sharded trainer needs it in {SHM_DIR} (free room there)")
+        slot = self._begin(version)
+        return VersionRefs(version, self.layout.to_json(), self.layout.layout_id, "shm",
+                           tuple(self._slot_messages(slot, version)))
+
+    def end_version(self, version: int, ok: bool = True) -> None:
+        """Close a slot `begin_version` opened: `ok` makes it the latest version; otherwise it
+        is left absent (a writer failed), the other versions untouched."""
+        version = int(version)
+        slot = next((s for s in self._slots if s.building), None)
+        if slot is None:
+            raise WeightCacheError(f"no version is being written (end_version({version}))")
+        self._end(slot, version, ok=ok)
+
+    def _begin(self, version: int) -> _Slot:
+        with self._lock:
+            slot = self._pick_slot(version)
+            slot.version, slot.building, slot.checksums = None, True, None
+            return slot
+
+    def _end(self, slot: _Slot, version: int, ok: bool, checksums: list[int] | None = None) -> None:
+        with self._lock:
+            slot.building = False
+            if not ok:
                 if self.latest_version == version:
                     self.latest_version = None
-            raise
-        with self._lock:
-            slot.version, slot.building = version, False
+                return
+            slot.version = version
             slot.checksums = list(checksums) if checksums is not None else None
             self.latest_version = version
 
@@ -224,10 +255,19 @@ class BucketCache:
     def refs(self, version: int) -> VersionRefs | None:
         """Where `version`'s buckets lie in shared memory, for shards on this host to read
         (None when the slots are private memory)."""
-        messages = ShmSender(self.shm_segments).references(int(version), self.buckets(version), None)
-        if messages is None:
+        slot = self._find(version)
+        if slot.segment is None:
             return None
-        return VersionRefs(int(version), self.layout.to_json(), self.layout.layout_id, "shm", tuple(messages))
+        return VersionRefs(int(version), self.layout.to_json(), self.layout.layout_id, "shm",
+                           tuple(self._slot_messages(slot, int(version))))
+
+    def _slot_messages(self, slot: _Slot, version: int) -> list[Message]:
+        """One shm message per bucket of `slot`: its segment, the bucket's offset there; `lasting`
+        (the slot is reused across versions: worth page-locking on the reading side)."""
+        if slot.segment is None:
+            raise WeightCacheError("this cache slot is not in shared memory")
+        return [{**header(version, i, size, None), "shm": slot.segment.name, "offset": offset, "lasting": True}
+                for i, (offset, size) in enumerate(zip(self.layout.bucket_offsets(), self.layout.bucket_sizes))]
 
     def published(self, version: int, seconds: float = 0.0) -> PublishedVersion:
         """What publishing `version` (built, made active) answers: its size and references."""

@@ -1,0 +1,261 @@
+"""ShardedPolicyTrainer: one rank of a policy trained with FSDP2, each rank holding a shard.
+
+Why a trainer of its own: `train_gpus: N` otherwise keeps the whole model and its AdamW state on
+every rank, so nothing much larger than ~3B trains on an 80 GB GPU. Here rank r keeps only its
+rows of every parameter (the dim-0 chunk `torch.chunk` gives it, FSDP2's own split), kept in
+float32 (the master copy) with their AdamW moments; compute runs in the checkpoint's dtype (or
+the run's `dtype`) with gradients reduced in float32 (FSDP2's MixedPrecisionPolicy).
+
+Why the model is wrapped anew every step: a time-shared trainer's process group lives only for
+its step (trainer.py: no communicator holds GPU memory while the GPUs serve inference), and an
+FSDP2 module keeps the process group it was wrapped with. So each step builds the model's
+skeleton on the meta device (nothing allocated), applies `fully_shard` per decoder layer and to
+the root over the step's group, allocates the sharded parameters and copies this rank's shards
+into them; the optimizer steps the kept shards, and the wrapped module is dropped with the
+group. The cost: a second copy of the rank's parameter shard during the step, and the wrap
+(milliseconds a layer).
+
+Offload and reload move the shards, the buffers and the moments as the unsharded trainer moves
+its state (pinned host memory on CUDA). Publishing a version needs no collective: a dim-0 shard
+is one contiguous byte range of the full tensor, so each rank writes its rows straight into rank
+0's shared-memory cache (`open_version` on rank 0, `write_shard` on every rank, `close_version`
+on rank 0: ranks.py's TrainerGroup drives it). The ranks must therefore share rank 0's host.
+Not yet: a KL reference model, a device copy for shards beside the trainer (they sync from the
+host cache), `compute_logprobs` outside a step, and checkpoints resumed on another world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from rlix.errors import TrainingError, WeightCacheError
+from rlix.training.trainer import PolicyTrainer, weights_for_sync
+from rlix.training.types import TrainSample
+from rlix.weights.api import PublishedVersion, VersionRefs
+from rlix.weights.buckets import fusion_order, pack_rows, plan_layout, unpack
+from rlix.weights.cache import BucketCache
+from rlix.weights.wire import Layout, ShmMapper
+
+MASTER_DTYPE = torch.float32
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank `rank`'s rows [start, end) of a dim-0 split over `world_size` ranks, as torch.chunk
+    (and so FSDP2) splits: chunks of ceil(rows / world_size), the last ones short or empty."""
+    size = -(-rows // world_size) if rows else 0
+    start = min(rows, rank * size)
+    return start, min(rows, start + size)
+
+
+class ShardedPolicyTrainer(PolicyTrainer):
+    """A PolicyTrainer rank whose parameters and AdamW state are this rank's FSDP2 shards."""
+
+    def __init__(self, model: str | os.PathLike[str], *, activation_checkpointing: bool = False,
+                 **kwargs: Any) -> None:
+        self.activation_checkpointing = bool(activation_checkpointing)
+        super().__init__(model, **kwargs)
+        if self.world_size < 2:
+            raise TrainingError("a sharded trainer needs at least 2 ranks (one rank trains unsharded)")
+
+    # -- state ------------------------------------------------------------------------------
+    def _build_state(self, dtype: torch.dtype | None, start: torch.device) -> torch.nn.Module:
+        """Load the checkpoint on the host, keep this rank's rows of every parameter (float32)
+        and every buffer; the model itself stays a skeleton on the meta device."""
+        if self.kl_coef > 0:
+            raise TrainingError("kl_coef > 0 with fsdp: the reference model is not sharded yet; "
+                                "set kl_coef: 0 or train unsharded")
+        full = self._load(dtype)
+        self.compute_dtype = next(full.parameters()).dtype
+        self.rows: dict[str, tuple[int, int]] = {}
+        self.shards: dict[str, torch.Tensor] = {}
+        for name, p in full.named_parameters():
+            self.rows[name] = shard_rows(p.shape[0], self.world_size, self.rank)
+            lo, hi = self.rows[name]
+            self.shards[name] = p.detach()[lo:hi].to(MASTER_DTYPE).clone().to(start).requires_grad_(True)
+        self.buffers = {n: b.detach().clone().to(start) for n, b in full.named_buffers()}
+        # what a version is made of: names, full shapes and dtypes as shards are synced to
+        self.sync_specs = {n: (tuple(t.shape), t.dtype) for n, t in weights_for_sync(full, self.sync_dtype).items()}
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(full.config, dtype=MASTER_DTYPE)
+        del full
+        skeleton.train()
+        return skeleton
+
+    def _trained_tensors(self) -> list[torch.Tensor]:
+        return list(self.shards.values())
+
+    def _state_tensors(self) -> Iterator[tuple[tuple, torch.Tensor, Callable[[torch.Tensor], None]]]:
+        for name, t in self.shards.items():
+            yield ("model", "p", name), t.data, lambda v, t=t: setattr(t, "data", v)
+        for name, b in self.buffers.items():
+            yield ("model", "b", name), b, lambda v, name=name: self.buffers.__setitem__(name, v)
+        yield from self._optimizer_tensors()
+
+    def _move(self, device: torch.device) -> None:
+        if self.device.type == "cuda":  # off CUDA nothing ever leaves the host
+            super()._move(device)
+
+    # -- the step ---------------------------------------------------------------------------
+    def _step_model(self) -> torch.nn.Module:
+        """The model wrapped with FSDP2 over this step's process group, this rank's shards in it."""
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        model = copy.deepcopy(self.model)  # the meta skeleton: nothing allocated
+        if self.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == MASTER_DTYPE else self.compute_dtype,
+                                      reduce_dtype=MASTER_DTYPE)
+        layers = model.get_decoder().layers
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise TrainingError(f"{type(model).__name__}: no list of decoder layers to shard")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                local = p.to_local()
+                if tuple(local.shape) != tuple(self.shards[name].shape):
+                    raise TrainingError(f"internal: FSDP2 gives rank {self.rank} {tuple(local.shape)} of {name}, "
+                                        f"this trainer keeps {tuple(self.shards[name].shape)}")
+                local.copy_(self.shards[name])
+            for name, b in model.named_buffers():
+                b.copy_(self.buffers[name])
+        return model
+
+    def _step_chunks(self, samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], float]]:
+        """Every rank runs as many micro-batches as the rank with most (each forward and backward
+        is a collective under FSDP2); a rank with fewer repeats one sample at weight 0."""
+        chunks = list(self._chunks(samples))
+        count = torch.tensor([len(chunks)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        for idx in chunks:
+            yield idx, 1.0
+        for _ in range(int(count.item()) - len(chunks)):
+            yield chunks[0][:1], 0.0
+
+    def _reduce_grads(self, model: torch.nn.Module) -> None:
+        """Nothing left to do: FSDP2 reduce-scatters (averages) every backward's gradients."""
+
+    def _optimizer_step(self, model: torch.nn.Module, max_norm: float) -> float:
+        params = list(model.named_parameters())
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], max_norm)  # the whole model's norm
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        for name, p in params:
+            grad = p.grad
+            self.shards[name].grad = (torch.zeros_like(self.shards[name]) if grad is None
+                                      else grad.to_local() if isinstance(grad, DTensor) else grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        raise TrainingError("compute_logprobs needs every rank's shards, which meet only inside a "
+                            "step's process group; a sharded trainer has none between steps")
+
+    # -- weights out ------------------------------------------------------------------------
+    def state_for_sync(self) -> dict[str, torch.Tensor]:
+        raise TrainingError("a sharded trainer has no whole copy of its weights; publish a version "
+                            "(every rank writes its rows into rank 0's cache) and read the cache")
+
+    def build_cache(self, version: int, on_device: bool = False) -> BucketCache:
+        raise TrainingError("a sharded trainer's versions are built by all its ranks at once "
+                            "(TrainerGroup.publish: open_version, write_shard, close_version)")
+
+    def build_device_copy(self, version: int, state: dict[str, torch.Tensor] | None = None
+                          ) -> list[torch.Tensor] | None:
+        return None  # no rank holds the whole model; shards beside it sync from the host cache
+
+    def layout(self) -> Layout:
+        """The buckets a version is packed into, planned from the full shapes alone."""
+        specs = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in self.sync_specs.items()}
+        return plan_layout(fusion_order(specs), self.cache_bucket_bytes)
+
+    def open_version(self, version: int) -> VersionRefs:
+        """(Rank 0) Open `version`'s slot of the cache for every rank to write its rows into."""
+        if self.rank != 0:
+            raise TrainingError(f"rank {self.rank}: the cache is rank 0's")
+        if self.cache is None:
+            self.cache = BucketCache(self.layout(), host=self.cache_host)
+        return self.cache.begin_version(version)
+
+    def write_shard(self, refs: VersionRefs) -> None:
+        """This rank's rows of every parameter (rank 0: the buffers too), cast to the sync dtype,
+        into the buckets `refs` names (rank 0's shared memory, on this host)."""
+        layout = Layout.from_json(refs.layout_json)
+        mapper = ShmMapper()
+        try:
+            buckets = [mapper.bucket(str(m["shm"]), int(m["offset"]), int(m["nbytes"])) for m in refs.messages]
+            with torch.no_grad():
+                for name, (_, dtype) in self.sync_specs.items():
+                    if name in self.shards:
+                        pack_rows(layout, buckets, name, self.shards[name].to(dtype), self.rows[name][0])
+                    elif self.rank == 0:
+                        buffer = self.buffers[name]
+                        pack_rows(layout, buckets, name, buffer.to(dtype) if buffer.is_floating_point() else buffer, 0)
+        finally:
+            mapper.close()
+
+    def close_version(self, version: int, ok: bool, seconds: float = 0.0) -> PublishedVersion:
+        """(Rank 0) Close the slot every rank wrote: `ok` makes `version` the one shards are
+        refitted to; otherwise it is dropped and the versions before it stay."""
+        if self.cache is None:
+            raise WeightCacheError("no version is being written (open_version first)")
+        self.cache.end_version(version, ok)
+        if not ok:
+            raise WeightCacheError(f"version {version} was not published: a rank failed to write its shard")
+        self.cache.promote_active(int(version))
+        return self.cache.published(version, seconds)
+
+    def cached_weights(self, version: int) -> dict[str, torch.Tensor]:
+        """(Rank 0) The tensors of a published version, read back from the cache: views of its
+        buckets (split tensors copied), valid while the version stays in the cache."""
+        if self.cache is None:
+            raise WeightCacheError("no weight cache yet: publish a version first")
+        return unpack(self.cache.layout, self.cache.buckets(version))
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def _shard_file(self, root: Path) -> Path:
+        return root / "shards" / f"rank{self.rank}-of-{self.world_size}.pt"
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Every rank saves its shards, buffers and AdamW state (`shards/rank{r}-of-{n}.pt`);
+        rank 0 also the step and the RNG state. Resumes on the same number of ranks."""
+        root = Path(path)
+        (root / "shards").mkdir(parents=True, exist_ok=True)
+        torch.save({"shards": {n: t.detach().cpu() for n, t in self.shards.items()},
+                    "optimizer": self.optimizer.state_dict(), "step": self.step},
+                   self._shard_file(root))
+        if self.rank == 0:
+            self._save_trainer_state(root)
+        return root
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        root = Path(path)
+        file = self._shard_file(root)
+        if not file.is_file():
+            found = sorted(p.name for p in (root / "shards").glob("rank*-of-*.pt")) if (root / "shards").is_dir() else []
+            raise TrainingError(f"{root} holds no shard of rank {self.rank} of {self.world_size}"
+                                + (f" (it has {found[:4]}: saved by another number of ranks)" if found else ""))
+        saved = torch.load(file, map_location="cpu", weights_only=True)
+        with torch.no_grad():
+            for name, t in self.shards.items():
+                got = saved["shards"].get(name)
+                if got is None or got.shape != t.shape:
+                    raise TrainingError(f"checkpoint {root} does not fit this rank's shard of {name}")
+                t.copy_(got)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self._move(self.device if self.on_device else torch.device("cpu"))
+        self.step = int(saved["step"])
+        self._load_rng(root)
