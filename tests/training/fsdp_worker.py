@@ -32,7 +32,7 @@ def publish(trainer: ShardedPolicyTrainer, store: dist.TCPStore, version: int) -
         return None
     while int(store.add(f"written{version}", 0)) < trainer.world_size:
         pass
-    trainer.close_version(version, ok=True)
+    trainer.close_version(version)
     return [b.clone() for b in trainer.cache.buckets(version)]
 
 

@@ -183,3 +183,35 @@ def test_killed_rank_fails_the_step_naming_it(group_ray, tiny_model_dir, batch):
         run(group.close())  # rank 0 is still stuck in the step's rendezvous: close must not wait for it
         assert time.monotonic() - started < 15
     assert all(gone(p) for p in pids)
+
+
+def test_fsdp_ranks_publish_the_unsharded_weights_and_train(group_ray, tiny_model_dir, batch, tmp_path):
+    """`train.fsdp`: each rank keeps a shard; a published version (every rank's rows written
+    into rank 0's cache) is bit-identical to an unsharded trainer's, and the ranks train, publish
+    and checkpoint as a group."""
+    cfg = TrainConfig(lr=LR, micro_batch_size=2, fsdp=True)
+    sharded = TrainerGroup.start(str(tiny_model_dir), cfg, [{"max_concurrency": 2}] * 2,
+                                 step_timeout_s=30, **KWARGS)
+    single = TrainerGroup.start(str(tiny_model_dir), cfg, [{"max_concurrency": 2}], **KWARGS)
+
+    async def scenario():  # type: ignore[no-untyped-def]
+        assert sharded.sharded and not single.sharded  # one rank trains unsharded
+        first = await sharded.publish(0, audit=True)
+        await single.publish(0, audit=True)
+        assert first.refs is not None and first.device_refs == {}
+        assert await sharded.weight_checksums(0) == await single.weight_checksums(0)
+        got, want = await asyncio.gather(sharded.train_step(batch), single.train_step(batch))
+        assert got["num_tokens"] == want["num_tokens"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-5)
+        assert (await sharded.publish(1, audit=True)).versions == [0, 1]
+        await sharded.offload()
+        await sharded.reload(5.0)
+        assert await sharded.save_checkpoint(str(tmp_path / "fsdp")) == 1
+        assert sorted(p.name for p in (tmp_path / "fsdp" / "shards").iterdir()) == ["rank0-of-2.pt", "rank1-of-2.pt"]
+        assert await sharded.load_checkpoint(str(tmp_path / "fsdp")) == 1
+
+    try:
+        run(scenario())
+    finally:
+        run(sharded.close())
+        run(single.close())

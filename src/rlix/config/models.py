@@ -314,6 +314,21 @@ class TrainConfig(_Strict):
                                                          "CUDA, where each bucket's fixed cost, a "
                                                          "message and a copy launch, outweighs its "
                                                          "bytes at 64; 64 on CPU)")
+    fsdp: bool = Field(False, description="shard the parameters and AdamW state over the train_gpus ranks "
+                                          "(FSDP2; float32 master state, compute in the model's dtype); "
+                                          "one rank trains unsharded. The ranks must share a node")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations "
+                                                              "in the backward pass (fsdp only): less memory, "
+                                                              "about a third more compute")
+
+    @model_validator(mode="after")
+    def _sharding(self) -> "TrainConfig":
+        if self.fsdp and self.kl_coef > 0:
+            raise ValueError("kl_coef > 0 needs a reference model, which fsdp does not shard yet: "
+                             "set kl_coef: 0 or fsdp: false")
+        if self.activation_checkpointing and not self.fsdp:
+            raise ValueError("activation_checkpointing applies to fsdp: true only")
+        return self
 
 
 class PipelineConfig(_Strict):

@@ -207,16 +207,18 @@ class ShardedPolicyTrainer(PolicyTrainer):
         finally:
             mapper.close()
 
-    def close_version(self, version: int, ok: bool, seconds: float = 0.0) -> PublishedVersion:
-        """(Rank 0) Close the slot every rank wrote: `ok` makes `version` the one shards are
-        refitted to; otherwise it is dropped and the versions before it stay."""
+    def close_version(self, version: int, seconds: float = 0.0) -> PublishedVersion:
+        """(Rank 0) Every rank wrote its rows: `version` becomes the one shards are refitted to."""
         if self.cache is None:
             raise WeightCacheError("no version is being written (open_version first)")
-        self.cache.end_version(version, ok)
-        if not ok:
-            raise WeightCacheError(f"version {version} was not published: a rank failed to write its shard")
+        self.cache.end_version(version, ok=True)
         self.cache.promote_active(int(version))
         return self.cache.published(version, seconds)
+
+    def drop_version(self, version: int) -> None:
+        """(Rank 0) A rank failed to write: `version` is dropped, the versions before it stay."""
+        if self.cache is not None:
+            self.cache.end_version(version, ok=False)
 
     def cached_weights(self, version: int) -> dict[str, torch.Tensor]:
         """(Rank 0) The tensors of a published version, read back from the cache: views of its

@@ -40,6 +40,7 @@ from rlix.devices import DeviceMemory
 from rlix.errors import (RlixError, TrainerDiedError, TrainingError, WeightCacheError, actor_death,
                          one_line)
 from rlix.threads import yield_cores_to_control
+from rlix.training.fsdp import ShardedPolicyTrainer
 from rlix.training.trainer import PolicyTrainer
 from rlix.training.types import GroupSpec, TrainSample
 from rlix.weights.api import PublishedVersion, VersionRefs
@@ -65,8 +66,13 @@ class TrainerActor:
                  engine: str = "embedded", served_dtype: str = "bfloat16", **kwargs: Any) -> None:
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
-        self.trainer = PolicyTrainer.from_config(model, train or TrainConfig(), seed=seed,
-                                                 temperature=temperature, **kwargs)
+        train = train or TrainConfig()
+        if train.fsdp and int(kwargs.get("world_size", 1)) > 1:
+            self.trainer: PolicyTrainer = ShardedPolicyTrainer.from_config(
+                model, train, seed=seed, temperature=temperature,
+                activation_checkpointing=train.activation_checkpointing, **kwargs)
+        else:
+            self.trainer = PolicyTrainer.from_config(model, train, seed=seed, temperature=temperature, **kwargs)
         # the shards' engine: how their served weights are audited
         self.engine = engine
         self.served_dtype = getattr(torch, served_dtype)
@@ -108,6 +114,36 @@ class TrainerActor:
             audit_s = time.perf_counter() - t0
         published = self.trainer.publish(version, on_device)
         return dataclasses.replace(published, audit_s=audit_s)
+
+    # a sharded trainer's version, written by every rank (TrainerGroup.publish drives it)
+    def _sharded(self) -> ShardedPolicyTrainer:
+        if not isinstance(self.trainer, ShardedPolicyTrainer):
+            raise TrainingError("this trainer is not sharded: publish() builds its versions")
+        return self.trainer
+
+    def open_version(self, version: int) -> VersionRefs:
+        """(Rank 0) Open `version` in the cache; every rank then writes its shard there."""
+        return self._sharded().open_version(version)
+
+    def write_shard(self, refs: VersionRefs) -> None:
+        with self._state:
+            self._run(self._sharded().write_shard, refs)
+
+    def close_version(self, version: int, seconds: float, audit: bool = False) -> PublishedVersion:
+        """(Rank 0) Every rank wrote: `version` becomes the one shards are refitted to. `audit`:
+        per-tensor checksums of it, computed from the cache."""
+        trainer = self._sharded()
+        published = trainer.close_version(version, seconds)
+        audit_s = 0.0
+        if audit:
+            t0 = time.perf_counter()
+            self._checksums = {int(version): self._audit_checksums(trainer.cached_weights(version))}
+            audit_s = time.perf_counter() - t0
+        return dataclasses.replace(published, audit_s=audit_s)
+
+    def drop_version(self, version: int) -> None:
+        """(Rank 0) A rank failed to write: `version` is dropped, the versions before it stay."""
+        self._sharded().drop_version(version)
 
     def build_device_copy(self, version: int) -> VersionRefs | None:
         """The other ranks' part of `publish(on_device=True)`: the GPU copy only (rank 0 keeps
@@ -232,11 +268,14 @@ def split_batch(samples: Sequence[TrainSample], world_size: int) -> list[list[Tr
 class TrainerGroup:
     """The trainer ranks of one pipeline; see the module doc. Build it with `start`."""
 
-    def __init__(self, ranks: Sequence[Any], *, step_timeout_s: float = 300.0) -> None:
+    def __init__(self, ranks: Sequence[Any], *, step_timeout_s: float = 300.0, sharded: bool = False) -> None:
         if not ranks:
             raise TrainingError("a trainer group needs at least one rank")
         self.ranks: list[Any] = list(ranks)
         self.step_timeout_s = float(step_timeout_s)
+        # FSDP2 ranks (training/fsdp.py): each holds a shard, so every rank publishes and saves
+        self.sharded = bool(sharded) and len(self.ranks) > 1
+        self._one_host: bool | None = None  # known at the first sharded publish
         self._pids: list[int | None] = [None] * len(self.ranks)  # known once pids() ran
 
     @property
@@ -259,7 +298,7 @@ class TrainerGroup:
         ranks = [TrainerActor.options(**dict(opts)).remote(model_path, train_cfg, rank=r, world_size=n,
                                                            **trainer_kwargs)
                  for r, opts in enumerate(rank_options)]
-        return cls(ranks, step_timeout_s=step_timeout_s)
+        return cls(ranks, step_timeout_s=step_timeout_s, sharded=bool(train_cfg and train_cfg.fsdp))
 
     # -- errors -----------------------------------------------------------------------------
     def _rank_error(self, rank: int, exc: BaseException) -> BaseException:
@@ -370,6 +409,8 @@ class TrainerGroup:
         """Rank 0 snapshots its weights into its cache as `version` (see TrainerActor.publish).
         `on_device`: every rank also keeps a copy on its GPU until the offload, for the shards
         there; `device_refs` then holds each such rank's references."""
+        if self.sharded:
+            return await self._publish_shards(version, audit)
         if not on_device:
             return await self._rank0(self.ranks[0].publish.remote(version, audit))
         results = await self._on_all([self.ranks[0].publish.remote(version, audit, True)]
@@ -377,6 +418,26 @@ class TrainerGroup:
         published: PublishedVersion = results[0]
         others = {r: refs for r, refs in enumerate(results[1:], start=1) if refs is not None}
         return dataclasses.replace(published, device_refs={**published.device_refs, **others})
+
+    async def _publish_shards(self, version: int, audit: bool) -> PublishedVersion:
+        """A sharded version: rank 0 opens it in its cache, every rank writes its rows there
+        (no collective: a dim-0 shard is one byte range of the tensor), rank 0 closes it. The
+        ranks must share rank 0's host (its cache is in shared memory). No device copy: no rank
+        holds the whole model, so shards beside a rank sync from the host cache."""
+        if self._one_host is None:
+            nodes = await self.node_ids()
+            self._one_host = len(set(nodes)) == 1
+            if not self._one_host:
+                raise TrainingError(f"the FSDP ranks of this trainer run on {len(set(nodes))} nodes; they write "
+                                    "their shards into rank 0's shared-memory cache, so they must share its host")
+        t0 = time.perf_counter()
+        refs = await self._rank0(self.ranks[0].open_version.remote(version))
+        try:
+            await self._on_all(a.write_shard.remote(refs) for a in self.ranks)
+        except BaseException:
+            await self._rank0(self.ranks[0].drop_version.remote(version))
+            raise
+        return await self._rank0(self.ranks[0].close_version.remote(version, time.perf_counter() - t0, audit))
 
     async def weight_checksums(self, version: int) -> dict[str, int | Digest]:
         """Rank 0's checksums of a version published with `audit`."""
@@ -389,7 +450,10 @@ class TrainerGroup:
 
     # -- checkpoints ------------------------------------------------------------------------
     async def save_checkpoint(self, path: str) -> int:
-        """Rank 0 saves (its weights and optimizer state are every rank's); the step saved."""
+        """Rank 0 saves (its weights and optimizer state are every rank's), or with sharded ranks
+        every rank its shard; the step saved."""
+        if self.sharded:
+            return int((await self._on_all(a.save_checkpoint.remote(path) for a in self.ranks))[0])
         return int(await self._rank0(self.ranks[0].save_checkpoint.remote(path)))
 
     async def load_checkpoint(self, path: str) -> int:
