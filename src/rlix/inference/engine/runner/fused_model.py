@@ -25,6 +25,18 @@ weight update (`ServedWeights.values_version`) and cost a second copy of those w
 memory. Supported: Qwen2 / Llama / Mistral-style
 layers (q/k/v/o and gate/up/down projections, RMSNorm, SiLU, rotary without dynamic rescaling);
 `unsupported_reason` says why another model falls back to transformers' modules.
+
+Tensor parallelism (`tp`, tensor_parallel.py): each of `tp.size` ranks holds its slice of the
+q/k/v, gate/up (column-parallel) and o/down (row-parallel) weights (`shard_model`) and a KV
+cache of its own KV heads; attention runs on the rank's heads, and the o_proj and down_proj
+outputs are partial sums, all-reduced before the residual stream goes on. The residual is added
+on rank 0 only, inside its matmul (the fused add of the single-rank path), before the
+all-reduce: the sum then carries it exactly once, and no rank spends a separate pass on it.
+Embeddings, norms and the LM head are replicated, so every rank computes the same full logits.
+At size 1 nothing of this runs (the projections are the plain matmuls). The Triton decode
+kernels fuse the residual add into their norm, with no place for the reduce, so tp > 1 refuses
+them (NotImplementedError); the CUDA graphs are not built over a tp > 1 decoder yet (the model
+runner makes single-rank decoders only).
 """
 
 from __future__ import annotations
@@ -34,8 +46,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rlix.errors import ConfigError
 from rlix.inference.engine.runner import cpu_kernels, triton_ops
 from rlix.inference.engine.runner.kv_cache import SlotKVCache
+from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel
 from rlix.inference.engine.weights import ServedWeights
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -205,23 +219,40 @@ def _fused_modules(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
 
 
 class FusedDecoder:
-    """Prefill and decode forwards of one model over a SlotKVCache (see module docstring)."""
+    """Prefill and decode forwards of one model over a SlotKVCache (see module docstring).
+
+    With `tp` of size > 1 the model must already hold this rank's slices (`shard_model`) and
+    the cache this rank's KV heads; the forwards then join the group's all-reduces, so every
+    rank of the group must run the same forwards in the same order."""
 
     def __init__(self, model: torch.nn.Module, weights: ServedWeights, cache: SlotKVCache,
-                 kernels: bool | None = None) -> None:
+                 kernels: bool | None = None, tp: TensorParallel | None = None) -> None:
         config = model.config
+        self.tp = tp if tp is not None else TensorParallel.single()
+        if self.tp.size > 1 and kernels:
+            raise NotImplementedError("the Triton decode kernels do not run tensor parallel")
         #: decode through triton_ops (CUDA with Triton by default); else torch ops
-        self.kernels = triton_ops.available(weights.device) if kernels is None else kernels
+        self.kernels = (triton_ops.available(weights.device) and self.tp.size == 1
+                        if kernels is None else kernels)
         self.model = model
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.weights = weights
         self.cache = cache
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        #: the model's counts and this rank's cut of them (refuses a tp size that does not
+        #: divide the heads or the MLP)
+        self.plan = ShardPlan.of(config, self.tp)
+        self.head_dim = self.plan.head_dim
+        #: this rank's heads and intermediate units (the model's own at size 1)
+        self.num_heads = self.plan.local_heads
+        self.num_kv_heads = self.plan.local_kv_heads
         self.group = self.num_heads // self.num_kv_heads
-        self.intermediate = config.intermediate_size
+        self.intermediate = self.plan.local_intermediate
+        if self.tp.size > 1:
+            self._check_sharded(cache)
+        #: o_proj / down_proj with the residual added: the plain matmul, or its partial sums
+        #: all-reduced over the tp group
+        self._project = self._matmul if self.tp.size == 1 else self._reduced_matmul
         attn = self.decoder.layers[0].self_attn
         self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.layers: list[_Layer] = []
@@ -238,6 +269,16 @@ class FusedDecoder:
                                                           self.packed)
         self._cos = self._sin = None
         self._span: torch.Tensor | None = None
+
+    def _check_sharded(self, cache: SlotKVCache) -> None:
+        q_rows = self.decoder.layers[0].self_attn.q_proj.weight.shape[0]
+        if q_rows != self.num_heads * self.head_dim:
+            raise ConfigError(f"tensor parallel rank {self.tp.rank} of {self.tp.size}: q_proj has "
+                              f"{q_rows} rows, this rank's slice has {self.num_heads * self.head_dim} "
+                              f"(shard the model first: tensor_parallel.shard_model)")
+        if cache.num_kv_heads != self.num_kv_heads:
+            raise ConfigError(f"tensor parallel rank {self.tp.rank} of {self.tp.size}: the KV cache "
+                              f"holds {cache.num_kv_heads} KV heads, this rank serves {self.num_kv_heads}")
 
     def release(self) -> None:
         """Drop every reference to the fused buffers (before a sleep lets the parameters go)."""
@@ -312,6 +353,14 @@ class FusedDecoder:
             return _mm_add(residual, x, weight, packed)
         return _mm(x, weight, packed, bias)
 
+    def _reduced_matmul(self, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                        residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ weight.T over the tp group: x and weight are this rank's heads' (or
+        intermediate units') columns, their product a partial sum; rank 0 alone adds the
+        residual (in its matmul), then one all-reduce sums the parts on every rank."""
+        part = self._matmul(x, weight, packed, residual=residual if self.tp.rank == 0 else None)
+        return self.tp.all_reduce(part)
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
         if self._row_kernel(h, layer.gate_up_w):
@@ -322,7 +371,7 @@ class FusedDecoder:
         else:
             gate_up = _mm(h, layer.gate_up_w, None)
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
-        return self._matmul(act, layer.down_w, layer.down_p, residual=x)
+        return self._project(act, layer.down_w, layer.down_p, residual=x)
 
     def _qkv(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), layer.ln1, layer.eps1)
@@ -364,13 +413,13 @@ class FusedDecoder:
             q = qk[:, :heads].view(batch, kv_heads, self.group, dim)
             attn = F.scaled_dot_product_attention(q, keys[:batch, :, :kv_len], values[:batch, :, :kv_len],
                                                   attn_mask=step.mask, scale=self.scale)
-            return self._matmul(attn.reshape(batch, heads * dim), layer.o_w, layer.o_p, residual=x)
+            return self._project(attn.reshape(batch, heads * dim), layer.o_w, layer.o_p, residual=x)
         q = qk[:, :heads].reshape(batch * kv_heads, self.group, dim)
         k = keys[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
         v = values[:batch, :, :kv_len].reshape(batch * kv_heads, kv_len, dim)
         probs = torch.softmax(torch.baddbmm(step.mask, q, k.transpose(1, 2), alpha=self.scale), -1)
         attn = torch.bmm(probs, v).view(batch, heads * dim)
-        return self._matmul(attn, layer.o_w, layer.o_p, residual=x)
+        return self._project(attn, layer.o_w, layer.o_p, residual=x)
 
     def decode_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP half (norm .. down_proj + residual)."""
@@ -395,6 +444,8 @@ class FusedDecoder:
     # -- the decode step through triton_ops: x is the residual stream (updated in place), h the
     # -- normalised input of the next half
     def kernel_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp.size > 1:
+            raise NotImplementedError("the Triton decode kernels do not run tensor parallel")
         x = F.embedding(ids, self.decoder.embed_tokens.weight)
         first = self.layers[0]
         return x, triton_ops.add_rms_norm(x, None, first.ln1, first.eps1)
@@ -458,7 +509,7 @@ class FusedDecoder:
                                                          is_causal=True, scale=self.scale,
                                                          enable_gqa=self.group > 1)
                 parts.append(out[0].transpose(0, 1).reshape(n, heads * dim))
-            x = self._mlp(layer, self._matmul(torch.cat(parts), layer.o_w, layer.o_p, residual=x))
+            x = self._mlp(layer, self._project(torch.cat(parts), layer.o_w, layer.o_p, residual=x))
         return self.final(x)
 
     @staticmethod
@@ -489,5 +540,5 @@ class FusedDecoder:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                  enable_gqa=self.group > 1)
             attn = out.transpose(1, 2).reshape(rows * width, heads * dim)
-            x = self._mlp(layer, self._matmul(attn, layer.o_w, layer.o_p, residual=x))
+            x = self._mlp(layer, self._project(attn, layer.o_w, layer.o_p, residual=x))
         return self.final(x).view(rows, width, -1)
