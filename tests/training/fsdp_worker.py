@@ -1,10 +1,10 @@
 """One FSDP2 trainer rank, run as a subprocess by test_trainer_fsdp.py.
 
 argv: model_dir rank world_size micro_batch_size ports(comma-separated: one for the exchange
-      store, then one per step) batches.json (one list of sample dicts per step, this rank's
-      share) out.pt ckpt_dir
-Publishes version 0, trains every batch, offloads, reloads, publishes version 1, saves a
-checkpoint and resumes a fresh trainer from it; out.pt holds what the test compares.
+      store, one per step, one for the checkpoint's save, one for its load) batches.json (one list of sample dicts per step, this rank's
+      share) out.pt ckpt_dir [device: cpu (gloo, the default) or cuda (rank r on GPU r, nccl)]
+Publishes version 0, trains every batch, offloads, reloads, publishes the version trained, saves a
+checkpoint (with its Hugging Face export) and resumes a fresh trainer from it; out.pt holds what the test compares.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ def publish(trainer: ShardedPolicyTrainer, store: dist.TCPStore, version: int) -
 def main(argv: list[str]) -> None:
     model, rank, world, micro, ports, batches_path, out, ckpt = argv[:8]
     rank, world = int(rank), int(world)
+    device = f"cuda:{rank}" if len(argv) > 8 and argv[8] == "cuda" else "cpu"
     torch.set_num_threads(1)  # two ranks share the host's cores; tiny matmuls gain nothing from more
-    store_port, *step_ports = (int(p) for p in ports.split(","))
+    store_port, *step_ports, save_port, load_port = (int(p) for p in ports.split(","))
     store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timedelta(seconds=60))
     trainer = ShardedPolicyTrainer(model, rank=rank, world_size=world, micro_batch_size=int(micro),
-                                   cache_host="shm")
+                                   cache_host="shm", device=device)
     grads: list[dict] = []
     step = trainer.optimizer.step
 
     def recording_step(*args, **kwargs):  # the shard gradients each optimizer step applies
-        grads.append({n: t.grad.detach().clone() for n, t in trainer.shards.items()})
+        grads.append({n: t.grad.detach().cpu().clone() for n, t in trainer.shards.items()})
         return step(*args, **kwargs)
 
     trainer.optimizer.step = recording_step
@@ -59,23 +60,23 @@ def main(argv: list[str]) -> None:
                                             group=GroupSpec("127.0.0.1", port, rank, world, timeout_s=60))
                          for port, batch in zip(step_ports, batches)]
     result["grads"] = grads
-    before = {n: t.detach().clone() for n, t in trainer.shards.items()}
+    before = {n: t.detach().cpu().clone() for n, t in trainer.shards.items()}
     trainer.offload()
+    result["offloaded_to"] = {t.device.type for t in trainer.shards.values()}
     trainer.reload()
-    result["reload_equal"] = all(torch.equal(before[n], t) for n, t in trainer.shards.items())
-    result["v1"] = publish(trainer, store, 1)
+    result["reload_equal"] = all(torch.equal(before[n], t.cpu()) for n, t in trainer.shards.items())
+    result["reloaded_to"] = {t.device.type for t in trainer.shards.values()}
+    result["v1"] = publish(trainer, store, trainer.step)  # as the loop does: version = steps trained
     if rank == 0:
-        result["v1_tensors"] = {n: t.clone() for n, t in trainer.cached_weights(1).items()}
-    trainer.save_checkpoint(ckpt)
-    store.add("saved", 1)
-    while int(store.add("saved", 0)) < world:
-        pass
-    resumed = ShardedPolicyTrainer(model, rank=rank, world_size=world, micro_batch_size=int(micro))
-    resumed.load_checkpoint(ckpt)
+        result["v1_tensors"] = {n: t.clone() for n, t in trainer.cached_weights(trainer.step).items()}
+    trainer.save_checkpoint(ckpt, GroupSpec("127.0.0.1", save_port, rank, world, timeout_s=60))
+    result["shards"] = {n: t.detach().cpu().clone() for n, t in trainer.shards.items()}
+    resumed = ShardedPolicyTrainer(model, rank=rank, world_size=world, micro_batch_size=int(micro), device=device)
+    resumed.load_checkpoint(ckpt, GroupSpec("127.0.0.1", load_port, rank, world, timeout_s=60))
     result["resumed_equal"] = (resumed.step == trainer.step and all(
-        torch.equal(resumed.shards[n], t) for n, t in trainer.shards.items()) and
-        torch.equal(resumed.optimizer.state_dict()["state"][0]["exp_avg"],
-                    trainer.optimizer.state_dict()["state"][0]["exp_avg"]))
+        torch.equal(resumed.shards[n].cpu(), t.cpu()) for n, t in trainer.shards.items()) and
+        torch.equal(resumed.optimizer.state_dict()["state"][0]["exp_avg"].cpu(),
+                    trainer.optimizer.state_dict()["state"][0]["exp_avg"].cpu()))
     result["initialized_after"] = dist.is_initialized()
     if trainer.cache is not None:
         trainer.cache.close()  # its shared memory unlinked

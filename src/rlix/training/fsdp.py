@@ -20,31 +20,40 @@ its state (pinned host memory on CUDA). Publishing a version needs no collective
 is one contiguous byte range of the full tensor, so each rank writes its rows straight into rank
 0's shared-memory cache (`open_version` on rank 0, `write_shard` on every rank, `close_version`
 on rank 0: ranks.py's TrainerGroup drives it). The ranks must therefore share rank 0's host.
-Not yet: a KL reference model, a device copy for shards beside the trainer (they sync from the
-host cache), `compute_logprobs` outside a step, and checkpoints resumed on another world size.
+A checkpoint is written by all ranks at once with torch.distributed.checkpoint (each rank its
+rows; it resumes on any number of ranks) plus, from rank 0, the published weights as a plain
+Hugging Face folder (`export`). Not yet: a KL reference model, a device copy for shards beside
+the trainer (they sync from the host cache), and `compute_logprobs` outside a step.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from rlix.errors import TrainingError, WeightCacheError
+from rlix.errors import TrainingError, WeightCacheError, one_line
 from rlix.training.trainer import PolicyTrainer, weights_for_sync
-from rlix.training.types import TrainSample
+from rlix.training.types import GroupSpec, TrainSample
 from rlix.weights.api import PublishedVersion, VersionRefs
 from rlix.weights.buckets import fusion_order, pack_rows, plan_layout, unpack
 from rlix.weights.cache import BucketCache
+from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
 from rlix.weights.wire import Layout, ShmMapper
 
 MASTER_DTYPE = torch.float32
@@ -64,6 +73,9 @@ class ShardedPolicyTrainer(PolicyTrainer):
     def __init__(self, model: str | os.PathLike[str], *, activation_checkpointing: bool = False,
                  **kwargs: Any) -> None:
         self.activation_checkpointing = bool(activation_checkpointing)
+        # rank 0's cache segments, mapped (and on CUDA page-locked) once: the cache reuses them
+        self._mapper = ShmMapper()
+        self._pinned: dict[str, PinnedRange | None] = {}
         super().__init__(model, **kwargs)
         if self.world_size < 2:
             raise TrainingError("a sharded trainer needs at least 2 ranks (one rank trains unsharded)")
@@ -78,9 +90,11 @@ class ShardedPolicyTrainer(PolicyTrainer):
         full = self._load(dtype)
         self.compute_dtype = next(full.parameters()).dtype
         self.rows: dict[str, tuple[int, int]] = {}
+        self.full_shapes: dict[str, tuple[int, ...]] = {}
         self.shards: dict[str, torch.Tensor] = {}
         for name, p in full.named_parameters():
             self.rows[name] = shard_rows(p.shape[0], self.world_size, self.rank)
+            self.full_shapes[name] = tuple(p.shape)
             lo, hi = self.rows[name]
             self.shards[name] = p.detach()[lo:hi].to(MASTER_DTYPE).clone().to(start).requires_grad_(True)
         self.buffers = {n: b.detach().clone().to(start) for n, b in full.named_buffers()}
@@ -194,18 +208,19 @@ class ShardedPolicyTrainer(PolicyTrainer):
         """This rank's rows of every parameter (rank 0: the buffers too), cast to the sync dtype,
         into the buckets `refs` names (rank 0's shared memory, on this host)."""
         layout = Layout.from_json(refs.layout_json)
-        mapper = ShmMapper()
-        try:
-            buckets = [mapper.bucket(str(m["shm"]), int(m["offset"]), int(m["nbytes"])) for m in refs.messages]
-            with torch.no_grad():
-                for name, (_, dtype) in self.sync_specs.items():
-                    if name in self.shards:
-                        pack_rows(layout, buckets, name, self.shards[name].to(dtype), self.rows[name][0])
-                    elif self.rank == 0:
-                        buffer = self.buffers[name]
-                        pack_rows(layout, buckets, name, buffer.to(dtype) if buffer.is_floating_point() else buffer, 0)
-        finally:
-            mapper.close()
+        buckets = [self._mapper.bucket(str(m["shm"]), int(m["offset"]), int(m["nbytes"])) for m in refs.messages]
+        if self.device.type == "cuda":  # the GPU's copies into the segment run at pinned speed
+            for m in refs.messages:
+                name = str(m["shm"])
+                if name not in self._pinned:
+                    self._pinned[name] = page_lock_tensor(self._mapper.bucket(name, 0, 1))  # the whole mapping
+        with torch.no_grad():
+            for name, (_, dtype) in self.sync_specs.items():
+                if name in self.shards:
+                    pack_rows(layout, buckets, name, self.shards[name].to(dtype), self.rows[name][0])
+                elif self.rank == 0:
+                    buffer = self.buffers[name]
+                    pack_rows(layout, buckets, name, buffer.to(dtype) if buffer.is_floating_point() else buffer, 0)
 
     def close_version(self, version: int, seconds: float = 0.0) -> PublishedVersion:
         """(Rank 0) Every rank wrote its rows: `version` becomes the one shards are refitted to."""
@@ -228,36 +243,98 @@ class ShardedPolicyTrainer(PolicyTrainer):
         return unpack(self.cache.layout, self.cache.buckets(version))
 
     # -- checkpoints ------------------------------------------------------------------------
-    def _shard_file(self, root: Path) -> Path:
-        return root / "shards" / f"rank{self.rank}-of-{self.world_size}.pt"
+    def _checkpoint_state(self, mesh: DeviceMesh, template: bool) -> dict[str, Any]:
+        """The trainer's state as torch.distributed.checkpoint sees it: every parameter and
+        AdamW moment as a DTensor of the full tensor, this rank's rows its local part (host
+        copies), so a checkpoint written by n ranks loads on any number. `template`: empty
+        tensors for a load to fill. AdamW's moments are saved even before the first step (zeros,
+        step 0: an update from them is the update from fresh state)."""
+        def full(name: str, local: torch.Tensor) -> DTensor:
+            shape = self.full_shapes[name]
+            stride = torch.empty(shape, device="meta").stride()
+            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
-        """Every rank saves its shards, buffers and AdamW state (`shards/rank{r}-of-{n}.pt`);
-        rank 0 also the step and the RNG state. Resumes on the same number of ranks."""
+        model, optim = {}, {}
+        for name, t in self.shards.items():
+            state = self.optimizer.state.get(t, {})
+            if template:
+                local = torch.empty(t.shape, dtype=MASTER_DTYPE)
+                moments = (torch.empty_like(local), torch.empty_like(local))
+                step = torch.zeros((), dtype=torch.float32)
+            else:
+                local = t.detach().cpu()
+                moments = tuple(state[k].detach().cpu() if k in state else torch.zeros_like(local)
+                                for k in ("exp_avg", "exp_avg_sq"))
+                step = state["step"].detach().cpu().float() if "step" in state else torch.zeros(())
+            model[name] = full(name, local)
+            optim[name] = {"exp_avg": full(name, moments[0]), "exp_avg_sq": full(name, moments[1]), "step": step}
+        return {"model": model, "optim": optim, "trainer_step": torch.tensor(self.step)}
+
+    def save_checkpoint(self, path: str | os.PathLike[str], group: GroupSpec | None = None) -> Path:
+        """All ranks at once, over `group` (a gloo rendezvous of their own): the shards and AdamW
+        state with torch.distributed.checkpoint in `dcp/` (each rank writes its rows), rank 0 the
+        step and RNG state, and the published weights as a Hugging Face folder in `model/` when
+        the version published last is this step (after every step of a run)."""
         root = Path(path)
-        (root / "shards").mkdir(parents=True, exist_ok=True)
-        torch.save({"shards": {n: t.detach().cpu() for n, t in self.shards.items()},
-                    "optimizer": self.optimizer.state_dict(), "step": self.step},
-                   self._shard_file(root))
+        root.mkdir(parents=True, exist_ok=True)
+        with self._step_group(self._checkpoint_group(group)):
+            mesh = init_device_mesh("cpu", (self.world_size,))
+            dcp.save(self._checkpoint_state(mesh, template=False), checkpoint_id=root / "dcp")
         if self.rank == 0:
             self._save_trainer_state(root)
+            if self.cache is not None and self.cache.active_version == self.step:
+                self.export(root / "model", self.step)
         return root
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def load_checkpoint(self, path: str | os.PathLike[str], group: GroupSpec | None = None) -> None:
+        """All ranks at once, over `group`: each reads its rows of what `save_checkpoint` wrote,
+        whatever the number of ranks that wrote it."""
         root = Path(path)
-        file = self._shard_file(root)
-        if not file.is_file():
-            found = sorted(p.name for p in (root / "shards").glob("rank*-of-*.pt")) if (root / "shards").is_dir() else []
-            raise TrainingError(f"{root} holds no shard of rank {self.rank} of {self.world_size}"
-                                + (f" (it has {found[:4]}: saved by another number of ranks)" if found else ""))
-        saved = torch.load(file, map_location="cpu", weights_only=True)
+        if not (root / "dcp" / ".metadata").is_file() or not (root / "trainer.json").is_file():
+            raise TrainingError(f"{root} is not a sharded trainer checkpoint (no dcp/.metadata or trainer.json)")
+        with self._step_group(self._checkpoint_group(group)):
+            mesh = init_device_mesh("cpu", (self.world_size,))
+            state = self._checkpoint_state(mesh, template=True)
+            try:
+                dcp.load(state, checkpoint_id=root / "dcp")
+            except Exception as exc:  # noqa: BLE001 - one line naming the checkpoint
+                raise TrainingError(f"checkpoint {root} does not fit this model: {one_line(exc)}") from None
         with torch.no_grad():
             for name, t in self.shards.items():
-                got = saved["shards"].get(name)
-                if got is None or got.shape != t.shape:
-                    raise TrainingError(f"checkpoint {root} does not fit this rank's shard of {name}")
-                t.copy_(got)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self._move(self.device if self.on_device else torch.device("cpu"))
-        self.step = int(saved["step"])
+                t.copy_(state["model"][name].to_local())
+                saved = state["optim"][name]
+                self.optimizer.state[t] = {
+                    "step": saved["step"].clone(),
+                    "exp_avg": saved["exp_avg"].to_local().clone().to(t.device),
+                    "exp_avg_sq": saved["exp_avg_sq"].to_local().clone().to(t.device)}
+        self.step = int(state["trainer_step"])
         self._load_rng(root)
+
+    def _checkpoint_group(self, group: GroupSpec | None) -> GroupSpec:
+        """Checkpoints go through gloo whatever the device: the state is saved from host copies."""
+        if group is None:
+            raise TrainingError(f"rank {self.rank} of {self.world_size}: a sharded checkpoint is written by "
+                                "every rank at once and needs a GroupSpec for their process group")
+        return dataclasses.replace(group, backend="gloo")
+
+    def export(self, dest: Path, version: int) -> None:
+        """(Rank 0) Published `version` as a plain Hugging Face folder (safetensors shards of at
+        most 5 GB, config, tokenizer) that transformers, `rlix serve` and vLLM load: the weights
+        as shards are synced to, so in the served dtype. A checkpoint includes it when the
+        version published last is the trainer's current step (after every step of a run)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        tensors = self.cached_weights(version)  # views of the cache's buckets
+        plan = split_torch_state_dict_into_shards(tensors)
+        for filename, names in plan.filename_to_tensors.items():  # one file's copy in memory at a time
+            save_file({n: tensors[n].clone() for n in names}, str(dest / filename), metadata={"format": "pt"})
+        if plan.is_sharded:
+            (dest / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}, indent=2))
+        config = json.loads((self.model_path / "config.json").read_text())
+        if self.sync_dtype is not None:
+            config["dtype" if "dtype" in config else "torch_dtype"] = str(self.sync_dtype).removeprefix("torch.")
+        (dest / "config.json").write_text(json.dumps(config, indent=2))
+        generation = self.model_path / "generation_config.json"
+        if generation.is_file():
+            shutil.copy2(generation, dest / generation.name)
+        self._copy_model_files(dest)

@@ -208,15 +208,16 @@ class TrainerActor:
         """The Ray node this trainer runs on (where its shared-memory cache lives)."""
         return ray.get_runtime_context().get_node_id()
 
-    def save_checkpoint(self, path: str) -> int:
-        """Saves to `path`; returns the step saved (after any step in progress)."""
+    def save_checkpoint(self, path: str, group: GroupSpec | None = None) -> int:
+        """Saves to `path`; returns the step saved (after any step in progress). `group`: the
+        rendezvous of sharded ranks, which save together."""
         with self._state:
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, group)
             return self.trainer.step
 
-    def load_checkpoint(self, path: str) -> int:
+    def load_checkpoint(self, path: str, group: GroupSpec | None = None) -> int:
         with self._state:
-            self.trainer.load_checkpoint(path)
+            self.trainer.load_checkpoint(path, group)
             return self.trainer.step
 
     def step(self) -> int:
@@ -453,13 +454,22 @@ class TrainerGroup:
         """Rank 0 saves (its weights and optimizer state are every rank's), or with sharded ranks
         every rank its shard; the step saved."""
         if self.sharded:
-            return int((await self._on_all(a.save_checkpoint.remote(path) for a in self.ranks))[0])
+            host, port = await self._group_spec_base()
+            return int((await self._on_all(
+                a.save_checkpoint.remote(path, GroupSpec(host, port, r, self.world_size, "gloo", self.step_timeout_s))
+                for r, a in enumerate(self.ranks)))[0])
         return int(await self._rank0(self.ranks[0].save_checkpoint.remote(path)))
 
     async def load_checkpoint(self, path: str) -> int:
         """Every rank resumes from `path` (a filesystem all the ranks' nodes see); the step,
         which every rank must agree on."""
-        steps = [int(s) for s in await self._on_all(a.load_checkpoint.remote(path) for a in self.ranks)]
+        groups: list[GroupSpec | None] = [None] * self.world_size
+        if self.sharded:  # the ranks read their rows together (any number of ranks wrote them)
+            host, port = await self._group_spec_base()
+            groups = [GroupSpec(host, port, r, self.world_size, "gloo", self.step_timeout_s)
+                      for r in range(self.world_size)]
+        steps = [int(s) for s in await self._on_all(
+            a.load_checkpoint.remote(path, g) for a, g in zip(self.ranks, groups))]
         if len(set(steps)) != 1:
             raise TrainingError(f"the trainer ranks loaded different steps from {path}: {steps}")
         return steps[0]

@@ -540,19 +540,23 @@ class PolicyTrainer:
         return report
 
     # -- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+    def save_checkpoint(self, path: str | os.PathLike[str], group: GroupSpec | None = None) -> Path:
         """`path/model` (a servable transformers checkpoint, tokenizer copied), optimizer state,
-        RNG state and step counter."""
+        RNG state and step counter. (`group`: for a sharded trainer's ranks, which save together.)"""
         root = Path(path)
         root.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(root / "model")
-        for f in self.model_path.iterdir():  # tokenizer and other non-weight files
-            if f.is_file() and f.name not in _MODEL_FILES and not f.name.endswith(_WEIGHT_SUFFIXES) \
-                    and not f.name.endswith(".index.json"):
-                shutil.copy2(f, root / "model" / f.name)
+        self._copy_model_files(root / "model")
         torch.save(self.optimizer.state_dict(), root / "optimizer.pt")
         self._save_trainer_state(root)
         return root
+
+    def _copy_model_files(self, dest: Path) -> None:
+        """The checkpoint's tokenizer and other files that are neither weights nor model config."""
+        for f in self.model_path.iterdir():
+            if f.is_file() and f.name not in _MODEL_FILES and not f.name.endswith(_WEIGHT_SUFFIXES) \
+                    and not f.name.endswith(".index.json"):
+                shutil.copy2(f, dest / f.name)
 
     def _save_trainer_state(self, root: Path) -> None:
         """RNG state and step counter (`rng.pt`, `trainer.json`)."""
@@ -570,9 +574,10 @@ class PolicyTrainer:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def load_checkpoint(self, path: str | os.PathLike[str], group: GroupSpec | None = None) -> None:
         """Resume from save_checkpoint(path): weights in place, optimizer, RNG, step. The
-        reference model (if any) stays the one this trainer was built with."""
+        reference model (if any) stays the one this trainer was built with. (`group`: as for
+        save_checkpoint.)"""
         root = Path(path)
         files = sorted((root / "model").glob("*.safetensors"))
         if not files or not (root / "trainer.json").is_file():
