@@ -296,6 +296,8 @@ CLI_CASES = [
     ("run_dir ''", lambda tmp: config(tmp, run_dir=""), "run_dir: must not be empty"),
     ("max_shards above the cluster", lambda tmp: config(tmp, p_max_shards=5),
      "max_shards=5 x tp=1 needs 5 GPUs but the cluster has 2"),
+    ("vllm with a seeded preset", lambda tmp: config(tmp, p_model="qwen2.5-7b-shape", p_engine="vllm"),
+     "pipelines[0] (p).engine: vllm cannot load 'qwen2.5-7b-shape'"),
 ]
 
 
@@ -311,6 +313,25 @@ def test_rlix_check_prints_one_short_line_and_exits_2(tmp_path, make, expect):
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert expect in lines[0] and len(lines[0]) <= MAX_MESSAGE + len("rlix: error: "), lines[0]
     assert took < 30, took  # the bomb took 19 s (and 3.7 GB) before
+
+
+# ---------------------------------------------------------------- seeded presets and vLLM
+
+
+def test_vllm_with_a_seeded_preset_is_refused_naming_the_engine(tmp_path):
+    assert "pipelines[0] (p).engine: vllm cannot load 'qwen2.5-7b-shape'" in refused(
+        config(tmp_path, p_model="qwen2.5-7b-shape", p_engine="vllm"))
+
+
+def test_vllm_with_a_seeded_folder_is_refused_and_the_embedded_engine_accepted(tmp_path, capsys):
+    import dataclasses
+
+    from rlix.models import PRESETS, build_preset
+
+    folder = build_preset("s", tmp_path / "s", preset=dataclasses.replace(PRESETS["tiny"], weights="seeded"))
+    msg = refused(config(tmp_path, p_model=str(folder), p_engine="vllm"))
+    assert "engine: vllm cannot load" in msg and "a seeded preset" in msg and "not a checkpoint" not in msg
+    assert main(["check", str(config(tmp_path, p_model=str(folder)))]) == 0, capsys.readouterr()
 
 
 # ---------------------------------------------------------------- rlix run on a used run_dir

@@ -81,16 +81,19 @@ def test_resolve_uses_the_env_cache_dir(monkeypatch, tmp_path):
     assert resolve_model("tiny").is_relative_to(tmp_path / "cache")
 
 
-@pytest.mark.parametrize("name,hidden,layers,heads,head_dim,params_m", [
-    ("small", 512, 8, 8, 64, (20, 30)),
-    ("qwen2-0.5b-shape", 896, 24, 14, 64, (300, 400)),
-    ("qwen2-1.5b-shape", 1536, 28, 12, 128, (1300, 1600)),  # Qwen2-1.5B's own head dim
-    ("qwen2.5-3b-shape", 2048, 36, 16, 128, (2700, 2900)),
+@pytest.mark.parametrize("name,hidden,layers,heads,kv_heads,head_dim,params_m,weights", [
+    ("small", 512, 8, 8, 2, 64, (20, 30), "file"),
+    ("qwen2-0.5b-shape", 896, 24, 14, 2, 64, (300, 400), "file"),
+    ("qwen2-1.5b-shape", 1536, 28, 12, 2, 128, (1300, 1600), "file"),  # Qwen2-1.5B's own head dim
+    ("qwen2.5-3b-shape", 2048, 36, 16, 2, 128, (2700, 2900), "file"),
+    ("qwen2.5-7b-shape", 3584, 28, 28, 4, 128, (6400, 6700), "seeded"),
+    ("qwen2.5-14b-shape", 5120, 48, 40, 8, 128, (13000, 13400), "seeded"),
 ])
-def test_real_shapes(name, hidden, layers, heads, head_dim, params_m):
+def test_real_shapes(name, hidden, layers, heads, kv_heads, head_dim, params_m, weights):
     config = preset_config(name, vocab_size=384, eos_token_id=2, pad_token_id=0)
     assert (config.hidden_size, config.num_hidden_layers) == (hidden, layers)
-    assert config.num_attention_heads == heads and config.num_key_value_heads == 2
+    assert config.num_attention_heads == heads and config.num_key_value_heads == kv_heads
+    assert PRESETS[name].weights == weights
     assert config.hidden_size // config.num_attention_heads == head_dim
     assert PRESETS[name].head_dim == head_dim
     with torch.device("meta"):

@@ -22,7 +22,7 @@ from rlix.config.models import PipelineConfig, RlixConfig
 from rlix.envs import make_task
 from rlix.envs.verifiers import anchor_verifier
 from rlix.errors import ConfigError, problems_line
-from rlix.models.presets import PRESETS
+from rlix.models.presets import PRESETS, is_seeded
 
 #: files a model directory must hold to be a checkpoint the trainer and shards can load
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -54,6 +54,9 @@ def problems(cfg: RlixConfig) -> list[str]:
     for i, p in enumerate(cfg.pipelines):
         where = f"pipelines[{i}] ({p.name})"
         found += [f"{where}.model: {m}" for m in _model(p.model)]
+        if p.engine == "vllm" and _seeded(p.model):
+            found.append(f"{where}.engine: vllm cannot load {p.model!r}, a seeded preset (no weight "
+                         "files; rlix draws its weights at load): use engine: embedded")
         found += [f"{where}.rollout: {m}" for m in _context(p)]
         try:
             make_task(p.task)  # reads a task file line by line, imports the verifier
@@ -150,6 +153,14 @@ def _vllm_python(python: str | None) -> str | None:
     return None if ok else f"{python} has no vllm package"
 
 
+def _seeded(model: str) -> bool:
+    """A seeded preset, by name or as a folder (models/init.py draws its weights)."""
+    if model in PRESETS:
+        return PRESETS[model].weights == "seeded"
+    path = Path(model).expanduser()
+    return path.is_dir() and is_seeded(path)
+
+
 def _model(model: str) -> list[str]:
     if model in PRESETS:
         return []
@@ -161,7 +172,7 @@ def _model(model: str) -> list[str]:
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
-    if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in path.iterdir()):
+    if not is_seeded(path) and not any(f.name.endswith(WEIGHT_SUFFIXES) for f in path.iterdir()):
         missing.append("weights (*.safetensors or *.bin)")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")

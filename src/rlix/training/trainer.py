@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from rlix.config.models import TrainConfig
 from rlix.devices import DeviceMemory, cap_process_memory, measure, release_and_measure, wait_for_free
 from rlix.errors import GpuMemoryError, TrainingError
-from rlix.models.presets import resolve_model
+from rlix.models.init import load_causal_lm
+from rlix.models.presets import SEEDED_FILE, resolve_model
 from rlix.tcp_store import join_store, serve_store
 from rlix.training.grpo import Aggregation, policy_loss
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
@@ -41,7 +41,8 @@ from rlix.weights.device_copy import DeviceCopy
 # All-reduce gradients in flat buckets of at most this many bytes: few collectives, bounded copy.
 _GRAD_BUCKET_BYTES = 64 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_MODEL_FILES = {"config.json", "generation_config.json"}
+#: not copied into a checkpoint: it writes its own config; a seeded recipe beside weights would mislead
+_MODEL_FILES = {"config.json", "generation_config.json", SEEDED_FILE}
 #: room a reload asks for beyond the state itself (the first micro-batch's activations start there)
 RELOAD_MARGIN_BYTES = 256 << 20
 HOST_ALIGN = 256  # bytes: each tensor carved out of the pinned host slab starts on this boundary
@@ -164,7 +165,7 @@ class PolicyTrainer:
                    **kwargs)
 
     def _load(self, dtype: torch.dtype | None) -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype or "auto")
+        return load_causal_lm(self.model_path, dtype)
 
     # -- batches ----------------------------------------------------------------------------
     def _check(self, samples: Sequence[TrainSample]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from rlix.errors import ConfigError
 from rlix.inference.engine.runner import vmm
@@ -25,18 +25,18 @@ from rlix.inference.engine.runner.memory import release_memory
 from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample, sample_plain
 from rlix.inference.engine.weights import ServedWeights
+from rlix.models.init import is_seeded, load_causal_lm
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
     """Load a causal LM for inference (sdpa attention) and its tokenizer."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype or "auto", attn_implementation="sdpa")
+        model = load_causal_lm(path, dtype, device, attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model from {path}: {exc}") from exc
-    model = model.to(device).eval()
+    model = model.eval()
     model.requires_grad_(False)
-    if device.type == "cpu":
+    if device.type == "cpu" and not is_seeded(path):  # drawn weights are the engine's own already
         _own_host_weights(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
