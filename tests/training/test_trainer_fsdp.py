@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 from rlix.httpkit import free_port
+from rlix.models import PRESETS, build_preset
 from rlix.training.fsdp import ShardedPolicyTrainer, shard_rows
 from rlix.training.trainer import PolicyTrainer
 from rlix.weights.cache import BucketCache
@@ -111,3 +112,21 @@ def test_two_fsdp_ranks_match_one_unsharded_rank(tiny_model_dir, samples_factory
     assert all(torch.equal(t, exported.state_dict()[n]) for n, t in results[0]["v1_tensors"].items())
     assert (tmp_path / "ckpt" / "model" / "tokenizer.json").is_file() or \
         (tmp_path / "ckpt" / "model" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "seeded"])
+def test_a_rank_keeps_exactly_its_rows_without_loading_the_whole_model(tiny_model_dir, tmp_path, source):
+    """A rank's shards are the unsharded trainer's rows of each parameter (as float32): read
+    from the checkpoint's safetensors, or drawn for a seeded preset (models/init.py)."""
+    folder = tiny_model_dir
+    if source == "seeded":
+        folder = build_preset("tiny-seeded", tmp_path / "tiny-seeded",
+                              preset=dataclasses.replace(PRESETS["tiny"], weights="seeded"))
+    whole = dict(PolicyTrainer(str(folder)).model.named_parameters())
+    for rank in range(2):
+        sharded = ShardedPolicyTrainer(str(folder), rank=rank, world_size=2)
+        assert sharded.shards.keys() == whole.keys()
+        for name, shard in sharded.shards.items():
+            lo, hi = shard_rows(whole[name].shape[0], 2, rank)
+            assert shard.dtype == torch.float32 and torch.equal(shard.detach(), whole[name].detach()[lo:hi].float()), name
+        assert sharded.model.device.type == "meta"  # the model itself is never materialised

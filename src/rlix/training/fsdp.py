@@ -3,7 +3,8 @@
 Why a trainer of its own: `train_gpus: N` otherwise keeps the whole model and its AdamW state on
 every rank, so nothing much larger than ~3B trains on an 80 GB GPU. Here rank r keeps only its
 rows of every parameter (the dim-0 chunk `torch.chunk` gives it, FSDP2's own split), kept in
-float32 (the master copy) with their AdamW moments; compute runs in the checkpoint's dtype (or
+float32 (the master copy) with their AdamW moments, read from the checkpoint's safetensors (only
+those rows) or drawn for a seeded preset, never the whole model in one process; compute runs in the checkpoint's dtype (or
 the run's `dtype`) with gradients reduced in float32 (FSDP2's MixedPrecisionPolicy).
 
 Why the model is wrapped anew every step: a time-shared trainer's process group lives only for
@@ -45,9 +46,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlix.errors import TrainingError, WeightCacheError, one_line
+from rlix.models.init import is_seeded, seeded_rows
 from rlix.training.trainer import PolicyTrainer, weights_for_sync
 from rlix.training.types import GroupSpec, TrainSample
 from rlix.weights.api import PublishedVersion, VersionRefs
@@ -57,6 +60,44 @@ from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
 from rlix.weights.wire import Layout, ShmMapper
 
 MASTER_DTYPE = torch.float32
+
+
+def _row_reader(folder: Path) -> Callable[[str, int, int], torch.Tensor]:
+    """`read(name, lo, hi)`: rows [lo, hi) of parameter `name` on the host, in the dtype stored:
+    drawn for a seeded preset (models/init.py), else sliced out of the checkpoint's safetensors
+    files (only those rows are read)."""
+    if is_seeded(folder):
+        return lambda name, lo, hi: seeded_rows(folder, name, lo, hi)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        files = {n: f for f in sorted(folder.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()}
+    if not files:
+        raise TrainingError(f"{folder}: a sharded trainer reads safetensors checkpoints (or seeded presets); "
+                            "no *.safetensors file there")
+
+    def read(name: str, lo: int, hi: int) -> torch.Tensor:
+        if name not in files:
+            raise TrainingError(f"{folder}: the checkpoint has no tensor {name!r}")
+        with safe_open(str(files[name]), "pt") as f:
+            return f.get_slice(name)[lo:hi]
+    return read
+
+
+def _buffers(skeleton: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The skeleton's buffers with real values: the rotary embedding's frequencies, computed by a
+    copy of that module built on the host (the only buffers of the decoders supported here)."""
+    decoder = skeleton.get_decoder()
+    rotary = decoder.rotary_emb
+    with torch.device("cpu"):
+        real = type(rotary)(config=skeleton.config)
+    prefix = next(n for n, m in skeleton.named_modules() if m is rotary)
+    out = {f"{prefix}.{n}": b.detach().clone() for n, b in real.named_buffers()}
+    missing = [n for n, _ in skeleton.named_buffers() if n not in out]
+    if missing:
+        raise TrainingError(f"{type(skeleton).__name__}: no values for buffers {missing[:4]} of a sharded model")
+    return out
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -82,27 +123,31 @@ class ShardedPolicyTrainer(PolicyTrainer):
 
     # -- state ------------------------------------------------------------------------------
     def _build_state(self, dtype: torch.dtype | None, start: torch.device) -> torch.nn.Module:
-        """Load the checkpoint on the host, keep this rank's rows of every parameter (float32)
-        and every buffer; the model itself stays a skeleton on the meta device."""
+        """Keep this rank's rows of every parameter (float32) and the model's buffers; the model
+        itself stays a skeleton on the meta device. The rows are read from the checkpoint's
+        safetensors files, or drawn for a seeded preset, without the whole model in memory."""
         if self.kl_coef > 0:
             raise TrainingError("kl_coef > 0 with fsdp: the reference model is not sharded yet; "
                                 "set kl_coef: 0 or train unsharded")
-        full = self._load(dtype)
-        self.compute_dtype = next(full.parameters()).dtype
+        config = AutoConfig.from_pretrained(self.model_path)
+        stored = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+        self.compute_dtype = dtype or stored
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=MASTER_DTYPE)
+        rows = _row_reader(self.model_path)
         self.rows: dict[str, tuple[int, int]] = {}
         self.full_shapes: dict[str, tuple[int, ...]] = {}
         self.shards: dict[str, torch.Tensor] = {}
-        for name, p in full.named_parameters():
+        for name, p in skeleton.named_parameters():
             self.rows[name] = shard_rows(p.shape[0], self.world_size, self.rank)
             self.full_shapes[name] = tuple(p.shape)
             lo, hi = self.rows[name]
-            self.shards[name] = p.detach()[lo:hi].to(MASTER_DTYPE).clone().to(start).requires_grad_(True)
-        self.buffers = {n: b.detach().clone().to(start) for n, b in full.named_buffers()}
+            # rounded through the compute dtype, as the unsharded trainer holds the checkpoint
+            part = rows(name, lo, hi).to(self.compute_dtype).to(MASTER_DTYPE)
+            self.shards[name] = part.to(start).requires_grad_(True)
+        self.buffers = {n: b.to(start) for n, b in _buffers(skeleton).items()}
         # what a version is made of: names, full shapes and dtypes as shards are synced to
-        self.sync_specs = {n: (tuple(t.shape), t.dtype) for n, t in weights_for_sync(full, self.sync_dtype).items()}
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(full.config, dtype=MASTER_DTYPE)
-        del full
+        self.sync_specs = {n: (tuple(t.shape), t.dtype) for n, t in weights_for_sync(skeleton, self.sync_dtype).items()}
         skeleton.train()
         return skeleton
 
