@@ -241,6 +241,10 @@ class LengthTail(_Strict):
         return self
 
 
+#: rollout.stop: strings per pipeline, and characters per string, at most
+MAX_STOP, MAX_STOP_CHARS = 16, 64
+
+
 class RolloutConfig(_Strict):
     """How a pipeline generates: GRPO groups of samples per prompt."""
 
@@ -270,6 +274,12 @@ class RolloutConfig(_Strict):
                                                 "(benchmarks of random-weight models, whose end-of-text "
                                                 "tokens would cut every length short at random; not for "
                                                 "real training). Agent episodes (`env:`) ignore it")
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP,
+        description=f"stop strings (at most {MAX_STOP}, each of 1 to {MAX_STOP_CHARS} characters): a sample ends "
+                    "once its text holds one; the reward sees the text before it (as vLLM's `stop`), the "
+                    "trainer the tokens sampled, through the one that completed it. Agent episodes (`env:`) "
+                    "ignore it")
 
     @model_validator(mode="after")
     def _tail_within_limit(self) -> "RolloutConfig":

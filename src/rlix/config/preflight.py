@@ -20,7 +20,8 @@ from pathlib import Path
 from rlix import env
 from rlix.config.models import PipelineConfig, RlixConfig
 from rlix.envs import make_task
-from rlix.envs.verifiers import anchor_verifier
+from rlix.envs.errors import TaskFieldError
+from rlix.envs.verifiers import anchor_function, anchor_verifier
 from rlix.errors import ConfigError, problems_line
 from rlix.models.presets import PRESETS, is_seeded
 
@@ -41,6 +42,9 @@ def anchor(cfg: RlixConfig, base: Path) -> RlixConfig:
         verifier = anchor_verifier(task.verifier, base)
         if verifier != task.verifier:
             update["verifier"] = verifier
+        for field, spec in (("reward", task.reward), ("reward_batch", task.reward_batch)):
+            if spec is not None and (anchored := anchor_function(spec, base)) != spec:
+                update[field] = anchored
         model = p.model
         if model not in PRESETS and not Path(model).expanduser().is_absolute() and (base / model).is_dir():
             model = str((base / model).resolve())
@@ -59,10 +63,13 @@ def problems(cfg: RlixConfig) -> list[str]:
                          "files; rlix draws its weights at load): use engine: embedded")
         found += [f"{where}.rollout: {m}" for m in _context(p)]
         try:
-            make_task(p.task)  # reads a task file line by line, imports the verifier
+            make_task(p.task)  # reads a task file line by line, imports the verifier or reward function
+        except TaskFieldError as exc:
+            found.append(f"{where}.task.{exc.field}: {exc}")
         except ConfigError as exc:
             field = "task.verifier" if "verifier" in str(exc) else "task.path" if p.task.path else "task"
             found.append(f"{where}.{field}: {exc}")
+        found += [f"{where}.task.chat_template: {m}" for m in _chat_template(p)]
         found += [f"{where}: {m}" for m in _fits(cfg, p)]
         if p.env is not None:
             for field in ("resources", "agent"):
@@ -177,6 +184,26 @@ def _model(model: str) -> list[str]:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
     return [f"{model!r} is not a checkpoint: no {', no '.join(missing)}"] if missing else []
+
+
+def _chat_template(p: PipelineConfig) -> list[str]:
+    """A task that renders prompts with the chat template needs a model folder that has one
+    (tokenizer_config.json's `chat_template`, or chat_template.jinja / .json beside it); the
+    presets have theirs."""
+    uses = p.task.name in ("dataset", "reasoning_gym") and p.task.chat_template and p.env is None
+    path = Path(p.model).expanduser()
+    if not uses or p.model in PRESETS or not path.is_dir():
+        return []
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return []
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and config.get("chat_template"):
+        return []
+    return [f"the model {p.model!r} has no chat template (tokenizer_config.json's chat_template, or "
+            f"chat_template.jinja); give one, or set chat_template: false for plain-text prompts"]
 
 
 def _context(p: PipelineConfig) -> list[str]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from rlix.envs.config import TaskConfig
+from rlix.envs.dataset import DatasetTask
 from rlix.envs.jsonl import JsonlTask
+from rlix.envs.reasoning_gym import ReasoningGymTask
 from rlix.envs.tasks import ArithmeticTask, PatternTask, Task
 from rlix.errors import ConfigError
 
@@ -23,4 +25,12 @@ def make_task(cfg: TaskConfig | dict | str) -> Task:
         return PatternTask(cfg.patterns, cfg.length)
     if cfg.name == "arithmetic":
         return ArithmeticTask(cfg.max_operand)
+    if cfg.name == "dataset":
+        return DatasetTask(cfg.path or "", reward=cfg.reward, reward_batch=cfg.reward_batch,
+                           prompt_column=cfg.prompt_column, messages_column=cfg.messages_column,
+                           system_prompt=cfg.system_prompt, chat_template=cfg.chat_template)
+    if cfg.name == "reasoning_gym":
+        return ReasoningGymTask(cfg.dataset or "", size=cfg.size, seed=cfg.data_seed, options=cfg.options,
+                                system_prompt=cfg.system_prompt, chat_template=cfg.chat_template,
+                                answer_tag=cfg.answer_tag)
     return JsonlTask(cfg.path or "", cfg.verifier)

@@ -8,7 +8,7 @@ import math
 import random
 from pathlib import Path
 
-from rlix.envs.tasks import Prompt
+from rlix.envs.tasks import EachResponse, Prompt
 from rlix.envs.verifiers import load_verifier
 from rlix.errors import ConfigError, TaskError
 
@@ -43,7 +43,7 @@ def read_prompts(path: Path) -> list[Prompt]:
     return items
 
 
-class JsonlTask:
+class JsonlTask(EachResponse):
     """Prompts drawn uniformly from a JSONL file, scored by `verifier`."""
 
     name = "jsonl"

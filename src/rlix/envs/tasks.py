@@ -1,6 +1,7 @@
 """The task protocol and the built-in tasks.
 
-A task draws prompts and scores responses in [0, 1]. Rewards are graded (partial credit), so
+A task draws prompts and scores a group's responses in [0, 1] (`rewards`, a coroutine: a
+user's reward function may be async, or score the whole group at once). Rewards are graded (partial credit), so
 GRPO's within-group differences carry signal even while the policy is still bad: an
 all-or-nothing reward gives a random tiny model groups of all zeros, hence no gradient.
 """
@@ -16,12 +17,18 @@ from rlix.envs.verifiers import numeric_credit
 
 @dataclass(frozen=True)
 class Prompt:
-    """What the model sees (`text`, rendered as plain text) and what the reward checks
-    against (`answer`, opaque to everything but the task); `meta` is carried along."""
+    """What the model sees and what the reward checks against (`answer`, opaque to everything
+    but the task); `meta` is carried along (a dataset row, whole).
+
+    Without `messages` the model sees `text` as plain text (tokenized as it is). With
+    `messages` (chat messages, `[{"role": ..., "content": ...}, ...]`) the collector renders
+    them with the model's chat template, generation prompt added, so that an instruct model is
+    trained on prompts as it is served; `text` is then what logs and samples show."""
 
     text: str
     answer: Any = None
     meta: dict = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
 
 
 @runtime_checkable
@@ -30,10 +37,23 @@ class Task(Protocol):
 
     def sample_prompt(self, rng: random.Random) -> Prompt: ...
 
-    def reward(self, prompt: Prompt, response: str) -> float: ...
+    async def rewards(self, prompt: Prompt, responses: list[str]) -> list[float]:
+        """One reward in [0, 1] per response of a group (all answers to `prompt`), in order."""
+        ...
 
 
-class PatternTask:
+class EachResponse:
+    """Base of tasks that score each response alone and at once (`reward`): `rewards` is
+    `reward` over the group."""
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        raise NotImplementedError
+
+    async def rewards(self, prompt: Prompt, responses: list[str]) -> list[float]:
+        return [float(self.reward(prompt, r)) for r in responses]
+
+
+class PatternTask(EachResponse):
     """"Repeat: ab" -> the share of the first `length` characters of the response that follow
     abab... A single fixed character (the default, ["a"]) is what a tiny random model learns
     within a few dozen GRPO steps; several patterns, chosen by the prompt, take longer. Prefer a
@@ -57,7 +77,7 @@ class PatternTask:
         return sum(1 for a, b in zip(response[: self.length], target) if a == b) / self.length
 
 
-class ArithmeticTask:
+class ArithmeticTask(EachResponse):
     """"a+b=" with a verifiable sum; partial credit for a number of the right length."""
 
     name = "arithmetic"

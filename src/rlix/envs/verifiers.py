@@ -56,6 +56,11 @@ def anchor_verifier(spec: str, base: Path) -> str:
     Built-in names and modules found nowhere under `base` are left as they are."""
     if spec in VERIFIERS:
         return spec
+    return anchor_function(spec, base)
+
+
+def anchor_function(spec: str, base: Path) -> str:
+    """A user's `module:function` resolved against `base` as `anchor_verifier` does."""
     module, _, attr = spec.partition(":")
     if module.endswith(".py"):
         path = Path(module).expanduser()
@@ -74,17 +79,26 @@ def load_verifier(spec: str) -> Verifier:
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ConfigError(f"verifier {spec!r}: use one of {', '.join(VERIFIERS)} or 'module:function'")
+    return load_function(spec, "verifier")
+
+
+def load_function(spec: str, what: str) -> Callable[..., Any]:
+    """The user's `module:function` or `path/to/file.py:function`; ConfigError naming `what`
+    (the setting) and the spec when it cannot be imported or is not callable."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"{what} {spec!r}: use 'module:function' or 'file.py:function'")
     try:
         mod = _import(module)
     except ImportError as exc:
-        raise ConfigError(f"verifier {spec!r} cannot be imported: {exc}") from None
+        raise ConfigError(f"{what} {spec!r} cannot be imported: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - the user's module raised while it was imported
-        raise ConfigError(f"verifier {spec!r}: importing it raised {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{what} {spec!r}: importing it raised {type(exc).__name__}: {exc}") from None
     fn = getattr(mod, attr, None)
     if fn is None:
-        raise ConfigError(f"verifier {spec!r}: {module} has no {attr!r}")
+        raise ConfigError(f"{what} {spec!r}: {module} has no {attr!r}")
     if not callable(fn):
-        raise ConfigError(f"verifier {spec!r} is not callable")
+        raise ConfigError(f"{what} {spec!r} is not callable")
     return fn
 
 

@@ -27,6 +27,13 @@ collector's seed and the sample's place, like its sampling seed, so the same con
 same limits whatever the timing, and the prompts drawn are the same as without it) and capped
 at `max_new_tokens`. Agent episodes ignore it (their turns' limit is the environment's), and
 `rollout.ignore_eos` (samples run to their limit: benchmarks of random-weight models).
+
+Prompts: a task's prompt with chat messages (`Prompt.messages`) is rendered with the model's chat
+template, generation prompt added (`tokenizer.apply_chat_template`), and those ids are what the
+engine gets and the trainer trains on; a plain prompt's text is tokenized as it is. Rewards: once
+every sample of a group has finished, the task scores them together (`Task.rewards`), each on
+its text cut before the first of `rollout.stop`'s strings (as vLLM's text is; the engine ends a
+sample there, and its token ids, through the one that completed the string, are what is trained).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from rlix.agents.episodes import Unstitchable
 from rlix.agents.protocol import Example
 from rlix.agents.rollout import AgentEpisodes
 from rlix.config.models import LengthTail, RolloutConfig
-from rlix.envs.tasks import Task
+from rlix.envs.tasks import Prompt, Task
 from rlix.errors import CollectorError, EpisodeError, InvalidRequestError, PipelineStalledError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.inference.server.openai_schema import GenerateSamplingParams
@@ -140,6 +147,7 @@ class TrajectoryCollector:
         self.length_tail = rollout.length_tail  # None: every sample may run to max_new_tokens
         self.length_limits: deque[int] = deque(maxlen=4096)  # the latest limits drawn (stats)
         self.ignore_eos = rollout.ignore_eos  # samples run to their limit (random-weight benchmarks)
+        self.stop_strings = list(rollout.stop)  # stop strings: the engine ends a sample at one, the reward sees before it
         self.max_age, self.concurrency = max_age, rollout.concurrency
         self.steps = steps
         self.max_retries, self.retry_delay_s = max_retries, retry_delay_s
@@ -362,8 +370,28 @@ class TrajectoryCollector:
                                               f"(max_failed_groups); the last: {reason}")
 
     # ------------------------------------------------------------------ one group
-    async def _group(self, gid: str, index: int, prompt: Any) -> None:
-        ids = [] if self.episodes else list(self.tokenizer.encode(prompt.text, add_special_tokens=False))
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """What the engine gets for `prompt`: its chat messages rendered with the model's chat
+        template (generation prompt added), or its plain text tokenized as it is."""
+        if prompt.messages is None:
+            return list(self.tokenizer.encode(prompt.text, add_special_tokens=False))
+        try:
+            ids = self.tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        except Exception as exc:  # noqa: BLE001 - no template, or one that refuses these messages
+            raise GroupDropped(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        return [int(t) for t in ids]
+
+    def response_text(self, token_ids: list[int]) -> str:
+        """A sample's text as the reward sees it: decoded, cut before the first stop string."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if self.stop_strings:
+            cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=len(text))
+            text = text[:cut]
+        return text
+
+    async def _group(self, gid: str, index: int, prompt: Prompt) -> None:
+        ids = [] if self.episodes else self.prompt_ids(prompt)
         t0 = time.perf_counter()
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels its siblings
@@ -375,7 +403,10 @@ class TrajectoryCollector:
             raise (dropped[0] if dropped else eg.exceptions[0]) from None
         finally:
             self.generate_s += time.perf_counter() - t0
-        group = Group(gid, prompt.text, [s.result() for s in samples])
+        trajectories = [s.result() for s in samples]
+        if self.episodes is None:  # an episode's reward is its environment's
+            await self._score(prompt, trajectories)
+        group = Group(gid, prompt.text, trajectories)
         self.groups_done += 1
         if self.rate is not None:
             self.rate.tick(True, len(group.trajectories))
@@ -386,19 +417,27 @@ class TrajectoryCollector:
             self.buffer.put(group)
         p.accounted = True  # from here on, cancellation must not count it again
 
-    async def _trajectory(self, gid: str, index: int, i: int, ids: list[int], prompt: Any,
+    async def _score(self, prompt: Prompt, trajectories: list[Trajectory]) -> None:
+        """The task's rewards for a group's samples (all at once: a reward function may batch)."""
+        texts = [self.response_text(t.response_ids) for t in trajectories]
+        try:
+            rewards = await self.task.rewards(prompt, texts)
+            if len(rewards) != len(texts):
+                raise CollectorError(f"the task gave {len(rewards)} rewards for {len(texts)} responses")
+            for t, r in zip(trajectories, rewards):
+                t.reward = float(r)
+        except Exception as exc:  # noqa: BLE001 - the task's (user's) code
+            raise GroupDropped(f"reward failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _trajectory(self, gid: str, index: int, i: int, ids: list[int], prompt: Prompt,
                           seed: int) -> Trajectory:
+        """One sample, unscored (its group is scored whole, `_score`)."""
         if self.episodes is not None:
             return await self._episode(gid, i, prompt, seed)
         limit = length_limit(self.length_tail, self.max_new_tokens, self.seed, index, i)
         tokens, logprobs, versions, finish, started = await self._sample(gid, ids, seed, limit)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        try:
-            reward = float(self.task.reward(prompt, text))
-        except Exception as exc:  # noqa: BLE001 - the task's (user's) code
-            raise GroupDropped(f"reward failed: {type(exc).__name__}: {exc}") from exc
         versions = versions or [self.version]  # no tokens: nothing of it can be stale
-        return Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, reward, min(versions), versions, finish,
+        return Trajectory(f"{gid}-{i}", gid, ids, tokens, logprobs, 0.0, min(versions), versions, finish,
                           started, time.time())
 
     async def _sample(self, gid: str, ids: list[int], seed: int, max_tokens: int | None = None
@@ -407,7 +446,8 @@ class TrajectoryCollector:
         if self.length_tail is not None:
             self.length_limits.append(max_tokens)
         params = GenerateSamplingParams(temperature=self.temperature, max_tokens=max_tokens, logprobs=1,
-                                        seed=seed, ignore_eos=self.ignore_eos)
+                                        seed=seed, ignore_eos=self.ignore_eos,
+                                        **({"stop": list(self.stop_strings)} if self.stop_strings else {}))
         started = time.time()
         for attempt in range(self.max_retries + 1):
             self.requests += 1
@@ -428,7 +468,7 @@ class TrajectoryCollector:
         self.tokens += len(tokens)
         return tokens, logprobs, versions, out.finish_reason, started
 
-    async def _episode(self, gid: str, i: int, prompt: Any, seed: int) -> Trajectory:
+    async def _episode(self, gid: str, i: int, prompt: Prompt, seed: int) -> Trajectory:
         """One agent episode (retried when its environment failed); its sample is the engine's
         exact tokens, context masked (agents/episodes.py), its reward the environment's."""
         assert self.episodes is not None
