@@ -569,3 +569,138 @@ def test_requests_carry_their_drawn_length_limits_reproducibly():
     assert set(plain.limits.values()) == {300} and "length_limits" not in plain_stats
     # rollout.ignore_eos: every request says so (samples run to their limit)
     assert asyncio.run(run(LOGNORMAL, ignore_eos=True))[0].ignore_eos == {True}
+
+
+# -- the dataset task through the collector: chat-templated prompt ids, the row at the reward ----
+
+def test_dataset_prompts_reach_the_engine_chat_templated_and_the_reward_sees_the_row(tmp_path, tiny_model_dir):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from rlix.envs import make_task
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rows = [{"question": f"What is {a}+{a}?", "answer": 2 * a, "bonus": a} for a in range(5)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rw.py").write_text("SEEN = []\n"
+                                    "async def reward(response, row):\n"
+                                    "    SEEN.append(row)\n"
+                                    "    return row['bonus'] / 10\n")
+    task = make_task({"name": "dataset", "path": str(tmp_path / "rows.jsonl"), "prompt_column": "question",
+                      "system_prompt": "Be brief.", "reward": f"{tmp_path / 'rw.py'}:reward"})
+    plain = make_task({"name": "dataset", "path": str(tmp_path / "rows.jsonl"), "prompt_column": "question",
+                       "chat_template": False, "reward": f"{tmp_path / 'rw.py'}:reward"})
+
+    async def main(task) -> list:  # type: ignore[no-untyped-def]
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = TrajectoryCollector(engine, tokenizer, task, buf, Hooks(),
+                                  RolloutConfig(group_size=2, groups_per_step=2, max_new_tokens=3, concurrency=2),
+                                  max_age=0, seed=3)
+        col.start()
+        await asyncio.wait_for(col.wait_for(2), 10)
+        groups = buf.take(2, 0, 0)
+        await col.stop()
+        return groups, [list(ids) for ids, _, _ in engine.seen]
+
+    def templated(question: str) -> list[int]:
+        return list(tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": question}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+
+    seen = task.score.fn.__globals__["SEEN"]  # type: ignore[attr-defined]
+    groups, sent = asyncio.run(main(task))
+    assert sent and all(ids in [templated(r["question"]) for r in rows] for ids in sent)  # what the engine got
+    for g in groups:
+        row = next(r for r in rows if r["question"] == g.prompt)
+        text = tokenizer.decode(templated(g.prompt))
+        assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>") and text.endswith("<|im_start|>assistant\n")
+        for t in g.trajectories:
+            assert t.prompt_ids == templated(g.prompt)  # and what is trained
+            assert t.reward == row["bonus"] / 10  # from the row's extra field
+    assert seen and all(set(r) == {"question", "answer", "bonus"} for r in seen)
+    groups, sent = asyncio.run(main(plain))  # chat_template: false: the text as it is
+    assert all(ids in [tokenizer.encode(r["question"], add_special_tokens=False) for r in rows] for ids in sent)
+
+
+def test_a_model_without_a_chat_template_drops_the_group_with_the_reason(tmp_path):
+    from rlix.envs import Prompt
+
+    class NoTemplate(Tok):
+        def apply_chat_template(self, messages, **kw):  # type: ignore[no-untyped-def]
+            raise ValueError("tokenizer.chat_template is not set")
+
+    class Chat(PatternTask):
+        def sample_prompt(self, rng):  # type: ignore[no-untyped-def]
+            return Prompt("hi", "a", {}, [{"role": "user", "content": "hi"}])
+
+    async def main() -> None:
+        buf, engine = ReplayBuffer(), FakeEngine()
+        col = TrajectoryCollector(engine, NoTemplate(), Chat(["a"], 4), buf, Hooks(),
+                                  RolloutConfig(group_size=2, groups_per_step=1, concurrency=1),
+                                  max_age=0, seed=1, max_failed_groups=2)
+        col.start()
+        with pytest.raises(Exception, match="chat template failed: ValueError: tokenizer.chat_template is not set"):
+            await asyncio.wait_for(col.wait_for(1), 10)
+        await col.stop()
+        assert engine.calls == 0
+    asyncio.run(main())
+
+
+def test_stop_strings_end_samples_in_the_embedded_engine_and_cut_the_rewarded_text(tiny_model_dir):
+    """The same seeds twice, through the engine server's generate (in-process, the embedded
+    engine): without stop strings, then with one taken from the first run's text. The sample
+    ends where its text first holds it (finish `stop`, its ids a prefix of the first run's),
+    and the reward sees the text before it."""
+    import httpx
+
+    from rlix.inference.engine.engine import TorchEngine
+    from rlix.inference.router.router import Generation
+    from rlix.inference.server.app import create_app
+
+    engine = TorchEngine.from_pretrained(tiny_model_dir, max_num_seqs=4)
+    tokenizer = engine.tokenizer
+    texts: list[str] = []
+
+    class Recording(PatternTask):
+        def reward(self, prompt, text):  # type: ignore[no-untyped-def]
+            texts.append(text)
+            return 0.5
+
+    async def run(stop: list[str]) -> list:  # type: ignore[no-untyped-def]
+        app = create_app(engine, tokenizer, "tiny", "k")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     headers={"Authorization": "Bearer k"}) as http:
+            async def generate(ids, params, session):  # type: ignore[no-untyped-def]
+                body = {"token_ids": ids, "sampling_params": params.model_dump(exclude_unset=True)}
+                r = await http.post("/inference/v1/generate", json=body)
+                assert r.status_code == 200, r.text
+                return Generation.from_answer(r.json())
+
+            buf = ReplayBuffer()
+            col = TrajectoryCollector(generate, tokenizer, Recording(["a"], 4), buf, Hooks(),
+                                      RolloutConfig(group_size=2, groups_per_step=1, max_new_tokens=40,
+                                                    temperature=0.001, concurrency=1, ignore_eos=True,
+                                                    stop=stop),
+                                      max_age=0, seed=5)
+            col.start()
+            await asyncio.wait_for(col.wait_for(1), 60)
+            groups = buf.take(1, 0, 0)
+            await col.stop()
+            return groups[0].trajectories
+
+    try:
+        full = asyncio.run(run([]))
+        full_texts = list(texts)
+        first = full_texts[0]
+        stop = next(first[i:i + 2] for i in range(len(first) // 3, len(first) - 2) if first[i:i + 2].strip())
+        texts.clear()
+        cut = asyncio.run(run([stop, "\x00never"]))
+    finally:
+        engine.close()
+    assert all(t.finish_reason == "length" and len(t.response_ids) == 40 for t in full)
+    assert cut[0].finish_reason == "stop" and texts[0] == first[:first.find(stop)]
+    assert cut[0].response_ids == full[0].response_ids[:len(cut[0].response_ids)] and len(cut[0].response_ids) < 40
+    assert stop in tokenizer.decode(cut[0].response_ids, skip_special_tokens=True)
+    for t, text in zip(cut, texts):  # every sample: cut before its first stop string
+        assert stop not in text
