@@ -12,9 +12,9 @@ its step (trainer.py: no communicator holds GPU memory while the GPUs serve infe
 FSDP2 module keeps the process group it was wrapped with. So each step builds the model's
 skeleton on the meta device (nothing allocated), applies `fully_shard` per decoder layer and to
 the root over the step's group, allocates the sharded parameters and copies this rank's shards
-into them; the optimizer steps the kept shards, and the wrapped module is dropped with the
-group. The cost: a second copy of the rank's parameter shard during the step, and the wrap
-(milliseconds a layer).
+into them (the kept shards then alias that storage: one copy of them during the step); the
+optimizer steps the kept shards, and the wrapped module is dropped with the group. The cost:
+the wrap (milliseconds a layer) and the copy in.
 
 Offload and reload move the shards, the buffers and the moments as the unsharded trainer moves
 its state (pinned host memory on CUDA). Publishing a version needs no collective: a dim-0 shard
@@ -188,6 +188,10 @@ class ShardedPolicyTrainer(PolicyTrainer):
                     raise TrainingError(f"internal: FSDP2 gives rank {self.rank} {tuple(local.shape)} of {name}, "
                                         f"this trainer keeps {tuple(self.shards[name].shape)}")
                 local.copy_(self.shards[name])
+                # the kept shard becomes that storage: one copy of the rank's parameters during
+                # the step, not two (FSDP2 re-pads a shard of uneven rows at its first forward;
+                # the kept one then stays the unpadded copy, with the same values)
+                self.shards[name].data = local
             for name, b in model.named_buffers():
                 b.copy_(self.buffers[name])
         return model
