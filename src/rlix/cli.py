@@ -118,11 +118,10 @@ def _fetch_status(address: str, whole: bool = False):  # type: ignore[no-untyped
 def _show_status(args: argparse.Namespace, address: str) -> int:
     """Once (--once, or not a terminal), or a table refreshed every --interval seconds until
     Ctrl-C (--watch, the default on a terminal; off a terminal each refresh is printed in turn)."""
-    from rich.console import Console  # deferred: see _cmd_run
     from rich.live import Live  # deferred: see _cmd_run
 
     from rlix.cluster.commands import jobs_table  # deferred: see _cmd_run
-    from rlix.cluster.status_view import render  # deferred: see _cmd_run
+    from rlix.cluster.status_view import render, status_console  # deferred: see _cmd_run
 
     def frame():  # type: ignore[no-untyped-def]
         view, rows = _fetch_status(address)
@@ -132,7 +131,7 @@ def _show_status(args: argparse.Namespace, address: str) -> int:
         snap, rows = _fetch_status(address, whole=True)
         print(json.dumps({"scheduler": snap, "jobs": rows}, indent=2, default=str))
         return 0
-    console = Console()
+    console = status_console()
     watch = args.watch or (not args.once and console.is_terminal)
     if not watch:
         console.print(frame()[2])

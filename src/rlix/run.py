@@ -399,16 +399,42 @@ def memory_ledger(summaries: Mapping[str, PipelineSummary]) -> dict[str, list[di
     return {g: sorted(rows, key=lambda r: r["at"]) for g, rows in sorted(out.items())}
 
 
+#: characters of a drop reason shown in the summary table (summary.json keeps it whole)
+DROP_REASON_CHARS = 40
+
+
+def dropped_cell(dropped: Mapping[str, int]) -> str:
+    """Trajectories dropped, with the count of each reason beside the total (largest first; a
+    failed group's reason is its error, cut to DROP_REASON_CHARS)."""
+    total = sum(dropped.values())
+
+    def short(reason: str) -> str:
+        return reason if len(reason) <= DROP_REASON_CHARS else reason[:DROP_REASON_CHARS - 1] + "…"
+
+    reasons = ", ".join(f"{short(reason)} {n}" for reason, n in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0])) if n)
+    return f"{total} ({reasons})" if total else "0"
+
+
 def summary_table(summary: RunSummary) -> list[str]:
-    rows = [("pipeline", "steps", "reward first5", "reward last5", "gain", "dropped", "gpu-s", "sync s")]
+    """The run's table: per pipeline its steps, mean reward of its first and last steps (5 each,
+    half a shorter run's each: `reward_window`; n/a below two steps), trajectories dropped with
+    their reasons, GPU-seconds and sync seconds."""
+    windows = {s.reward_window for s in summary.pipelines.values() if s.reward_first5 is not None}
+    shared = next(iter(windows)) if len(windows) == 1 else None
+    label = "" if shared is None else str(shared)
+    rows = [("pipeline", "steps", f"reward first{label}", f"reward last{label}", "gain", "dropped", "gpu-s", "sync s")]
     for name, s in summary.pipelines.items():
         gpu_s = "-" if s.gpu_seconds is None else str(s.gpu_seconds)
-        if s.reward_first5 is None or s.reward_last5 is None:  # failed before its first summary
+        if s.accounting is None:  # failed before its first summary
             rows.append((name, str(s.steps), "-", "-", "-", "-", gpu_s, "-"))
             continue
-        dropped = sum(s.accounting.dropped.values()) if s.accounting is not None else 0
-        rows.append((name, str(s.steps), f"{s.reward_first5:.3f}", f"{s.reward_last5:.3f}",
-                     f"{s.reward_last5 - s.reward_first5:+.3f}", str(dropped), gpu_s, f"{s.sync_s:.2f}"))
+        dropped = dropped_cell(s.accounting.dropped)
+        if s.reward_first5 is None or s.reward_last5 is None:  # too few steps for two windows
+            rows.append((name, str(s.steps), "n/a", "n/a", "n/a", dropped, gpu_s, f"{s.sync_s:.2f}"))
+            continue
+        own = "" if shared is not None else f" ({s.reward_window})"
+        rows.append((name, str(s.steps), f"{s.reward_first5:.3f}{own}", f"{s.reward_last5:.3f}{own}",
+                     f"{s.reward_last5 - s.reward_first5:+.3f}", dropped, gpu_s, f"{s.sync_s:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"summary ({summary.mode}, {summary.wall_s}s):"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]

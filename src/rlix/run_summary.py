@@ -124,6 +124,24 @@ class StepRow(_Part):
     group_teardown_s: float = 0.0
     group_destroyed: bool | None = None
     trainer_s: float = 0.0
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+    response_len_mean: float = 0.0
+    response_len_max: int = 0
+    response_truncated_frac: float = 0.0
+    advantage_mean: float = 0.0
+    advantage_std: float = 0.0
+    advantage_min: float = 0.0
+    advantage_max: float = 0.0
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+    entropy: float = 0.0
+    kl: float | None = None
+    clip_fraction: float = 0.0
+    importance_ratio: float = 1.0
+    grad_norm: float = 0.0
+    tokens_per_s: float = 0.0
+    train_tokens_per_s: float = 0.0
 
 
 _EVENT_FIELDS = ("at", "kind", "ranks", "version", "seconds")
@@ -293,8 +311,11 @@ class PipelineSummary(_Part):
     steps: int = 0
     start_step: int = 0
     rewards: list[float] = []
-    reward_first5: float | None = None  # None: no summary from the runner (failed early)
+    # mean reward of the first and the last `reward_window` steps (5, or half of a shorter run's,
+    # so the two never overlap); None: fewer than two steps, or no summary from the runner
+    reward_first5: float | None = None
     reward_last5: float | None = None
+    reward_window: int = 5  # summaries written without it averaged 5 steps (or all of fewer)
     records: list[StepRow] = []
     trained_versions: list[tuple[int, list[int]]] = []  # (step, weight versions in its batch)
     accounting: Accounting | None = None

@@ -31,6 +31,7 @@ from rlix.errors import PipelineHungError, SchedulerError, format_validation_err
 from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.reporting.metrics_file import read_metrics
+from rlix.pipeline.reporting.samples import console_lines
 from rlix.placement import on_this_node
 from rlix.private_files import write_private
 from rlix.run_summary import Failure, PipelineSummary
@@ -59,7 +60,7 @@ class PipelineSlot:
     restarts: int = 0
     failures: list[dict] = field(default_factory=list)  # every failure: reason, step, what followed
     summary: PipelineSummary | None = None
-    seen_step: int | None = None
+    seen_step: int | None = None  # the last step whose line was printed (across restarts)
     seen_deaths: int = 0
     started: float = 0.0  # monotonic time of the current incarnation's start
     answered: bool = False  # its actor answered a heartbeat: it is up (the heartbeat applies)
@@ -189,6 +190,9 @@ class Supervisor:
                      if "trainer" in phases and "engines" in phases else "")
             self.say(f"{slot.name}: ready in {info['setup_s']}s{parts}, shards {info['shards']}, "
                      f"starting at step {info['start_step']}")
+            # the steps up to the start were printed by an earlier start (or are not this run's):
+            # a restart that trains some again prints only those past the last one printed
+            slot.seen_step = max(slot.seen_step or 0, int(info["start_step"]))
             slot.state, slot.run_ref = "running", slot.actor.run.remote()
             slot.progress_sent, slot.progress_ref = time.monotonic(), None
 
@@ -205,6 +209,7 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - its failure is its own
                 self.fail(slot, one_line(exc))
                 continue
+            self._catch_up(slot)  # the steps it finished since the last progress answer
             slot.summary = self._typed_summary(slot, summary)
             slot.state = "done"
             steps = slot.summary.steps
@@ -245,7 +250,7 @@ class Supervisor:
             if not slot.live:
                 continue
             if slot.progress_ref is None:
-                slot.progress_ref, slot.progress_sent = slot.actor.progress.remote(), time.monotonic()
+                slot.progress_ref, slot.progress_sent = slot.actor.progress.remote(slot.seen_step), time.monotonic()
                 continue
             done, _ = ray.wait([slot.progress_ref], timeout=0)
             if not done:
@@ -260,14 +265,38 @@ class Supervisor:
             slot.last_progress = prog
             self._show(slot, prog)
 
-    def _show(self, slot: PipelineSlot, prog: dict) -> None:
-        if prog["step"] != slot.seen_step and prog["reward"] is not None:
-            slot.seen_step = prog["step"]
+    def _catch_up(self, slot: PipelineSlot) -> None:
+        """Print the steps a pipeline finished that no progress answer has shown yet (its last
+        ones: the run ended between two polls), asked of its actor while it lives."""
+        if slot.actor is None or slot.seen_step is None:
+            return
+        try:
+            prog = ray.get(slot.actor.progress.remote(slot.seen_step), timeout=SUMMARY_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - dead or stuck: its metrics file has the steps
+            return
+        self._show_steps(slot, prog)
+
+    def _show_steps(self, slot: PipelineSlot, prog: dict) -> None:
+        """One line per step finished after the last one printed, in order, each once (an
+        answer may repeat steps an earlier one showed: it was asked before that one came);
+        the step's samples table under it when the answer carries one."""
+        for row in prog.get("new_steps") or []:
+            if slot.seen_step is not None and row["step"] <= slot.seen_step:
+                continue
+            slot.seen_step = row["step"]
             share = self.gpu_seconds.get(slot.name, 0.0)
-            self.say(f"{slot.name}: step {prog['step']}/{prog['steps']} reward {prog['reward']:.3f} "
-                     f"active shards {prog['active_shards']} gpu-s {share:.0f}")
+            length = row.get("response_len_mean")
+            self.say(f"{slot.name}: step {row['step']}/{prog['steps']} reward {row['reward']:.3f}"
+                     + (f" len {length:.1f}" if length is not None else "")
+                     + f" ({row['step_s']:.1f}s) active shards {prog['active_shards']} gpu-s {share:.0f}")
+            if row.get("samples"):
+                for line in console_lines(row["samples"]):
+                    self.say(f"  {line}")
             if self.on_step is not None:
-                self.on_step(slot.name, prog["step"], prog["steps"], prog["reward"])
+                self.on_step(slot.name, row["step"], prog["steps"], row["reward"])
+
+    def _show(self, slot: PipelineSlot, prog: dict) -> None:
+        self._show_steps(slot, prog)
         if prog.get("shard_deaths", 0) > slot.seen_deaths:
             slot.seen_deaths = prog["shard_deaths"]
             replaced = prog.get("shard_replacements") or []
@@ -339,6 +368,8 @@ class Supervisor:
                 pass  # dead already: its shards end with it (procguard), Ray ends its trainer
             except Exception as exc:  # noqa: BLE001 - killed below whatever happened
                 self.say(f"{slot.name}: shutdown failed: {one_line(exc)}")
+        if not hung:  # the steps finished on the way out (a checkpoint's step cut short) too
+            self._catch_up(slot)
         if slot.summary is None:  # after the shutdown: the steps finished on the way out count
             slot.summary = self._fetch_summary(slot, alive=not hung)
         ray.kill(actor)

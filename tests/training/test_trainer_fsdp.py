@@ -91,6 +91,7 @@ def test_two_fsdp_ranks_match_one_unsharded_rank(tiny_model_dir, samples_factory
             tol = 1e-4 if device == "cpu" else 1e-3  # GPU against host: other kernels, other float order
             assert got["loss"] == pytest.approx(exp["loss"], rel=tol, abs=1e-5)
             assert got["grad_norm"] == pytest.approx(exp["grad_norm"], rel=tol)
+            assert got["entropy"] == pytest.approx(exp["entropy"], rel=tol) and got["entropy"] > 0
     # the gradients each step applied: rank 0's rows then rank 1's make the unsharded gradient
     rows = results[0]["rows"]
     for step, want in enumerate(single_grads):

@@ -7,11 +7,26 @@ new state and renders it again.
 
 from __future__ import annotations
 
-from rich.console import Group
+from typing import TextIO
+
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from rlix.scheduler.dashboard import DashboardState, GpuRow, PipelineRow
+
+
+#: `rlix status` written to a file or a pipe: rows as wide as their cells, up to this (rich cuts
+#: to the terminal's width on a terminal, and to 80 columns off one unless told a width)
+PIPED_WIDTH = 1000
+
+
+def status_console(file: TextIO | None = None) -> Console:
+    """The console `rlix status` prints to: the terminal's width on a terminal; otherwise
+    PIPED_WIDTH, so that a table piped to a file or another program keeps whole rows (a table
+    is only as wide as its cells: nothing is padded out to that width)."""
+    console = Console(file=file)
+    return console if console.is_terminal else Console(file=file, width=PIPED_WIDTH)
 
 
 def _secs(value: float | None) -> str:

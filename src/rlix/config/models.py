@@ -463,6 +463,13 @@ class LoggingConfig(_Strict):
     tensorboard: bool = Field(False, description="TensorBoard event files in run_dir/<pipeline>/tensorboard/")
     wandb: WandbConfig | None = Field(None, description="Weights & Biases, one wandb run per pipeline "
                                                         "(null: off)")
+    samples_per_step: Int = Field(4, ge=0, le=64, description="trajectories of each step's batch kept "
+                                  "readable (prompt and response text, reward, length): appended to "
+                                  "run_dir/<pipeline>/samples.jsonl, shown as a table on the console and "
+                                  "to the trackers chosen; 0: none")
+    console_samples_every: Int = Field(1, ge=0, le=1_000_000, description="the samples table is printed "
+                                       "on the console every this many steps (0: never; samples.jsonl "
+                                       "and the trackers get every step's)")
 
 
 Device = Literal["auto", "cpu", "cuda"]

@@ -66,8 +66,8 @@ class PipelineActor:
     async def reassert_shards(self, shards: dict[int, list[int]], wake: bool = True) -> Any:
         return await self.runner.reassert_shards(shards, wake)
 
-    async def progress(self) -> dict:
-        return self.runner.progress()
+    async def progress(self, since: int | None = None) -> dict:
+        return self.runner.progress(since)
 
     async def summary(self) -> dict:
         return self.runner.summary()

@@ -18,6 +18,7 @@ from typing import Any
 
 from rlix.config.models import PipelineConfig
 from rlix.devices import confirm_release
+from rlix.pipeline.reporting.batch_stats import batch_stats
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
 from rlix.pipeline.rollout.types import NO_DEMAND, Group
@@ -57,6 +58,25 @@ class StepRecord:
     group_destroyed: bool | None = None  # None: one rank, no group
     # of train_s, the trainer's own train_step (the rest: taking the batch and the call's transfer)
     trainer_s: float = 0.0
+    # what RL practitioners watch (docs/ARCHITECTURE.md, "Metrics and experiment logging", has the table)
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+    response_len_mean: float = 0.0  # response tokens per sample
+    response_len_max: int = 0
+    response_truncated_frac: float = 0.0  # share of samples stopped by their token limit
+    advantage_mean: float = 0.0
+    advantage_std: float = 0.0
+    advantage_min: float = 0.0
+    advantage_max: float = 0.0
+    staleness_mean: float = 0.0  # weight versions between a sample's generation and the trained weights
+    staleness_max: int = 0
+    entropy: float = 0.0  # of the policy over the trained tokens
+    kl: float | None = None  # k3 KL to the reference model; None without one (kl_coef 0)
+    clip_fraction: float = 0.0
+    importance_ratio: float = 1.0  # mean of pi/pi_behaviour over the trained tokens
+    grad_norm: float = 0.0  # before clipping
+    tokens_per_s: float = 0.0  # the batch's response tokens per second of the step
+    train_tokens_per_s: float = 0.0  # trained tokens per second of the trainer's step
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,14 +99,16 @@ class GrpoLoop:
     """Drives one pipeline's steps, as its config says. `trainer` trains (a TrainerGroup);
     `weights` publishes each new version (the pipeline's WeightPath); `hooks` the mode's RLixHooks; `on_step(record)` is called after every
     step, `checkpoint(step)` every `checkpoint_every` steps, `record_batch(step, samples)` with
-    each batch before it is trained on (record_rollouts)."""
+    each batch before it is trained on (record_rollouts), `record_samples(step, groups, samples)`
+    with each trained batch just before its `on_step` (the readable samples)."""
 
     def __init__(self, cfg: PipelineConfig, *, trainer: TrainerGroup, weights: WeightPath,
                  coordinator: ShardCoordinator,
                  collector: TrajectoryCollector, buffer: ReplayBuffer, hooks: RLixHooks,
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
                  checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0,
-                 record_batch: Callable[[int, list[TrainSample]], None] | None = None) -> None:
+                 record_batch: Callable[[int, list[TrainSample]], None] | None = None,
+                 record_samples: Callable[[int, list[Group], list[TrainSample]], Any] | None = None) -> None:
         self.name, self.trainer, self.weights, self.coordinator = cfg.name, trainer, weights, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
         self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
@@ -98,6 +120,7 @@ class GrpoLoop:
         self.memory_log: list[dict] = []  # the trainer's hand-offs: memory measured at each
         self.release_timeout_s = release_timeout_s
         self.record_batch = record_batch
+        self.record_samples = record_samples
         self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
         self._reload_bytes: int | None = None  # what the trainer needs free to reload (asked once)
 
@@ -227,20 +250,34 @@ class GrpoLoop:
             return t[stop] - t[start] if start in t and stop in t else 0.0
 
         audit_s = published.audit_s if published is not None else 0.0
+        stats = batch_stats(groups, samples, new - 1)
+        step_s = end - t["start"]
+        trainer_s = float(metrics.get("seconds", 0.0))
+        tokens = sum(s.trained_tokens() for s in samples)
+        kl = metrics.get("kl")
         record = StepRecord(
             step=new, reward=mean, reward_std=std, samples=len(samples),
-            tokens=sum(s.trained_tokens() for s in samples), oldest_version=versions[0],
+            tokens=tokens, oldest_version=versions[0],
             loss=float(metrics.get("loss", 0.0)), generate_s=span("start", "gen"),
             wait_gpus_s=span("gen", "gpus"), reload_s=span("gpus", "reload"), train_s=span("reload", "train"),
             audit_s=audit_s, cache_s=max(0.0, span("train", "cache") - audit_s),
             device_sync_s=span("cache", "beside"), offload_s=span("beside", "off"),
-            release_s=span("off", "release"), sync_s=span("off", "sync"), step_s=end - t["start"],
+            release_s=span("off", "release"), sync_s=span("off", "sync"), step_s=step_s,
             finished_at=time.time(), train_ranks=int(metrics.get("ranks", 1)),
             group_setup_s=float(metrics.get("group_setup_s", 0.0)),
             group_teardown_s=float(metrics.get("group_teardown_s", 0.0)),
             group_destroyed=bool(metrics["group_destroyed"]) if "group_destroyed" in metrics else None,
-            trainer_s=float(metrics.get("seconds", 0.0)))
+            trainer_s=trainer_s, **asdict(stats),
+            entropy=float(metrics.get("entropy", 0.0)), kl=None if kl is None else float(kl),
+            clip_fraction=float(metrics.get("clip_fraction", 0.0)),
+            importance_ratio=float(metrics.get("ratio", 1.0)), grad_norm=float(metrics.get("grad_norm", 0.0)),
+            tokens_per_s=sum(len(s.response_ids) for s in samples) / step_s if step_s > 0 else 0.0,
+            train_tokens_per_s=tokens / trainer_s if trainer_s > 0 else 0.0)
         self.records.append(record)
+        if self.record_samples is not None:
+            result = self.record_samples(new, groups, samples)
+            if asyncio.iscoroutine(result):
+                await result
         if self.on_step is not None:
             result = self.on_step(record)
             if asyncio.iscoroutine(result):

@@ -51,6 +51,8 @@ from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experimen
 from rlix.pipeline.hooks import RLixHooks
 from rlix.pipeline.parts import STOP_ORDER, PipelineParts, StartedParts, Teardown
 from rlix.pipeline.reporting.metrics_file import read_metrics, write_metrics
+from rlix.pipeline.reporting.samples import SAMPLES_FILE, SampleRow, append_samples, keep_until, pick
+from rlix.pipeline.rollout.types import Group
 from rlix.training.ranks import TrainerGroup
 from rlix.training.types import TrainSample
 
@@ -70,7 +72,22 @@ CHECKPOINT_ON_EXIT_S = 120.0
 #: the longest one part's stop may take at shutdown
 STOP_PART_TIMEOUT_S = 20.0
 
+#: steps whose samples are kept for the console (a reader further behind gets their lines without)
+RECENT_SAMPLE_STEPS = 64
+#: the steps averaged at each end of a run for its summary's first/last reward
+REWARD_WINDOW = 5
+
 T = TypeVar("T")
+
+
+def reward_windows(rewards: list[float]) -> tuple[float | None, float | None]:
+    """Mean reward of the first and of the last steps: REWARD_WINDOW steps each, fewer in a
+    run too short for two windows (half its steps each, so they never overlap); None for both
+    with fewer than two steps."""
+    k = min(REWARD_WINDOW, len(rewards) // 2)
+    if k == 0:
+        return None, None
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
 class PipelineRunner:
@@ -103,6 +120,7 @@ class PipelineRunner:
         self.replica_routes: list[NodeReplicaRoute] = []  # several nodes: a cache replica per node
         self.trainer_placement: dict = {}
         self._steps: asyncio.Future | None = None  # the loop's run, cancelled by shutdown
+        self.recent_samples: dict[int, list[dict]] = {}  # step -> its samples, for the console
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> dict:
@@ -139,6 +157,7 @@ class PipelineRunner:
             start_step=self.start_step, config=self.cfg.model_dump(mode="json"))
         self.teardown.add("experiment log",  # a tracker that failed is dropped: closed if any are left
                           lambda: asyncio.to_thread(experiment_log.close) if experiment_log else None)
+        keep_until(self.dir / SAMPLES_FILE, self.start_step)  # as metrics.jsonl: steps after it come again
         coordinator, ranks = await self._start_coordinator(trainer, weights, fleet, backend)
         env, collector = await timed("collector", self._start_collector(path, data_plane, router, fleet))
         await timed("join", self.hooks.join(coordinator, self.cfg))
@@ -147,7 +166,8 @@ class PipelineRunner:
                         start_step=self.start_step, on_step=functools.partial(self._on_step, experiment_log),
                         checkpoint=functools.partial(self._checkpoint, trainer),
                         release_timeout_s=self.devices.release_timeout_s,
-                        record_batch=self._record_batch if self.cfg.record_rollouts else None)
+                        record_batch=self._record_batch if self.cfg.record_rollouts else None,
+                        record_samples=functools.partial(self._record_samples, collector.tokenizer, experiment_log))
         self.parts = PipelineParts(trainer=trainer, weights=weights, data_plane=data_plane, router=router,
                                    fleet=fleet, coordinator=coordinator, env=env, collector=collector,
                                    experiment_log=experiment_log, loop=loop)
@@ -407,6 +427,22 @@ class PipelineRunner:
                                      "behaviour_logprobs": s.behaviour_logprobs, "loss_mask": s.loss_mask,
                                      "advantage": s.advantage, "version": s.version}) + "\n")
 
+    def _record_samples(self, tokenizer: Any, experiment_log: ExperimentLog, step: int, groups: list[Group],
+                        samples: list[TrainSample]) -> None:
+        """`logging.samples_per_step` of the batch, readable: to samples.jsonl, the trackers, and
+        kept for the console (the supervisor reads them with the step's progress)."""
+        k = self.logging_cfg.samples_per_step if self.logging_cfg is not None else 0
+        rows: list[SampleRow] = pick(step, groups, samples, k,
+                                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        if not rows:
+            return
+        append_samples(self.dir / SAMPLES_FILE, rows)
+        if experiment_log:
+            experiment_log.log_samples(step, rows)
+        self.recent_samples[step] = [r.as_dict() for r in rows]
+        for old in [s for s in self.recent_samples if s <= step - RECENT_SAMPLE_STEPS]:
+            del self.recent_samples[old]
+
     async def _on_step(self, experiment_log: ExperimentLog, record: StepRecord) -> None:
         row = record.as_dict()
         self.history.append(row)
@@ -477,7 +513,10 @@ class PipelineRunner:
         rows += fleet.memory_log if fleet is not None else []
         return sorted(rows, key=lambda r: r.get("at", 0.0))
 
-    def progress(self) -> dict:
+    def progress(self, since: int | None = None) -> dict:
+        """The pipeline now; with `since`, `new_steps` also holds every step finished after
+        that step, in order (its number, reward, seconds, response length, and the console's
+        samples when this step's are due), so a reader polling now and then misses none."""
         last = self.history[-1] if self.history else None
         loop = self.parts.loop if self.parts is not None else None
         fleet, coord = self.started.fleet, self.started.coordinator
@@ -487,7 +526,15 @@ class PipelineRunner:
                 "buffered": self.buffer.valid_count(loop.step, self.cfg.max_staleness) if loop else 0,
                 "shard_deaths": len(coord.stats.deaths) if coord else 0,
                 "shard_replacements": list(coord.stats.replacements) if coord else [],
-                "processes": self.processes()}
+                "processes": self.processes(),
+                "new_steps": [] if since is None else [self._step_line(h) for h in self.history if h["step"] > since]}
+
+    def _step_line(self, row: dict) -> dict:
+        every = self.logging_cfg.console_samples_every if self.logging_cfg is not None else 0
+        step = int(row["step"])
+        return {"step": step, "reward": row["reward"], "step_s": row.get("step_s", 0.0),
+                "response_len_mean": row.get("response_len_mean"),
+                "samples": self.recent_samples.get(step, []) if every and step % every == 0 else []}
 
     def summary(self) -> dict:
         """The pipeline's result; also of a set-up that failed once the coordinator and the
@@ -497,12 +544,12 @@ class PipelineRunner:
         if coord is None or collector is None:
             raise RuntimeError(f"{self.cfg.name}: no summary: set-up did not get as far as the collector")
         rewards = [h["reward"] for h in self.history]
+        first, last = reward_windows(rewards)
         loop = self.parts.loop if self.parts is not None else None
         return {
             "pipeline": self.cfg.name, "mode": self.hooks.mode, "steps": len(self.history),
             "start_step": self.start_step, "rewards": rewards,
-            "reward_first5": sum(rewards[:5]) / max(len(rewards[:5]), 1),
-            "reward_last5": sum(rewards[-5:]) / max(len(rewards[-5:]), 1),
+            "reward_first5": first, "reward_last5": last, "reward_window": min(REWARD_WINDOW, len(rewards) // 2),
             "records": [r.as_dict() for r in loop.records] if loop else [],
             "trained_versions": loop.trained_versions if loop else [],
             "accounting": self.buffer.accounting(),

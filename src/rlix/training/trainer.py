@@ -204,10 +204,12 @@ class PolicyTrainer:
         if chunk:
             yield chunk
 
-    def _logprobs(self, model: torch.nn.Module, chunk: Sequence[TrainSample]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token logprobs [B, T] of each response under `model`, and the loss mask (the
-        response tokens, less those a sample's `loss_mask` leaves out).
+    def _logprobs(self, model: torch.nn.Module, chunk: Sequence[TrainSample], entropy: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per-token logprobs [B, T] of each response under `model`, the loss mask (the
+        response tokens, less those a sample's `loss_mask` leaves out), and with `entropy` the
+        entropy [B, T] of the policy's next-token distribution at each of those positions (at
+        the sampling temperature; no gradient, masked like the logprobs), else None.
 
         Right-padded [B, L] inputs; the logit at position p predicts token p+1, so response
         token j of a sample with prompt length P is scored by the logit at P+j-1. Only logits
@@ -236,8 +238,13 @@ class PolicyTrainer:
             logits = logits / self.temperature
         picked = torch.gather(logits, 1, cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         targets = torch.gather(ids[:, 1:], 1, cols + start)
-        logp = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return logp * mask, mask
+        logsm = torch.log_softmax(picked, dim=-1)
+        logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        ent = None
+        if entropy:  # from the log-softmax the loss needs anyway: one more pass over the vocabulary
+            with torch.no_grad():
+                ent = -(logsm.exp() * logsm).sum(dim=-1) * mask
+        return logp * mask, mask, ent
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
@@ -247,7 +254,7 @@ class PolicyTrainer:
         out: list[list[float]] = [[] for _ in samples]
         for idx in self._chunks(samples):
             chunk = [samples[i] for i in idx]
-            logp, _ = self._logprobs(self.model, chunk)
+            logp, _, _ = self._logprobs(self.model, chunk)
             for i, row in zip(idx, logp.cpu().tolist()):
                 out[i] = row[:len(samples[i].response_ids)]
         return out
@@ -330,10 +337,11 @@ class PolicyTrainer:
             # gradients are averaged), so the step does not depend on how the batch is split.
             normalizer = (num_tokens if self.aggregation == "token" else num_seqs) / self.world_size
             self.optimizer.zero_grad(set_to_none=True)
-            sums = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, ratio sum, kl sum
+            # loss, clipped tokens, ratio sum, kl sum, entropy sum
+            sums = torch.zeros(5, dtype=torch.float64)
             for idx, scale in self._step_chunks(samples):
                 chunk = [samples[i] for i in idx]
-                logp, mask = self._logprobs(model, chunk)
+                logp, mask, ent = self._logprobs(model, chunk, entropy=True)
                 behaviour = torch.zeros(logp.shape)  # built on the host, copied once
                 for i, s in enumerate(chunk):
                     behaviour[i, :len(s.behaviour_logprobs)] = torch.tensor(s.behaviour_logprobs)
@@ -342,14 +350,15 @@ class PolicyTrainer:
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref, _ = self._logprobs(self.ref_model, chunk)
+                        ref, _, _ = self._logprobs(self.ref_model, chunk)
                 loss, m = policy_loss(logp, behaviour, adv, mask, clip_eps=self.clip_eps,
                                       clip_eps_high=self.clip_eps_high, aggregation=self.aggregation,
                                       ref_logprobs=ref, kl_coef=self.kl_coef, normalizer=normalizer)
                 (loss * scale).backward()
                 n = m["num_tokens"] * scale
+                ent_sum = float(ent.sum()) * scale if ent is not None else 0.0
                 sums += torch.tensor([m["loss"] * scale, m["clip_fraction"] * n, m["ratio"] * n,
-                                      m.get("kl", 0.0) * n], dtype=torch.float64)
+                                      m.get("kl", 0.0) * n, ent_sum], dtype=torch.float64)
             if distributed:
                 self._reduce_grads(model)
                 reduced = sums.to(dev)
@@ -359,10 +368,11 @@ class PolicyTrainer:
             grad_norm = self._optimizer_step(model, limit)
             del model
         self.step += 1
-        loss_sum, clipped, ratio_sum, kl_sum = sums.tolist()
+        loss_sum, clipped, ratio_sum, kl_sum, entropy_sum = sums.tolist()
         metrics = {
             "loss": loss_sum / self.world_size, "grad_norm": float(grad_norm),
             "clip_fraction": clipped / num_tokens, "ratio": ratio_sum / num_tokens,
+            "entropy": entropy_sum / num_tokens,
             "num_samples": num_samples, "num_tokens": num_tokens, "step": float(self.step),
             "seconds": time.perf_counter() - started,
         }

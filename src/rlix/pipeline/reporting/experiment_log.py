@@ -1,6 +1,7 @@
 """Experiment logging: a pipeline's per-step metrics (the rows of metrics.jsonl) to trackers, as the
 config's `logging:` section chooses: TensorBoard event files (run_dir/<name>/tensorboard/) and
-Weights & Biases (run_dir/<name>/wandb/; offline by default, so no network is needed).
+Weights & Biases (run_dir/<name>/wandb/; offline by default, so no network is needed); and
+each step's readable samples as a text table (TensorBoard) or a wandb.Table.
 
 `open_experiment_log` builds an `ExperimentLog`, the fan-out the runner calls once per step
 (`log(row)`) and closes at shutdown. A tracker that fails is dropped with a warning: a metrics
@@ -18,12 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from rlix.config.models import LoggingConfig, WandbConfig
 from rlix.errors import ConfigError, one_line
+from rlix.pipeline.reporting.samples import COLUMNS, SampleRow, markdown_table
 
 log = logging.getLogger("rlix.pipeline")
 
@@ -38,17 +40,21 @@ class ExperimentLogger(Protocol):
 
     def log(self, step: int, scalars: Mapping[str, float], walltime: float | None = None) -> None: ...
 
+    def log_samples(self, step: int, rows: Sequence[SampleRow]) -> None: ...
+
     def close(self) -> None: ...
 
 
 def scalars_of(row: Mapping[str, Any]) -> dict[str, float]:
-    """A step row as tagged scalars: numbers only; timings (`*_s`) under `time/`, the rest under
-    `train/` (reward, loss, samples, tokens, ...)."""
+    """A step row as tagged scalars: numbers only (a metric without a value, such as `kl` with
+    no reference model, is left out); timings (`*_s`) under `time/`, the rest under `train/`
+    (reward, loss, entropy, response lengths, rates `*_per_s`, ...)."""
     out: dict[str, float] = {}
     for key, value in row.items():
         if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        out[f"time/{key}" if key.endswith("_s") else f"train/{key}"] = float(value)
+        timing = key.endswith("_s") and not key.endswith("_per_s")  # rates are not timings
+        out[f"time/{key}" if timing else f"train/{key}"] = float(value)
     return out
 
 
@@ -73,6 +79,11 @@ class TensorBoardLogger:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step, walltime=walltime)
         self.writer.flush()
+
+    def log_samples(self, step: int, rows: Sequence[SampleRow]) -> None:
+        """A Markdown table under the tag `samples` (TensorBoard's Text tab), flushed with the
+        step's scalars that follow."""
+        self.writer.add_text("samples", markdown_table(rows), step)
 
     def close(self) -> None:
         self.writer.close()
@@ -127,6 +138,17 @@ class WandbLogger:
         self.last_step = step
         self._save_state()
 
+    def log_samples(self, step: int, rows: Sequence[SampleRow]) -> None:
+        """A wandb.Table under `samples`, at the step whose scalars follow (the same wandb step)."""
+        if step <= self.last_step:
+            return
+        import wandb  # deferred: imported by __init__ already
+
+        table = wandb.Table(columns=list(COLUMNS))
+        for r in rows:
+            table.add_data(r.step, r.prompt, r.response, r.reward, r.advantage, r.response_tokens, r.finish_reason)
+        self.run.log({"samples": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
 
@@ -149,6 +171,18 @@ class ExperimentLog:
                 logger.log(int(row["step"]), scalars, walltime)
             except Exception as exc:  # noqa: BLE001 - a metrics sink must not fail training
                 log.warning("experiment log: %s failed, no more steps go to it: %s", logger.name, one_line(exc))
+                self.loggers.remove(logger)
+
+    def log_samples(self, step: int, rows: Sequence[SampleRow]) -> None:
+        """A step's readable samples (before its row: trackers that take a step once see both)."""
+        if not rows:
+            return
+        for logger in list(self.loggers):
+            try:
+                logger.log_samples(step, rows)
+            except Exception as exc:  # noqa: BLE001 - a metrics sink must not fail training
+                log.warning("experiment log: %s failed on samples, no more steps go to it: %s",
+                            logger.name, one_line(exc))
                 self.loggers.remove(logger)
 
     def close(self) -> None:
