@@ -235,3 +235,23 @@ def test_status_piped_is_not_cut_at_80_columns():
     assert max(len(line) for line in lines) > 200  # whole rows, no wrapping
     assert all("column number 11" not in line or "column number 0" in line for line in lines)
     assert max(len(line) for line in lines) < PIPED_WIDTH  # only as wide as the cells
+
+
+def test_wandb_gets_the_samples_as_a_table(tmp_path):
+    pytest.importorskip("wandb")
+    from rlix.config.models import LoggingConfig, WandbConfig
+    from rlix.pipeline.reporting.experiment_log import open_experiment_log
+
+    groups, samples = batch()
+    cfg = LoggingConfig(wandb=WandbConfig(project="rlix-test", mode="offline"))
+    exp = open_experiment_log(cfg, pipeline="p", pipeline_dir=tmp_path)
+    wb = exp.loggers[0]
+    run_dir = wb.run_dir
+    exp.log_samples(1, pick(1, groups, samples, 2, decode=lambda ids: "hello"))
+    exp.log({"step": 1, "reward": 0.5, "finished_at": 1.0})
+    assert exp.loggers == [wb]  # neither call failed
+    exp.close()
+    tables = list(run_dir.glob("files/media/table/samples_*.table.json"))
+    assert len(tables) == 1, list(run_dir.rglob("*"))
+    data = json.loads(tables[0].read_text())
+    assert data["columns"][:3] == ["step", "prompt", "response"] and data["data"][0][2] == "hello"
