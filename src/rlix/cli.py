@@ -1,4 +1,4 @@
-"""`rlix` command line: run, sim, check, status, timeline, serve, router; and for a shared
+"""`rlix` command line: run, sim, check, status, timeline, serve, router, export; and for a shared
 cluster up, submit, jobs, cancel, logs, down.
 
 Every error is printed as one line and exits 2 (Ctrl-C: 130); `--debug` shows the traceback
@@ -41,12 +41,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlix.config import load_config
     from rlix.config.preflight import refuse_reused_run_dir  # deferred: see above
 
+    cfg = load_config(args.config, args.set)  # a bad file or --set fails here, before Ray
     if not (args.resume or args.overwrite):  # a run_dir holding a previous run is refused, before Ray
-        refuse_reused_run_dir(load_config(args.config), args.config)
+        refuse_reused_run_dir(cfg, args.config)
     from rlix.run import run  # deferred: see above
     from rlix.run_summary import RunSummary  # deferred: see above
 
-    summary = RunSummary.model_validate(run(args.config, resume=args.resume, mode=args.mode, address=args.address))
+    summary = RunSummary.model_validate(run(args.config, resume=args.resume, mode=args.mode, address=args.address,
+                                            overrides=args.set))
     import ray  # deferred: see above
 
     if ray.is_initialized():  # the cluster's workers end here (pinned buffers freed): said, as it takes seconds
@@ -60,9 +62,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from rlix.config import load_config  # deferred: see _cmd_run
+    from rlix.config.overrides import read_back  # deferred: see _cmd_run
     from rlix.config.preflight import preflight  # deferred: see _cmd_run
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     preflight(cfg, args.config)
     cluster = "auto (from Ray)" if cfg.cluster.is_auto else (
         f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPUs")
@@ -73,6 +76,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"  {p.name}: priority {p.priority}, weight {p.weight}, train {p.train_gpus} GPU(s), "
               f"shards {p.min_shards}..{p.max_shards} x tp {p.tp}, "
               f"partial overlap {'on' if p.partial_overlap else 'off'}, max staleness {p.max_staleness}")
+    for item in args.set:
+        print(f"  --set {item.partition('=')[0].strip()}: {json.dumps(read_back(cfg, item), default=str)}")
     return 0
 
 
@@ -178,7 +183,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from rlix.cluster.commands import submit  # deferred: see _cmd_run
 
     submit(args.config, name=args.name, user=args.user, resume=args.resume, overwrite=args.overwrite,
-           address=args.address)
+           address=args.address, overrides=args.set)
     return 0
 
 
@@ -208,6 +213,14 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from rlix.export import export_checkpoint  # deferred: see _cmd_run (torch, transformers)
+
+    src = export_checkpoint(args.checkpoint, args.dest, model=args.model)
+    print(f"exported {src} to {args.dest} (a Hugging Face folder: transformers, rlix serve and vLLM load it)")
+    return 0
+
+
 def _token_flag(prog: str, flag: str, value: str | None, var: str) -> str | None:
     """A token given on the command line, with a warning: every user of this machine can read
     a process's command line (ps, /proc/PID/cmdline), and with the token control its servers.
@@ -222,10 +235,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from rlix.inference.server.app import serve  # deferred: see _cmd_run (torch, the engine)
 
     api_key = _token_flag("rlix serve", "--api-key", args.api_key, env.API_KEY_VAR) or env.api_key()
-    if not api_key:
-        api_key = secrets.token_urlsafe(24)
-        print(f"rlix serve: no --api-key or RLIX_API_KEY; control token for this run: {api_key}",
-              file=sys.stderr)
+    if not api_key:  # as vLLM without --api-key; the control plane can stop or replace the model
+        print(f"rlix serve: no --api-key or {env.API_KEY_VAR}: the OpenAI API is open to whoever reaches "
+              f"{args.host}:{args.port}; the control plane (pause, sleep, weights) is refused "
+              f"(set {env.API_KEY_VAR} to use it)", file=sys.stderr)
     print(f"rlix serve: {args.model} on http://{args.host}:{args.port} ({args.device})", file=sys.stderr)
     serve(args.model, host=args.host, port=args.port, api_key=api_key, device=args.device,
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -262,6 +275,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                        help="change one config field before it is checked, e.g. pipelines.NAME.steps=50 or "
+                             "pipelines[0].rollout.temperature=0.7 (the value read as YAML); repeatable")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
     parser.add_argument("--version", action="version", version=f"rlix {__version__}")
@@ -280,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None,
                      help="attach to this Ray cluster (host:port or ray://host:port; default RAY_ADDRESS); "
                           "without one a local cluster is started")
+    _set_flag(run)
     run.set_defaults(func=_cmd_run)
 
     sim = sub.add_parser("sim", help="simulate a cluster scenario under three scheduling policies")
@@ -296,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a run config without starting anything")
     check.add_argument("config", help="run config YAML")
+    _set_flag(check)
     check.set_defaults(func=_cmd_check)
 
     status = sub.add_parser("status", help="who holds which GPU, and the jobs of a shared cluster")
@@ -344,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--overwrite", action="store_true",
                        help="start afresh in a run_dir that holds a previous run (as rlix run --overwrite)")
     submit.add_argument("--address", default=None, help="Ray address (default: the `rlix up` cluster)")
+    _set_flag(submit)
     submit.set_defaults(func=_cmd_submit)
 
     jobs = sub.add_parser("jobs", help="the jobs of the shared cluster, the queue and why each waits")
@@ -369,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None,
                        help="bearer token for /v1, /inference and control endpoints (default: RLIX_API_KEY; "
-                            "prefer the variable: a command line is visible to every user of the machine)")
+                            "prefer the variable: a command line is visible to every user of the machine). "
+                            "Without one the OpenAI API is open (as vLLM's) and the control endpoints are "
+                            "refused")
     serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     serve.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
@@ -385,6 +409,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mib", type=float, default=4.0,
                        help="larger request bodies get 413 unread (default: 4)")
     serve.set_defaults(func=_cmd_serve)
+
+    export = sub.add_parser("export", help="write a trainer checkpoint as a Hugging Face model folder")
+    export.add_argument("checkpoint", help="a checkpoint (RUN_DIR/NAME/checkpoint/step-NNNNNN), or a pipeline's "
+                                           "folder or checkpoint/ folder: its newest checkpoint")
+    export.add_argument("dest", help="the folder to write (absent or empty)")
+    export.add_argument("--model", default=None,
+                        help="the run's model folder, for a sharded checkpoint's config and tokenizer "
+                             "(default: the one its trainer.json names)")
+    export.set_defaults(func=_cmd_export)
 
     router = sub.add_parser("router", help="route requests over engine servers you started (rlix serve, vLLM)")
     router.add_argument("--shard", action="append", default=[], metavar="[RANK=]URL",

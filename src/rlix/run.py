@@ -17,17 +17,18 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import ray
 from pydantic import ValidationError
 
 from rlix import env
 from rlix.simulated_cluster import SimulatedCluster
-from rlix.config import load_config
+from rlix.config.loader import resolve_config
 from rlix.config.models import RlixConfig
 from rlix.config.preflight import preflight
 from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, format_validation_error, one_line
@@ -52,14 +53,16 @@ def prepare_run_dir(cfg: RlixConfig, config_path: str) -> Path:
     return run_dir
 
 
-def run(config_path: str, *, resume: bool = False, mode: str | None = None, address: str | None = None,
-        out: TextIO = sys.stdout) -> dict:
+def run(config: str | Path | Mapping | RlixConfig, *, resume: bool = False, mode: str | None = None,
+        address: str | None = None, overrides: Sequence[str] = (), out: TextIO = sys.stdout) -> dict:
     """Run a config to the end; returns the summary as summary.json's JSON data (the file is
     written whatever the ending: finished, failed, interrupted; `RunSummary.model_validate`
-    reads the dict back typed). `address` (else RAY_ADDRESS) attaches to a running Ray
-    cluster; without one a local cluster is started: several simulated nodes on this machine
-    when the config asks for more than one."""
-    cfg: RlixConfig = load_config(config_path)
+    reads the dict back typed). `config`: a YAML file's path, the same as a dict (relative
+    paths from the working directory) or an RlixConfig; `overrides`: `path.to.field=value`
+    items, as `--set` (rlix.config.overrides). `address` (else RAY_ADDRESS) attaches to a
+    running Ray cluster; without one a local cluster is started: several simulated nodes on
+    this machine when the config asks for more than one."""
+    cfg, config_path = resolve_config(config, overrides)
     preflight(cfg, config_path)  # before Ray: a bad file, task or verifier fails in a second
     mode = mode or env.control_plane(cfg.control_plane)
     run_dir = prepare_run_dir(cfg, config_path)
@@ -446,3 +449,15 @@ def summary_table(summary: RunSummary) -> list[str]:
     if summary.ending != "finished":
         lines.append(f"  run {summary.ending}")
     return lines
+
+
+class _CallableModule(types.ModuleType):
+    """`rlix.run(config)` is the package's documented entry point, and `rlix.run` is also this
+    module (Python binds a submodule to its package's attribute once imported): calling the
+    module runs `run`, looked up when called."""
+
+    def __call__(self, config: str | Path | Mapping | RlixConfig, **kwargs: Any) -> dict:
+        return run(config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

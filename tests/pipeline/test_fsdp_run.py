@@ -26,7 +26,7 @@ def test_an_fsdp_pipeline_trains_checkpoints_and_resumes(tmp_path, fresh_ray):
     check_guarantees(summary)
     records = summary["pipelines"]["pa"]["records"]
     assert len(records) == 3 and all(r["train_ranks"] == 2 for r in records)
-    ckpt = tmp_path / "run" / "pa" / "checkpoint" / "trainer"
+    ckpt = tmp_path / "run" / "pa" / "checkpoint" / "step-000003"
     assert (ckpt / "dcp" / ".metadata").is_file() and (ckpt / "model" / "config.json").is_file()
     pipe["steps"] = 5
     path.write_text(yaml.safe_dump(cfg))

@@ -21,6 +21,7 @@ import pytest
 import ray
 import yaml
 
+from rlix.pipeline import checkpoints
 from rlix.run import run
 
 PA_STEPS, PB_STEPS, KILL_AT_STEP = 8, 8, 3
@@ -250,7 +251,9 @@ def test_ctrl_c_saves_checkpoints_and_summary_and_resume_says_where_it_starts(tm
     assert summary["ending"] == "interrupted"
     saved = {}
     for name in ("pa", "pb"):
-        saved[name] = json.loads((run_dir / name / "checkpoint" / "trainer" / "trainer.json").read_text())["step"]
+        newest = checkpoints.newest(run_dir / name / "checkpoint")
+        assert newest is not None and newest.path.name == checkpoints.step_name(newest.step), name
+        saved[name] = json.loads((newest.path / "trainer.json").read_text())["step"]
         assert saved[name] >= 1 and summary["pipelines"][name]["state"] == "stopped"
     for name, p in procs.items():
         assert all(gone(pid) for pid in p["shards"].values()), name
@@ -264,9 +267,9 @@ def test_ctrl_c_saves_checkpoints_and_summary_and_resume_says_where_it_starts(tm
     path.write_text(yaml.safe_dump(cfg))
     resumed = subprocess.run([*cli, str(path), "--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert f"pa: --resume: resuming from {run_dir / 'pa' / 'checkpoint' / 'trainer'} at step {saved['pa']}" \
-        in resumed.stdout
-    assert f"pb: --resume: no checkpoint in {run_dir / 'pb' / 'checkpoint' / 'trainer'}: starting at step 0" \
+    assert f"pa: --resume: resuming from {run_dir / 'pa' / 'checkpoint' / checkpoints.step_name(saved['pa'])} " \
+        f"at step {saved['pa']}" in resumed.stdout
+    assert f"pb: --resume: no checkpoint in {run_dir / 'pb' / 'checkpoint'}: starting at step 0" \
         in resumed.stdout
     steps = [json.loads(line)["step"] for line in (run_dir / "pa" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, saved["pa"] + 3))  # each step once: trimmed to the checkpoint

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ray
@@ -191,8 +191,8 @@ def _last_line(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------- jobs
-def job_from_config(config_path: str, name: str | None, user: str) -> Job:
-    cfg = load_config(config_path)
+def job_from_config(config_path: str, name: str | None, user: str, overrides: Sequence[str] = ()) -> Job:
+    cfg = load_config(config_path, overrides)
     preflight(cfg, config_path)
     return Job(name=name or Path(config_path).stem, user=user, config=str(Path(config_path).resolve()),
                run_dir=str(Path(cfg.run_dir).resolve()),
@@ -201,15 +201,16 @@ def job_from_config(config_path: str, name: str | None, user: str) -> Job:
 
 
 def submit(config_path: str, *, name: str | None = None, user: str | None = None, resume: bool = False,
-           overwrite: bool = False, address: str | None = None, out: Callable[[str], None] = print) -> dict:
+           overwrite: bool = False, address: str | None = None, overrides: Sequence[str] = (),
+           out: Callable[[str], None] = print) -> dict:
     """Queue a config's pipelines as one job and start its driver; returns the job's row. A
     run_dir holding a previous run is refused unless `resume` or `overwrite` (as `rlix run`).
     The job goes through the head's socket with this process's Ray token proved: the head names
     its user by this account (`user` is honoured for the cluster's owner only) and says so when
     it is not the one asked for."""
-    job = job_from_config(config_path, name, user or env.user())
+    job = job_from_config(config_path, name, user or env.user(), overrides)
     if not (resume or overwrite):
-        refuse_reused_run_dir(load_config(config_path), config_path)
+        refuse_reused_run_dir(load_config(config_path, overrides), config_path)
     address = connect(address)
     info = ray.get(get_registry().cluster_info.remote())
     answer = submit_job(getattr(info, "submit_socket", ""), job, token=env.ray_token())
@@ -219,7 +220,7 @@ def submit(config_path: str, *, name: str | None = None, user: str | None = None
     log = Path(job.run_dir) / "driver.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "rlix.cluster.driver", "--job", job.name, "--config", job.config,
-           "--address", address] + (["--resume"] if resume else [])
+           "--address", address] + (["--resume"] if resume else []) + [f"--set={o}" for o in overrides]
     driver_env = env.child_env()
     env.keep_ray_on_loopback(driver_env)  # so it can join a cluster on 127.0.0.1
     with open_private(log, "ab") as fh:  # it holds the cluster's address: the owner's alone

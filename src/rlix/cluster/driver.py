@@ -7,7 +7,7 @@ ended. A cancel (`rlix cancel`) reaches it through the registry: it stops its pi
 Ctrl-C does (each saves a checkpoint) and leaves, so their GPUs go back to the others.
 Its output is the job's log (`rlix logs NAME`).
 
-    python -m rlix.cluster.driver --job NAME --config PATH --address ADDR [--resume]
+    python -m rlix.cluster.driver --job NAME --config PATH --address ADDR [--resume] [--set PATH=VALUE ...]
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--address", required=True)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="rlix submit's --set items, in order")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     run_dir = prepare_run_dir(cfg, args.config)
     say = RunLog(run_dir / "run.log", sys.stdout)
     ray.init(address=args.address, namespace="rlix", log_to_driver=False, logging_level="ERROR")

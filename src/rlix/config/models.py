@@ -52,6 +52,9 @@ MAX_NAME = 64
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
 #: a path in the config
 MAX_PATH = 4096
+#: step-numbered checkpoints one pipeline keeps (keep_last, keep_best): each holds the model and
+#: its optimizer state, so a few are already many gigabytes
+MAX_CHECKPOINTS = 1000
 
 
 def _number(value: object) -> object:
@@ -371,6 +374,21 @@ class PipelineConfig(_Strict):
     checkpoint_every: Int = Field(10, ge=0, le=MAX_COUNT, description="save a checkpoint every N steps (0: only at "
                                                         "the end); one is also saved on Ctrl-C and "
                                                         "when the pipeline fails, if its trainer lives")
+    checkpoint_keep_last: Int = Field(2, ge=1, le=MAX_CHECKPOINTS,
+                                      description="step-numbered checkpoints kept (checkpoint/step-NNNNNN/), "
+                                                  "the newest ones; older ones are removed once a newer one "
+                                                  "is complete. `--resume` continues from the newest")
+    checkpoint_keep_best: Int = Field(0, ge=0, le=MAX_CHECKPOINTS,
+                                      description="checkpoints kept besides the newest ones: those with the "
+                                                  "best checkpoint_best_metric (0: none)")
+    checkpoint_best_metric: str = Field("reward", min_length=1, max_length=128,
+                                        description="the metrics.jsonl column that ranks checkpoints for "
+                                                    "checkpoint_keep_best: the mean of that column over the "
+                                                    "rows of the checkpoint's step (an eval metric ranks only "
+                                                    "checkpoints of steps that were evaluated); a checkpoint "
+                                                    "whose step has no value is not ranked")
+    checkpoint_best_mode: Literal["max", "min"] = Field("max", description="max: a higher checkpoint_best_metric "
+                                                                          "is better (reward); min: lower (loss)")
     max_failed_groups: Int = Field(32, ge=0, le=MAX_COUNT,
                                    description="stop the pipeline when this many groups in a row fail (a "
                                                "verifier that raises, no shard answering); 0: never")

@@ -38,6 +38,7 @@ from rlix.inference.router.data_plane import DataPlaneThread
 from rlix.inference.router.router import Generation, Router
 from rlix.inference.server.openai_schema import GenerateSamplingParams
 from rlix.models.presets import resolve_model
+from rlix.pipeline import checkpoints
 from rlix.pipeline.async_grpo import GrpoLoop, StepRecord
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
@@ -201,19 +202,21 @@ class PipelineRunner:
             cpu_threads=cfg.cpu_threads, device=dev.device, offloaded=dev.device == "cuda",
             engine=cfg.engine, served_dtype=served_dtype(self.devices), **extra)
         self.teardown.add("trainer", trainer.close)
-        ckpt = self.checkpoint_dir
+        ckpt = checkpoints.newest(self.checkpoint_dir) if self.resume else None
         metrics = self.dir / "metrics.jsonl"
-        if self.resume and ckpt.exists():
-            self.start_step = await trainer.load_checkpoint(str(ckpt))
+        if ckpt is not None:
+            self.start_step = await trainer.load_checkpoint(str(ckpt.path))
             self.checkpointed_step = self.start_step
-            self.resumed_from = f"{ckpt} at step {self.start_step}"
+            self.resumed_from = f"{ckpt.path} at step {self.start_step}"
             rows = read_metrics(metrics)
             self.history = [h for h in rows if h["step"] <= self.start_step]
             if len(self.history) != len(rows):  # steps after the checkpoint are trained again
                 write_metrics(metrics, self.history)
         else:
             if self.resume:
-                self.resumed_from = f"no checkpoint in {ckpt}: starting at step 0"
+                self.resumed_from = f"no checkpoint in {self.checkpoint_dir}: starting at step 0"
+            else:  # a fresh start (--overwrite): a previous run's checkpoints would be resumed from later
+                shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
             write_metrics(metrics, [])
         pids, nodes = await trainer.pids(), await trainer.node_ids()
         visible = await trainer.visible_devices()
@@ -454,21 +457,28 @@ class PipelineRunner:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.dir / "checkpoint" / "trainer"
+        """Where the step-numbered checkpoints go (pipeline/checkpoints.py)."""
+        return self.dir / "checkpoint"
 
     async def _checkpoint(self, trainer: TrainerGroup, step: int) -> None:
-        """Saved beside the last one, then swapped in: a save cut short (a kill, a full disk)
-        leaves the previous checkpoint whole."""
-        final, new, old = self.checkpoint_dir, self.dir / "checkpoint" / "trainer.new", self.dir / "checkpoint" / "trainer.old"
-        shutil.rmtree(new, ignore_errors=True)
-        saved = await trainer.save_checkpoint(str(new))
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        new.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        """Saved under a temporary name, then renamed to its step's: a save cut short (a kill, a
+        full disk) leaves every earlier checkpoint whole and is never resumed from. Then the
+        folder is pruned to checkpoint_keep_last (+ checkpoint_keep_best)."""
+        cfg, root = self.cfg, self.checkpoint_dir
+        root.mkdir(parents=True, exist_ok=True)
+        partial = checkpoints.partial_path(root, step)
+        shutil.rmtree(partial, ignore_errors=True)
+        saved = await trainer.save_checkpoint(str(partial))
+        if saved != step:  # the trainer holds another step than the loop's: name it by what it holds
+            log.warning("%s: checkpoint asked for step %d holds step %d", cfg.name, step, saved)
+        final = checkpoints.publish(root, partial, saved)
+        scores = checkpoints.step_scores(read_metrics(self.dir / "metrics.jsonl"), cfg.checkpoint_best_metric) \
+            if cfg.checkpoint_keep_best else {}
+        removed = checkpoints.prune(root, cfg.checkpoint_keep_last, cfg.checkpoint_keep_best, scores,
+                                    cfg.checkpoint_best_mode)
         self.checkpointed_step = saved
-        log.info("%s: checkpoint at step %d", self.cfg.name, saved)
+        log.info("%s: checkpoint at step %d in %s%s", cfg.name, saved, final,
+                 f" (removed steps {removed})" if removed else "")
 
     async def save_on_exit(self) -> int | None:
         """A checkpoint of the trainer's state now, if it is newer than the last one and the

@@ -197,32 +197,43 @@ class BearerAuth:
     """Refuses control and API paths without the bearer token; plain ASGI on purpose: Starlette's
     `@app.middleware("http")` runs each request in a task group with memory streams, which was a
     third of a shard's HTTP-loop CPU under rollout load (profiled), and that loop also answers
-    the control calls a preemption waits for."""
+    the control calls a preemption waits for.
 
-    def __init__(self, app: Any, expected: bytes) -> None:
+    `expected` None (a server started without a key, as vLLM without --api-key): the data plane
+    (the OpenAI API, tokenize, generate) is open to whoever reaches the bind address, and the
+    control plane (pause, sleep, weights) is refused to everyone: it can stop or replace the
+    model, so it is never open."""
+
+    def __init__(self, app: Any, expected: bytes | None) -> None:
         self.app, self.expected = app, expected
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path = scope["path"]
-            if path in CONTROL_PATHS or path.startswith(PROTECTED_PREFIXES):
+            control = path in CONTROL_PATHS
+            if control or path.startswith(PROTECTED_PREFIXES):
                 got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-                if not hmac.compare_digest(got, self.expected):
+                if self.expected is None:
+                    allowed = not control
+                else:
+                    allowed = hmac.compare_digest(got, self.expected)
+                if not allowed:
                     await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
 
-def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
+def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str | None,
                model_root: str = "", close_engine: bool = False,
                max_body: int = MAX_BODY_BYTES, generation_log: GenerationLog | None = None) -> FastAPI:
     """The app for one engine. `close_engine` closes it when the app shuts down; a data-plane
     request body over `max_body` bytes gets 413 (the control plane's bounds: `body_policies`);
-    `generation_log` records every token-level generate."""
+    `generation_log` records every token-level generate. `api_key` None: the data plane open,
+    the control plane refused (BearerAuth)."""
     metrics = EngineMetrics(engine, model_name)  # GET /metrics, vLLM's names
     serving = OpenAIServing(engine, tokenizer, model_name, model_root, generation_log, metrics)
     control = ControlPlane(engine)
-    expected = f"Bearer {api_key}".encode()
+    expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -314,7 +325,7 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str,
     return app
 
 
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str,
+def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None,
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
           served_model_name: str | None = None, dtype: str | None = None,
           max_body: int = MAX_BODY_BYTES, record_generations: str | None = None,
@@ -326,7 +337,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     thread that starts parallel regions, and with more of them than cores every region of the
     engine's forward paid for waking its team.
     `capture_graphs`: on CUDA, every CUDA graph is captured before the server listens (a
-    graph otherwise is captured by the first step that needs its shape, on that step's path)."""
+    graph otherwise is captured by the first step that needs its shape, on that step's path).
+    `api_key` None: the OpenAI data plane open, the control plane refused (BearerAuth)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     cap_process_memory(device, memory_share)
     path = resolve_model(model)
