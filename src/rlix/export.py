@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 from rlix.errors import ConfigError
@@ -66,7 +67,9 @@ def _from_dcp(dcp_dir: Path, base: Path, out: Path) -> None:
                 for key, m in meta.items() if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     if not template:
         raise ConfigError(f"{dcp_dir}: no model parameters in this checkpoint")
-    dcp.load({"model": template}, checkpoint_id=str(dcp_dir), no_dist=True)
+    with warnings.catch_warnings():  # "assuming ... a single process": as meant here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": template}, checkpoint_id=str(dcp_dir), no_dist=True)
     hf = AutoModelForCausalLM.from_pretrained(str(base), dtype="auto")
     params = dict(hf.named_parameters())
     missing = sorted(set(params) - set(template))
