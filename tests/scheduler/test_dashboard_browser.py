@@ -2,9 +2,11 @@
 selenium; `scripts/setup.sh --with-browser` installs them): `rlix run` of the two-pipeline
 example on fake GPUs, its dashboard opened in the browser: the page loads, shows both pipelines
 in its table, and what it shows of the GPUs changes by itself (no reload) as the scheduler moves
-them. Skipped without the browser, except under RLIX_REQUIRE_BROWSER=1 (CI's browser step),
-where that fails. A screenshot of the page is left in the test's tmp_path (docs/dashboard.png
-is one)."""
+them; the reward curves grow as steps end, each plotted point one row of the pipeline's
+metrics.jsonl (and a chart per eval metric exactly when the rows carry one). Skipped without
+the browser, except under RLIX_REQUIRE_BROWSER=1 (CI's browser step), where that fails.
+Screenshots of the page are left in the test's tmp_path (docs/dashboard.png and
+docs/dashboard_curves.png are such)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -102,6 +105,43 @@ def _shown(driver) -> dict:
         };""")
 
 
+def _curves(driver) -> dict:
+    """The charts the page draws: series name -> pipeline -> its polyline's (x, y) points."""
+    return driver.execute_script("""
+        const out = {};
+        for (const svg of document.querySelectorAll('#curves svg.chart')) {
+          const lines = {};
+          for (const l of svg.querySelectorAll('polyline.curve-line'))
+            lines[l.dataset.pipeline] = l.getAttribute('points').trim().split(/\\s+/)
+                                         .map(p => p.split(',').map(Number));
+          out[svg.dataset.series] = lines;
+        }
+        return out;""")
+
+
+def _metric_rows(run_dir: Path, pipeline: str) -> list[dict]:
+    path = run_dir / pipeline / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # one being written
+    return out
+
+
+def _check_points(points: list[list[float]], values: list[float]) -> None:
+    """The plotted points are the values in step order: x grows, and y is lower exactly where
+    the value is higher (the SVG's y axis points down)."""
+    assert len(points) == len(values), (points, values)
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    assert all(a < b for a, b in zip(xs, xs[1:])), xs
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if values[i] > values[j] + 1e-9:
+                assert ys[i] < ys[j], (i, j, values, ys)
+
+
 def test_dashboard_in_chromium_shows_both_pipelines_and_gpus_moving(tmp_path):
     webdriver, chromium, chromedriver = _browser()
     from selenium.webdriver.chrome.service import Service  # deferred: as in _browser
@@ -159,6 +199,31 @@ def test_dashboard_in_chromium_shows_both_pipelines_and_gpus_moving(tmp_path):
         # the page's own box (its content, not the rest of the window)
         driver.find_element("tag name", "html").screenshot(str(tmp_path / "dashboard.png"))
         print(f"screenshot: {tmp_path / 'dashboard.png'}")
+
+        # the reward curves: each pipeline's line grows as its steps end, a point per row
+        run_dir = tmp_path / "run"
+        grown = _wait_for("reward curves of both pipelines with 4 points or more",
+                          lambda: (c := _curves(driver)) and all(len(c.get("reward", {}).get(p, [])) >= 4
+                                                                 for p in PIPELINES) and c,
+                          180, proc, log)
+        for pipeline in PIPELINES:
+            plotted = grown["reward"][pipeline]
+            rows = _metric_rows(run_dir, pipeline)  # read after the page: it may hold more rows
+            _check_points(plotted, [r["reward"] for r in rows[:len(plotted)]])
+        # a chart per eval metric exactly when the rows have one (this run evaluates nothing
+        # unless its config asks)
+        evals = {k for p in PIPELINES for r in _metric_rows(run_dir, p) for k in r if k.startswith("eval/")}
+        assert set(grown) - {"reward"} <= evals
+        later_curves = _wait_for("a reward curve growing on the page",
+                                 lambda: (c := _curves(driver)) and any(
+                                     len(c["reward"].get(p, [])) > len(grown["reward"][p]) for p in PIPELINES) and c,
+                                 120, proc, log)
+        assert later_curves
+        status = driver.execute_script("return document.getElementById('status').textContent")
+        assert status.startswith("live"), status
+        assert driver.execute_script("return document.getElementById('jobs-section').hidden")  # no cluster
+        driver.find_element("tag name", "html").screenshot(str(tmp_path / "dashboard_curves.png"))
+        print(f"screenshot: {tmp_path / 'dashboard_curves.png'}")
     finally:
         if driver is not None:
             driver.quit()

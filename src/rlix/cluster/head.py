@@ -29,12 +29,14 @@ from pathlib import Path
 import ray
 
 from rlix import env
-from rlix.cluster.jobs import Job, book_file_text, end_unfinished, jobs_file, parse_quotas, read_book_file
+from rlix.cluster.jobs import FINAL, Job, book_file_text, end_unfinished, jobs_file, parse_quotas, read_book_file
 from rlix.cluster.intake import SUBMIT_TIMEOUT_S, SubmitServer
 from rlix.cluster.registry import ClusterInfo, ask, start_registry
+from rlix.httpkit import capped
 from rlix.placement import GpuReservation
 from rlix.private_files import write_private
 from rlix.run import keep_ray_token_private, say_where_ray_listens
+from rlix.scheduler.curves import JobRow
 from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.service import start_scheduler, topology_from_ray
 
@@ -131,9 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rlix head: takes jobs at {intake.path} (from any local account holding the cluster's token; "
           f"a job counts against the account that submits it)", flush=True)
     written = ""
+    queue = _QueueShown(scheduler) if urls.get("dashboard") else None
     try:
         while not stop.wait(1.0):
             written = _save_book(registry, book_file, written)
+            if queue is not None:
+                queue.push(registry)
         intake.close()  # no new job while the live ones are stopped
         print("rlix head: going down: cancelling live jobs", flush=True)
         t_down = time.monotonic()
@@ -179,6 +184,39 @@ def _save_book(registry, path: Path, written: str) -> str:  # type: ignore[no-un
     if text != written:
         write_private(path, text)
     return text
+
+
+def job_row(row: dict) -> JobRow:
+    """A job as the registry lists it (`JobBook.row`), as the dashboard's queue shows it."""
+    state = str(row["state"])
+    group = "ended" if state in FINAL else "waiting" if state == "queued" else "running"
+    return JobRow(name=row["name"], user=row["user"], state=state, group=group,
+                  pipelines=[str(p) for p in row["pipelines"]][:32], min_gpus=row["minimum_gpus"],
+                  max_gpus=row["most_gpus"], queue_position=row.get("queue_position"),
+                  reason=capped(str(row.get("reason") or ""), 300), submitted_at=row["submitted_at"],
+                  started_at=row.get("started_at"), ended_at=row.get("ended_at"))
+
+
+class _QueueShown:
+    """The registry's jobs to the scheduler's dashboard: when they change, and every
+    RESEND_S anyway (a restarted scheduler starts with no queue)."""
+
+    RESEND_S = 10.0
+
+    def __init__(self, scheduler) -> None:  # type: ignore[no-untyped-def]
+        self.scheduler = scheduler
+        self.shown: list[JobRow] | None = None
+        self.at = 0.0
+
+    def push(self, registry) -> None:  # type: ignore[no-untyped-def]
+        try:
+            rows = [job_row(r) for r in ray.get(registry.jobs.remote(), timeout=10)]
+        except Exception:  # noqa: BLE001 - Ray restarts the registry: the next round pushes
+            return
+        if rows == self.shown and time.monotonic() - self.at < self.RESEND_S:
+            return
+        self.scheduler.show_jobs.remote(rows)  # not awaited: the dashboard waits, the head does not
+        self.shown, self.at = rows, time.monotonic()
 
 
 def _endpoints(scheduler) -> dict | str:

@@ -13,6 +13,7 @@ registration made the scheduler import torch first, holding every call behind it
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -29,12 +30,13 @@ if TYPE_CHECKING:
 
 
 def make_hooks(mode: str, cfg: PipelineConfig, gpus: list[int], handle: Any,
-               devices: DevicePlan | None = None) -> RLixHooks:
+               devices: DevicePlan | None = None, metrics_path: str | None = None) -> RLixHooks:
     """The strategy of a run mode: "rlix" time-shares through the scheduler (on any of the
-    run's GPUs, `devices`); "standalone" runs on the fixed `gpus`."""
+    run's GPUs, `devices`); "standalone" runs on the fixed `gpus`. `metrics_path`: the
+    pipeline's metrics.jsonl, named to the scheduler for its dashboard's curves."""
     if mode == "rlix":
         return SchedulerHooks(get_scheduler(), cfg.name, cfg.train_gpus, handle,
-                              devices.gpu_ids if devices is not None else [])
+                              devices.gpu_ids if devices is not None else [], metrics_path=metrics_path)
     return ColocatedHooks(gpus, cfg.train_gpus)
 
 
@@ -48,7 +50,8 @@ class PipelineActor:
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         config = PipelineConfig.model_validate(cfg)
-        hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor, devices)
+        hooks = make_hooks(mode, config, gpus, ray.get_runtime_context().current_actor, devices,
+                           metrics_path=str(Path(run_dir).resolve() / config.name / "metrics.jsonl"))
         self.runner = PipelineRunner(config, hooks, run_dir=run_dir, api_key=api_key, resume=resume,
                                      devices=devices, vllm_python=vllm_python,
                                      experiment_log=LoggingConfig.model_validate(experiment_log)

@@ -23,13 +23,15 @@ log = logging.getLogger("rlix.pipeline")
 class SchedulerHooks:
     """`coordinator_handle` is what the scheduler calls back (`resize_inference`): the
     pipeline's Ray actor. `gpus`: the scheduler's GPU ids the pipeline may be given (where its
-    reports say engines are still starting)."""
+    reports say engines are still starting). `metrics_path`: its metrics.jsonl, named at
+    registration so the scheduler's dashboard can draw its curves."""
 
     mode = "rlix"
 
     def __init__(self, scheduler: Any, pipeline: str, train_gpus: int, coordinator_handle: Any = None,
-                 gpus: list[int] | None = None) -> None:
+                 gpus: list[int] | None = None, metrics_path: str | None = None) -> None:
         self.scheduler, self.pipeline, self.train_gpus = scheduler, pipeline, train_gpus
+        self.metrics_path = metrics_path
         self.coordinator_handle = coordinator_handle
         self.gpus = list(gpus or [])
         self.fleet: ShardFleet | None = None  # known from `join` on
@@ -64,7 +66,7 @@ class SchedulerHooks:
         trainer is placed. It plans no shards for the pipeline until `join` says it is ready,
         so the GPUs stay with pipelines that can use them meanwhile."""
         self.home = list(await self.scheduler.register.remote(cfg.spec(frees_memory), self.coordinator_handle,
-                                                              setting_up=True))
+                                                              setting_up=True, metrics_path=self.metrics_path))
         return self.home
 
     async def join(self, coordinator: ShardCoordinator, cfg: PipelineConfig) -> None:

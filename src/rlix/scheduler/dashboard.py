@@ -13,6 +13,11 @@ heads bounded in size and time, GET and HEAD only):
   GET /api/state      `DashboardState`: the pipelines table and every GPU's segments over the last
                       `window_s` seconds (query `?window_s=N`, default 300, at most KEEP_S)
   GET /api/pipelines  the table alone;  GET /api/gpus  the GPU rows alone
+  GET /api/curves     `CurvesState`: every pipeline's reward and eval curves over its steps, read
+                      from its metrics.jsonl (query `?points=N`: the newest N per series, default
+                      500, at most curves.KEEP_POINTS; rlix.scheduler.curves bounds the reads)
+  GET /api/jobs       `JobsState`: a shared cluster's jobs (waiting, running, ended), as its head
+                      pushes them; `cluster` false under `rlix run`
   GET /health         200 "ok" (a liveness probe)
 
 Times in the JSON are seconds relative to the answer (`start_s` <= `end_s` <= 0), so the page
@@ -41,6 +46,15 @@ from pydantic import BaseModel
 
 from rlix.httpkit import capped
 from rlix.scheduler.core import SchedulerCore, gpu_roles
+from rlix.scheduler.curves import (
+    DEFAULT_POINTS,
+    KEEP_POINTS,
+    CurvesState,
+    JobRow,
+    JobsState,
+    MetricsCurves,
+    bounded_jobs,
+)
 from rlix.scheduler.planning.planner import rollout_demand
 from rlix.scheduler.types import Role
 
@@ -280,6 +294,9 @@ class DashboardFeed:
         self._last_rows: dict[str, PipelineRow] = {}  # every pipeline's last row (a leaver's stays)
         self._departed: deque[str] = deque()
         self._seen_at: dict[str, float] = {}  # pipeline -> the last refresh that found it registered
+        #: the pipelines' metrics files, read when the page asks for curves
+        self.curves = MetricsCurves(clock)
+        self._jobs: tuple[JobRow, ...] | None = None  # None: no cluster head feeds the queue
 
     def start(self, core: SchedulerCore, failures: Iterable[Mapping] = (), restarts: int = 0) -> None:
         self.active = True
@@ -341,6 +358,18 @@ class DashboardFeed:
             gpus_idle=sum(1 for g in gpus if g.role == "idle"), gpus_lost=len(frame.lost),
             role_seq=frame.role_seq, plans=frame.plans, restarts=frame.restarts, pipelines=rows, gpus=gpus)
 
+    def curve_state(self, points: int = DEFAULT_POINTS) -> CurvesState:
+        """The curves of the pipelines the table shows, in its order (any thread)."""
+        return self.curves.state(points, [r.name for r in self._frame.rows])
+
+    def set_jobs(self, rows: Iterable[JobRow]) -> None:
+        """The cluster's jobs now (replaced whole; any thread)."""
+        self._jobs = tuple(bounded_jobs(rows))
+
+    def jobs(self) -> JobsState:
+        jobs = self._jobs
+        return JobsState(at=time.time(), cluster=jobs is not None, jobs=list(jobs or ()))
+
 
 # ---------------------------------------------------------------------- HTTP
 @dataclass(frozen=True)
@@ -361,16 +390,32 @@ def _json(status: int, payload) -> Answer:
     return Answer(status, "application/json", json.dumps(payload).encode())
 
 
-def route(target: str, state: Callable[[float], DashboardState]) -> Answer:
-    """What a GET of `target` (path and query) answers; `state(window_s)` gives the data."""
+PAGES = ("/", "/api/state", "/api/pipelines", "/api/gpus", "/api/curves", "/api/jobs")
+
+
+def route(target: str, state: Callable[[float], DashboardState],
+          curves: Callable[[int], CurvesState] | None = None,
+          jobs: Callable[[], JobsState] | None = None) -> Answer:
+    """What a GET of `target` (path and query) answers; `state(window_s)`, `curves(points)` and
+    `jobs()` give the data (the last two answer empty when not given)."""
     url = urlsplit(target)
     if url.path in ("/", "/index.html"):
         return Answer(200, "text/html; charset=utf-8", page())
     if url.path == "/health":  # what a liveness probe asks (it costs nothing)
         return Answer(200, "text/plain", b"ok")
-    if url.path not in ("/api/state", "/api/pipelines", "/api/gpus"):
-        return _json(404, {"error": f"no such page: {capped(url.path, 200)}",
-                           "pages": ["/", "/api/state", "/api/pipelines", "/api/gpus"]})
+    if url.path not in PAGES[1:]:
+        return _json(404, {"error": f"no such page: {capped(url.path, 200)}", "pages": list(PAGES)})
+    if url.path == "/api/curves":
+        raw = parse_qs(url.query).get("points", [str(DEFAULT_POINTS)])[-1]
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 8 and 1 <= int(raw) <= KEEP_POINTS):
+            return _json(400, {"error": f"points must be a whole number from 1 to {KEEP_POINTS}, "
+                                        f"got {capped(raw, 100)!r}"})
+        data = curves(int(raw)) if curves is not None else CurvesState(
+            at=time.time(), points=int(raw), plotted=[], pipelines=[])
+        return Answer(200, "application/json", data.model_dump_json().encode())
+    if url.path == "/api/jobs":
+        answer = jobs() if jobs is not None else JobsState(at=time.time(), cluster=False, jobs=[])
+        return Answer(200, "application/json", answer.model_dump_json().encode())
     raw = parse_qs(url.query).get("window_s", [str(DEFAULT_WINDOW_S)])[-1]
     try:
         window_s = float(raw)
@@ -422,8 +467,10 @@ class DashboardServer:
     HEAD without a body are served (anything else: 405 or 413, the body unread, the connection
     closed)."""
 
-    def __init__(self, state: Callable[[float], DashboardState]) -> None:
-        self.state = state
+    def __init__(self, state: Callable[[float], DashboardState],
+                 curves: Callable[[int], CurvesState] | None = None,
+                 jobs: Callable[[], JobsState] | None = None) -> None:
+        self.state, self.curves, self.jobs = state, curves, jobs
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
@@ -556,7 +603,7 @@ class DashboardServer:
             await self._send(writer, _json(413, {"error": "a GET carries no body"}), close=True)
             return False
         try:
-            answer = route(target, self.state)
+            answer = route(target, self.state, self.curves, self.jobs)
         except Exception as exc:  # noqa: BLE001 - a bug here must answer, not hang the page
             log.exception("dashboard: %s failed", capped(target, 200))
             answer = _json(500, {"error": capped(f"{type(exc).__name__}: {exc}")})

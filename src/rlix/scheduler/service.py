@@ -29,6 +29,7 @@ from rlix import env
 from rlix.errors import SchedulerError, SchedulerStateError
 from rlix.scheduler.async_scheduler import AsyncScheduler
 from rlix.scheduler.core import LostGpus
+from rlix.scheduler.curves import JobRow
 from rlix.scheduler.dashboard import DashboardServer, DashboardState
 from rlix.scheduler.executor import ray_reassert, ray_resize
 from rlix.scheduler.persistence import SchedulerPersistence
@@ -123,7 +124,8 @@ class SchedulerService:
         self._broken: str | None = None  # a restart whose state could not be read
         self._to_reconcile = False
         self._metrics = self._serve_metrics(metrics_port)
-        self._dashboard_server = DashboardServer(self._sched.dashboard.state)
+        feed = self._sched.dashboard
+        self._dashboard_server = DashboardServer(feed.state, feed.curve_state, feed.jobs)
         if reconstructed:
             self._recover()
         else:
@@ -166,6 +168,8 @@ class SchedulerService:
                       "scheduler's start?): starting empty")
             return
         core = self._sched.core
+        for name, path in handles.get("metrics", {}).items():
+            self._sched.dashboard.curves.watch(name, path)
         self._handles = {n: h for n, h in handles.get("registered", {}).items() if n in core.pipelines}
         self._departed = OrderedDict((n, h) for n, h in handles.get("departed", {}).items()
                                      if n in core.departed and n not in core.pipelines)
@@ -191,7 +195,8 @@ class SchedulerService:
         restarted process), saved before the state that names their pipelines."""
         registered = {**self._handles, **(extra or {})}
         self._persistence.put_blob("handles", ray.cloudpickle.dumps(
-            {"registered": registered, "departed": dict(self._departed)}))
+            {"registered": registered, "departed": dict(self._departed),
+             "metrics": self._sched.dashboard.curves.paths()}))
 
     def _start(self) -> None:
         """Every call starts here: a broken restart refuses it; the first call after a restart
@@ -223,6 +228,10 @@ class SchedulerService:
         """{"url", "error"} of the dashboard page (url None: not served; error: why not)."""
         return dict(self._dashboard)
 
+    async def show_jobs(self, rows: list[JobRow]) -> None:
+        """A shared cluster's jobs now, for the dashboard's queue (the head pushes them)."""
+        self._sched.dashboard.set_jobs(rows)
+
     async def view(self, window_s: float = 60.0) -> DashboardState:
         """The dashboard's pipelines table and GPU rows now (what `rlix status` shows); the
         dashboard's bookkeeping starts at the first call when no page is served."""
@@ -235,15 +244,19 @@ class SchedulerService:
         """The worker process's PID (what a fault test kills)."""
         return os.getpid()
 
-    async def register(self, spec: PipelineSpec, coordinator, setting_up: bool = False) -> list[int]:
+    async def register(self, spec: PipelineSpec, coordinator, setting_up: bool = False,
+                       metrics_path: str | None = None) -> list[int]:
         """Returns the pipeline's training home (where a bound trainer is placed). The same
         registration again (same spec, same coordinator actor: a call re-sent after a restart)
-        gets the same answer. `setting_up`: its shards get GPUs from its `ready` on."""
+        gets the same answer. `setting_up`: its shards get GPUs from its `ready` on.
+        `metrics_path`: its metrics.jsonl, whose reward and eval curves the dashboard draws."""
         arrived = time.time()
         self._start()
         if not isinstance(coordinator, ray.actor.ActorHandle):
             raise SchedulerError(f"register {getattr(spec, 'name', spec)!r}: coordinator must be "
                                  f"a Ray actor handle, got {type(coordinator).__name__}")
+        if metrics_path is not None:
+            self._sched.dashboard.curves.watch(spec.name, metrics_path)
         core = self._sched.core
         known = self._handles.get(getattr(spec, "name", None))
         if (known is not None and core.pipelines.get(spec.name) == spec
