@@ -1,4 +1,4 @@
-"""`rlix` command line: run, sim, check, status, timeline, serve, router, export; and for a shared
+"""`rlix` command line: run, sim, check, eval, status, timeline, serve, router, export; and for a shared
 cluster up, submit, jobs, cancel, logs, down.
 
 Every error is printed as one line and exits 2 (Ctrl-C: 130); `--debug` shows the traceback
@@ -79,6 +79,38 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for item in args.set:
         print(f"  --set {item.partition('=')[0].strip()}: {json.dumps(read_back(cfg, item), default=str)}")
     return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rlix.eval_command import Overrides, run_eval  # deferred: see _cmd_run (torch, the engine)
+
+    overrides = Overrides(samples=args.samples, k=args.k, temperature=args.temperature, threshold=args.threshold,
+                          max_new_tokens=args.max_new_tokens)
+    run_eval(args.target, task=args.task, config=args.config, checkpoint=args.checkpoint, pipeline=args.pipeline,
+             overrides=overrides, device=args.device, max_num_seqs=args.max_num_seqs)
+    return 0
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    ev = sub.add_parser("eval", help="score a config's models or a checkpoint on the held-out set (pass@1, "
+                                     "pass@k), on an embedded engine in this process")
+    ev.add_argument("target", help="a run config YAML (each pipeline's model on its eval.task) or a model "
+                                   "folder (e.g. RUN_DIR/NAME/checkpoint/.../model)")
+    ev.add_argument("--task", default=None, metavar="TASK.yaml",
+                    help="the held-out set as a YAML task config (a pipeline's task: mapping)")
+    ev.add_argument("--config", default=None, metavar="CONFIG.yaml",
+                    help="with a model folder: take the held-out task and eval settings of this config's pipeline")
+    ev.add_argument("--checkpoint", default=None, metavar="latest",
+                    help="with a config: evaluate each pipeline's newest checkpoint in run_dir instead of its model")
+    ev.add_argument("--pipeline", default=None, metavar="NAME", help="only this pipeline of the config")
+    ev.add_argument("--samples", type=int, default=None, help="held-out prompts (default: eval.samples)")
+    ev.add_argument("-k", type=int, default=None, help="sampled responses per prompt for pass@k (default: eval.k)")
+    ev.add_argument("--temperature", type=float, default=None, help="of the sampled responses (default: eval's)")
+    ev.add_argument("--threshold", type=float, default=None, help="a reward this high passes (default: eval's)")
+    ev.add_argument("--max-new-tokens", type=int, default=None, help="per response (default: rollout's)")
+    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ev.add_argument("--max-num-seqs", type=int, default=32, help="sequences the engine decodes at once")
+    ev.set_defaults(func=_cmd_eval)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -318,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="run config YAML")
     _set_flag(check)
     check.set_defaults(func=_cmd_check)
+    _add_eval(sub)
 
     status = sub.add_parser("status", help="who holds which GPU, and the jobs of a shared cluster")
     status.add_argument("--address", default=None,

@@ -142,6 +142,18 @@ class StepRow(_Part):
     grad_norm: float = 0.0
     tokens_per_s: float = 0.0
     train_tokens_per_s: float = 0.0
+    evaluation: dict[str, float] = {}  # the held-out scores of the step (metrics.jsonl's `eval/` keys)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _evaluation(cls, data: Any) -> Any:
+        """A step's row (StepRecord.as_dict) carries its held-out scores as `eval/` keys beside
+        the training metrics: kept together here."""
+        if not isinstance(data, dict) or not any(isinstance(k, str) and k.startswith("eval/") for k in data):
+            return data
+        row = {k: v for k, v in data.items() if not (isinstance(k, str) and k.startswith("eval/"))}
+        row["evaluation"] = {**row.get("evaluation", {}), **{k: v for k, v in data.items() if k not in row}}
+        return row
 
 
 _EVENT_FIELDS = ("at", "kind", "ranks", "version", "seconds")

@@ -295,6 +295,56 @@ class RolloutConfig(_Strict):
         return self
 
 
+#: eval: prompts of one evaluation, and samples per prompt for pass@k, at most
+MAX_EVAL_PROMPTS, MAX_EVAL_K = 4096, 256
+
+
+def _bounded_task(task: TaskConfig) -> TaskConfig:
+    """Bounds TaskConfig (rlix.envs.config) does not set on its fields itself."""
+    if task.length > MAX_TOKENS:
+        raise ValueError(f"length must be <= {MAX_TOKENS} (characters scored), got {task.length}")
+    if task.max_operand > MAX_COUNT:
+        raise ValueError(f"max_operand must be <= {MAX_COUNT}, got {task.max_operand}")
+    if task.path is not None:
+        _path(task.path)
+    return task
+
+
+class EvalConfig(_Strict):
+    """A held-out evaluation of the pipeline's current weights every `every` steps (docs/ENVIRONMENTS.md,
+    "Evaluation"): a greedy response and `k` sampled ones per prompt of its own `task`, scored
+    by that task; a response passes when its reward reaches `threshold`."""
+
+    every: Int = Field(0, ge=0, le=MAX_COUNT, description="evaluate every N steps, and after the last step; "
+                                                          "0: never (`rlix eval` still can)")
+    task: TaskConfig | None = Field(None, description="the held-out set: a task config of its own (the schema "
+                                                      "of a pipeline's task:, e.g. a dataset task on a held-out "
+                                                      "JSONL); needed when every > 0")
+    samples: Int = Field(64, ge=1, le=MAX_EVAL_PROMPTS,
+                         description="prompts evaluated: the first N rows of a dataset, jsonl or reasoning_gym "
+                                     "task (all of them if fewer), or N drawn with a fixed seed from pattern / "
+                                     "arithmetic; the same prompts at every evaluation")
+    k: Int = Field(4, ge=0, le=MAX_EVAL_K, description="samples per prompt at `temperature`, for pass@k (any of "
+                                                       "the k passes); 0: the greedy pass@1 only")
+    temperature: Annotated[Float, _at_least(MIN_TEMPERATURE, "logits / temperature overflows below it")] = Field(
+        1.0, gt=0, le=MAX_TEMPERATURE, description="temperature of the k sampled responses (the pass@1 "
+                                                    "response is greedy)")
+    threshold: Float = Field(1.0, gt=0, le=1, description="a response passes when its reward (in [0, 1]) is "
+                                                          "at least this")
+
+    @field_validator("task")
+    @classmethod
+    def _task_bounds(cls, task: TaskConfig | None) -> TaskConfig | None:
+        return None if task is None else _bounded_task(task)
+
+    @model_validator(mode="after")
+    def _task_given(self) -> "EvalConfig":
+        if self.every and self.task is None:
+            raise ValueError(f"task (the held-out set) is needed with every: {self.every}, e.g. "
+                             "{name: dataset, path: heldout.jsonl, reward: ...}")
+        return self
+
+
 class VllmOptions(_Strict):
     """vLLM's own settings for a pipeline whose shards are vLLM servers (`engine: vllm`)."""
 
@@ -367,6 +417,8 @@ class PipelineConfig(_Strict):
     seed: Int = Field(0, ge=0, le=MAX_SEED, description="seeds prompts, sampling and the trainer")
     task: TaskConfig = Field(default_factory=TaskConfig, description="what the policy is rewarded for")
     rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="a held-out evaluation every N steps "
+                                                                     "(greedy pass@1, pass@k): docs/ENVIRONMENTS.md")
     train: TrainConfig = TrainConfig()
     gpus: list[Annotated[Int, Field(ge=0, le=MAX_GPUS)]] | None = Field(
         None, description="standalone mode: the fixed GPUs this pipeline uses (default: all); ignored when "
@@ -426,14 +478,7 @@ class PipelineConfig(_Strict):
     @field_validator("task")
     @classmethod
     def _task_bounds(cls, task: TaskConfig) -> TaskConfig:
-        """Bounds TaskConfig (rlix.envs.config) does not set on its fields itself."""
-        if task.length > MAX_TOKENS:
-            raise ValueError(f"length must be <= {MAX_TOKENS} (characters scored), got {task.length}")
-        if task.max_operand > MAX_COUNT:
-            raise ValueError(f"max_operand must be <= {MAX_COUNT}, got {task.max_operand}")
-        if task.path is not None:
-            _path(task.path)
-        return task
+        return _bounded_task(task)
 
     @field_validator("env")
     @classmethod

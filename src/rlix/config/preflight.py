@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rlix import env
 from rlix.config.models import PipelineConfig, RlixConfig
-from rlix.envs import make_task
+from rlix.envs import TaskConfig, make_task
 from rlix.envs.errors import TaskFieldError
 from rlix.envs.verifiers import anchor_function, anchor_verifier
 from rlix.errors import ConfigError, problems_line
@@ -35,21 +35,28 @@ def anchor(cfg: RlixConfig, base: Path) -> RlixConfig:
     (the config file's folder) as absolute paths."""
     pipelines = []
     for p in cfg.pipelines:
-        task = p.task
-        update: dict = {}
-        if task.path and not Path(task.path).expanduser().is_absolute():
-            update["path"] = str((base / task.path).resolve())
-        verifier = anchor_verifier(task.verifier, base)
-        if verifier != task.verifier:
-            update["verifier"] = verifier
-        for field, spec in (("reward", task.reward), ("reward_batch", task.reward_batch)):
-            if spec is not None and (anchored := anchor_function(spec, base)) != spec:
-                update[field] = anchored
         model = p.model
         if model not in PRESETS and not Path(model).expanduser().is_absolute() and (base / model).is_dir():
             model = str((base / model).resolve())
-        pipelines.append(p.model_copy(update={"task": task.model_copy(update=update), "model": model}))
+        held_out = p.eval.task
+        evaluation = p.eval.model_copy(update={"task": anchor_task(held_out, base)}) if held_out else p.eval
+        pipelines.append(p.model_copy(update={"task": anchor_task(p.task, base), "model": model,
+                                              "eval": evaluation}))
     return cfg.model_copy(update={"pipelines": pipelines})
+
+
+def anchor_task(task: TaskConfig, base: Path) -> TaskConfig:
+    """A task's file, verifier and reward function read from `base` as absolute paths."""
+    update: dict = {}
+    if task.path and not Path(task.path).expanduser().is_absolute():
+        update["path"] = str((base / task.path).resolve())
+    verifier = anchor_verifier(task.verifier, base)
+    if verifier != task.verifier:
+        update["verifier"] = verifier
+    for field, spec in (("reward", task.reward), ("reward_batch", task.reward_batch)):
+        if spec is not None and (anchored := anchor_function(spec, base)) != spec:
+            update[field] = anchored
+    return task.model_copy(update=update)
 
 
 def problems(cfg: RlixConfig) -> list[str]:
@@ -62,13 +69,9 @@ def problems(cfg: RlixConfig) -> list[str]:
             found.append(f"{where}.engine: vllm cannot load {p.model!r}, a seeded preset (no weight "
                          "files; rlix draws its weights at load): use engine: embedded")
         found += [f"{where}.rollout: {m}" for m in _context(p)]
-        try:
-            make_task(p.task)  # reads a task file line by line, imports the verifier or reward function
-        except TaskFieldError as exc:
-            found.append(f"{where}.task.{exc.field}: {exc}")
-        except ConfigError as exc:
-            field = "task.verifier" if "verifier" in str(exc) else "task.path" if p.task.path else "task"
-            found.append(f"{where}.{field}: {exc}")
+        found += task_problems(p.task, f"{where}.task")
+        if p.eval.task is not None:
+            found += task_problems(p.eval.task, f"{where}.eval.task")
         found += [f"{where}.task.chat_template: {m}" for m in _chat_template(p)]
         found += [f"{where}: {m}" for m in _fits(cfg, p)]
         if p.env is not None:
@@ -85,6 +88,19 @@ def problems(cfg: RlixConfig) -> list[str]:
         found.append(f"vllm_python: {problem} (needed by {', '.join(users)}: engine: vllm)")
     found += _loggers(cfg)
     return found
+
+
+def task_problems(task: TaskConfig, where: str) -> list[str]:
+    """What making the task finds wrong (it reads a task file line by line, imports the verifier
+    or reward function), as `where.field: what` lines."""
+    try:
+        make_task(task)
+    except TaskFieldError as exc:
+        return [f"{where}.{exc.field}: {exc}"]
+    except ConfigError as exc:
+        field = ".verifier" if "verifier" in str(exc) else ".path" if task.path else ""
+        return [f"{where}{field}: {exc}"]
+    return []
 
 
 def _loggers(cfg: RlixConfig) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlix.envs.errors import TaskFieldError, one_line
 from rlix.envs.rewards import RowReward
-from rlix.envs.tasks import Prompt
+from rlix.envs.tasks import Prompt, Rows
 
 #: file name endings -> the `datasets` builder that reads them
 FORMATS = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet"}
@@ -90,7 +90,7 @@ def _messages(value: Any) -> list[dict[str, Any]] | None:
     return out
 
 
-class DatasetTask:
+class DatasetTask(Rows):
     """Rows drawn uniformly from a JSONL or parquet file; see the module doc."""
 
     name = "dataset"

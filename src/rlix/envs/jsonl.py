@@ -8,7 +8,7 @@ import math
 import random
 from pathlib import Path
 
-from rlix.envs.tasks import EachResponse, Prompt
+from rlix.envs.tasks import EachResponse, Prompt, Rows
 from rlix.envs.verifiers import load_verifier
 from rlix.errors import ConfigError, TaskError
 
@@ -43,7 +43,7 @@ def read_prompts(path: Path) -> list[Prompt]:
     return items
 
 
-class JsonlTask(EachResponse):
+class JsonlTask(EachResponse, Rows):
     """Prompts drawn uniformly from a JSONL file, scored by `verifier`."""
 
     name = "jsonl"
@@ -53,6 +53,12 @@ class JsonlTask(EachResponse):
         self.verifier = verifier
         self.verify = load_verifier(verifier)
         self.items = read_prompts(self.path)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def prompt(self, index: int) -> Prompt:
+        return self.items[index]
 
     def sample_prompt(self, rng: random.Random) -> Prompt:
         return rng.choice(self.items)

@@ -16,11 +16,11 @@ from typing import Any
 from rlix.envs.dataset import chat_prompt
 from rlix.envs.errors import TaskFieldError, one_line
 from rlix.envs.rewards import clamp_reward
-from rlix.envs.tasks import Prompt
+from rlix.envs.tasks import Prompt, Rows
 from rlix.errors import TaskError
 
 
-class ReasoningGymTask:
+class ReasoningGymTask(Rows):
     """See the module doc."""
 
     name = "reasoning_gym"
@@ -41,6 +41,9 @@ class ReasoningGymTask:
         self.dataset, self.size = dataset, size
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.tag = re.compile(rf"<{answer_tag}>(.*?)</{answer_tag}>", re.S) if answer_tag else None
+
+    def __len__(self) -> int:
+        return self.size
 
     def prompt(self, index: int) -> Prompt:
         entry = dict(self.data[index])

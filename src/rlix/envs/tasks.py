@@ -42,6 +42,18 @@ class Task(Protocol):
         ...
 
 
+class Rows:
+    """Base of tasks whose prompts form a fixed, numbered set (a file's rows, a generator's
+    entries by index): a held-out evaluation takes the first N of them in order, each once,
+    where drawing with `sample_prompt` would repeat some and skip others."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def prompt(self, index: int) -> Prompt:
+        raise NotImplementedError
+
+
 class EachResponse:
     """Base of tasks that score each response alone and at once (`reward`): `rewards` is
     `reward` over the group."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlix.config.models import PipelineConfig
@@ -23,6 +23,7 @@ from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
 from rlix.pipeline.rollout.types import NO_DEMAND, Group
 from rlix.pipeline.coordinator import ShardCoordinator
+from rlix.pipeline.evaluation import EvalResult
 from rlix.pipeline.hooks import RLixHooks
 from rlix.training.ranks import TrainerGroup
 from rlix.training.grpo import group_advantages
@@ -77,9 +78,14 @@ class StepRecord:
     grad_norm: float = 0.0  # before clipping
     tokens_per_s: float = 0.0  # the batch's response tokens per second of the step
     train_tokens_per_s: float = 0.0  # trained tokens per second of the trainer's step
+    # the held-out evaluation of the weights this step produced (eval.every; `eval/` keys), else empty
+    evaluation: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The step's row; the evaluation's scores sit in it beside the training metrics."""
+        row = asdict(self)
+        row.update(row.pop("evaluation"))
+        return row
 
 
 def to_samples(groups: list[Group]) -> list[TrainSample]:
@@ -108,7 +114,8 @@ class GrpoLoop:
                  start_step: int = 0, on_step: Callable[[StepRecord], Any] | None = None,
                  checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0,
                  record_batch: Callable[[int, list[TrainSample]], None] | None = None,
-                 record_samples: Callable[[int, list[Group], list[TrainSample]], Any] | None = None) -> None:
+                 record_samples: Callable[[int, list[Group], list[TrainSample]], Any] | None = None,
+                 evaluate: Callable[[int], Awaitable[EvalResult | None]] | None = None) -> None:
         self.name, self.trainer, self.weights, self.coordinator = cfg.name, trainer, weights, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
         self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
@@ -121,6 +128,7 @@ class GrpoLoop:
         self.release_timeout_s = release_timeout_s
         self.record_batch = record_batch
         self.record_samples = record_samples
+        self.evaluate = evaluate  # the held-out evaluation, asked after each step (it says when it is due)
         self.trained_versions: list[tuple[int, list[int]]] = []  # (step, versions in its batch)
         self._reload_bytes: int | None = None  # what the trainer needs free to reload (asked once)
 
@@ -225,19 +233,21 @@ class GrpoLoop:
                 t["sync"] = time.perf_counter()
             if self.coordinator.warm:  # synced beside the trainer but not given their GPU back
                 await self.coordinator.cool(await self.hooks.shard_ranks())
+            # the shards serve `new` and nothing is published until this returns
+            evaluated = await self.evaluate(new) if self.evaluate is not None else None
         except BaseException:
             if trained is not None:  # trained but not finished: its row, with the phases it reached
                 self.step = version + 1
                 await self._record(version + 1, *trained, t, published)
             raise
         self.step = new
-        record = await self._record(new, groups, samples, metrics, t, published)
+        record = await self._record(new, groups, samples, metrics, t, published, evaluated)
         if self.checkpoint is not None and self.checkpoint_every and new % self.checkpoint_every == 0:
             await self.checkpoint(new)
         return record
 
     async def _record(self, new: int, groups: list, samples: list[TrainSample], metrics: dict,
-                      t: dict[str, float], published: Any) -> StepRecord:
+                      t: dict[str, float], published: Any, evaluated: EvalResult | None = None) -> StepRecord:
         """The step's row (phases a step cut short did not reach count 0 s), passed to on_step."""
         rewards = [tr.reward for g in groups for tr in g.trajectories]
         mean = sum(rewards) / len(rewards)
@@ -272,7 +282,8 @@ class GrpoLoop:
             clip_fraction=float(metrics.get("clip_fraction", 0.0)),
             importance_ratio=float(metrics.get("ratio", 1.0)), grad_norm=float(metrics.get("grad_norm", 0.0)),
             tokens_per_s=sum(len(s.response_ids) for s in samples) / step_s if step_s > 0 else 0.0,
-            train_tokens_per_s=tokens / trainer_s if trainer_s > 0 else 0.0)
+            train_tokens_per_s=tokens / trainer_s if trainer_s > 0 else 0.0,
+            evaluation=evaluated.as_row() if evaluated is not None else {})
         self.records.append(record)
         if self.record_samples is not None:
             result = self.record_samples(new, groups, samples)

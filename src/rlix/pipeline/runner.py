@@ -48,6 +48,7 @@ from rlix.pipeline.weight_audit import vllm_checksums
 from rlix.weights.nodes.node_cache import NodeReplicaRoute
 from rlix.weights.refit import WeightPath
 from rlix.pipeline.device_plan import DevicePlan
+from rlix.pipeline.evaluation import PeriodicEval
 from rlix.pipeline.reporting.experiment_log import ExperimentLog, open_experiment_log
 from rlix.pipeline.hooks import RLixHooks
 from rlix.pipeline.parts import STOP_ORDER, PipelineParts, StartedParts, Teardown
@@ -168,7 +169,8 @@ class PipelineRunner:
                         checkpoint=functools.partial(self._checkpoint, trainer),
                         release_timeout_s=self.devices.release_timeout_s,
                         record_batch=self._record_batch if self.cfg.record_rollouts else None,
-                        record_samples=functools.partial(self._record_samples, collector.tokenizer, experiment_log))
+                        record_samples=functools.partial(self._record_samples, collector.tokenizer, experiment_log),
+                        evaluate=PeriodicEval.of(self.cfg, collector))
         self.parts = PipelineParts(trainer=trainer, weights=weights, data_plane=data_plane, router=router,
                                    fleet=fleet, coordinator=coordinator, env=env, collector=collector,
                                    experiment_log=experiment_log, loop=loop)

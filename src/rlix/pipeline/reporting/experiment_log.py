@@ -47,14 +47,15 @@ class ExperimentLogger(Protocol):
 
 def scalars_of(row: Mapping[str, Any]) -> dict[str, float]:
     """A step row as tagged scalars: numbers only (a metric without a value, such as `kl` with
-    no reference model, is left out); timings (`*_s`) under `time/`, the rest under `train/`
-    (reward, loss, entropy, response lengths, rates `*_per_s`, ...)."""
+    no reference model, is left out); keys that name their group (`eval/pass@1`) as they are,
+    timings (`*_s`) under `time/`, the rest under `train/` (reward, loss, entropy, response
+    lengths, rates `*_per_s`, ...)."""
     out: dict[str, float] = {}
     for key, value in row.items():
         if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         timing = key.endswith("_s") and not key.endswith("_per_s")  # rates are not timings
-        out[f"time/{key}" if timing else f"train/{key}"] = float(value)
+        out[key if "/" in key else f"time/{key}" if timing else f"train/{key}"] = float(value)
     return out
 
 

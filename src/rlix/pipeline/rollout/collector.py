@@ -44,7 +44,8 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,7 @@ class TrajectoryCollector:
         self._changed = asyncio.Event()  # buffer, version or in-flight set changed
         self._report_due = asyncio.Event()
         self._batch_wanted = False  # the trainer waits in wait_for
+        self._other_work = 0  # requests besides training at the router (other_work), e.g. an evaluation
         self._taken = False  # the batch of the step at this version was taken (`take`)
         self._held = False  # no admission until `open_admission` (a refit is under way)
         self._runner: asyncio.Task | None = None
@@ -259,10 +261,26 @@ class TrajectoryCollector:
         return len(self._pending)
 
     def pending_work(self) -> bool:
-        """Generation work waits on this pipeline now: groups in flight at its router, or the
-        trainer waiting for its batch. Sent beside the demand figure as evidence: the
-        scheduler keeps such a pipeline one shard whatever that figure says."""
-        return bool(self._pending) or self._batch_wanted
+        """Generation work waits on this pipeline now: groups in flight at its router, the
+        trainer waiting for its batch, or requests of its own besides training (`other_work`).
+        Sent beside the demand figure as evidence: the scheduler keeps such a pipeline one
+        shard whatever that figure says."""
+        return bool(self._pending) or self._batch_wanted or self._other_work > 0
+
+    @contextmanager
+    def other_work(self) -> Iterator[None]:
+        """The pipeline sends requests of its own through the router meanwhile (a held-out
+        evaluation): pending work while they run, reported at once, so that a time-shared
+        pipeline whose window is full keeps a shard to answer them."""
+        self._other_work += 1
+        self.throttle.reset()
+        self._report_due.set()
+        try:
+            yield
+        finally:
+            self._other_work -= 1
+            self.throttle.reset()
+            self._report_due.set()
 
     async def wait_for(self, n_groups: int, timeout: float | None = None) -> None:
         """Until the buffer holds `n_groups` groups young enough for the current version.
