@@ -32,7 +32,11 @@ def join_ray_with_token() -> None:
     """Before Ray is imported, in a process that may join a running cluster: Ray (2.60) secures
     a cluster it starts with the token in ~/.ray/auth_token, but a process that joins one sends
     it only when told to (`RAY_AUTH_MODE=token`, read once at import; processes we start inherit
-    it); an explicit RAY_AUTH_MODE is left as it is."""
+    it); an explicit RAY_AUTH_MODE is left as it is. Once Ray is imported it is too late: this
+    process would go on without the token while the Ray servers it starts inherit the setting
+    and demand one (a command run inside a program that already imported Ray: nothing is set)."""
+    if "ray" in sys.modules:
+        return
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
         os.environ["RAY_AUTH_MODE"] = "token"
 
