@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,9 +21,9 @@ from rlix.devices import confirm_release
 from rlix.pipeline.reporting.batch_stats import batch_stats
 from rlix.pipeline.rollout.buffer import ReplayBuffer
 from rlix.pipeline.rollout.collector import TrajectoryCollector
-from rlix.pipeline.rollout.types import NO_DEMAND, Group
+from rlix.pipeline.rollout.types import NO_DEMAND, Group, RolloutDemand
 from rlix.pipeline.coordinator import ShardCoordinator
-from rlix.pipeline.evaluation import EvalResult
+from rlix.pipeline.evaluation import EvalResult, PeriodicEval
 from rlix.pipeline.hooks import RLixHooks
 from rlix.training.ranks import TrainerGroup
 from rlix.training.grpo import group_advantages
@@ -115,7 +115,7 @@ class GrpoLoop:
                  checkpoint: Callable[[int], Any] | None = None, release_timeout_s: float = 60.0,
                  record_batch: Callable[[int, list[TrainSample]], None] | None = None,
                  record_samples: Callable[[int, list[Group], list[TrainSample]], Any] | None = None,
-                 evaluate: Callable[[int], Awaitable[EvalResult | None]] | None = None) -> None:
+                 evaluate: PeriodicEval | None = None) -> None:
         self.name, self.trainer, self.weights, self.coordinator = cfg.name, trainer, weights, coordinator
         self.collector, self.buffer, self.hooks = collector, buffer, hooks
         self.groups_per_step, self.max_age = cfg.rollout.groups_per_step, cfg.max_staleness
@@ -214,6 +214,9 @@ class GrpoLoop:
                 # after the last step nothing is wanted: the GPUs go back at once, not when the
                 # pipeline has finished leaving
                 demand = NO_DEMAND if new >= self.steps else self.collector.demand_for_release()
+                # an evaluation after this step needs a shard: the GPUs go back now even when the
+                # next batch is complete (kept for the next step, no shard would answer it)
+                release: RolloutDemand | None = None if self._eval_due(new) else demand
             except BaseException:
                 self.collector.open_admission()
                 await self.hooks.after_training(version)
@@ -223,7 +226,7 @@ class GrpoLoop:
             # before the release can come back as a wake: a wake then waits for the refit.
             refit = asyncio.ensure_future(self.coordinator.publish(new))
             try:
-                await self.hooks.after_training(version, demand=demand)
+                await self.hooks.after_training(version, demand=release)
                 t["release"] = time.perf_counter()
             finally:
                 try:
@@ -245,6 +248,9 @@ class GrpoLoop:
         if self.checkpoint is not None and self.checkpoint_every and new % self.checkpoint_every == 0:
             await self.checkpoint(new)
         return record
+
+    def _eval_due(self, step: int) -> bool:
+        return self.evaluate is not None and self.evaluate.due(step)
 
     async def _record(self, new: int, groups: list, samples: list[TrainSample], metrics: dict,
                       t: dict[str, float], published: Any, evaluated: EvalResult | None = None) -> StepRecord:
