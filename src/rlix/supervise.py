@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from rlix.config.models import LoggingConfig, PipelineConfig
 from rlix.errors import PipelineHungError, SchedulerError, format_validation_error, one_line
+from rlix.inference.fleet.startup import ShardStartup, StartupReporter
 from rlix.pipeline.actor import PipelineActor
 from rlix.pipeline.device_plan import DevicePlan
 from rlix.pipeline.reporting.metrics_file import read_metrics
@@ -63,6 +64,7 @@ class PipelineSlot:
     seen_step: int | None = None  # the last step whose line was printed (across restarts)
     seen_deaths: int = 0
     started: float = 0.0  # monotonic time of the current incarnation's start
+    startup: StartupReporter | None = None  # lines about its shard servers starting
     answered: bool = False  # its actor answered a heartbeat: it is up (the heartbeat applies)
 
     @property
@@ -296,6 +298,7 @@ class Supervisor:
                 self.on_step(slot.name, row["step"], prog["steps"], row["reward"])
 
     def _show(self, slot: PipelineSlot, prog: dict) -> None:
+        self._show_startup(slot, prog)
         self._show_steps(slot, prog)
         if prog.get("shard_deaths", 0) > slot.seen_deaths:
             slot.seen_deaths = prog["shard_deaths"]
@@ -308,6 +311,12 @@ class Supervisor:
             if prog["processes"].get("trainer"):
                 self._trainers.add(int(prog["processes"]["trainer"]))
             self._write_processes()
+
+    def _show_startup(self, slot: PipelineSlot, prog: dict) -> None:
+        """Lines about its shard servers while they start (a vLLM server takes a minute or more)."""
+        if slot.startup is None:
+            slot.startup = StartupReporter(self.say, slot.name, what=f"{slot.cfg.engine} server")
+        slot.startup.update([ShardStartup.from_dict(d) for d in prog.get("shard_startup") or []])
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()

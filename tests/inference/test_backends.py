@@ -177,6 +177,8 @@ class _ExitingBackend:
     """A 'server' that prints a line and exits: start-up must fail with that line."""
 
     name, health_path, startup_timeout_s, supports_sleep = "exiting", "/health", 10.0, False
+
+    startup_phases: tuple = ()  # its log marks no phase
     ready_requests = ()
     api_key_env = None
 
@@ -217,6 +219,8 @@ class _HealthBackend:
     "Address already in use")."""
 
     name, health_path, startup_timeout_s, supports_sleep = "health", "/health", 20.0, False
+
+    startup_phases: tuple = ()  # its log marks no phase
     ready_requests = ()
     api_key_env = None
 

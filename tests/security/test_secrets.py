@@ -204,6 +204,8 @@ class _SleepingBackend:
     """A 'server' that only sleeps: enough to read its /proc entries."""
 
     name, health_path, startup_timeout_s, supports_sleep = "sleeping", "/health", 10.0, False
+
+    startup_phases: tuple = ()  # its log marks no phase
     ready_requests = ()
     api_key_env = env.API_KEY_VAR
 

@@ -42,6 +42,7 @@ class EnvServerSpec:
     #: no token: the servers are the user's code; each episode's request names the policy
     #: endpoint and its token (the gateway's own, never the shards')
     api_key_env: str | None = None
+    startup_phases: tuple[tuple[str, tuple[str, ...]], ...] = ()  # its log marks none
 
     def __init__(self, role: str, cfg: EnvConfig, resources_url: str | None = None) -> None:
         self.name, self.cfg, self.resources_url = f"{cfg.name}-{role}", cfg, resources_url

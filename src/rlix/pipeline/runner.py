@@ -539,6 +539,8 @@ class PipelineRunner:
                 "shard_deaths": len(coord.stats.deaths) if coord else 0,
                 "shard_replacements": list(coord.stats.replacements) if coord else [],
                 "processes": self.processes(),
+                # shard servers starting (and started): the console's start-up lines
+                "shard_startup": [st.as_dict() for st in fleet.startup()] if fleet is not None else [],
                 "new_steps": [] if since is None else [self._step_line(h) for h in self.history if h["step"] > since]}
 
     def _step_line(self, row: dict) -> dict:

@@ -26,6 +26,7 @@ from rlix.inference.fleet.fleet import ShardFleet
 from rlix.inference.router.router import Router
 from rlix.inference.router.app import RouterServer
 from rlix.inference.fleet.shard_process import ShardProcess
+from rlix.inference.fleet.startup import HEALTHY, STARTED, ShardStartup
 
 #: beyond the server's own start-up limit: the actor's scheduling and process start
 ACTOR_START_SLACK_S = 60.0
@@ -98,6 +99,8 @@ class RayLauncher:
         self.log_dir = log_dir
         self.actors: dict[int, Any] = {}
         self.started: dict[int, ShardStart] = {}
+        #: rank -> when its start began and how long it took (None: still starting)
+        self._starts: dict[int, tuple[float, float | None]] = {}
         self._ended: dict[int, tuple[int | None, str]] = {}  # rank -> exit code, log tail, once dead
 
     def placement(self, gpus: Sequence[int]) -> dict[str, str]:
@@ -121,13 +124,17 @@ class RayLauncher:
                                                      extra_env=extra_env, log_dir=self.log_dir)
         self.actors[rank] = actor
         self._ended.pop(rank, None)
+        began = time.monotonic()
+        self._starts[rank] = (began, None)
         try:
             info = await self._started(rank, actor, self._node_of(gpus) if gpus and self._node_of else None)
         except BaseException:
             self.actors.pop(rank, None)
+            self._starts.pop(rank, None)
             ray.kill(actor)
             raise
         self.started[rank] = info
+        self._starts[rank] = (began, time.monotonic() - began)
         return info.url
 
     async def _started(self, rank: int, actor: Any, node: str | None) -> ShardStart:
@@ -150,8 +157,18 @@ class RayLauncher:
         finally:
             start.cancel()
 
+    def startup(self) -> list[ShardStartup]:
+        """Each process's start-up as seen from here: starting or healthy (its phase is in its
+        log on its own node, and its actor answers only once the server is up)."""
+        now = time.monotonic()
+        return [ShardStartup(key=rank, pid=None,  # known only once it is up: one identity throughout
+                             phase=STARTED if took is None else HEALTHY,
+                             elapsed_s=round(now - began if took is None else took, 1), healthy=took is not None)
+                for rank, (began, took) in sorted(self._starts.items())]
+
     async def stop(self, rank: int) -> None:
         actor = self.actors.pop(rank, None)
+        self._starts.pop(rank, None)
         self.started.pop(rank, None)
         self._ended.pop(rank, None)
         if actor is not None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from rlix.inference.fleet.startup import ShardStartup
 
 
 @runtime_checkable
@@ -20,6 +23,8 @@ class EngineBackend(Protocol):
     #: the environment variable the server reads its bearer token from (None: it takes none);
     #: a token never goes on a command line, which every user of the machine can read
     api_key_env: str | None
+    #: the phases of its start-up and the log text that marks each (startup.PhaseMarkers)
+    startup_phases: tuple[tuple[str, tuple[str, ...]], ...]
 
     def command(self, *, host: str, port: int) -> list[str]: ...
 
@@ -39,6 +44,10 @@ class ShardLauncher(Protocol):
 
     async def dead_ranks(self) -> list[int]:
         """Ranks started and not stopped whose server process has exited."""
+        ...
+
+    def startup(self) -> list[ShardStartup]:
+        """Each process's start-up as seen now, for progress reports."""
         ...
 
 

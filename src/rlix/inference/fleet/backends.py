@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rlix import env
 from rlix.errors import ConfigError
 from rlix.inference.fleet.api import EngineBackend
+from rlix.inference.fleet.startup import EMBEDDED_PHASES, VLLM_PHASES, PhaseMarkers
 from rlix.models.presets import resolve_model
 
 
@@ -79,6 +80,7 @@ class EmbeddedBackend:
 
     name = "embedded"
     health_path = "/health"
+    startup_phases: PhaseMarkers = EMBEDDED_PHASES
     supports_sleep = True
     ready_requests: tuple[tuple[str, dict], ...] = ()
     api_key_env: str | None = env.API_KEY_VAR  # `rlix serve` reads RLIX_API_KEY
@@ -158,6 +160,7 @@ class VllmBackend:
     name = "vllm"
     health_path = "/health"
     api_key_env: str | None = env.VLLM_API_KEY_VAR
+    startup_phases: PhaseMarkers = VLLM_PHASES
 
     def __init__(self, cfg: EngineBackendConfig) -> None:
         python = cfg.python or env.vllm_python()

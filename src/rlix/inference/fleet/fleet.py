@@ -29,6 +29,7 @@ from rlix.errors import GpuMemoryError, InvalidRequestError
 from rlix.inference.fleet.api import RouterControl, ShardLauncher
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.fleet.shard import Life, Shard
+from rlix.inference.fleet.startup import ShardStartup
 from rlix.inference.router.shard_table import ShardState
 from rlix.weights.http_endpoint import HttpShardEndpoint
 
@@ -317,6 +318,10 @@ class ShardFleet:
         """Each rank's process (its guard's PID)."""
         pids = self.launcher.pids()
         return {r: pids[i.key] for r, i in self.shards.items() if i.key in pids}
+
+    def startup(self) -> list[ShardStartup]:
+        """Start-up of each process the launcher runs (by launcher key), for progress reports."""
+        return self.launcher.startup()
 
     def server_pids(self) -> dict[int, int]:
         """Each rank's server process (under its guard), where the launcher knows it."""

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.shard_process import ShardProcess
+from rlix.inference.fleet.startup import ShardStartup
 
 
 class LocalLauncher:
@@ -40,6 +41,10 @@ class LocalLauncher:
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items() if p.pid is not None}
+
+    def startup(self) -> list[ShardStartup]:
+        """Each process's start-up as seen now (its phase read from its log while it starts)."""
+        return [s for r, p in sorted(self.procs.items()) if (s := p.startup(r)) is not None]
 
     def server_pids(self) -> dict[int, int]:
         """The servers' own PIDs (each runs under a guard whose PID `pids` gives)."""

@@ -29,6 +29,7 @@ from rlix.errors import EngineStateError
 from rlix.httpkit import free_port
 from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import server_launch
+from rlix.inference.fleet.startup import ShardStartup, StartupWatch
 from rlix.private_files import open_private
 
 
@@ -54,6 +55,8 @@ class ShardProcess:
         self.log_path = Path(log_dir or self._own_log_dir) / f"shard-{self.port}.log"
         self.extra_env = extra_env or {}
         self.proc: subprocess.Popen | None = None
+        self.ready = False  # answered its health check and its ready requests
+        self.watch: StartupWatch | None = None  # its start-up, from the first start
 
     @property
     def url(self) -> str:
@@ -78,11 +81,20 @@ class ShardProcess:
         if self.proc is not None:
             raise EngineStateError(f"shard process on port {self.port} already started")
         cmd, child_env = self.launch()
+        self.ready = False
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open_private(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=child_env,
                                          start_new_session=True)
+        if self.watch is None:
+            self.watch = StartupWatch(self.log_path, self.backend.startup_phases,
+                                      healthy=lambda: self.ready, alive=self.alive)
+        self.watch.log_path = self.log_path  # a port chosen again has a log of its own
+
+    def startup(self, key: int) -> ShardStartup | None:
+        """Its start-up as seen now (None before it was started); `key`: its launcher's."""
+        return self.watch.state(key, self.pid) if self.watch is not None else None
 
     def start_ready(self, timeout_s: float | None = None) -> None:
         """`start`, then `wait_ready`. A port chosen here that another process bound first (a
@@ -127,6 +139,7 @@ class ShardProcess:
                 try:
                     if http.get(self.url + self.backend.health_path).status_code == 200:
                         self._after_ready(http)
+                        self.ready = True
                         return
                 except httpx.HTTPError:
                     pass
