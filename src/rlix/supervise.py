@@ -314,9 +314,12 @@ class Supervisor:
 
     def _show_startup(self, slot: PipelineSlot, prog: dict) -> None:
         """Lines about its shard servers while they start (a vLLM server takes a minute or more)."""
+        snapshots = prog.get("shard_startup") or []
+        if not snapshots:
+            return
         if slot.startup is None:
             slot.startup = StartupReporter(self.say, slot.name, what=f"{slot.cfg.engine} server")
-        slot.startup.update([ShardStartup.from_dict(d) for d in prog.get("shard_startup") or []])
+        slot.startup.update([ShardStartup.from_dict(d) for d in snapshots])
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
