@@ -42,8 +42,11 @@ simulator); OUT/figures.json all
 of it (written after every run, so a cut-short invocation leaves what it measured); each run's
 timeline picture is copied beside them as OUT/<run>.timeline.png.
 
-    python3 bench/timeshare_gpu.py [--gpus N] [--workloads mix,longtail,agentic]
+    python3 bench/timeshare_gpu.py [--gpus N] [--pipelines P] [--workloads mix,longtail,agentic]
                                    [--modes timeshared,partition,queue] [--slices S] [--out DIR] [--dry-run]
+`--pipelines P` (default N) runs P pipelines per workload; with P > N there is no partition, and
+w_gpu_steps_per_hour_ratio (steps finished per hour of makespan, time-shared over queued) is
+issue 35's figure for two pipelines on one GPU (`--gpus 1 --pipelines 2 --slices 2`).
 `--slices S`: the time-shared and queued runs schedule every GPU as S slices (`cluster.gpu_slices`),
 so one pipeline's shard can generate on a GPU where another (or its own) trainer trains; the
 partition keeps whole GPUs, each pipeline's shard sleeping while its trainer trains there.
@@ -90,10 +93,11 @@ def steps_of(base: int, k: int, spread: float) -> int:
     return max(1, round(base * (1 + spread * k)))
 
 
-def pipeline(name: str, i: int, n: int, steps: int, model: str, rollout: dict, train: dict,
+def pipeline(name: str, i: int, gpus: int, steps: int, model: str, rollout: dict, train: dict,
              env: dict | None = None) -> dict:
-    """Pipeline i of n: on all n GPUs when time-shared (up to n shards), on GPU i in standalone."""
-    return {"name": name, "model": model, "min_shards": 1, "max_shards": n, "gpus": [i], "steps": steps,
+    """Pipeline i: on all the GPUs when time-shared (up to one shard per GPU), on GPU i in
+    standalone (the partition, which needs a GPU per pipeline)."""
+    return {"name": name, "model": model, "min_shards": 1, "max_shards": gpus, "gpus": [i % gpus], "steps": steps,
             "seed": i + 1, "checkpoint_every": 0, "task": {"name": "pattern", "patterns": [PATTERNS[i % len(PATTERNS)]]},
             "rollout": rollout, "train": train, **({"env": env} if env else {})}
 
@@ -116,7 +120,7 @@ def workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
 
 
 def _workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
-    n = args.gpus
+    n = args.pipelines
     lr = args.lr
     if workload == "mix":
         long_n = n // 2 or 1
@@ -124,15 +128,15 @@ def _workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
         for i in range(n):
             k = i if i < long_n else i - long_n
             if i < long_n:
-                out.append(pipeline(f"long-{k}", i, n, steps_of(args.long_steps, k, args.spread), args.model,
+                out.append(pipeline(f"long-{k}", i, args.gpus, steps_of(args.long_steps, k, args.spread), args.model,
                                     rollout(args, args.long_tokens), {"lr": lr, "micro_batch_size": 8}))
             else:
-                out.append(pipeline(f"short-{k}", i, n, steps_of(args.short_steps, k, args.spread), args.model,
+                out.append(pipeline(f"short-{k}", i, args.gpus, steps_of(args.short_steps, k, args.spread), args.model,
                                     rollout(args, args.short_tokens), {"lr": lr, "micro_batch_size": 32}))
         return out
     if workload == "longtail":
         tail = {"dist": "lognormal", "median": args.tail_median, "sigma": args.tail_sigma, "min": args.tail_min}
-        return [pipeline(f"tail-{i}", i, n, steps_of(args.tail_steps, i, args.spread), args.model,
+        return [pipeline(f"tail-{i}", i, args.gpus, steps_of(args.tail_steps, i, args.spread), args.model,
                          rollout(args, args.tail_max_tokens, length_tail=tail), {"lr": lr, "micro_batch_size": 8})
                 for i in range(n)]
     if workload == "agentic":
@@ -145,7 +149,7 @@ def _workload_pipelines(workload: str, args: argparse.Namespace) -> list[dict]:
                          max_model_len=max(turns["max_model_len"], 4 * (args.agentic_tokens + 64)))
         if args.agentic_groups is not None:
             turns.update(groups_per_step=args.agentic_groups, concurrency=2 * args.agentic_groups)
-        return [pipeline(f"agent-{i}", i, n, steps_of(args.agentic_steps, i, args.spread), model,
+        return [pipeline(f"agent-{i}", i, args.gpus, steps_of(args.agentic_steps, i, args.spread), model,
                          dict(turns), {"lr": lr if model != "tiny" else example["train"]["lr"],
                                        "micro_batch_size": 32}, env)
                 for i in range(n)]
@@ -286,6 +290,9 @@ def workload(w: str, args: argparse.Namespace, out: Path, bench: Bench, book: di
                f"{w}_switch_share": acc["switch_share"] if acc else None,
                f"{w}_idle_share": acc["idle_share"] if acc else None,
                f"{w}_shard_starts_after_setup": starts}
+    rates = {m: steps_per_hour(rs) for m, rs in runs.items()}
+    if rates.get("timeshared") and rates.get("queue"):  # steps done per hour of the mode's makespan
+        figures[f"{w}_gpu_steps_per_hour_ratio"] = round(rates["timeshared"] / rates["queue"], 3)
     if args.slices > 1:  # the account counts slices; idle as the devices saw it
         traces = [out / "runs" / r["name"] / "timeline.json" for r in runs.get("timeshared", [])]
         shares = [ts.device_idle_share(json.loads(t.read_text()), args.slices) for t in traces if t.is_file()]
@@ -301,6 +308,13 @@ def workload(w: str, args: argparse.Namespace, out: Path, bench: Bench, book: di
     }
     (out / f"{w}.json").write_text(json.dumps(details, indent=1, default=str))
     return {"figures": figures, "details": details, "shared": shared}
+
+
+def steps_per_hour(runs: list[dict]) -> float | None:
+    """Steps every pipeline of the mode's runs finished, per hour of their summed makespans."""
+    done = sum(p.get("steps") or 0 for r in runs if r["summary"] for p in r["summary"].get("pipelines", {}).values())
+    wall = sum(r["makespan_s"] for r in runs)
+    return 3600 * done / wall if wall and done else None
 
 
 def check_cost_table(path: Path) -> str | None:
@@ -339,6 +353,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpus", type=int, default=None, help="GPUs (and pipelines per workload) to use: 2 or 4 "
                     "(default: every CUDA device; --dry-run: 2 fake ones)")
+    ap.add_argument("--pipelines", type=int, default=None,
+                    help="pipelines per workload (default: one per GPU); more than --gpus leaves no partition "
+                         "to compare, only the queue (issue 35's two pipelines on one GPU)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--modes", default=",".join(MODES), help="the ratios need timeshared and the other")
     ap.add_argument("--model", default="qwen2-0.5b-shape")
@@ -403,9 +420,13 @@ def main() -> None:
         ap.error(f"--workloads: some of {','.join(WORKLOADS)}; --modes: some of {','.join(MODES)}")
     if args.gpus < 1:
         ap.error("--gpus must be >= 1")
+    args.pipelines = args.pipelines or args.gpus
+    if args.pipelines > args.gpus and "partition" in args.modes:
+        ap.error(f"--pipelines {args.pipelines} on --gpus {args.gpus}: no GPU each for a partition; "
+                 "--modes timeshared,queue")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    launches = sum((args.gpus if m == "queue" else 1) for m in args.modes) * len(workloads)
+    launches = sum((args.pipelines if m == "queue" else 1) for m in args.modes) * len(workloads)
     t0 = time.perf_counter()
     book: dict = {"args": vars(args), "runs": {}}
     headline: dict = {}
@@ -436,7 +457,7 @@ def main() -> None:
         "shard_starts_after_setup": sum(ts.shard_starts(s)["after_setup"] for s in shared) if shared else None,
         "failed_pipelines": failed, "move_costs": table["costs"],
         **({"move_costs_refused": refused} if refused else {}),
-        "gpus": args.gpus, "gpu_slices": args.slices, "device": device, "model": args.model, "dry_run": args.dry_run,
+        "gpus": args.gpus, "pipelines": args.pipelines, "gpu_slices": args.slices, "device": device, "model": args.model, "dry_run": args.dry_run,
         "warmup_s": book.get("warmup_s"),
         "wall_s": round(time.perf_counter() - t0, 1)})
     book["headline"] = headline

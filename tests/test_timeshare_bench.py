@@ -151,3 +151,20 @@ def test_device_idle_share_counts_a_device_busy_while_any_of_its_slices_is_held(
     trace["traceEvents"] = events + [span(2, 0, 10, "idle"), span(3, 0, 10, "idle")]
     assert ts.device_idle_share(trace, slices=2) == 0.7
     assert ts.device_idle_share({"traceEvents": []}, slices=2) is None
+
+
+def test_more_pipelines_than_gpus_share_them_and_the_rate_counts_finished_steps():
+    """`--gpus 1 --pipelines 2`: both pipelines may hold the one GPU's shard (no partition), and
+    the steps-per-hour figure counts the steps the summaries say were done."""
+    from argparse import Namespace
+
+    import timeshare_gpu as tg
+    args = Namespace(gpus=1, pipelines=2, model="tiny", lr=1e-3, spread=0.4, groups=4, group_size=4,
+                     max_num_seqs=64, tail_max_tokens=64, tail_median=8.0, tail_sigma=1.0, tail_min=2,
+                     tail_steps=5, max_staleness=None, capture_graphs=False)
+    pipes = tg.workload_pipelines("longtail", args)
+    assert [(p["name"], p["steps"], p["max_shards"], p["gpus"]) for p in pipes] == [
+        ("tail-0", 5, 1, [0]), ("tail-1", 7, 1, [0])]
+    run = {"makespan_s": 84.0, "summary": {"pipelines": {"tail-0": {"steps": 5}, "tail-1": {"steps": 2}}}}
+    assert tg.steps_per_hour([run]) == pytest.approx(3600 * 7 / 84)
+    assert tg.steps_per_hour([dict(run, summary=None)]) is None
