@@ -10,7 +10,7 @@ import shutil
 import sys
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 ControlPlane = Literal["rlix", "standalone"]
 
@@ -135,6 +135,32 @@ def child_env(overrides: dict[str, str] | None = None, *, drop: tuple[str, ...] 
     out = {k: v for k, v in os.environ.items() if k not in drop}
     out.update(overrides or {})
     return out
+
+
+#: how a program rlix starts for an `external:` pipeline finds it (rlix.client.connect): the
+#: Ray cluster's address, the namespace and name of the pipeline's actor. No secret: Ray's own
+#: token authenticates the connection, and the router's token is asked of the actor over it.
+CLIENT_RAY_ADDRESS_VAR = "RLIX_CLIENT_RAY_ADDRESS"
+CLIENT_NAMESPACE_VAR = "RLIX_CLIENT_NAMESPACE"
+CLIENT_ACTOR_VAR = "RLIX_CLIENT_ACTOR"
+
+
+class ClientTarget(NamedTuple):
+    """Where rlix.client.connect() finds its pipeline (see CLIENT_*_VAR)."""
+
+    ray_address: str
+    namespace: str
+    actor: str
+
+    def as_env(self) -> dict[str, str]:
+        return {CLIENT_RAY_ADDRESS_VAR: self.ray_address, CLIENT_NAMESPACE_VAR: self.namespace,
+                CLIENT_ACTOR_VAR: self.actor}
+
+
+def client_target() -> ClientTarget | None:
+    """The pipeline this process was started for (None: not started by rlix as one)."""
+    values = [os.environ.get(v, "").strip() for v in (CLIENT_RAY_ADDRESS_VAR, CLIENT_NAMESPACE_VAR, CLIENT_ACTOR_VAR)]
+    return ClientTarget(*values) if all(values) else None
 
 
 #: an environment server's settings (EnvConfig as JSON), off the command line: its `options`

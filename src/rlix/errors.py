@@ -246,3 +246,17 @@ def one_line(exc: BaseException) -> str:
     text = str(cause).strip().splitlines()
     last = next((line for line in reversed(text) if line.strip()), "") if text else ""
     return f"{type(cause).__name__}: {last.strip()}"[:500]
+
+
+class ClientError(RlixError):
+    """A call of rlix.client was refused; the pipeline and its weights are as they were."""
+
+
+class ClientOrderError(ClientError):
+    """A client call out of the hooks' order (after_training before before_training, a step
+    that is not the next, a second start); the message says which call was expected."""
+
+
+class PipelineEndedError(ClientError):
+    """The pipeline the client drives has ended or failed (its reason in the message)."""
+

@@ -428,10 +428,11 @@ def summary_table(summary: RunSummary) -> list[str]:
     rows = [("pipeline", "steps", f"reward first{label}", f"reward last{label}", "gain", "dropped", "gpu-s", "sync s")]
     for name, s in summary.pipelines.items():
         gpu_s = "-" if s.gpu_seconds is None else str(s.gpu_seconds)
-        if s.accounting is None:  # failed before its first summary
+        if s.accounting is None and s.reward_first5 is None:  # failed before its first summary
             rows.append((name, str(s.steps), "-", "-", "-", "-", gpu_s, "-"))
             continue
-        dropped = dropped_cell(s.accounting.dropped)
+        # an external pipeline keeps no accounting of trajectories: its program does the rollouts
+        dropped = dropped_cell(s.accounting.dropped) if s.accounting is not None else "-"
         if s.reward_first5 is None or s.reward_last5 is None:  # too few steps for two windows
             rows.append((name, str(s.steps), "n/a", "n/a", "n/a", dropped, gpu_s, f"{s.sync_s:.2f}"))
             continue

@@ -12,9 +12,11 @@ The other pipelines never notice.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from types import FrameType
 from dataclasses import dataclass, field
@@ -112,11 +114,17 @@ class Supervisor:
 
     def _start(self, slot: PipelineSlot, resume: bool) -> None:
         gpus = slot.cfg.gpus if slot.cfg.gpus is not None else self.all_gpus
-        slot.actor = PipelineActor.options(**on_this_node()).remote(slot.cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir),
-                                          api_key=self.api_key, gpus=gpus, resume=resume,
-                                          devices=self.devices, vllm_python=self.vllm_python,
-                                          experiment_log=None if self.experiment_log is None
-                                          else self.experiment_log.model_dump())
+        # an external pipeline's program finds its actor by name (a new one per start: the
+        # actor of a start before may not be gone yet)
+        name = f"rlix-pipeline-{slot.cfg.name}-{uuid.uuid4().hex[:12]}" if slot.cfg.external is not None else None
+        cfg = slot.cfg
+        if cfg.external is not None and cfg.external.cwd is None:  # where `rlix run` runs, not the actor's
+            cfg = cfg.model_copy(update={"external": cfg.external.model_copy(update={"cwd": os.getcwd()})})
+        slot.actor = PipelineActor.options(**on_this_node(), **({"name": name} if name else {})).remote(
+            cfg.model_dump(), mode=self.mode, run_dir=str(self.run_dir), api_key=self.api_key, gpus=gpus,
+            resume=resume, devices=self.devices, vllm_python=self.vllm_python,
+            experiment_log=None if self.experiment_log is None else self.experiment_log.model_dump(),
+            actor_name=name)
         slot.setup_ref, slot.run_ref, slot.progress_ref = slot.actor.setup.remote(), None, None
         slot.state, slot.summary = "setup", None
         slot.started = slot.progress_sent = time.monotonic()

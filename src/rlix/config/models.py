@@ -394,6 +394,24 @@ class TrainConfig(_Strict):
         return self
 
 
+class ExternalConfig(_Strict):
+    """A pipeline whose training loop is another program (a framework's GRPO loop, a plain
+    PyTorch loop): rlix starts `command`, serves its generation through the pipeline's shards
+    and router, and moves its GPUs; the program drives its steps through `rlix.client`."""
+
+    command: list[Annotated[str, Field(min_length=1, max_length=MAX_PATH)]] = Field(
+        min_length=1, max_length=256,
+        description="the program and its arguments (no shell; a first word `python` or `python3` is the "
+                    "Python rlix runs in); its environment names the pipeline's actor, so "
+                    "`rlix.client.connect()` inside it needs no arguments")
+    cwd: PathStr | None = Field(None, description="its working directory (default: the directory rlix runs in)")
+    start_timeout_s: Seconds = Field(300.0, gt=0, description="how long it may take to call `start()` "
+                                                              "(import, load its model) before it is failed")
+    after_training_timeout_s: Seconds = Field(600.0, gt=0, description="a step that held its training GPUs "
+                                                                       "this long without `after_training` "
+                                                                       "fails the pipeline, with that reason")
+
+
 class PipelineConfig(_Strict):
     """One RL pipeline: what the scheduler sees, and what it trains."""
 
@@ -463,6 +481,9 @@ class PipelineConfig(_Strict):
     env: EnvConfig | None = Field(None, description="an HTTP agent environment: each trajectory is a "
                                                     "multi-turn episode its agent server runs (null: one "
                                                     "generate per trajectory, rewarded by `task`)")
+    external: ExternalConfig | None = Field(None, description="the training loop is this program (through "
+                                                              "rlix.client); rlix runs its shards and GPUs "
+                                                              "(task, train, rollout's sampling: the program's)")
 
     @model_validator(mode="after")
     def _shard_bounds(self) -> "PipelineConfig":
@@ -473,6 +494,8 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"gpus must not repeat a GPU, got {self.gpus}")
             if len(self.gpus) < max(self.train_gpus, self.tp):
                 raise ValueError(f"gpus {self.gpus} are fewer than train_gpus={self.train_gpus} / tp={self.tp}")
+        if self.external is not None and self.env is not None:
+            raise ValueError("external: the program runs its own episodes; env: is for rlix's own loop")
         return self
 
     @field_validator("task")

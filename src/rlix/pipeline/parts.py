@@ -58,9 +58,10 @@ class StartedParts:
     collector: TrajectoryCollector | None = None
 
 
-#: the order shutdown stops a pipeline's parts in, each name its key in shutdown's timings (the
-#: environment's gateway and the router are closed on the data plane's thread, so before it stops)
-STOP_ORDER = ("leave", "collector", "environment", "router", "data plane", "shards", "weight path",
+#: the order shutdown stops a pipeline's parts in, each name its key in shutdown's timings (an
+#: external pipeline's program first: it drives the calls; the environment's gateway and the
+#: router are closed on the data plane's thread, so before it stops)
+STOP_ORDER = ("program", "leave", "collector", "environment", "router", "data plane", "shards", "weight path",
               "trainer", "experiment log")
 
 #: how to stop one part: the step to await, or None when nothing is left to do by then

@@ -18,7 +18,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import ray
@@ -160,7 +160,8 @@ class PipelineRunner:
         self.teardown.add("experiment log",  # a tracker that failed is dropped: closed if any are left
                           lambda: asyncio.to_thread(experiment_log.close) if experiment_log else None)
         keep_until(self.dir / SAMPLES_FILE, self.start_step)  # as metrics.jsonl: steps after it come again
-        coordinator, ranks = await self._start_coordinator(trainer, weights, fleet, backend)
+        coordinator, ranks = await self._start_coordinator(
+            trainer.weight_checksums if self.cfg.audit_weights else None, weights, fleet, backend)
         env, collector = await timed("collector", self._start_collector(path, data_plane, router, fleet))
         await timed("join", self.hooks.join(coordinator, self.cfg))
         loop = GrpoLoop(self.cfg, trainer=trainer, weights=weights, coordinator=coordinator,
@@ -285,10 +286,12 @@ class PipelineRunner:
             await fleet.prestart(now, background=later)
         return data_plane, router, fleet
 
-    async def _start_coordinator(self, trainer: TrainerGroup, weights: WeightPath, fleet: ShardFleet,
+    async def _start_coordinator(self, audit: Callable[[int], Awaitable[Mapping[str, Any]]] | None,
+                                 weights: WeightPath, fleet: ShardFleet,
                                  backend: EngineBackend) -> tuple[ShardCoordinator, list[int]]:
-        """The coordinator over the fleet and the trainer (both started); unplaced shards
-        (fake clusters without a reservation) start here, inactive. Returns it and the ranks."""
+        """The coordinator over the fleet and the weight path (both started); `audit(version)`:
+        the published version's per-tensor checksums (None: no audit). Unplaced shards (fake
+        clusters without a reservation) start here, inactive. Returns it and the ranks."""
         cfg, dev = self.cfg, self.devices
         vllm = backend.name == "vllm"
         placed = dev.reservation is not None
@@ -296,7 +299,7 @@ class PipelineRunner:
         coordinator = ShardCoordinator(fleet, weights, initial_version=0,
                                        wake_in_sync=True,  # our engine serves /sync_weights
                                        placed=placed,
-                                       audit=trainer.weight_checksums if cfg.audit_weights else None,
+                                       audit=audit,
                                        served_checksums=vllm_checksums if vllm else None,
                                        # on GPUs, our engine's shards asleep beside a trainer
                                        # rank take the new version from its GPU (CUDA IPC)
