@@ -353,6 +353,7 @@ class PipelineSummary(_Part):
     trainer_placement: TrainerPlacement | None = None
     shard_placements: list[ShardPlacement] = []
     shard_starts_after_setup: int = 0
+    router_redispatched: int = 0  # requests (samples) its router sent again after their shard was preempted
     replications: list[Replication] = []
     env: EnvStats | None = None
     # the supervisor's

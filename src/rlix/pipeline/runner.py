@@ -587,6 +587,7 @@ class PipelineRunner:
             "trainer_placement": self.trainer_placement,
             "shard_placements": list(fleet.placements) if fleet is not None else [],
             "shard_starts_after_setup": fleet.starts_after_setup if fleet is not None else 0,
+            "router_redispatched": self.parts.router.relay.redispatched if self.parts is not None else 0,
             "replications": [r for route in self.replica_routes for r in route.replications],
             **({"env": env.stats()} if env is not None else {}),
         }

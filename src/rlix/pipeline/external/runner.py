@@ -29,6 +29,7 @@ from rlix.config.models import PipelineConfig
 from rlix.env import ClientTarget
 from rlix.errors import ClientOrderError, PipelineEndedError, PipelineFailedError
 from rlix.inference.fleet.backends import make_backend
+from rlix.inference.router.router import Router
 from rlix.models.presets import resolve_model
 from rlix.pipeline.external.program import ProgramProcess
 from rlix.pipeline.external.publisher import ClientPublisher
@@ -59,6 +60,7 @@ class ExternalRunner(PipelineRunner):
         self.publisher = ClientPublisher()
         self.info: PipelineInfo | None = None
         self.weights: WeightPath | None = None
+        self.router: Router | None = None  # the program's generation goes through it (info.base_url)
         self.program: ProgramProcess | None = None
         self.version = 0  # what the pipeline's newest published weights are (steps done)
         self.training: int | None = None  # the step holding the training GPUs
@@ -91,6 +93,7 @@ class ExternalRunner(PipelineRunner):
         coordinator, ranks = await self._start_coordinator(
             self._audit if cfg.audit_weights else None, self.weights, fleet, backend)
         base_url = await data_plane.serve_router(router)
+        self.router = router
         phases["engines"] = round(time.perf_counter() - t, 2)
         self.trainer_placement = {"gpus": list(train_gpus), "pid": None, "node_id": None, "visible_devices": None,
                                   "memory_share": self.devices.memory_share, "ranks": []}
@@ -368,4 +371,5 @@ class ExternalRunner(PipelineRunner):
             "device": self.devices.device, "gpu_memory": self.memory_log(),
             "shard_placements": list(fleet.placements) if fleet is not None else [],
             "shard_starts_after_setup": fleet.starts_after_setup if fleet is not None else 0,
+            "router_redispatched": self.router.relay.redispatched if self.router is not None else 0,
         }
