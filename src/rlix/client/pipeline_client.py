@@ -22,6 +22,7 @@ nothing else of rlix.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 
@@ -118,8 +119,9 @@ class PipelineClient:
         return self._call(verb, *args, published, checksums)
 
     def _call(self, method: str, *args: object):  # type: ignore[no-untyped-def]
-        import ray  # imported by connect() already
-        from ray.exceptions import RayActorError, RayTaskError
+        # deferred as in connect(): Ray is imported only after join_ray_with_token
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError  # deferred: as ray
 
         try:
             return ray.get(getattr(self._actor, method).remote(*args), timeout=self._call_timeout_s)
@@ -140,9 +142,7 @@ def connect(timeout_s: float = 60.0) -> PipelineClient:
         raise ClientError("rlix.client.connect(): this program was not started by rlix for a pipeline "
                           "(name it in a config's `external.command`; RLIX_CLIENT_* are unset)")
     env.join_ray_with_token()
-    import logging
-
-    import ray
+    import ray  # deferred: after join_ray_with_token, which must run before Ray's import
 
     if not ray.is_initialized():
         ray.init(address=target.ray_address, namespace=target.namespace, log_to_driver=False,

@@ -48,7 +48,7 @@ class PipelineActor:
                  vllm_python: str | None = None, experiment_log: dict | None = None,
                  actor_name: str | None = None) -> None:
         from rlix.pipeline.external.runner import ExternalRunner  # deferred: see the module doc
-        from rlix.pipeline.runner import PipelineRunner
+        from rlix.pipeline.runner import PipelineRunner  # deferred: see the module doc
 
         favour_control_latency()  # the control loop runs beside the data-plane thread
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

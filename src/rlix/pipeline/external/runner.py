@@ -62,6 +62,7 @@ class ExternalRunner(PipelineRunner):
         self.weights: WeightPath | None = None
         self.router: Router | None = None  # the program's generation goes through it (info.base_url)
         self.program: ProgramProcess | None = None
+        self.train_gpus: list[int] = []  # its training home: where the program's own CUDA work goes
         self.version = 0  # what the pipeline's newest published weights are (steps done)
         self.training: int | None = None  # the step holding the training GPUs
         self.granted_at = 0.0
@@ -85,6 +86,7 @@ class ExternalRunner(PipelineRunner):
         self.teardown.add("leave", self.hooks.leave)
         t = time.perf_counter()
         train_gpus = await self.hooks.reserve(cfg, frees_memory=backend.supports_sleep)
+        self.train_gpus = list(train_gpus)
         phases["reserve"] = round(time.perf_counter() - t, 2)
         t = time.perf_counter()
         data_plane, router, fleet = await self._start_engines(engine_cfg, backend, train_gpus)
@@ -125,8 +127,11 @@ class ExternalRunner(PipelineRunner):
         cfg, ext = self.cfg, self.external
         context = ray.get_runtime_context()
         target = ClientTarget(context.gcs_address, context.namespace, self.actor_name)
+        extra = target.as_env()
+        if self.devices.device == "cuda" and self.devices.reservation is not None and self.train_gpus:
+            extra.update(self.devices.visible_devices_env(self.train_gpus))  # it sees its training GPUs only
         self.program = program = ProgramProcess(ext.command, log_path=self.dir / "program.log",
-                                                extra_env=target.as_env(), cwd=ext.cwd)
+                                                extra_env=extra, cwd=ext.cwd)
         self.teardown.add("program", lambda: asyncio.to_thread(program.stop))
         program.start()
         started_at = time.monotonic()
