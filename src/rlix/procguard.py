@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 POLL_S = 0.2
 GRACE_S = 5.0
@@ -38,6 +39,28 @@ def pid_alive(pid: int) -> bool:
             return fh.read().rsplit(") ", 1)[1][0] != "Z"
     except OSError:  # no /proc (not Linux): kill(0) said it exists
         return True
+
+
+def guarded_pid(guard: int) -> int | None:
+    """The PID of the command a guard (started as `python -m rlix.procguard ... -- CMD`, PID
+    `guard`) runs: its one child; None when it runs none (not yet, or no more)."""
+    try:
+        children = Path(f"/proc/{guard}/task/{guard}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def signal_session(leader: int, sig: int) -> None:
+    """`sig` to the process group of `leader` (a guard started in a session of its own: its
+    command and whatever that spawned), else to `leader` alone; nothing if it is gone."""
+    try:
+        os.killpg(leader, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(leader, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def parent_gone(parent: int) -> bool:

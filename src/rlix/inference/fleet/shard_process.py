@@ -31,6 +31,7 @@ from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import server_launch
 from rlix.inference.fleet.startup import ShardStartup, StartupWatch
 from rlix.private_files import open_private
+from rlix.procguard import guarded_pid, signal_session
 
 
 #: a server that lost its port to another binder says this (uvicorn, from the OS's EADDRINUSE)
@@ -69,13 +70,7 @@ class ShardProcess:
 
     def server_pid(self) -> int | None:
         """The server's own PID (the guard's child), None if it is not running."""
-        if self.proc is None:
-            return None
-        try:
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        except OSError:
-            return None
-        return int(children[0]) if children else None
+        return None if self.proc is None else guarded_pid(self.proc.pid)
 
     def start(self) -> None:
         if self.proc is not None:
@@ -170,13 +165,13 @@ class ShardProcess:
             return None
         server = self.server_pid()  # the guard's child: gone only once the kernel says so
         if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_session(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_session(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-        _signal_group(proc.pid, signal.SIGKILL)  # stragglers the child left in its group
+        signal_session(proc.pid, signal.SIGKILL)  # stragglers the child left in its group
         if server is not None:
             _wait_exited(server, 5.0)  # the guard is reaped; its server may exit a moment later
         self._remove_own_log_dir()
@@ -185,16 +180,6 @@ class ShardProcess:
     def _remove_own_log_dir(self) -> None:
         if self._own_log_dir is not None:
             shutil.rmtree(self._own_log_dir, ignore_errors=True)
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def _wait_exited(pid: int, timeout_s: float) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlix import env
 from rlix.private_files import open_private
+from rlix.procguard import guarded_pid, signal_session
 
 
 #: a command's first word that means the Python rlix runs in (a PATH's `python` may lack rlix)
@@ -44,13 +45,7 @@ class ProgramProcess:
 
     def pid(self) -> int | None:
         """The program's own PID (the guard's child), None when it is not running."""
-        if self.proc is None:
-            return None
-        try:
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        except OSError:
-            return None
-        return int(children[0]) if children else None
+        return None if self.proc is None else guarded_pid(self.proc.pid)
 
     def log_tail(self, n: int = 20) -> str:
         try:
@@ -64,18 +59,11 @@ class ProgramProcess:
         if proc is None:
             return None
         if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
+            signal_session(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
+                signal_session(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-        _signal_group(proc.pid, signal.SIGKILL)  # what it left in its session
+        signal_session(proc.pid, signal.SIGKILL)  # what it left in its session
         return proc.returncode
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
