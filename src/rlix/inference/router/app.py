@@ -3,8 +3,9 @@
 It runs in-process (`RouterServer`, on a DataPlaneThread's loop or a test's) or as its own process
 (`python -m rlix.inference.router`). Data plane (open, like the shards' /health; bind it to
 127.0.0.1): /v1/completions, /v1/chat/completions, /inference/v1/generate (sticky by
-`X-Session-ID`, least outstanding otherwise, re-dispatched on preemption; see relay.py), and
-/v1/models, /tokenize, /detokenize passed to any active shard. Admin (bearer token): GET/POST
+`X-Session-ID`, least outstanding otherwise, re-dispatched on preemption; see relay.py),
+/v1/models, /tokenize, /detokenize passed to any active shard, and the router's own /health
+and /metrics (metrics.py). Admin (bearer token): GET/POST
 /router/shards, DELETE /router/shards/{rank}; `RouterAdminClient` is the fleet's handle on them.
 """
 
@@ -22,11 +23,13 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from rlix import env
 from rlix.errors import InvalidRequestError, NoActiveShardError
 from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard, bearer,
                           bounded_http_protocol, free_port)
+from rlix.inference.router.metrics import RouterMetrics
 from rlix.inference.router.router import Router
 from rlix.inference.router.shard_table import ShardState
 from rlix.inference.server import openai_schema as S
@@ -54,6 +57,7 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     shard's, whose connection closes)."""
     app = FastAPI(title="rlix router", docs_url=None, redoc_url=None)
     app.state.router = router
+    metrics = RouterMetrics(router.relay, router.table)  # GET /metrics, typed families
     app.add_middleware(RequestGuard, policy=body_policy(max_body))
     expected = f"Bearer {router.api_key}".encode()
 
@@ -137,13 +141,8 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        lines = [f"rlix:router_requests_total {router.relay.requests}",
-                 f"rlix:router_redispatched_total {router.relay.redispatched}"]
-        lines.append(f"rlix:router_shards_marked_down_total {router.relay.down_marks}")
-        for s in router.table.shards.values():
-            lines.append(f'rlix:router_outstanding{{rank="{s.rank}",state="{s.state.value}"}} {s.outstanding}')
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    async def metrics_page() -> Response:
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/router/shards")
     async def list_shards(request: Request) -> JSONResponse:
