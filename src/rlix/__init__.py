@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from rlix.version import VERSION as __version__
 __all__ = ["RlixConfig", "load_config", "run"]
 
 if TYPE_CHECKING:

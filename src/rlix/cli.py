@@ -15,8 +15,9 @@ import sys
 import time
 from typing import NoReturn
 
-from rlix import __version__, env
+from rlix import env
 from rlix.errors import ConfigError, RlixError, SchedulerError
+from rlix.version import package_version
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:
@@ -315,7 +316,7 @@ def _set_flag(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="rlix", description="Time-share GPUs across RL pipelines.")
-    parser.add_argument("--version", action="version", version=f"rlix {__version__}")
+    parser.add_argument("--version", action="version", version=f"rlix {package_version()}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,17 +1,18 @@
 """The router's own pages: GET /metrics is typed Prometheus text (every family a counter or a
 gauge, parsed by prometheus_client's own parser) whose counters hold what the relay counted after
-real traffic."""
+real traffic; GET /version answers vLLM's shape with rlix's version, open like /health."""
 
 from __future__ import annotations
 
 import asyncio
+from importlib.metadata import version
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kit import KEY, shard_processes
+from kit import AUTH, KEY, shard_processes
 from rlix.httpkit import free_port
-from rlix.inference.router.app import RouterServer
+from rlix.inference.router.app import RouterServer, create_router_app
 from rlix.inference.router.router import Router
 
 GEN = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
@@ -66,3 +67,18 @@ def test_router_metrics_are_typed_and_count_real_traffic(tiny_model_dir):
     assert [s.value for s in first["rlix:router_requests"].samples] == [0.0]
     assert first["rlix:router_outstanding"].samples == []
 
+
+def test_router_version_is_open_and_names_rlixs_version():
+    """vLLM's shape, rlix's version; no token needed (the admin API beside it does need one)."""
+    async def main() -> None:
+        router = Router(KEY)
+        try:
+            transport = httpx.ASGITransport(app=create_router_app(router))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, AUTH):
+                    r = await http.get("/version", headers=headers)
+                    assert r.status_code == 200 and r.json() == {"version": version("rlix")}, (headers, r.text)
+                assert (await http.get("/router/shards")).status_code == 401
+        finally:
+            await router.close()
+    asyncio.run(main())

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
 import httpx
 
@@ -66,4 +67,19 @@ def test_with_a_key_the_data_plane_and_the_control_plane_need_it(engine):
             assert (await http.post("/sleep")).status_code == 401
             ok = await http.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer k"})
             assert ok.status_code == 200
+    asyncio.run(main())
+
+
+def test_version_and_health_are_open_like_vllms_and_name_rlixs_version(engine):
+    """GET /version answers vLLM's shape with the installed rlix's version, with or without a
+    token (vLLM guards /v1 and /inference only), beside the routes that do need it."""
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=create_app(engine, engine.tokenizer, "tiny", "k"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer k"}):
+                r = await http.get("/version", headers=headers)
+                assert r.status_code == 200 and r.json() == {"version": version("rlix")}, (headers, r.text)
+                assert (await http.get("/health", headers=headers)).status_code == 200
+            assert (await http.get("/v1/models")).status_code == 401
+            assert (await http.post("/version")).status_code == 405  # a GET page, as in vLLM
     asyncio.run(main())

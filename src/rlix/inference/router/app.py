@@ -4,8 +4,8 @@ It runs in-process (`RouterServer`, on a DataPlaneThread's loop or a test's) or 
 (`python -m rlix.inference.router`). Data plane (open, like the shards' /health; bind it to
 127.0.0.1): /v1/completions, /v1/chat/completions, /inference/v1/generate (sticky by
 `X-Session-ID`, least outstanding otherwise, re-dispatched on preemption; see relay.py),
-/v1/models, /tokenize, /detokenize passed to any active shard, and the router's own /health
-and /metrics (metrics.py). Admin (bearer token): GET/POST
+/v1/models, /tokenize, /detokenize passed to any active shard, and the router's own /health,
+/version (rlix's, vLLM's shape) and /metrics (metrics.py). Admin (bearer token): GET/POST
 /router/shards, DELETE /router/shards/{rank}; `RouterAdminClient` is the fleet's handle on them.
 """
 
@@ -139,6 +139,10 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse(S.version_response())
 
     @app.get("/metrics")
     async def metrics_page() -> Response:

@@ -268,6 +268,10 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str 
     async def health() -> Response:
         return Response(status_code=200)
 
+    @app.get("/version")  # open like /health (not under PROTECTED_PREFIXES), as in vLLM
+    async def version() -> JSONResponse:
+        return JSONResponse(S.version_response())
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())

@@ -25,6 +25,7 @@ from rlix.inference.server.limits import (MAX_ID_CHARS, MAX_KEYS, MAX_LOGIT_BIAS
                                           MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS, MAX_PROMPTS, MAX_SEED,
                                           MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_TOKENS,
                                           MAX_TOOLS, MAX_TOP_K, MIN_SEED, at_most)
+from rlix.version import package_version
 
 SYSTEM_FINGERPRINT = "rlix"
 
@@ -454,6 +455,12 @@ def generate_chunk(rid: str, finish: str | None, stop_reason: Any, token_ids: li
 def generate_usage_chunk(rid: str, n_prompt: int, n_out: int) -> dict:
     return {"request_id": rid, "usage": usage(n_prompt, n_out, details=False),
             "output_mode": "tokens", "choices": []}
+
+
+def version_response() -> dict:
+    """`GET /version`: vLLM's shape, `{"version": ...}`, naming rlix's version (a client that
+    logs or checks the server's version sees what it talks to, not a vLLM version it is not)."""
+    return {"version": package_version()}
 
 
 def models_response(name: str, root: str, max_model_len: int, created: int) -> dict:
