@@ -149,6 +149,21 @@ def vllm_skip_reason() -> str | None:
     return None
 
 
+def vllm_command() -> str:
+    """The `vllm` command of the environment rlix starts vLLM from (rlix.env.vllm_python: a
+    wrapper script or RLIX_VLLM_PYTHON), found from that Python's own prefix rather than the
+    wrapper's path, which is not inside the environment. Call after `need_vllm()`."""
+    import subprocess
+    from pathlib import Path
+
+    from rlix import env
+    python = env.vllm_python()
+    assert python, "no Python with vLLM (need_vllm() first)"
+    prefix = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], check=True,
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    return str(Path(prefix) / "bin" / "vllm")
+
+
 def vllm_required() -> bool:
     """`RLIX_REQUIRE_VLLM=1` (CI's vLLM step): tests that need vLLM fail instead of skipping.
     A test-run setting, read here rather than by the product (rlix.env)."""
