@@ -74,3 +74,25 @@ def test_an_external_pipeline_takes_no_agent_environment():
                                                "agent": "rlix.agents.tool_agent:ToolAgent"}})
     with pytest.raises(ValidationError):
         PipelineConfig.model_validate({"name": "x", "external": {"command": []}})
+
+
+def test_rlix_check_names_a_program_that_cannot_start(tmp_path):
+    from rlix.config.models import RlixConfig
+    from rlix.config.preflight import problems
+
+    (tmp_path / "loop.py").write_text("print('hi')\n")
+
+    def found(external: dict) -> list[str]:
+        cfg = RlixConfig.model_validate({"run_dir": str(tmp_path / "run"),
+                                         "pipelines": [{"name": "x", "external": external}]})
+        return [p for p in problems(cfg) if ".external." in p]
+
+    assert found({"command": ["python", "loop.py"], "cwd": str(tmp_path)}) == []
+    assert found({"command": ["python", "-u", "nope.py"], "cwd": str(tmp_path)}) == [
+        f"pipelines[0] (x).external.command: no Python script 'nope.py' (from {tmp_path})"]
+    assert found({"command": ["no-such-program-here"]}) == [
+        "pipelines[0] (x).external.command: 'no-such-program-here' is not on PATH"]
+    assert found({"command": ["./loop.py"], "cwd": str(tmp_path)}) == [
+        "pipelines[0] (x).external.command: './loop.py' is not an executable file"]
+    assert found({"command": ["python", "loop.py"], "cwd": str(tmp_path / "gone")}) == [
+        f"pipelines[0] (x).external.cwd: {str(tmp_path / 'gone')!r} is not a directory"]

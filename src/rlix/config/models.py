@@ -394,6 +394,10 @@ class TrainConfig(_Strict):
         return self
 
 
+#: an external command's first word that means the Python rlix runs in (a PATH's `python` may lack rlix)
+PYTHON_WORDS = ("python", "python3")
+
+
 class ExternalConfig(_Strict):
     """A pipeline whose training loop is another program (a framework's GRPO loop, a plain
     PyTorch loop): rlix starts `command`, serves its generation through the pipeline's shards

@@ -13,12 +13,13 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 from rlix import env
-from rlix.config.models import PipelineConfig, RlixConfig
+from rlix.config.models import PYTHON_WORDS, ExternalConfig, PipelineConfig, RlixConfig
 from rlix.envs import TaskConfig, make_task
 from rlix.envs.errors import TaskFieldError
 from rlix.envs.verifiers import anchor_function, anchor_verifier
@@ -74,6 +75,8 @@ def problems(cfg: RlixConfig) -> list[str]:
             found += task_problems(p.eval.task, f"{where}.eval.task")
         found += [f"{where}.task.chat_template: {m}" for m in _chat_template(p)]
         found += [f"{where}: {m}" for m in _fits(cfg, p)]
+        if p.external is not None:
+            found += [f"{where}.external.{m}" for m in _program(p.external)]
         if p.env is not None:
             for field in ("resources", "agent"):
                 problem = _importable(getattr(p.env, field))
@@ -174,6 +177,25 @@ def _vllm_python(python: str | None) -> str | None:
     except (OSError, subprocess.SubprocessError) as exc:
         return f"{python} did not run: {exc}"
     return None if ok else f"{python} has no vllm package"
+
+
+def _program(ext: ExternalConfig) -> list[str]:
+    """An external pipeline's program that cannot start: its cwd missing, its command not found
+    (on PATH or from the cwd), a Python script that is not there. Relative paths are read from
+    `cwd`, else from where rlix runs."""
+    base = Path(ext.cwd).expanduser() if ext.cwd else Path.cwd()
+    if not base.is_dir():
+        return [f"cwd: {ext.cwd!r} is not a directory"]
+    first = ext.command[0]
+    if first in PYTHON_WORDS:
+        script = next((a for a in ext.command[1:] if not a.startswith("-")), None)
+        if script is not None and script.endswith(".py") and not (base / Path(script).expanduser()).is_file():
+            return [f"command: no Python script {script!r} (from {base})"]
+        return []
+    if "/" in first:
+        path = base / Path(first).expanduser()
+        return [] if path.is_file() and os.access(path, os.X_OK) else [f"command: {first!r} is not an executable file"]
+    return [] if shutil.which(first) else [f"command: {first!r} is not on PATH"]
 
 
 def _seeded(model: str) -> bool:

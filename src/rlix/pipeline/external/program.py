@@ -12,12 +12,9 @@ import sys
 from pathlib import Path
 
 from rlix import env
+from rlix.config.models import PYTHON_WORDS
 from rlix.private_files import open_private
 from rlix.procguard import guarded_pid, signal_session
-
-
-#: a command's first word that means the Python rlix runs in (a PATH's `python` may lack rlix)
-PYTHON_WORDS = ("python", "python3")
 
 
 class ProgramProcess:
