@@ -36,7 +36,11 @@ class SamplingParams:
     for the prompt's tokens, from the prefill. The penalties and `logit_bias` change what is
     sampled, before temperature / top-k / top-p, never the reported logprobs: presence and
     frequency count the generated tokens (OpenAI's), repetition (vLLM's) divides positive / multiplies
-    negative logits of every token seen in the prompt or the output.
+    negative logits of every token seen in the prompt or the output. `min_tokens` (vLLM's): until
+    that many tokens were generated, the end-of-sequence ids and `stop_token_ids` are masked out
+    of the sampled distribution (whether or not `ignore_eos`, as vLLM masks them) and no stop
+    string can end the output (one ending in the text of the first `min_tokens` tokens is not a
+    match).
     """
 
     max_tokens: int = 16
@@ -55,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0
 
     @property
     def shapes_logits(self) -> bool:

@@ -133,6 +133,7 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.check_can_generate()
+        seq.hold_stops(self.eos_ids)
         self.waiting.append(seq)
         self._queued_at[seq] = self._step_count
 
@@ -141,6 +142,7 @@ class EngineCore:
         self.check_can_generate()
         self.waiting.extend(seqs)
         for seq in seqs:
+            seq.hold_stops(self.eos_ids)
             self._queued_at[seq] = self._step_count
 
     def reject(self, seq: Sequence, error: BaseException) -> None:

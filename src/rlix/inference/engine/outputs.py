@@ -27,6 +27,9 @@ def validate_request(request_id: str, prompt: list[int], params: SamplingParams,
         raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
     if params.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be >= 1")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise InvalidRequestError(f"min_tokens must lie in [0, max_tokens={params.max_tokens}], got "
+                                  f"{params.min_tokens}", param="min_tokens")
     if len(ids) + params.max_tokens > max_model_len:
         raise InvalidRequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "

@@ -10,7 +10,10 @@ instead of one torch.Generator call per row.
 Before that, a row that asked for them gets its logits shaped (`LogitShaping`): `logit_bias`
 added, then vLLM's repetition penalty (tokens of the prompt or the output: positive logits
 divided, negative ones multiplied), then OpenAI's frequency and presence penalties (the output's
-token counts). Rows that did not ask cost nothing: the batch's logits are not even copied.
+token counts). A row short of its `min_tokens` has its stop ids (end-of-sequence and
+`stop_token_ids`) set to -inf, as vLLM's min-tokens logits processor does, until the row has
+generated that many tokens; only then does it become plain again (sampled inside the decode CUDA
+graph, overlapped). Rows that did not ask cost nothing: the batch's logits are not even copied.
 
 Logprobs are those of the model's raw distribution: log_softmax of the unscaled, unfiltered,
 unshaped logits, evaluated at the sampled token (what a trainer recomputes from the same
@@ -94,12 +97,38 @@ class RowSampling:
     rng: random.Random
     top_logprobs: int = 0  # alternatives to report per token (0: none)
     shaping: LogitShaping | None = None
+    #: token ids masked out (-inf) while the row is short of its min_tokens; None: no mask
+    held: tuple[int, ...] | None = None
     #: temperature (or greedy) only: sampled by `sample_plain`, inside a decode CUDA graph
     plain: bool = field(init=False)
+    _held_ids: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._set_plain()
+
+    def _set_plain(self) -> None:
         self.plain = (self.shaping is None and not self.top_logprobs and self.top_k <= 0
-                      and self.top_p >= 1.0)
+                      and self.top_p >= 1.0 and self.held is None)
+
+    def hold(self, ids: tuple[int, ...]) -> None:
+        """Mask `ids` out of this row's distribution until `release` (min_tokens). The row is
+        not plain meanwhile: its logits come to `sample`, which applies the mask."""
+        self.held, self._held_ids = ids, None
+        self._set_plain()
+
+    def release(self) -> None:
+        """Stop masking (the row has its min_tokens): plain again if nothing else shapes it."""
+        self.held, self._held_ids = None, None
+        self._set_plain()
+
+    def mask_held(self, row: torch.Tensor) -> None:
+        """Set the held ids' logits of one row [V] to -inf, in place (ids past the vocabulary:
+        nothing to mask; the index tensor is made once per row and device)."""
+        if self._held_ids is None or self._held_ids.device != row.device:
+            vocab = row.shape[0]
+            self._held_ids = torch.tensor([t for t in self.held or () if 0 <= t < vocab],
+                                          dtype=torch.long, device=row.device)
+        row.index_fill_(0, self._held_ids, float("-inf"))
 
     @property
     def greedy(self) -> bool:
@@ -148,13 +177,18 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
     batch, vocab = logits.shape
     device = logits.device
     shaped = logits
-    # rows that asked for shaping or alternatives (one pass; usually none)
-    special = [i for i, r in enumerate(rows) if r.shaping is not None or r.top_logprobs]
-    shaping = [i for i in special if rows[i].shaping is not None]
+    # rows that asked for shaping, a min_tokens mask or alternatives (one pass; usually none)
+    special = [i for i, r in enumerate(rows)
+               if r.shaping is not None or r.top_logprobs or r.held is not None]
+    shaping = [i for i in special if rows[i].shaping is not None or rows[i].held is not None]
     if shaping:
         shaped = logits.clone()
         for i in shaping:
-            rows[i].shaping.apply(shaped[i])  # type: ignore[union-attr]
+            row = rows[i]
+            if row.shaping is not None:
+                row.shaping.apply(shaped[i])
+            if row.held is not None:
+                row.mask_held(shaped[i])
     greedy = [r.temperature <= 0.0 for r in rows]  # (the property costs 1.5 us per 32 rows)
     tokens = shaped.argmax(dim=-1)
     if not all(greedy):
@@ -179,7 +213,8 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
     if not special:
         return Sampled(picked, logprobs.tolist())
     for i in shaping:
-        rows[i].shaping.observe(picked[i])  # type: ignore[union-attr]
+        if rows[i].shaping is not None:
+            rows[i].shaping.observe(picked[i])  # type: ignore[union-attr]
     wanted = [i for i in special if rows[i].top_logprobs > 0]
     return Sampled(picked, logprobs.tolist(), _alternatives(raw, rows, wanted) if wanted else None)
 

@@ -13,6 +13,18 @@ from rlix.inference.engine.sampling import LogitShaping, RowSampling, new_rng
 _arrival = itertools.count()
 
 
+def first_stop(text: str, stop: tuple[str, ...], searched: int = 0) -> tuple[int, str | None]:
+    """Where the stop string that ends first in `text` begins, and which one it is (-1, None:
+    none); ties go to the first listed. Only matches ending past `searched` count (the text up
+    to there was searched before, or may not end the output: min_tokens)."""
+    best, where, end = None, -1, len(text) + 1
+    for s in stop:
+        i = text.find(s, max(0, searched - len(s) + 1))
+        if i >= 0 and i + len(s) < end:
+            best, where, end = s, i, i + len(s)
+    return where, best
+
+
 @dataclass
 class Delta:
     """What one step added to a request; the async side folds deltas into GenerationOutputs."""
@@ -74,6 +86,13 @@ class Sequence:
                                     p.top_logprobs, shaping)
         self.pending = Delta(index=self.index)
 
+    def hold_stops(self, eos_ids: frozenset[int]) -> None:
+        """With min_tokens: mask the stop ids (end-of-sequence, whatever ignore_eos says, and
+        stop_token_ids: vLLM's all_stop_token_ids) until that many tokens were generated."""
+        p = self.params
+        if p.min_tokens > len(self.output_ids):
+            self.sampling.hold(tuple(sorted(eos_ids | set(p.stop_token_ids))))
+
     @property
     def group_id(self) -> str | None:
         return self.group.request_id if self.group is not None else None
@@ -112,6 +131,8 @@ class Sequence:
             self.pending.logprobs.append(logprob)
         if top is not None:
             self.pending.top_logprobs.append(top)
+        if self.sampling.held is not None and len(self.output_ids) >= self.params.min_tokens:
+            self.sampling.release()
         self._check_finish(token, eos_ids, detokenizer)
 
     def _check_finish(self, token: int, eos_ids: frozenset[int],
@@ -127,14 +148,18 @@ class Sequence:
             self.finish("length")
 
     def _stop_string(self, detokenizer: Detokenizer) -> str | None:
-        """The first stop string that the output text now contains (searching only new text)."""
+        """The stop string that the output text now contains, searching only new text: the
+        one ending first (then the first listed), as vLLM picks it. With min_tokens, none before
+        the output is longer than that, and a match must end past the text of those tokens."""
+        p = self.params
+        if len(self.output_ids) <= p.min_tokens:
+            return None
+        if p.min_tokens and len(self.output_ids) == p.min_tokens + 1:
+            self._text_checked = len(detokenizer.decode(self.output_ids[:p.min_tokens],
+                                                        skip_special_tokens=True))
         text = detokenizer.decode(self.output_ids, skip_special_tokens=True)
-        longest = max(len(s) for s in self.params.stop)
-        start = max(0, self._text_checked - longest + 1)
-        self._text_checked = len(text)
-        found = [(text.find(s, start), s) for s in self.params.stop]
-        found = [(i, s) for i, s in found if i >= 0]
-        return min(found)[1] if found else None
+        checked, self._text_checked = self._text_checked, len(text)
+        return first_stop(text, p.stop, checked)[1]
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         if self.finish_reason is None:
