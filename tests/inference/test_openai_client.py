@@ -285,7 +285,7 @@ def test_unsupported_fields_are_refused_naming_them(via, stream):
     chat = dict(model="tiny", messages=CHAT, max_tokens=2, stream=stream)
     for kw, param in ((dict(response_format={"type": "json_object"}), "response_format"),
                       (dict(extra_body={"frobnicate": True}), "frobnicate"),
-                      (dict(extra_body={"min_tokens": 2}), "min_tokens"),
+                      (dict(extra_body={"min_tokens": 3}), "min_tokens"),  # above max_tokens
                       (dict(parallel_tool_calls=False), "parallel_tool_calls")):
         with pytest.raises(openai.BadRequestError) as err:
             via.chat.completions.create(**chat, **kw)

@@ -61,19 +61,21 @@ def test_stream_text_equals_plain_text(engine):
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5], []]}, "prompt"),  # each prompt is checked
     ("/v1/completions", {"n": 0}, "n"),
     ("/v1/completions", {"n": 100}, "n"),  # more than the engine's batch
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": 17}, "min_tokens"),  # above max_tokens (16, the default)
+    ("/v1/chat/completions", {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("/inference/v1/generate", {"sampling_params": {"min_tokens": 17}}, "sampling_params.min_tokens"),
     ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
-    ("/v1/completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    ("/v1/completions", {"stream": True, "stream_options": {"usage_every": 2}},
+     "stream_options.usage_every"),
     ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),

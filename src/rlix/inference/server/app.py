@@ -286,10 +286,10 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str 
 
     @app.post("/v1/completions")
     async def completions(req: S.CompletionRequest, request: Request) -> Response:
-        job = await _prepare(request, serving.prepare_completion, req)
-        if job.stream:
-            return StreamingResponse(serving.completion_stream(job), media_type="text/event-stream")
-        return JSONResponse(await serving.completion(job))
+        jobs = await _prepare(request, serving.prepare_completion, req)
+        if jobs[0].stream:
+            return StreamingResponse(serving.completion_stream(jobs), media_type="text/event-stream")
+        return JSONResponse(await serving.completion(jobs))
 
     @app.post("/v1/chat/completions")
     async def chat(req: S.ChatCompletionRequest, request: Request) -> Response:

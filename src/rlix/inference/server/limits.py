@@ -40,8 +40,8 @@ MAX_TOKENS = 2**24
 MAX_PROMPT_TOKENS = 2**18
 #: characters of one prompt string (tokenizing 1 MiB of text takes about a second of CPU)
 MAX_PROMPT_CHARS = 2**20
-#: prompts of one completions request (the server serves one; vLLM's batch form is refused by name)
-MAX_PROMPTS = 64
+#: prompts of one completions request (vLLM's batch form; its default VLLM_MAX_COMPLETION_PROMPTS)
+MAX_PROMPTS = 1024
 #: chat `messages` (and /v1/responses `input` items)
 MAX_MESSAGES = 4096
 #: chat `tools` (OpenAI allows 128)

@@ -64,8 +64,7 @@ INERT: dict[str, Callable[[Any], bool]] = {
     "user": _any, "metadata": _any, "prompt_cache_key": _any, "safety_identifier": _any,
     "request_id": _any, "cache_salt": _any,  # identifiers (vLLM's request_id: we make our own)
     "store": _is(False), "service_tier": _is("auto", "default"), "priority": _is(0),
-    "min_tokens": _is(0), "min_p": _is(0, 0.0), "use_beam_search": _is(False),
-    "length_penalty": _is(1, 1.0), "include_stop_str_in_output": _is(False),
+    "min_p": _is(0, 0.0), "use_beam_search": _is(False), "length_penalty": _is(1, 1.0),
     "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _unset,
     "prompt_logprobs": _unset, "logprob_token_ids": _unset, "allowed_token_ids": _unset,
     "bad_words": _unset, "structured_outputs": _unset, "guided_json": _unset,
@@ -87,8 +86,9 @@ COMPLETION_INERT: dict[str, Callable[[Any], bool]] = {
     **INERT, "suffix": _unset, "response_format": lambda v: _unset(v) or v == {"type": "text"},
 }
 #: vLLM SamplingParams fields of /inference/v1/generate that change nothing for token output
+#: (`include_stop_str_in_output` changes the text only: the token ids are the same either way)
 GENERATE_INERT: dict[str, Callable[[Any], bool]] = {
-    **{k: INERT[k] for k in ("min_tokens", "min_p", "truncate_prompt_tokens", "prompt_logprobs",
+    **{k: INERT[k] for k in ("min_p", "truncate_prompt_tokens", "prompt_logprobs",
                               "allowed_token_ids", "bad_words", "structured_outputs",
                               "logprob_token_ids")},
     "skip_special_tokens": _any, "spaces_between_special_tokens": _any, "detokenize": _any,
@@ -116,9 +116,6 @@ def refuse_unsupported(req: BaseModel, inert: Mapping[str, Callable[[Any], bool]
                                       f"server has no such feature (leave it out)", param=field)
     opts = getattr(req, "stream_options", None)
     if isinstance(opts, StreamOptions):
-        if opts.continuous_usage_stats:
-            raise InvalidRequestError("stream_options.continuous_usage_stats is not supported",
-                                      param="stream_options.continuous_usage_stats")
         refuse_unsupported(opts, STREAM_OPTIONS_INERT, "stream_options.")
 
 
@@ -153,6 +150,7 @@ Messages = Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_ME
 Tools = Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS, fail_fast=True)]
 Samples = Annotated[int, Field(le=MAX_N)]
 MaxTokens = Annotated[int, Field(le=MAX_TOKENS)]
+MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 TopK = Annotated[int, Field(le=MAX_TOP_K)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 
@@ -179,6 +177,8 @@ class _SamplingFields(_Checked):
     logit_bias: LogitBias | None = None
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool | None = None
+    min_tokens: MinTokens = 0
+    include_stop_str_in_output: bool = False
 
 
 class CompletionRequest(_SamplingFields):
@@ -218,6 +218,7 @@ class GenerateSamplingParams(_Checked):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: LogitBias | None = None
+    min_tokens: MinTokens = 0
 
 
 class GenerateRequest(_Checked):
@@ -363,12 +364,16 @@ def completion_response(rid: str, model: str, choices: list[dict], n_prompt: int
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
                      stop_reason: Any, logprobs: dict | None, token_ids: list[int] | None,
-                     prompt_ids: list[int] | None, last: bool = False, index: int = 0) -> dict:
-    """`last`: the finishing chunk with no usage chunk after it carries the fingerprint."""
+                     prompt_ids: list[int] | None, last: bool = False, index: int = 0,
+                     usage: dict | None = None) -> dict:
+    """`last`: the finishing chunk with no usage chunk after it carries the fingerprint;
+    `usage`: continuous usage stats (vLLM puts them after the choices)."""
     out = {"id": rid, "object": "text_completion", "created": created, "model": model,
            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                         "stop_reason": stop_reason, "prompt_token_ids": prompt_ids,
                         "token_ids": token_ids}]}
+    if usage is not None:
+        out["usage"] = usage
     if last:
         out["system_fingerprint"] = SYSTEM_FINGERPRINT
     return out
@@ -395,16 +400,19 @@ def chat_response(rid: str, model: str, choices: list[dict], prompt_ids: list[in
 
 
 def chat_first_chunk(rid: str, model: str, created: int, prompt_ids: list[int] | None,
-                     index: int = 0) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}],
-            "prompt_token_ids": prompt_ids, "prompt_text": None}
+                     index: int = 0, usage: dict | None = None) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]}
+    if usage is not None:
+        out["usage"] = usage
+    out.update(prompt_token_ids=prompt_ids, prompt_text=None)
+    return out
 
 
 def chat_chunk(rid: str, model: str, created: int, text: str, finish: str | None,
                stop_reason: Any, logprobs: dict | None, token_ids: list[int] | None,
-               last: bool = False, index: int = 0) -> dict:
+               last: bool = False, index: int = 0, usage: dict | None = None) -> dict:
     choice: dict[str, Any] = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
                               "finish_reason": finish}
     if finish is not None:
@@ -412,6 +420,8 @@ def chat_chunk(rid: str, model: str, created: int, text: str, finish: str | None
     choice["token_ids"] = token_ids
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
            "choices": [choice]}
+    if usage is not None:
+        out["usage"] = usage
     if last:
         out["system_fingerprint"] = SYSTEM_FINGERPRINT
     return out
@@ -441,8 +451,8 @@ def generate_response(rid: str, model: str, choices: list[dict], prompt_ids: lis
 
 def generate_chunk(rid: str, finish: str | None, stop_reason: Any, token_ids: list[int],
                    logprobs: dict | None, spans: list[dict] | None,
-                   prompt_ids: list[int] | None, index: int = 0) -> dict:
-    out: dict[str, Any] = {"request_id": rid, "usage": None}
+                   prompt_ids: list[int] | None, index: int = 0, usage: dict | None = None) -> dict:
+    out: dict[str, Any] = {"request_id": rid, "usage": usage}
     if prompt_ids is not None:
         out["prompt_token_ids"] = prompt_ids
     out["output_mode"] = "tokens"

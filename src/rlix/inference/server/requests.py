@@ -2,8 +2,9 @@
 
 Pure (a tokenizer and the engine's context length), so every refusal is tested without a server:
 max_tokens is capped to the context left after the prompt, a prompt that fills the context is a
-400, a field the server would ignore is refused (openai_schema.refuse_unsupported), as are
-several prompts in one request.
+400, min_tokens above the (capped) max_tokens is a 400 as in vLLM, a field the server would
+ignore is refused (openai_schema.refuse_unsupported). A completions request with a list of
+prompts becomes one Job per prompt (each checked on its own, as vLLM checks each).
 """
 
 from __future__ import annotations
@@ -34,12 +35,26 @@ class Job:
     echo: str | None = None  # completions `echo`: the prompt's text, ahead of each choice's
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string (or id) stays
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    prompt_index: int = 0  # which prompt of a completions request's list this is
+    engine_id: str = ""  # the engine's request id, when not `rid` (the prompts of one request)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = 0.0  # time.monotonic() when the engine took it (metrics)
 
     @property
     def n(self) -> int:
         return self.params.n
+
+    @property
+    def engine_rid(self) -> str:
+        return self.engine_id or self.rid
+
+    @property
+    def first_index(self) -> int:
+        """The `index` of this prompt's first choice: vLLM numbers the choices of a list of
+        prompts prompt by prompt, n each."""
+        return self.prompt_index * self.n
 
 
 class RequestBuilder:
@@ -71,7 +86,12 @@ class RequestBuilder:
         if temperature < 0 or not 0 < top_p <= 1:
             raise InvalidRequestError("temperature must be >= 0 and top_p in (0, 1]", param="temperature")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        return SamplingParams(max_tokens=min(wanted, room), temperature=temperature, top_p=top_p,
+        capped = min(wanted, room)
+        if req.min_tokens > capped:  # vLLM's check and wording, against max_tokens once capped
+            where = "sampling_params." if isinstance(req, S.GenerateSamplingParams) else ""
+            raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens={capped}, "
+                                      f"got {req.min_tokens}.", param=f"{where}min_tokens")
+        return SamplingParams(max_tokens=capped, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=req.seed, stop=stop,
                               stop_token_ids=tuple(req.stop_token_ids or ()),
                               ignore_eos=req.ignore_eos, logprobs=logprobs, n=req.n,
@@ -80,7 +100,7 @@ class RequestBuilder:
                               frequency_penalty=req.frequency_penalty or 0.0,
                               repetition_penalty=(1.0 if req.repetition_penalty is None
                                                   else req.repetition_penalty),
-                              logit_bias=_logit_bias(req.logit_bias))
+                              logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens)
 
     def check_room(self, prompt_len: int, token_level: bool = False) -> int:
         """The context length, or InvalidRequestError if a prompt this long leaves no room
@@ -111,13 +131,13 @@ class RequestBuilder:
                                       f"{bad[:5]}", param=what)
 
     @staticmethod
-    def _one_prompt(prompt: Any) -> Any:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            return prompt[0]
-        return prompt
+    def _prompts(prompt: Any) -> list[Any]:
+        """The prompts of a completions request: one string or token-id list, or a list of them."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]
 
     def _encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
-        prompt = self._one_prompt(prompt)
         if isinstance(prompt, str):
             return self.tok(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -126,7 +146,7 @@ class RequestBuilder:
             self.check_room(len(prompt))
             self.check_ids(prompt, "prompt")
             return list(prompt)
-        raise InvalidRequestError("one prompt per request: a string or a list of token ids", param="prompt")
+        raise InvalidRequestError("a prompt is a string or a list of token ids", param="prompt")
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, kwargs: dict | None = None,
@@ -143,22 +163,31 @@ class RequestBuilder:
                                       param="messages") from None
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def prepare_completion(self, req: S.CompletionRequest) -> Job:
+    def prepare_completion(self, req: S.CompletionRequest) -> list[Job]:
+        """One Job per prompt (a list of prompts is vLLM's batch form), all under one response
+        id; each prompt is checked (context room, vocabulary, min_tokens) before any runs."""
         self.check_model(req.model)
         S.refuse_unsupported(req, S.COMPLETION_INERT)
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of other than n is not supported (every sample is "
                                       "returned: ask for n)", param="best_of")
         self._check_top(req.logprobs, "logprobs")
-        ids = self._encode_prompt(req.prompt, req.add_special_tokens)
-        k = req.logprobs
-        params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
-                              prompt_logprobs=k if req.echo else None)
-        job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
-        if req.echo:
-            prompt = self._one_prompt(req.prompt)
-            job.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
-        return job
+        prompts = self._prompts(req.prompt)
+        rid = S.new_id("cmpl")
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            ids = self._encode_prompt(prompt, req.add_special_tokens)
+            k = req.logprobs
+            params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
+                                  prompt_logprobs=k if req.echo else None)
+            job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
+            job.rid, job.prompt_index = rid, i
+            if len(prompts) > 1:  # vLLM's engine ids for the prompts of one request
+                job.engine_id = f"{rid}-{i}"
+            if req.echo:
+                job.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
+            jobs.append(job)
+        return jobs
 
     def prepare_chat(self, req: S.ChatCompletionRequest) -> Job:
         self.check_model(req.model)
@@ -197,11 +226,15 @@ class RequestBuilder:
     def _job(self, prefix: str, ids: list[int], params: SamplingParams, req: Any, *,
              logprobs: bool, top: int = 0) -> Job:
         opts = req.stream_options
+        usage = bool(opts and opts.include_usage)
         return Job(rid=S.new_id(prefix) if prefix else "", prompt_ids=ids, params=params,
-                   stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
+                   stream=bool(req.stream), include_usage=usage,
                    return_token_ids=bool(req.return_token_ids), logprobs=logprobs, top_logprobs=top,
                    skip_special_tokens=getattr(req, "skip_special_tokens", True),
-                   tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False)))
+                   tokens_as_ids=bool(getattr(req, "return_tokens_as_token_ids", False)),
+                   include_stop=bool(getattr(req, "include_stop_str_in_output", False)),
+                   # vLLM's rule: per-chunk usage only along with the final usage chunk
+                   continuous_usage=usage and bool(opts.continuous_usage_stats))
 
 
 def _logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -3,10 +3,15 @@ vLLM-compatible wire dicts, whole or streamed.
 
 No HTTP here (app.py is a thin shell around it), so stop strings and streaming are tested with a
 fake engine. Behaviour follows vLLM 0.32 where it is observable: a stop string ends the output and
-is not part of the text, `return_token_ids` adds prompt and output ids. `n` samples share the
-prompt's prefill and come back as `n` choices (by `index`, streamed interleaved); logprobs carry
-up to 20 alternatives per token (`top_logprobs`, completions' `logprobs`); completions `echo`
-prepends the prompt (with its logprobs, computed in the prefill).
+is not part of the text, nor is the text of the end-of-sequence or stop token id that ended it
+(both stay with include_stop_str_in_output), `return_token_ids` adds prompt and output ids. `n`
+samples share the prompt's prefill and come back as `n` choices (by `index`, streamed
+interleaved); logprobs carry up to 20 alternatives per token (`top_logprobs`, completions'
+`logprobs`); completions `echo` prepends the prompt (with its logprobs, computed in the prefill).
+A completions request with a list of prompts runs them concurrently as requests of their own
+(each prompt's samples share its prefill) and answers with n choices per prompt, numbered prompt
+by prompt, usage summed. `stream_options.continuous_usage_stats` puts vLLM's usage (that choice's
+tokens so far) on every streamed chunk.
 """
 
 from __future__ import annotations
@@ -40,6 +45,19 @@ class Step:
     stop_reason: Any
     index: int = 0
     new_top: list[TopLogprobs] = field(default_factory=list)
+
+
+async def _together(coros: list[Any]) -> list[Any]:
+    """The results of `coros`, run concurrently; the first failure is raised as it is (not as
+    an ExceptionGroup: the app maps rlix's errors to answers) after the others are cancelled."""
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def sse(obj: Any) -> str:
@@ -76,7 +94,7 @@ class OpenAIServing:
         return self.requests.render_chat(messages, add_generation_prompt, continue_final_message,
                                          kwargs, tools)
 
-    def prepare_completion(self, req: S.CompletionRequest) -> Job:
+    def prepare_completion(self, req: S.CompletionRequest) -> list[Job]:
         return self.requests.prepare_completion(req)
 
     def prepare_chat(self, req: S.ChatCompletionRequest) -> Job:
@@ -91,7 +109,8 @@ class OpenAIServing:
         """One text stream per choice (for token-level generate only to apply stop strings)."""
         if not always and not job.params.stop:
             return [None] * job.n
-        return [TextStream(self.tok, job.params.stop, job.prompt_ids[-8:], job.skip_special_tokens)
+        return [TextStream(self.tok, job.params.stop, job.prompt_ids[-8:], job.skip_special_tokens,
+                           job.params.min_tokens, job.include_stop)
                 for _ in range(job.n)]
 
     def start(self, job: Job) -> AsyncIterator[GenerationOutput]:
@@ -99,7 +118,22 @@ class OpenAIServing:
         # nothing to send or check before the end: the engine wakes this loop once, not per step
         final_only = not job.stream and not job.params.stop
         job.started = time.monotonic()
-        return self.engine.generate(job.rid, job.prompt_ids, job.params, final_only=final_only)
+        return self.engine.generate(job.engine_rid, job.prompt_ids, job.params, final_only=final_only)
+
+    def start_all(self, jobs: list[Job]) -> list[AsyncIterator[GenerationOutput]]:
+        """`start` each prompt's job; if the engine refuses one, those already handed over
+        are closed (none of them has run: the engine starts a request when it is iterated)."""
+        started: list[AsyncIterator[GenerationOutput]] = []
+        try:
+            for job in jobs:
+                started.append(self.start(job))
+        except BaseException:
+            for agen in started:
+                aclose = getattr(agen, "aclose", None)
+                if aclose is not None:
+                    self._bg_task(aclose())
+            raise
+        return started
 
     async def run(self, job: Job, texts: list[TextStream | None],
                   agen: AsyncIterator[GenerationOutput] | None = None) -> AsyncIterator[Step]:
@@ -125,8 +159,12 @@ class OpenAIServing:
                 finish, stop_reason = out.finish_reason, None
                 delta = ""
                 if text is not None and (job.stream or text.stop or finish):
+                    # ended by end-of-sequence or a stop id (a stop string's stop_reason is
+                    # the string): that token's text is not part of the output (vLLM's rule)
+                    dropped = (finish == "stop" and not job.include_stop
+                               and not isinstance(out.stop_reason, str))
                     delta = text.update(out.token_ids, final=finish is not None,
-                                        cut=finish == "abort")
+                                        cut=finish == "abort", drop_last=dropped)
                     if text.stopped:
                         if finish is None:
                             self._abort_later(out.request_id)
@@ -156,7 +194,7 @@ class OpenAIServing:
                                               ttft_s=None if first_at[i] is None else first_at[i] - job.started,
                                               e2e_s=now - job.started)
             if closed < n:
-                self._abort_later(job.rid)
+                self._abort_later(job.engine_rid)
             aclose = getattr(agen, "aclose", None)
             if aclose is not None:
                 self._bg_task(aclose())
@@ -169,10 +207,12 @@ class OpenAIServing:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _finals(self, job: Job, always: bool = True) -> list[tuple[Step, str]]:
+    async def _finals(self, job: Job, always: bool = True,
+                      agen: AsyncIterator[GenerationOutput] | None = None) -> list[tuple[Step, str]]:
         """Each choice's last step and whole text, by index. The engine takes (and validates)
         the request before the per-sample text streams are made: a refused `n` costs nothing."""
-        agen = self.start(job)
+        if agen is None:
+            agen = self.start(job)
         texts = self._texts(job, always)
         last: dict[int, Step] = {}
         chunks: dict[int, list[str]] = {}
@@ -228,50 +268,105 @@ class OpenAIServing:
         return S.chat_logprobs(self._strs(ids, as_id), lps, top)
 
     # ------------------------------------------------------------ completions
-    async def completion(self, job: Job) -> dict:
+    async def completion(self, jobs: list[Job]) -> dict:
+        """The answer to a completions request: its prompts' choices by index, usage summed."""
+        agens = self.start_all(jobs)
+        if len(jobs) == 1:
+            finals = [await self._finals(jobs[0], agen=agens[0])]
+        else:
+            finals = await _together([self._finals(job, agen=agen) for job, agen in zip(jobs, agens)])
         choices, n_out = [], 0
-        for i, (last, text) in enumerate(await self._finals(job)):
-            out = last.out
-            lp = (self._completion_lp(job, out, out.token_ids, out.logprobs, out.top_logprobs,
-                                      echo=job.echo is not None) if job.logprobs else None)
-            if job.echo is not None:
-                text = job.echo + text
-            choices.append(S.completion_choice(i, text, lp, last.finish, last.stop_reason,
-                                               out.token_ids if job.return_token_ids else None,
-                                               job.prompt_ids if job.return_token_ids else None))
-            n_out += len(out.token_ids)
-        return S.completion_response(job.rid, self.model_name, choices, len(job.prompt_ids), n_out)
+        for job, results in zip(jobs, finals):
+            for i, (last, text) in enumerate(results):
+                out = last.out
+                lp = (self._completion_lp(job, out, out.token_ids, out.logprobs, out.top_logprobs,
+                                          echo=job.echo is not None) if job.logprobs else None)
+                if job.echo is not None:
+                    text = job.echo + text
+                choices.append(S.completion_choice(job.first_index + i, text, lp, last.finish,
+                                                   last.stop_reason,
+                                                   out.token_ids if job.return_token_ids else None,
+                                                   job.prompt_ids if job.return_token_ids else None))
+                n_out += len(out.token_ids)
+        return S.completion_response(jobs[0].rid, self.model_name, choices,
+                                     sum(len(job.prompt_ids) for job in jobs), n_out)
 
-    def completion_stream(self, job: Job) -> AsyncIterator[str]:
+    def completion_stream(self, jobs: list[Job]) -> AsyncIterator[str]:
         """The SSE text; the engine refuses a bad request here, before any of it is sent."""
-        return self._completion_stream(job, self.start(job))
+        return self._completion_stream(jobs, self.start_all(jobs))
 
-    async def _completion_stream(self, job: Job, agen: AsyncIterator[GenerationOutput]) -> AsyncIterator[str]:
-        offsets, n_out, first = [0] * job.n, [0] * job.n, [True] * job.n
-        async for step in self._guard(self.run(job, self._texts(job), agen)):
-            if isinstance(step, str):
-                yield step
-                return
-            i = step.index
-            echo = job.echo is not None and first[i]
-            lp = None
-            if job.logprobs:
-                lp = self._completion_lp(job, step.out, step.new_ids, step.new_logprobs, step.new_top,
-                                         offsets[i], echo)
-                if lp["tokens"]:
-                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            n_out[i] = len(step.out.token_ids)
-            prompt = job.prompt_ids if job.return_token_ids and first[i] else None
-            first[i] = False
-            yield sse(S.completion_chunk(job.rid, self.model_name, job.created,
-                                         (job.echo or "") + step.text if echo else step.text,
-                                         step.finish, step.stop_reason, lp,
-                                         step.new_ids if job.return_token_ids else None, prompt,
-                                         last=bool(step.finish) and not job.include_usage, index=i))
-        if job.include_usage:
-            yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "text_completion",
-                                    len(job.prompt_ids), sum(n_out)))
+    async def _completion_stream(self, jobs: list[Job], agens: list[AsyncIterator[GenerationOutput]]
+                                 ) -> AsyncIterator[str]:
+        head = jobs[0]
+        total = len(jobs) * head.n
+        offsets, n_out, first = [0] * total, [0] * total, [True] * total
+        steps = self._steps(jobs, agens)
+        try:
+            async for job, step in steps:
+                if isinstance(step, str):
+                    yield step
+                    return
+                i = job.first_index + step.index
+                echo = job.echo is not None and first[i]
+                lp = None
+                if job.logprobs:
+                    lp = self._completion_lp(job, step.out, step.new_ids, step.new_logprobs, step.new_top,
+                                             offsets[i], echo)
+                    if lp["tokens"]:
+                        offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                n_out[i] = len(step.out.token_ids)
+                prompt = job.prompt_ids if job.return_token_ids and first[i] else None
+                first[i] = False
+                usage = S.usage(len(job.prompt_ids), n_out[i], details=False) if job.continuous_usage else None
+                yield sse(S.completion_chunk(head.rid, self.model_name, head.created,
+                                             (job.echo or "") + step.text if echo else step.text,
+                                             step.finish, step.stop_reason, lp,
+                                             step.new_ids if job.return_token_ids else None, prompt,
+                                             last=bool(step.finish) and not job.include_usage, index=i,
+                                             usage=usage))
+        finally:
+            await steps.aclose()  # type: ignore[attr-defined]  # ends every prompt's task
+        if head.include_usage:
+            yield sse(S.usage_chunk(head.rid, self.model_name, head.created, "text_completion",
+                                    sum(len(job.prompt_ids) for job in jobs), sum(n_out)))
         yield DONE
+
+    async def _steps(self, jobs: list[Job], agens: list[AsyncIterator[GenerationOutput]]
+                     ) -> AsyncIterator[tuple[Job, Step | str]]:
+        """The Steps of every prompt's job as they come (a str: the error event that ends the
+        stream). One job is iterated here; several run as tasks feeding one queue, all of them
+        cancelled (their requests aborted) when the stream ends early or one of them fails."""
+        if len(jobs) == 1:
+            async for step in self._guard(self.run(jobs[0], self._texts(jobs[0]), agens[0])):
+                yield jobs[0], step
+            return
+        queue: asyncio.Queue[tuple[Job, Step | str] | BaseException | None] = asyncio.Queue()
+
+        async def pump(job: Job, agen: AsyncIterator[GenerationOutput]) -> None:
+            try:
+                async for step in self._guard(self.run(job, self._texts(job), agen)):
+                    queue.put_nowait((job, step))
+            except Exception as exc:  # noqa: BLE001 - raised again in the stream's own task
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(pump(job, agen)) for job, agen in zip(jobs, agens)]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------ chat
     async def chat(self, job: Job) -> dict:
@@ -301,10 +396,11 @@ class OpenAIServing:
         return self._chat_stream(job, self.start(job))
 
     async def _chat_stream(self, job: Job, agen: AsyncIterator[GenerationOutput]) -> AsyncIterator[str]:
+        n_prompt = len(job.prompt_ids)
         for i in range(job.n):
             yield sse(S.chat_first_chunk(job.rid, self.model_name, job.created,
                                          job.prompt_ids if job.return_token_ids and i == 0 else None,
-                                         index=i))
+                                         index=i, usage=self._chat_usage(job, 0)))
         if job.parse_tools:  # a call is known only once its block closes: one delta at the end
             async for chunk in self._chat_stream_with_tools(job, agen):
                 yield chunk
@@ -319,11 +415,20 @@ class OpenAIServing:
             n_out[step.index] = len(step.out.token_ids)
             yield sse(S.chat_chunk(job.rid, self.model_name, job.created, step.text, step.finish,
                                    step.stop_reason, lp, step.new_ids if job.return_token_ids else None,
-                                   last=bool(step.finish) and not job.include_usage, index=step.index))
+                                   last=bool(step.finish) and not job.include_usage, index=step.index,
+                                   usage=self._chat_usage(job, n_out[step.index])))
         if job.include_usage:
             yield sse(S.usage_chunk(job.rid, self.model_name, job.created, "chat.completion.chunk",
-                                    len(job.prompt_ids), sum(n_out)))
+                                    n_prompt, sum(n_out)))
         yield DONE
+
+    @staticmethod
+    def _chat_usage(job: Job, n_out: int) -> dict | None:
+        """A chat chunk's continuous usage (None unless asked for): vLLM's shape there names
+        completion_tokens_details (null without a reasoning parser)."""
+        if not job.continuous_usage:
+            return None
+        return {**S.usage(len(job.prompt_ids), n_out, details=False), "completion_tokens_details": None}
 
     async def _chat_stream_with_tools(self, job: Job, agen: AsyncIterator[GenerationOutput]
                                       ) -> AsyncIterator[str]:
@@ -345,7 +450,8 @@ class OpenAIServing:
             lp = self._chat_lp(job, out.token_ids, out.logprobs, out.top_logprobs) if job.logprobs else None
             chunk = S.chat_chunk(job.rid, self.model_name, job.created, content or "", finish,
                                  step.stop_reason, lp, new_ids[i] if job.return_token_ids else None,
-                                 last=not job.include_usage, index=i)
+                                 last=not job.include_usage, index=i,
+                                 usage=self._chat_usage(job, len(out.token_ids)))
             if calls:
                 chunk["choices"][0]["delta"]["tool_calls"] = [c.as_openai(j) for j, c in enumerate(calls)]
             yield sse(chunk)
@@ -385,8 +491,9 @@ class OpenAIServing:
             n_out[step.index] = len(step.out.token_ids)
             spans = S.weight_spans(step.out.weight_versions, n_out[step.index]) if step.finish else None
             lp = self._generate_lp(job, step.new_ids, step.new_logprobs, step.new_top) if job.logprobs else None
+            usage = (S.usage(len(job.prompt_ids), n_out[step.index]) if job.continuous_usage else None)
             yield sse(S.generate_chunk(job.rid, step.finish, step.stop_reason, step.new_ids, lp, spans,
-                                       prompt, index=step.index))
+                                       prompt, index=step.index, usage=usage))
             prompt = None
         if job.include_usage:
             yield sse(S.generate_usage_chunk(job.rid, len(job.prompt_ids), sum(n_out)))

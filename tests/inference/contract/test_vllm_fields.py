@@ -1,0 +1,200 @@
+"""vLLM's request fields that rlix's server once refused, over HTTP on every available backend:
+`min_tokens`, `include_stop_str_in_output`, `stream_options.continuous_usage_stats`, a list of
+prompts on /v1/completions. Each test derives what it expects from the same server's plain
+greedy answer (and the tokenizer), so the one test states vLLM's meaning and runs against vLLM
+0.32's CPU server (`-m vllm`) and rlix's `rlix serve` alike."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from kit import sse_events
+
+CHAT = [{"role": "user", "content": "hi"}]
+CHAT_USAGE_KEYS = ["prompt_tokens", "total_tokens", "completion_tokens", "completion_tokens_details"]
+COMPLETION_USAGE_KEYS = ["prompt_tokens", "total_tokens", "completion_tokens"]
+GENERATE_USAGE_KEYS = ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details",
+                       "completion_tokens_details"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def eos_ids(tiny_model_dir, tok) -> set[int]:
+    """Every end-of-sequence id vLLM masks for min_tokens: the tokenizer's and the generation
+    config's (rlix's engine takes the same two sources)."""
+    import json
+    config = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    ids = config["eos_token_id"]
+    return {tok.eos_token_id, *(ids if isinstance(ids, list) else [ids])}
+
+
+def _tokens(path: str, answer: dict) -> list[list[int]]:
+    return [c["token_ids"] for c in answer["choices"]]
+
+
+def _request(path: str, **sampling) -> dict:
+    if path == "/inference/v1/generate":
+        return {"token_ids": [262, 78, 78, 81], "sampling_params": sampling}
+    body = {"model": "tiny", **sampling, "return_token_ids": True}
+    if path == "/v1/completions":
+        return {**body, "prompt": "hello"}
+    return {**body, "messages": CHAT}
+
+
+# ---------------------------------------------------------------- min_tokens
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
+def test_min_tokens_masks_end_of_sequence(served, path, eos_ids):
+    """With a +100 bias on EOS every sample ends at its first token; with min_tokens=6 none can
+    end (EOS masked) before its 6th, and each ends at the 7th, on EOS (ignore_eos false)."""
+    eos = min(eos_ids)
+    sampling = {"max_tokens": 20, "temperature": 1.0, "seed": 5, "n": 3, "logit_bias": {str(eos): 100}}
+    free = served.http.post(path, json=_request(path, **sampling)).json()
+    assert [len(t) for t in _tokens(path, free)] == [1, 1, 1]
+    held = served.http.post(path, json=_request(path, **sampling, min_tokens=6)).json()
+    for ids, choice in zip(_tokens(path, held), held["choices"]):
+        assert len(ids) == 7 and ids[-1] == eos and choice["finish_reason"] == "stop", ids
+        assert not eos_ids & set(ids[:6])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/inference/v1/generate"])
+def test_min_tokens_masks_stop_token_ids(served, path, eos_ids):
+    stop = 50
+    sampling = {"max_tokens": 20, "temperature": 0, "stop_token_ids": [stop], "logit_bias": {str(stop): 100}}
+    assert [len(t) for t in _tokens(path, served.http.post(path, json=_request(path, **sampling)).json())] == [1]
+    held = served.http.post(path, json=_request(path, **sampling, min_tokens=4)).json()
+    ids, choice = _tokens(path, held)[0], held["choices"][0]
+    assert len(ids) == 5 and ids[-1] == stop and choice["stop_reason"] == stop
+    assert stop not in ids[:4] and not eos_ids & set(ids[:4])
+
+
+def test_min_tokens_defers_stop_strings(served, tok):
+    """A stop string counts only once the output is longer than min_tokens, and only where it
+    ends past the text of those first tokens (vLLM's rule): an occurrence inside them is text."""
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    full = served.http.post("/v1/completions", json=body).json()["choices"][0]
+    ids, text = full["token_ids"], full["text"]
+    stop, k = _repeated_word(tok, ids, text)
+    floor = len(tok.decode(ids[:k + 2]))
+    later = text.find(stop, floor - len(stop) + 1)
+    assert 0 <= text.find(stop) < later  # it occurs in the first k + 2 tokens' text, and after
+    cut = served.http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == text[:text.find(stop)]
+    held = served.http.post("/v1/completions", json={**body, "stop": [stop], "min_tokens": k + 2}).json()
+    choice = held["choices"][0]
+    assert choice["text"] == text[:later] and choice["stop_reason"] == stop, (stop, k)
+
+
+def _repeated_word(tok, ids: list[int], text: str) -> tuple[str, int]:
+    """A stop string to test with: a word-like token's text that occurs again in `text` after the
+    next two tokens, and the index of the token that first produces it."""
+    for k, t in enumerate(ids):
+        piece = tok.decode([t])
+        if len(piece.strip()) >= 2 and piece.strip().isalpha() and text.find(piece) >= 0:
+            if text.find(piece, len(tok.decode(ids[:k + 2]))) > 0 and piece in tok.decode(ids[:k + 1]):
+                return piece, k
+    raise AssertionError(f"no repeated word in {text!r}")
+
+
+# ---------------------------------------------------------------- include_stop_str_in_output
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_include_stop_str_in_output_keeps_the_stop_string(served, path, tok):
+    body = {**_request(path, max_tokens=40, temperature=0, ignore_eos=True)}
+    if path == "/v1/completions":
+        body["prompt"] = "abc"
+    full = served.http.post(path, json=body).json()["choices"][0]
+    text = full.get("text", (full.get("message") or {}).get("content"))
+    stop, _ = _repeated_word(tok, full["token_ids"], text)
+    pos = text.find(stop)
+    for include, want in ((False, text[:pos]), (True, text[:pos + len(stop)])):
+        sent = {**body, "stop": [stop], "include_stop_str_in_output": include}
+        answer = served.http.post(path, json=sent).json()["choices"][0]
+        got = answer.get("text", (answer.get("message") or {}).get("content"))
+        assert got == want and answer["finish_reason"] == "stop" and answer["stop_reason"] == stop
+        chunks = sse_events(served.http.post(path, json={**sent, "stream": True}).text)
+        streamed = "".join(c["choices"][0].get("text", c["choices"][0].get("delta", {}).get("content", ""))
+                           for c in chunks if c["choices"])
+        assert streamed == want, include
+
+
+def test_a_stop_token_ids_text_is_left_out_unless_included(served, tok):
+    """A stop token id ends the output; its text is not part of it, unless
+    include_stop_str_in_output (its id stays in token_ids either way)."""
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    ids = served.http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    # (a token after whole characters: text cut inside one is a difference of its own, issue 41)
+    k = next(k for k, t in enumerate(ids) if k >= 3 and tok.decode([t]).strip().isalpha()
+             and t not in ids[:k] and not tok.decode(ids[:k]).endswith("\ufffd"))
+    for include in (False, True):
+        answer = served.http.post("/v1/completions", json={**body, "stop_token_ids": [ids[k]],
+                                                           "include_stop_str_in_output": include}).json()
+        choice = answer["choices"][0]
+        assert choice["token_ids"] == ids[:k + 1] and choice["stop_reason"] == ids[k]
+        assert choice["text"] == tok.decode(ids[:k + 1] if include else ids[:k])
+
+
+# ---------------------------------------------------------------- continuous_usage_stats
+@pytest.mark.parametrize("path,keys", [("/v1/completions", COMPLETION_USAGE_KEYS),
+                                       ("/v1/chat/completions", CHAT_USAGE_KEYS),
+                                       ("/inference/v1/generate", GENERATE_USAGE_KEYS)])
+def test_continuous_usage_stats_on_every_chunk(served, path, keys):
+    """Every chunk carries usage in vLLM's shape for its endpoint: the prompt's tokens and that
+    choice's tokens so far; the final usage chunk still sums every choice."""
+    body = {**_request(path, max_tokens=5, temperature=1.0, seed=2, n=2, ignore_eos=True),
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_events(served.http.post(path, json=body).text)
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 10
+    so_far = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        usage, choice = chunk["usage"], chunk["choices"][0]
+        so_far[choice["index"]] += len(choice.get("token_ids") or [])
+        assert list(usage) == keys, usage
+        assert usage["prompt_tokens"] == final["prompt_tokens"]
+        assert usage["completion_tokens"] == so_far[choice["index"]]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    quiet = {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+    assert all(c.get("usage") is None for c in sse_events(served.http.post(path, json=quiet).text))
+
+
+# ---------------------------------------------------------------- a list of prompts
+def test_a_list_of_prompts_answers_n_choices_each(served, tok):
+    """Choices numbered prompt by prompt (n each), each with its own prompt's ids; usage sums
+    every prompt once and every choice's tokens; streamed the same way."""
+    prompts = ["hello", "Once upon a time"]
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 1.0, "seed": 1,
+            "ignore_eos": True, "return_token_ids": True}
+    answer = served.http.post("/v1/completions", json=body).json()
+    wanted = [tok(p)["input_ids"] for p in prompts]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in answer["choices"]] == [wanted[0]] * 2 + [wanted[1]] * 2
+    assert answer["usage"]["prompt_tokens"] == len(wanted[0]) + len(wanted[1])
+    assert answer["usage"]["completion_tokens"] == 16
+    chunks = sse_events(served.http.post("/v1/completions", json={
+        **body, "stream": True, "stream_options": {"include_usage": True}}).text)
+    finishes = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [0, 1, 2, 3]
+    firsts = {}
+    for c in chunks:
+        if c["choices"] and c["choices"][0]["prompt_token_ids"] is not None:
+            firsts.setdefault(c["choices"][0]["index"], c["choices"][0]["prompt_token_ids"])
+    assert firsts == {0: wanted[0], 1: wanted[0], 2: wanted[1], 3: wanted[1]}
+    assert chunks[-1]["usage"]["prompt_tokens"] == answer["usage"]["prompt_tokens"]
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_a_list_of_token_prompts_answers_each_as_alone(served):
+    """Greedy, so each choice is what its prompt alone answers."""
+    prompts = [[262, 78, 78, 81], [319, 69], [5, 6, 7]]
+    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = [served.http.post("/v1/completions", json={**body, "prompt": p}).json()["choices"][0]["text"]
+             for p in prompts]
+    together = served.http.post("/v1/completions", json={**body, "prompt": prompts}).json()
+    assert [c["text"] for c in together["choices"]] == alone
+    assert together["usage"]["prompt_tokens"] == 9 and together["usage"]["completion_tokens"] == 18
