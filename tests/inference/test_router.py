@@ -53,6 +53,8 @@ def _tokens(kind: str, stream: bool, payload) -> tuple[list[int], str, list[str]
 async def _call(http, url, kind, stream, session=None):
     path, body = CASES[kind]
     body = {**body, "return_token_ids": True, "stream": stream}
+    if stream:  # usage on every chunk, counted over every attempt
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     headers = {"X-Session-ID": session} if session else {}
     r = await http.post(url + path, json=body, headers=headers)
     assert r.status_code == 200, r.text
@@ -118,6 +120,14 @@ def test_preempted_request_is_redispatched_with_its_tokens(shards, kind, stream)
         spans = cut["choices"][0]["weight_versions"]
         assert len(spans) == 2 and spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
         assert spans[1]["end"] == N
+    if stream:  # continuous usage: the original prompt, and every token so far of both attempts
+        prompt = reference[-1]["usage"]["prompt_tokens"]
+        so_far = 0
+        for chunk in cut[:-1]:
+            so_far += len(chunk["choices"][0].get("token_ids") or [])
+            assert chunk["usage"]["prompt_tokens"] == prompt
+            assert chunk["usage"]["completion_tokens"] == so_far
+        assert cut[-1]["usage"]["completion_tokens"] == N
 
 
 def test_ordinary_abort_reaches_the_caller(shards):
@@ -314,3 +324,42 @@ def test_in_process_generate_sends_every_sampling_field_its_caller_set_even_a_de
         return sent
     sent = asyncio.run(main())
     assert sent["sampling_params"] == {"max_tokens": 16, "temperature": 1.0, "seed": 3}
+
+
+def test_a_continuation_keeps_include_stop_and_the_min_tokens_left():
+    """min_tokens counts the output of every attempt: a continuation asks only for the rest
+    (asking for all of it again could exceed the max_tokens left: a 400 mid-request)."""
+    from rlix.inference.router.attempts import Attempts
+
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 20, "min_tokens": 10,
+                                            "include_stop_str_in_output": True, "stop": ["."]}),
+                       ("/v1/chat/completions", {"messages": [], "max_tokens": 20, "min_tokens": 10,
+                                                 "include_stop_str_in_output": True}),
+                       ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {
+                           "max_tokens": 20, "min_tokens": 10}})):
+        prog = Attempts(path, body, False, prompt_ids=[1, 2], ids=[5] * 7)
+        up_path, sent = prog.upstream()
+        params = sent["sampling_params"] if up_path == "/inference/v1/generate" else sent
+        assert params["min_tokens"] == 3 and params["max_tokens"] == 13, path
+        if up_path != "/inference/v1/generate":
+            assert sent["include_stop_str_in_output"] is True and sent["prompt"] == [1, 2] + [5] * 7
+        prog.ids = [5] * 12  # past it: nothing more to hold back
+        params = prog.upstream()[1]
+        assert (params.get("sampling_params") or params)["min_tokens"] == 0
+
+
+def test_the_router_refuses_a_list_of_several_prompts():
+    async def main():
+        server = RouterServer(Router(KEY, hold_timeout_s=0.2))
+        await server.start()
+        try:
+            async with httpx.AsyncClient(timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as http:
+                many = await http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ["a", "b"]})
+                one = await http.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ["a"]})
+            return many, one
+        finally:
+            await server.stop()
+
+    many, one = asyncio.run(main())
+    assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"
+    assert one.status_code == 503  # one prompt is relayed (no shard here to take it)

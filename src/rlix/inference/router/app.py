@@ -43,6 +43,11 @@ from rlix.inference.server.responses_api import from_chat, to_chat
 ADMIN_PREFIX = "/router/"
 
 
+def _several_prompts(prompt: Any) -> bool:
+    """A completions `prompt` that lists more than one prompt (strings or token-id lists)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
 def body_policy(max_body: int) -> Any:
     """The router's `BodyPolicy` per path: the data plane `max_body`, watched (a caller that
     goes away cancels its request); the admin API MAX_CONTROL_BODY_BYTES."""
@@ -86,6 +91,11 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     async def relay(request: Request, path: str) -> Response:
         body = await json_object(request)
         check_bounds(path, body)  # before any per-sample state or a shard is asked
+        if path == COMPLETIONS and _several_prompts(body.get("prompt")):
+            raise InvalidRequestError(
+                "a list of several prompts is answered by an engine server (`rlix serve`), not "
+                "through the router, which re-dispatches one prompt's samples token by token: "
+                "send one request per prompt", param="prompt")
         session = request.headers.get("x-session-id")
         if body.get("stream"):
             opened = await router.relay.open_stream(path, body, session)

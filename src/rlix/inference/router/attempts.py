@@ -18,7 +18,16 @@ from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
 CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "stream", "stream_options", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "logit_bias", "skip_special_tokens",
-                    "return_tokens_as_token_ids")
+                    "return_tokens_as_token_ids", "include_stop_str_in_output", "min_tokens")
+
+
+def _min_left(holder: dict, done: int) -> dict:
+    """`holder` (a request body or its sampling_params) with min_tokens less the `done` tokens
+    of earlier attempts: the continuation's own output must only make up the rest."""
+    wanted = holder.get("min_tokens")
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0:
+        return {**holder, "min_tokens": max(0, wanted - done)}
+    return holder
 
 
 def requested_n(path: str, body: dict) -> int:
@@ -103,10 +112,10 @@ class Attempts:
             return self.path, {**self.body, "return_token_ids": True}
         left = None if self.max_tokens is None else self.max_tokens - len(self.ids)
         if self.path == GENERATE:
-            sp = {**self.body.get("sampling_params", {}), "max_tokens": left}
+            sp = {**_min_left(self.body.get("sampling_params", {}), len(self.ids)), "max_tokens": left}
             return GENERATE, {**self.body, "token_ids": self.prompt_ids + self.ids, "sampling_params": sp,
                               "return_token_ids": True}
-        keep = {k: v for k, v in self.body.items() if k in CONTINUED_FIELDS}
+        keep = _min_left({k: v for k, v in self.body.items() if k in CONTINUED_FIELDS}, len(self.ids))
         body = {**keep, "prompt": self.prompt_ids + self.ids, "return_token_ids": True}
         if left is not None:
             body["max_tokens"] = left

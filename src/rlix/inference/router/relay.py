@@ -464,8 +464,11 @@ class Relay:
                  wants_usage: bool) -> str:
         """An upstream chunk in the caller's format, under the first attempt's id."""
         finish = choice.get("finish_reason")
+        usage = self._running_usage(prog, chunk)
         if up_path == prog.path:  # same endpoint: keep the chunk, fix ids and the request id
             out = {**chunk, **{k: v for k, v in ident.items() if k in chunk}}
+            if usage is not None:
+                out["usage"] = usage
             c = {**choice, "index": prog.index}
             if not prog.wants_ids:
                 _blank_ids(out, c, prog.path)
@@ -484,7 +487,22 @@ class Relay:
         ids = choice.get("token_ids") if prog.wants_ids else None
         return _sse(S.chat_chunk(ident.get("id", ""), ident.get("model", ""), ident.get("created", 0),
                                  choice.get("text", ""), finish, choice.get("stop_reason"), lp, ids,
-                                 last=finish is not None and not wants_usage, index=prog.index))
+                                 last=finish is not None and not wants_usage, index=prog.index,
+                                 usage=usage))
+
+    @staticmethod
+    def _running_usage(prog: Attempts, chunk: dict) -> dict | None:
+        """A chunk's continuous usage (stream_options.continuous_usage_stats) counted over every
+        attempt of its choice, in the caller's endpoint's shape; None when not asked for."""
+        opts = prog.body.get("stream_options")
+        if not (isinstance(opts, dict) and opts.get("include_usage", True) and opts.get("continuous_usage_stats")):
+            return None
+        upstream = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else {}
+        n_prompt = prog.n_prompt() if prog.prompt_ids is not None else upstream.get("prompt_tokens", 0)
+        if prog.path == GENERATE:
+            return S.usage(n_prompt, len(prog.ids))
+        usage = S.usage(n_prompt, len(prog.ids), details=False)
+        return {**usage, "completion_tokens_details": None} if prog.path == CHAT else usage
 
     @staticmethod
     def _usage(path: str, ident: dict, n_prompt: int, n_out: int) -> str:
