@@ -29,6 +29,7 @@ def test_two_vllm_pipelines_time_share_learn_and_serve_the_trainers_weights(tmp_
     path.write_text(yaml.safe_dump(cfg))
     summary = run(str(path), mode=None)
     assert summary["mode"] == "rlix"
+    drained: list[float] = []  # each preempted pipeline's abort time (its shards drained)
     for name, p in summary["pipelines"].items():
         steps = next(c["steps"] for c in cfg["pipelines"] if c["name"] == name)
         assert p["state"] == "done" and p["steps"] == steps, (name, p.get("error"))
@@ -44,8 +45,10 @@ def test_two_vllm_pipelines_time_share_learn_and_serve_the_trainers_weights(tmp_
         assert set(acc["dropped"]) <= BY_DESIGN, acc["dropped"]  # nothing lost to a preemption
         assert acc["trained"] == steps * cfg["pipelines"][0]["rollout"]["groups_per_step"] * \
             cfg["pipelines"][0]["rollout"]["group_size"]
-        sleeps = [e for e in p["events"] if e[1] == "sleep"]
-        # preempted and drained (how often depends on the scheduler's timing on a loaded machine)
-        assert sleeps and p["sleep_phases_ms"]["abort_ms"] > 0
+        if any(e[1] == "sleep" for e in p["events"]):
+            drained.append(p["sleep_phases_ms"]["abort_ms"])
         logs = list((tmp_path / "run" / name / "shard-logs").glob("*.log"))
         assert logs and any("vllm" in f.read_text(errors="replace").lower() for f in logs)
+    # preempted and drained: which pipeline's shard the scheduler moves (and how often) depends on
+    # its timing on a loaded machine; one of them left its GPU, in flight, at least once
+    assert drained and all(ms > 0 for ms in drained), drained
