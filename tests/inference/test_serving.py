@@ -210,3 +210,15 @@ def test_metrics_count_a_shared_prefill_once_and_each_sample_as_a_request(engine
     v = values(_run(engine, fn))
     assert v[("vllm:prompt_tokens_total", None)] == 4 and v[("vllm:generation_tokens_total", None)] == 15
     assert v[("vllm:request_success_total", "length")] == 3
+
+
+def test_a_final_text_cut_inside_a_character_holds_the_partial_character_back(engine):
+    """vLLM's rule: output that ends inside a multi-byte character (max_tokens reached between its
+    bytes) ends before that character, not with U+FFFD."""
+    tok = engine.tokenizer
+    ids = tok("ab ✓ ü", add_special_tokens=False)["input_ids"]
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k], skip_special_tokens=True).endswith("\ufffd")]
+    assert cuts, "the tokenizer splits no character here: the test needs one that it splits"
+    for k in cuts:
+        text = TextStream(tok).update(ids[:k], final=True)
+        assert text == tok.decode(ids[:k], skip_special_tokens=True).rstrip("\ufffd") and not text.endswith("\ufffd")

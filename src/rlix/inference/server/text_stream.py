@@ -37,8 +37,8 @@ class TextStream:
         return self.tok.decode(self.prefix + token_ids, skip_special_tokens=self.skip_special)
 
     def update(self, token_ids: list[int], final: bool, cut: bool = False, drop_last: bool = False) -> str:
-        """`cut`: the request ended early (aborted), so a trailing partial character is dropped
-        rather than sent as U+FFFD: whoever continues the request will complete it.
+        """`cut`: the request ended early (aborted); like any end, a trailing partial character
+        is left out rather than sent as U+FFFD (whoever continues the request completes it).
         `drop_last`: the last token ended the output (end-of-sequence or a stop token id) and
         its text is left out, as vLLM leaves it out unless include_stop_str_in_output."""
         text_ids = token_ids[:-1] if drop_last else token_ids
@@ -52,9 +52,12 @@ class TextStream:
                 self.stopped = hit
                 full, final = full[:pos + len(hit) if self.include_stop else pos], True
         safe = len(full) if final else len(full) - self.hold
-        if not final or cut:
-            while safe > 0 and full[safe - 1] == "\ufffd":
-                safe -= 1
+        # a trailing partial character is held back, the final text's too (vLLM's detokenizer
+        # never sends the U+FFFD of an incomplete character; a cut request's continuation, or
+        # nothing, completes it). Text cut at a stop string is not at the end of the decode: a
+        # U+FFFD there stands for bytes the next ones did not complete, and stays.
+        while self.stopped is None and safe > 0 and full[safe - 1] == "\ufffd":
+            safe -= 1
         delta = full[self.emitted:safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return delta
