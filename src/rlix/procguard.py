@@ -63,6 +63,20 @@ def signal_session(leader: int, sig: int) -> None:
             pass
 
 
+def stop_session(proc: subprocess.Popen, grace_s: float) -> int:
+    """End a guard started in a session of its own (`proc`) and what runs under it: SIGTERM to
+    the session, SIGKILL after `grace_s`, then SIGKILL to whatever it left there; its exit code."""
+    if proc.poll() is None:
+        signal_session(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            signal_session(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    signal_session(proc.pid, signal.SIGKILL)  # stragglers left in its session
+    return proc.returncode
+
+
 def parent_gone(parent: int) -> bool:
     """The parent we were started by has exited (we were re-parented, to init or a subreaper)."""
     return os.getppid() != parent

@@ -556,8 +556,7 @@ class PipelineRunner:
     def summary(self) -> dict:
         """The pipeline's result; also of a set-up that failed once the coordinator and the
         collector were made (a failed join), else an error (the caller reads the metrics file)."""
-        coord, collector, fleet, env = (self.started.coordinator, self.started.collector, self.started.fleet,
-                                        self.started.env)
+        coord, collector, env = self.started.coordinator, self.started.collector, self.started.env
         if coord is None or collector is None:
             raise RuntimeError(f"{self.cfg.name}: no summary: set-up did not get as far as the collector")
         rewards = [h["reward"] for h in self.history]
@@ -571,6 +570,19 @@ class PipelineRunner:
             "trained_versions": loop.trained_versions if loop else [],
             "accounting": self.buffer.accounting(),
             "collector": collector.stats(),
+            **self._shard_summary(),
+            "trainer_placement": self.trainer_placement,
+            "router_redispatched": self.parts.router.relay.redispatched if self.parts is not None else 0,
+            "replications": [r for route in self.replica_routes for r in route.replications],
+            **({"env": env.stats()} if env is not None else {}),
+        }
+
+    def _shard_summary(self) -> dict:
+        """The summary's part about the pipeline's shards, their weights and its GPU hand-offs
+        (rlix's loop and an external one alike; the coordinator exists)."""
+        coord, fleet = self.started.coordinator, self.started.fleet
+        assert coord is not None
+        return {
             "shard_history": {r: list(v) for r, v in coord.history.items()},
             "published": sorted(coord.published),
             "version_mismatches": list(coord.stats.version_mismatches),
@@ -584,12 +596,8 @@ class PipelineRunner:
             "device_sync_phases_ms": [{str(r): p for r, p in one.items()} for one in coord.stats.device_sync_phases_ms],
             "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
             "device": self.devices.device, "gpu_memory": self.memory_log(),
-            "trainer_placement": self.trainer_placement,
             "shard_placements": list(fleet.placements) if fleet is not None else [],
             "shard_starts_after_setup": fleet.starts_after_setup if fleet is not None else 0,
-            "router_redispatched": self.parts.router.relay.redispatched if self.parts is not None else 0,
-            "replications": [r for route in self.replica_routes for r in route.replications],
-            **({"env": env.stats()} if env is not None else {}),
         }
 
     async def shutdown(self) -> dict[str, float]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from rlix.inference.fleet.api import EngineBackend
 from rlix.inference.fleet.backends import server_launch
 from rlix.inference.fleet.startup import ShardStartup, StartupWatch
 from rlix.private_files import open_private
-from rlix.procguard import guarded_pid, signal_session
+from rlix.procguard import guarded_pid, stop_session
 
 
 #: a server that lost its port to another binder says this (uvicorn, from the OS's EADDRINUSE)
@@ -164,14 +163,7 @@ class ShardProcess:
             self._remove_own_log_dir()
             return None
         server = self.server_pid()  # the guard's child: gone only once the kernel says so
-        if proc.poll() is None:
-            signal_session(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                signal_session(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        signal_session(proc.pid, signal.SIGKILL)  # stragglers the child left in its group
+        stop_session(proc, grace_s)
         if server is not None:
             _wait_exited(server, 5.0)  # the guard is reaped; its server may exit a moment later
         self._remove_own_log_dir()

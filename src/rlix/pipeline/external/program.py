@@ -6,7 +6,6 @@ spawned), its output in a private log file in the run dir, its environment namin
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 from rlix import env
 from rlix.config.models import PYTHON_WORDS
 from rlix.private_files import open_private
-from rlix.procguard import guarded_pid, signal_session
+from rlix.procguard import guarded_pid, stop_session
 
 
 class ProgramProcess:
@@ -52,15 +51,4 @@ class ProgramProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """End it and its session (SIGTERM, SIGKILL after `grace_s`); its exit code."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            signal_session(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                signal_session(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        signal_session(proc.pid, signal.SIGKILL)  # what it left in its session
-        return proc.returncode
+        return None if self.proc is None else stop_session(self.proc, grace_s)

@@ -355,8 +355,7 @@ class ExternalRunner(PipelineRunner):
                      "response_len_mean": None, "samples": []} for h in self.history if h["step"] > since]}
 
     def summary(self) -> dict:
-        coord, fleet = self.started.coordinator, self.started.fleet
-        if coord is None:
+        if self.started.coordinator is None:
             raise RuntimeError(f"{self.cfg.name}: no summary: set-up did not get as far as the coordinator")
         rewards = [float(h["reward"]) for h in self.history if h.get("reward") is not None]
         first, last = reward_windows(rewards)
@@ -364,17 +363,6 @@ class ExternalRunner(PipelineRunner):
             "pipeline": self.cfg.name, "mode": self.hooks.mode, "steps": len(self.history),
             "start_step": self.start_step, "rewards": rewards,
             "reward_first5": first, "reward_last5": last, "reward_window": min(REWARD_WINDOW, len(rewards) // 2),
-            "shard_history": {r: list(v) for r, v in coord.history.items()},
-            "published": sorted(coord.published),
-            "version_mismatches": list(coord.stats.version_mismatches),
-            "checksum_checks": coord.stats.checksum_checks,
-            "checksum_mismatches": list(coord.stats.checksum_mismatches),
-            "shard_deaths": list(coord.stats.deaths), "shard_replacements": list(coord.stats.replacements),
-            "sync_s": coord.stats.sync_seconds, "sleep_s": coord.stats.sleep_seconds,
-            "wake_s": coord.stats.wake_seconds, "setup_s": self.setup_s, "setup_phases_s": dict(self.setup_phases_s),
-            "events": [(e.at, e.kind, list(e.ranks), e.version, e.seconds) for e in coord.stats.events],
-            "device": self.devices.device, "gpu_memory": self.memory_log(),
-            "shard_placements": list(fleet.placements) if fleet is not None else [],
-            "shard_starts_after_setup": fleet.starts_after_setup if fleet is not None else 0,
+            **self._shard_summary(),
             "router_redispatched": self.router.relay.redispatched if self.router is not None else 0,
         }
