@@ -42,9 +42,10 @@ def sample_group(http: httpx.Client, prompt: list[int]) -> list[list[int]]:
 
 def response_logprob(model: torch.nn.Module, prompt: list[int], response: list[int]) -> torch.Tensor:
     """Sum of log pi(response token | what came before) under the model being trained."""
-    ids = torch.tensor([prompt + response])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + response], device=device)
     logits = model(ids).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).sum()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response, device=device)[:, None]).sum().cpu()
 
 
 def main() -> int:
@@ -53,12 +54,14 @@ def main() -> int:
     print(f"pipeline {info.name}: router {info.base_url}, model {info.model_path}, {info.steps} steps", flush=True)
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(info.model_path)
-    model = AutoModelForCausalLM.from_pretrained(info.model_path, dtype=torch.float32)
+    # on real GPUs the model trains on the one rlix grants (the only one this process sees)
+    model = AutoModelForCausalLM.from_pretrained(info.model_path, dtype=torch.float32).to(
+        "cuda" if info.device == "cuda" else "cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     target = tokenizer.encode(TARGET, add_special_tokens=False)[0]
     prompts = [tokenizer.encode(f"say {TARGET} {i}", add_special_tokens=False) for i in range(64)]
     rng = random.Random(0)
-    client.start(model)  # version 0: what the shards serve
+    client.start(model, optimizer=optimizer)  # version 0; on CUDA the state leaves the GPU until granted
     headers = {"Authorization": f"Bearer {info.api_key}"}
     with httpx.Client(base_url=info.base_url, headers=headers, timeout=600) as http, \
             ThreadPoolExecutor(GROUPS) as pool:

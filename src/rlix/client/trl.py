@@ -17,7 +17,10 @@ What it wires into the GRPOTrainer:
   until the training GPUs are the pipeline's.
 - a TrainerCallback: on_train_begin publishes the policy's weights as version 0 (start); after
   each optimizer step (on_step_end) after_training publishes them as the next version and gives
-  the GPUs back, with the step's mean reward (from `watch`-ed reward functions).
+  the GPUs back, with the step's mean reward (from `watch`-ed reward functions). On CUDA the
+  model and TRL's optimizer state leave the GPU at each of those and come back at
+  before_training (rlix.client's TrainingState): TRL touches neither between the step's end and
+  the next rollout_func's return.
 - `watch(reward_funcs)`: the reward functions, each wrapped to remember its last batch's scores.
 
 TRL's server mode for vLLM is not used: its client needs vLLM importable in the trainer's process
@@ -140,7 +143,9 @@ class _Hooks(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self.adapter._started:
-            self.adapter.client.start(model, step=int(state.global_step))
+            # TRL's optimizer exists by now (the Trainer makes it before on_train_begin): on CUDA
+            # its state leaves the GPU with the model between steps
+            self.adapter.client.start(model, step=int(state.global_step), optimizer=kwargs.get("optimizer"))
             self.adapter._started = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlix.devices import DeviceMemory
+
 
 @dataclass(frozen=True)
 class PipelineInfo:
@@ -16,7 +18,10 @@ class PipelineInfo:
     is the checkpoint folder the shards serve at version 0: load the policy from it so that the
     first weights published match what was generated with. `served_dtype`: the dtype the shards
     compute in, the one after_training sends the weights in. `steps`: the config's `steps`.
-    `start_version`: the version the shards serve before the first after_training."""
+    `start_version`: the version the shards serve before the first after_training.
+    `beside_trainer`: the shards asleep on the training GPUs take each new version from a copy
+    on the program's GPU (CUDA IPC), so after_training packs one there. `release_timeout_s`: how
+    long before_training waits for the GPU's previous holders to let go (measured)."""
 
     name: str
     base_url: str
@@ -27,6 +32,8 @@ class PipelineInfo:
     steps: int
     start_version: int = 0
     audit_weights: bool = False
+    beside_trainer: bool = False
+    release_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -58,3 +65,15 @@ class StepDone:
     publish_s: float  # the weights into the pinned cache, in the client's process
     refit_s: float  # the active shards moved to the version, after the release
     refit: list[int] = field(default_factory=list)  # ranks moved inside the call
+    beside: list[int] = field(default_factory=list)  # ranks synced from the GPU copy (CUDA IPC) before the release
+    handoff: Handoff | None = None  # the training state's moves this step (None: nothing moved)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """How the program's training state left its GPU after a step and came back for it: the GPU
+    measured once the state left (what the next holder found), and the seconds each move took."""
+
+    released: DeviceMemory
+    release_s: float  # to host memory, the GPU freed and measured
+    reload_s: float  # back, after waiting for the GPU's previous holders (this step's before_training)

@@ -107,9 +107,12 @@ class PipelineActor:
     async def client_before_training(self, step: int) -> Any:
         return await self._client().client_before_training(step)
 
+    async def client_publish(self, step: int, published: Any, checksums: dict | None) -> Any:
+        return await self._client().client_publish(step, published, checksums)
+
     async def client_after_training(self, step: int, metrics: dict, next_batch: tuple[int, int] | None,
-                                    published: Any, checksums: dict | None) -> Any:
-        return await self._client().client_after_training(step, metrics, next_batch, published, checksums)
+                                    handoff: Any) -> Any:
+        return await self._client().client_after_training(step, metrics, next_batch, handoff)
 
     async def client_report_progress(self, done: int, total: int) -> None:
         await self._client().client_report_progress(done, total)

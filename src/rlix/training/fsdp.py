@@ -51,6 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlix.errors import TrainingError, WeightCacheError, one_line
 from rlix.models.init import is_seeded, seeded_rows
+from rlix.training.offload import StateTensor, optimizer_tensors
 from rlix.training.trainer import PolicyTrainer, weights_for_sync
 from rlix.training.types import GroupSpec, TrainSample
 from rlix.weights.api import PublishedVersion, VersionRefs
@@ -154,12 +155,12 @@ class ShardedPolicyTrainer(PolicyTrainer):
     def _trained_tensors(self) -> list[torch.Tensor]:
         return list(self.shards.values())
 
-    def _state_tensors(self) -> Iterator[tuple[tuple, torch.Tensor, Callable[[torch.Tensor], None]]]:
+    def _state_tensors(self) -> Iterator[StateTensor]:
         for name, t in self.shards.items():
-            yield ("model", "p", name), t.data, lambda v, t=t: setattr(t, "data", v)
+            yield StateTensor(("model", "p", name), t.data, lambda v, t=t: setattr(t, "data", v))
         for name, b in self.buffers.items():
-            yield ("model", "b", name), b, lambda v, name=name: self.buffers.__setitem__(name, v)
-        yield from self._optimizer_tensors()
+            yield StateTensor(("model", "b", name), b, lambda v, name=name: self.buffers.__setitem__(name, v))
+        yield from optimizer_tensors(self.optimizer)
 
     def _move(self, device: torch.device) -> None:
         if self.device.type == "cuda":  # off CUDA nothing ever leaves the host

@@ -32,11 +32,12 @@ from rlix.models.init import load_causal_lm
 from rlix.models.presets import SEEDED_FILE, resolve_model
 from rlix.tcp_store import join_store, serve_store
 from rlix.training.grpo import Aggregation, policy_loss
+from rlix.training.offload import HostOffload, StateTensor, module_tensors, optimizer_tensors, state_bytes
 from rlix.training.types import GroupSpec, GroupStats, TrainSample
 from rlix.weights.api import PublishedVersion
 from rlix.weights.buckets import DEFAULT_BUCKET_BYTES, default_bucket_bytes, fusion_order, plan_layout
 from rlix.weights.cache import BucketCache, HostMemory
-from rlix.weights.device_copy import DeviceCopy
+from rlix.weights.device_copy import DeviceCopy, copy_to_host
 
 # All-reduce gradients in flat buckets of at most this many bytes: few collectives, bounded copy.
 _GRAD_BUCKET_BYTES = 64 << 20
@@ -98,7 +99,7 @@ class PolicyTrainer:
 
         # `offloaded`: built in host memory, the GPU untouched until the first reload() (a
         # time-shared trainer starts before it is granted its GPU)
-        self._host: dict[tuple, torch.Tensor] = {}
+        self._offload = HostOffload(self.device)
         self.on_device = not offloaded
         # The engines serve the run's dtype when one is given, else the checkpoint's; sync in it.
         saved = json.loads((self.model_path / "config.json").read_text())
@@ -151,7 +152,7 @@ class PolicyTrainer:
             if source is not None and put is not None:
                 host.copy_(source)
                 put(host)
-            self._host[key] = host
+            self._offload.host[key] = host
 
     @classmethod
     def from_config(cls, model: str | os.PathLike[str], train: TrainConfig, **kwargs: Any) -> PolicyTrainer:
@@ -425,7 +426,7 @@ class PolicyTrainer:
         if copied is None:
             self.cache.build_latest(int(version), state)
         else:
-            self.cache.write_version(int(version), lambda host: _copy_buckets(copied, host))
+            self.cache.write_version(int(version), lambda host: copy_to_host(copied, host))
         return self.cache
 
     def publish(self, version: int, on_device: bool = False) -> PublishedVersion:
@@ -461,64 +462,30 @@ class PolicyTrainer:
         if not self.on_device:
             raise TrainingError("the trainer is offloaded; call reload() first")
 
-    def _state_tensors(self) -> Iterator[tuple[tuple, torch.Tensor, Callable[[torch.Tensor], None]]]:
-        """Every tensor that lives on the device between steps: (stable key, tensor, setter).
-        Parameters (tied ones once), buffers, the reference model's, AdamW's moments (its
-        `step` counters stay on the CPU: non-capturable AdamW keeps them there)."""
-        for tag, model in (("model", self.model), ("ref", self.ref_model)):
-            if model is None:
-                continue
-            for name, p in model.named_parameters():
-                yield (tag, "p", name), p.data, lambda t, p=p: setattr(p, "data", t)
-            for mod_name, mod in model.named_modules():
-                for bname, buf in mod._buffers.items():
-                    if buf is not None:
-                        yield ((tag, "b", mod_name, bname), buf,
-                               lambda t, mod=mod, bname=bname: mod._buffers.__setitem__(bname, t))
-        yield from self._optimizer_tensors()
-
-    def _optimizer_tensors(self) -> Iterator[tuple[tuple, torch.Tensor, Callable[[torch.Tensor], None]]]:
-        """AdamW's moments, as `_state_tensors` lists them."""
-        for param, state in self.optimizer.state.items():
-            for key, value in state.items():
-                if key != "step" and isinstance(value, torch.Tensor):
-                    yield (("opt", id(param), key), value,
-                           lambda t, state=state, key=key: state.__setitem__(key, t))
+    def _state_tensors(self) -> Iterator[StateTensor]:
+        """Every tensor that lives on the device between steps: parameters (tied ones once),
+        buffers, the reference model's, AdamW's moments."""
+        yield from module_tensors(self.model, "model")
+        if self.ref_model is not None:
+            yield from module_tensors(self.ref_model, "ref")
+        yield from optimizer_tensors(self.optimizer)
 
     def state_bytes(self) -> int:
         """Bytes the trainer's state takes on the device (what a reload allocates)."""
-        return sum(t.numel() * t.element_size() for _, t, _ in self._state_tensors())
+        return state_bytes(self._state_tensors())
 
     def reload_bytes(self) -> int:
         """What a reload waits to find free on the device: the state and a margin."""
         return self.state_bytes() + RELOAD_MARGIN_BYTES
 
     def _move(self, device: torch.device) -> None:
-        """Move the state. With CUDA the host side is pinned buffers, allocated once and reused
-        by every offload (pinning is slow; pinned copies run several times faster than pageable:
-        docs/BENCHMARKS.md, "Figures that stood in code comments")."""
+        """Move the state; with CUDA through the pinned host buffers (HostOffload)."""
         if self.device.type != "cuda":
             self.model.to(device)
             if self.ref_model is not None:
                 self.ref_model.to(device)
             return
-        to_host = device.type == "cpu"
-        moved: list[tuple[Callable[[torch.Tensor], None], torch.Tensor]] = []
-        for key, tensor, put in list(self._state_tensors()):
-            if tensor.device.type == device.type:
-                continue
-            if to_host:
-                host = self._host.get(key)
-                if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-                    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                    self._host[key] = host
-                host.copy_(tensor, non_blocking=True)
-                moved.append((put, host))
-            else:
-                moved.append((put, tensor.to(device, non_blocking=True)))
-        torch.cuda.synchronize(self.device)  # every copy done before the sources are let go
-        for put, tensor in moved:
-            put(tensor)
+        self._offload.move(self._state_tensors(), device)
 
     def offload(self) -> DeviceMemory:
         """Model, reference model and AdamW state to (pinned) CPU memory, the freed GPU memory
@@ -619,10 +586,3 @@ def weights_for_sync(model: torch.nn.Module, dtype: torch.dtype | None) -> dict[
     if dtype is not None:
         out = {n: t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype) for n, t in out.items()}
     return out
-
-
-def _copy_buckets(device: list[torch.Tensor], host: list[torch.Tensor]) -> None:
-    """The device copy's buckets into the host cache's: one copy per bucket, waited for once."""
-    for d, h in zip(device, host):
-        h.copy_(d, non_blocking=True)
-    torch.cuda.synchronize()

@@ -97,3 +97,11 @@ class DeviceCopy:
                 raise WeightCacheError("the device copy is being synced; it cannot be freed now")
             self._flat, self._buckets, self.version, self._checksums = None, [], None, None
         torch.cuda.ipc_collect()
+
+
+def copy_to_host(device: list[torch.Tensor], host: list[torch.Tensor]) -> None:
+    """A device copy's buckets into the host cache's (`BucketCache.write_version`'s fill): one
+    copy per bucket instead of one per tensor, waited for once."""
+    for d, h in zip(device, host):
+        h.copy_(d, non_blocking=True)
+    torch.cuda.synchronize()

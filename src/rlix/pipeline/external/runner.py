@@ -24,7 +24,7 @@ import ray
 import torch
 from transformers import AutoConfig
 
-from rlix.client.types import PipelineInfo, StepDone, TrainingGrant, VersionSlot
+from rlix.client.types import Handoff, PipelineInfo, StepDone, TrainingGrant, VersionSlot
 from rlix.config.models import PipelineConfig
 from rlix.env import ClientTarget
 from rlix.errors import ClientOrderError, PipelineEndedError, PipelineFailedError
@@ -68,6 +68,10 @@ class ExternalRunner(PipelineRunner):
         self.granted_at = 0.0
         self.started_client = False
         self.checksums: dict[int, dict] = {}  # version -> the client's per-tensor checksums (audit)
+        self.taken: int | None = None  # the version the step holding the GPUs published (client_publish)
+        self.beside: list[int] = []  # shards synced to it from the program's GPU copy
+        self.handoffs: list[dict] = []  # the program's state leaving its GPUs, measured (memory_log)
+        self._published_s = 0.0
         self._publishing: asyncio.Future[PublishedVersion] | None = None
         self._calls = asyncio.Lock()  # one hook call at a time: each checks, then changes, the state
         self._ended: str | None = None  # why no more calls are taken
@@ -101,7 +105,9 @@ class ExternalRunner(PipelineRunner):
                                   "memory_share": self.devices.memory_share, "ranks": []}
         self.info = PipelineInfo(name=cfg.name, base_url=base_url, api_key=self.api_key, model_path=path,
                                  served_dtype=self._served_dtype(path),
-                                 device=self.devices.device, steps=cfg.steps, audit_weights=cfg.audit_weights)
+                                 device=self.devices.device, steps=cfg.steps, audit_weights=cfg.audit_weights,
+                                 beside_trainer=coordinator.syncs_on_device,
+                                 release_timeout_s=self.devices.release_timeout_s)
         fleet.setup_done = True
         self.setup_s = time.perf_counter() - t0
         self.setup_phases_s = phases
@@ -246,17 +252,18 @@ class ExternalRunner(PipelineRunner):
             self.training, self.granted_at = step, time.monotonic()
             return TrainingGrant(step=step, gpus=list(gpus), waited_s=round(time.perf_counter() - t0, 4))
 
-    async def client_after_training(self, step: int, metrics: dict[str, float], next_batch: tuple[int, int] | None,
-                                    published: PublishedVersion, checksums: dict | None) -> StepDone:
-        """`step` trained: its weights become version step + 1 (built by the client), the
-        training GPUs go back, the active shards are refit. If the weights cannot be taken the
-        GPUs go back all the same and the step may be trained again."""
+    async def client_publish(self, step: int, published: PublishedVersion, checksums: dict | None) -> list[int]:
+        """`step` trained and its weights are built as version step + 1 (with CUDA IPC
+        references of a copy on the program's GPU when it kept one): WeightPath takes them, and
+        the shards asleep on the training GPUs are synced from that copy while it exists (the
+        program frees it and its state before after_training). Returns those shards. If the
+        weights cannot be taken the GPUs go back and the step may be trained again."""
         async with self._calls:
             self._live()
-            if self.training != step:
-                raise ClientOrderError(f"{self.cfg.name}: after_training({step}) but "
-                                       + (f"step {self.training} holds the GPUs" if self.training is not None
-                                          else "no step holds the GPUs (call before_training first)"))
+            self._check_holds(step, "client_publish")
+            if self.taken is not None:
+                raise ClientOrderError(f"{self.cfg.name}: step {step}'s weights were published already "
+                                       f"(version {self.taken}): call after_training({step}, ...)")
             new = step + 1
             try:
                 await self._take(new, published, checksums)
@@ -264,8 +271,31 @@ class ExternalRunner(PipelineRunner):
                 self.training = None
                 await self.hooks.after_training(step)
                 raise
+            self.taken, self.beside, self._published_s = new, [], published.seconds
+            coordinator = self.started.coordinator
+            assert coordinator is not None and self.weights is not None
+            if published.device_refs and coordinator.syncs_on_device:
+                self.beside = await coordinator.sync_beside_trainer(new, self.train_gpus, self.weights.device_ranks)
+            return list(self.beside)
+
+    async def client_after_training(self, step: int, metrics: dict[str, float], next_batch: tuple[int, int] | None,
+                                    handoff: Handoff | None) -> StepDone:
+        """`step`'s weights are published (client_publish) and its state left the training GPUs
+        (`handoff`, measured; None when it had none there): they go back to the scheduler, the
+        active shards are refit, the step's row is written."""
+        async with self._calls:
+            self._live()
+            self._check_holds(step, "after_training")
+            new = step + 1
+            if self.taken != new:
+                raise ClientOrderError(f"{self.cfg.name}: after_training({step}) before its weights were published "
+                                       "(client_publish)")
             coordinator = self.started.coordinator
             assert coordinator is not None
+            if handoff is not None:
+                self.handoffs.append({"event": "release", "holder": f"program of {self.cfg.name}",
+                                      "gpus": list(self.train_gpus), "release_s": handoff.release_s,
+                                      "reload_s": handoff.reload_s, **handoff.released.as_dict()})
             coordinator.announce(new)  # shards woken from here on get `new`
             demand = None if next_batch is None else RolloutDemand(
                 collected=next_batch[0], target=next_batch[1], outstanding=max(next_batch[1] - next_batch[0], 0))
@@ -274,16 +304,28 @@ class ExternalRunner(PipelineRunner):
             try:
                 await self.hooks.after_training(step, demand=demand)
             finally:
-                self.training = None
+                self.training, self.taken = None, None
                 moved = await refit
+            if coordinator.warm:  # synced beside the program but not given their GPU back
+                await coordinator.cool(await self.hooks.shard_ranks())
             self.version = new
+            published_s = self._published_s
             row = {"step": new, "reward": metrics.get("reward"), "step_s": round(time.monotonic() - self.granted_at, 4),
-                   "publish_s": round(published.seconds, 4), "refit_s": round(time.perf_counter() - t_refit, 4),
-                   "finished_at": time.time(), **{k: v for k, v in metrics.items() if k != "reward"}}
+                   "publish_s": round(published_s, 4), "refit_s": round(time.perf_counter() - t_refit, 4),
+                   "beside": list(self.beside), "finished_at": time.time(),
+                   **({"release_s": handoff.release_s, "reload_s": handoff.reload_s} if handoff is not None else {}),
+                   **{k: v for k, v in metrics.items() if k != "reward"}}
             self.history.append(row)
             await asyncio.to_thread(write_metrics, self.dir / "metrics.jsonl", self.history)
-            return StepDone(step=step, version=new, publish_s=published.seconds,
-                            refit_s=round(time.perf_counter() - t_refit, 4), refit=list(moved))
+            return StepDone(step=step, version=new, publish_s=published_s,
+                            refit_s=round(time.perf_counter() - t_refit, 4), refit=list(moved),
+                            beside=list(self.beside), handoff=handoff)
+
+    def _check_holds(self, step: int, call: str) -> None:
+        if self.training != step:
+            raise ClientOrderError(f"{self.cfg.name}: {call}({step}) but "
+                                   + (f"step {self.training} holds the GPUs" if self.training is not None
+                                      else "no step holds the GPUs (call before_training first)"))
 
     async def client_report_progress(self, done: int, total: int) -> None:
         self._live()
@@ -335,6 +377,10 @@ class ExternalRunner(PipelineRunner):
         return None  # the program keeps its own checkpoints
 
     # ------------------------------------------------------------------ reports
+    def memory_log(self) -> list[dict]:
+        rows = super().memory_log() + list(self.handoffs)
+        return sorted(rows, key=lambda r: r.get("at", 0.0))
+
     def processes(self) -> dict:
         out = super().processes()
         out["program"] = self.program.pid() if self.program is not None else None
