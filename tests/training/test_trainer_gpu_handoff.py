@@ -54,13 +54,13 @@ def test_an_offloaded_trainer_pins_its_host_state_at_set_up_and_the_first_offloa
     first offload after the first step copies into them, allocating no pinned memory of its own."""
     trainer = PolicyTrainer(tiny_model_dir, device="cuda", offloaded=True, lr=0.01)
     assert all(p.is_pinned() for p in trainer.model.parameters())
-    moments = {k: t.data_ptr() for k, t in trainer._host.items() if k[0] == "opt"}
+    moments = {k: t.data_ptr() for k, t in trainer._offload.host.items() if k[0] == "opt"}
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     assert len(moments) == 2 * len(trainable)
     trainer.reload(timeout_s=5, gpu="0")
     trainer.train_step(batch())
     trainer.offload()
-    after = {k: t.data_ptr() for k, t in trainer._host.items() if k[0] == "opt"}
+    after = {k: t.data_ptr() for k, t in trainer._offload.host.items() if k[0] == "opt"}
     assert after == moments, "the first offload reused the buffers pinned at set-up"
     for param in trainable:
         state = trainer.optimizer.state[param]
