@@ -160,6 +160,10 @@ def test_max_shards_above_the_clusters_gpus(tmp_path):
     assert "max_shards=2 x tp=2 needs 4 GPUs but the cluster has 2" in msg
     # an auto cluster's size is not known before Ray: nothing to compare with
     preflight(load_config(config(tmp_path, p_max_shards=64, cluster={"nodes": "auto"})), "auto.yaml")
+    # real GPUs: the embedded engine would hold a shard's two GPUs and compute on one
+    msg = refused(config(tmp_path, device="cuda", p_tp=2))
+    assert "pipelines[0] (p).tp: 2 GPUs per shard, but rlix's embedded engine runs a shard on one GPU" in msg, msg
+    assert "embedded engine" not in refused(config(tmp_path, p_tp=2, p_max_shards=2))  # fake GPUs: scheduled only
 
 
 def test_a_response_that_leaves_no_room_for_the_prompt(tmp_path):

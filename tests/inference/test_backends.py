@@ -93,6 +93,12 @@ def test_vllm_command_line(tiny_model_dir):
     assert "--enforce-eager" in cmd and cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.5"
     gpu = make_backend(cfg.model_copy(update={"device": "cuda"}))
     assert "--enable-sleep-mode" in gpu.command(host="h", port=1) and gpu.supports_sleep
+    assert "--tensor-parallel-size" not in gpu.command(host="h", port=1)  # tp 1: vLLM's default
+    wide = make_backend(cfg.model_copy(update={"device": "cuda", "tensor_parallel_size": 2})).command(host="h", port=1)
+    assert wide[wide.index("--tensor-parallel-size") + 1] == "2"
+    # fake GPUs on the CPU only schedule a shard's tp GPUs: vLLM's CPU server runs one process
+    assert "--tensor-parallel-size" not in make_backend(cfg.model_copy(update={"tensor_parallel_size": 2})).command(
+        host="h", port=1)
 
 
 def test_client_pickles_without_its_connections():

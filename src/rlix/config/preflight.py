@@ -90,7 +90,18 @@ def problems(cfg: RlixConfig) -> list[str]:
     if problem:
         found.append(f"vllm_python: {problem} (needed by {', '.join(users)}: engine: vllm)")
     found += _loggers(cfg)
+    if cfg.device == "cuda":  # `auto` is decided against the cluster's GPUs: run.device_plan checks it
+        found += split_by_embedded_engine(cfg)
     return found
+
+
+def split_by_embedded_engine(cfg: RlixConfig) -> list[str]:
+    """Pipelines whose shards would get `tp` real GPUs from the scheduler but compute on one:
+    the embedded engine does not run tensor-parallel processes yet (vLLM does)."""
+    return [f"pipelines[{i}] ({p.name}).tp: {p.tp} GPUs per shard, but rlix's embedded engine runs a shard "
+            "on one GPU (its tensor-parallel engine processes are not built yet): use tp: 1, or engine: "
+            "vllm (--tensor-parallel-size)" for i, p in enumerate(cfg.pipelines)
+            if p.tp > 1 and p.engine == "embedded"]
 
 
 def task_problems(task: TaskConfig, where: str) -> list[str]:

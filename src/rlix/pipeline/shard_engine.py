@@ -21,7 +21,7 @@ def shard_engine(cfg: PipelineConfig, devices: DevicePlan, model_path: str, vllm
     record_rollouts), or a vLLM server run by `vllm_python`."""
     ro, dev = cfg.rollout, devices
     common = dict(model=model_path, served_model_name=cfg.name, device=dev.device,
-                  max_model_len=ro.max_model_len)
+                  max_model_len=ro.max_model_len, tensor_parallel_size=cfg.tp)
     if cfg.engine == "embedded":
         return EngineBackendConfig(backend="embedded", dtype=dev.dtype, max_num_seqs=ro.max_num_seqs,
                                    cpu_threads=cfg.cpu_threads, capture_graphs=ro.capture_graphs, **common,

@@ -47,6 +47,9 @@ class EngineBackendConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str | None = Field(None, description="weights dtype (e.g. bfloat16); default: the checkpoint's")
     max_num_seqs: int = Field(64, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one shard splits the model across (the "
+                                                            "pipeline's tp): vllm on CUDA gets "
+                                                            "--tensor-parallel-size; fake GPUs only schedule it")
     max_model_len: int | None = Field(None, ge=16, description="default: the model's")
     startup_timeout_s: float = Field(180.0, gt=0)
     python: str | None = Field(None, description="vllm: interpreter with vLLM; default rlix.env.vllm_python()")
@@ -188,6 +191,8 @@ class VllmBackend:
             cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.enforce_eager:
             cmd.append("--enforce-eager")
+        if cfg.device == "cuda" and cfg.tensor_parallel_size > 1:  # the shard's GPUs, all visible to it
+            cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
         if self.supports_sleep:
             cmd.append("--enable-sleep-mode")
         cmd += ["--worker-extension-cls", cfg.worker_extension_cls or EXTENSION_CLS]
