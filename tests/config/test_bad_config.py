@@ -81,8 +81,6 @@ VALUE_CASES = [
     ("max_model_len 2**30", dict(p_rollout={"max_model_len": 2**30}), "pipelines[0].rollout.max_model_len",
      "less than or equal to 1048576"),
     ("bucket_mib 2**40", dict(p_train={"bucket_mib": 2**40}), "pipelines[0].train.bucket_mib", "less than or equal"),
-    ("fsdp with a KL term", dict(p_train={"fsdp": True, "kl_coef": 0.1}), "pipelines[0].train",
-     "fsdp does not shard yet"),
     ("activation_checkpointing without fsdp", dict(p_train={"activation_checkpointing": True}),
      "pipelines[0].train", "fsdp: true only"),
     ("a negative standalone GPU", dict(p_gpus=[-1]), "pipelines[0].gpus[0]", "greater than or equal to 0"),

@@ -3,6 +3,7 @@
 argv: model_dir rank world_size micro_batch_size ports(comma-separated: one for the exchange
       store, one per step, one for the checkpoint's save, one for its load) batches.json (one list of sample dicts per step, this rank's
       share) out.pt ckpt_dir [device: cpu (gloo, the default) or cuda (rank r on GPU r, nccl)]
+      [kl_coef, default 0]
 Publishes version 0, trains every batch, offloads, reloads, publishes the version trained, saves a
 checkpoint (with its Hugging Face export) and resumes a fresh trainer from it; out.pt holds what the test compares.
 """
@@ -40,11 +41,13 @@ def main(argv: list[str]) -> None:
     model, rank, world, micro, ports, batches_path, out, ckpt = argv[:8]
     rank, world = int(rank), int(world)
     device = f"cuda:{rank}" if len(argv) > 8 and argv[8] == "cuda" else "cpu"
+    kl = float(argv[9]) if len(argv) > 9 else 0.0
     torch.set_num_threads(1)  # two ranks share the host's cores; tiny matmuls gain nothing from more
     store_port, *step_ports, save_port, load_port = (int(p) for p in ports.split(","))
     store = dist.TCPStore("127.0.0.1", store_port, world, rank == 0, timeout=timedelta(seconds=60))
     trainer = ShardedPolicyTrainer(model, rank=rank, world_size=world, micro_batch_size=int(micro),
-                                   cache_host="shm", device=device)
+                                   cache_host="shm", device=device, kl_coef=kl)
+    reference = {n: t.detach().cpu().clone() for n, t in trainer.ref_shards.items()}
     grads: list[dict] = []
     step = trainer.optimizer.step
 
@@ -63,15 +66,20 @@ def main(argv: list[str]) -> None:
     before = {n: t.detach().cpu().clone() for n, t in trainer.shards.items()}
     trainer.offload()
     result["offloaded_to"] = {t.device.type for t in trainer.shards.values()}
+    result["ref_offloaded_to"] = {t.device.type for t in trainer.ref_shards.values()} or {"cpu"}
     trainer.reload()
     result["reload_equal"] = all(torch.equal(before[n], t.cpu()) for n, t in trainer.shards.items())
     result["reloaded_to"] = {t.device.type for t in trainer.shards.values()}
+    # the reference stays the initial policy through two steps, an offload and a reload
+    result["ref_unchanged"] = reference.keys() == trainer.ref_shards.keys() and all(
+        torch.equal(reference[n], t.cpu()) for n, t in trainer.ref_shards.items())
     result["v1"] = publish(trainer, store, trainer.step)  # as the loop does: version = steps trained
     if rank == 0:
         result["v1_tensors"] = {n: t.clone() for n, t in trainer.cached_weights(trainer.step).items()}
     trainer.save_checkpoint(ckpt, GroupSpec("127.0.0.1", save_port, rank, world, timeout_s=60))
     result["shards"] = {n: t.detach().cpu().clone() for n, t in trainer.shards.items()}
-    resumed = ShardedPolicyTrainer(model, rank=rank, world_size=world, micro_batch_size=int(micro), device=device)
+    resumed = ShardedPolicyTrainer(model, rank=rank, world_size=world, micro_batch_size=int(micro), device=device,
+                                   kl_coef=kl)
     resumed.load_checkpoint(ckpt, GroupSpec("127.0.0.1", load_port, rank, world, timeout_s=60))
     result["resumed_equal"] = (resumed.step == trainer.step and all(
         torch.equal(resumed.shards[n].cpu(), t.cpu()) for n, t in trainer.shards.items()) and

@@ -1,7 +1,8 @@
 """FSDP2 over two gloo ranks (training/fsdp.py) against one unsharded rank with the whole batch:
-the same bytes in the cache before training, the same gradients and (to float noise) weights
-after two steps with a fresh process group per step; offload and reload keep the shards; a
-checkpoint resumes them exactly, and its Hugging Face export loads in transformers."""
+the same bytes in the cache before training, the same gradients, KL term and (to float noise)
+weights after two steps with a fresh process group per step (a KL penalty to the sharded
+reference model included); offload and reload keep the shards; a checkpoint resumes them
+exactly, and its Hugging Face export loads in transformers."""
 
 from __future__ import annotations
 
@@ -38,11 +39,9 @@ def test_shard_rows_split_as_torch_chunk():
                 assert torch.equal(full[lo:hi], want), (rows, world, rank)
 
 
-def test_one_rank_or_kl_is_refused(tiny_model_dir):
+def test_one_rank_is_refused(tiny_model_dir):
     with pytest.raises(TrainingError, match="at least 2 ranks"):
         ShardedPolicyTrainer(str(tiny_model_dir))
-    with pytest.raises(TrainingError, match="kl_coef"):
-        ShardedPolicyTrainer(str(tiny_model_dir), rank=0, world_size=2, kl_coef=0.1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -50,8 +49,8 @@ def test_one_rank_or_kl_is_refused(tiny_model_dir):
 def test_two_fsdp_ranks_match_one_unsharded_rank(tiny_model_dir, samples_factory, tmp_path, device):
     """On CPU two gloo ranks; on CUDA two GPUs with NCCL, where the offload and reload move the
     shards and moments off the GPU and back (the unsharded rank trains on the host)."""
-    micro = 2
-    single = PolicyTrainer(str(tiny_model_dir), micro_batch_size=micro)
+    micro, kl = 2, 0.05
+    single = PolicyTrainer(str(tiny_model_dir), micro_batch_size=micro, kl_coef=kl)
     single_grads = capture_grads(single)
     v0 = BucketCache.for_model(single.state_for_sync(), bucket_bytes=single.cache_bucket_bytes, host="pageable")
     v0.build_latest(0, single.state_for_sync())
@@ -64,7 +63,7 @@ def test_two_fsdp_ranks_match_one_unsharded_rank(tiny_model_dir, samples_factory
         path.write_text(json.dumps(share))
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), str(tiny_model_dir), str(rank), "2", str(micro), ports,
-             str(path), str(tmp_path / f"out{rank}.pt"), str(tmp_path / "ckpt"), device],
+             str(path), str(tmp_path / f"out{rank}.pt"), str(tmp_path / "ckpt"), device, str(kl)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # three processes on a small host: oversubscribed threads crawl
@@ -92,6 +91,10 @@ def test_two_fsdp_ranks_match_one_unsharded_rank(tiny_model_dir, samples_factory
             assert got["loss"] == pytest.approx(exp["loss"], rel=tol, abs=1e-5)
             assert got["grad_norm"] == pytest.approx(exp["grad_norm"], rel=tol)
             assert got["entropy"] == pytest.approx(exp["entropy"], rel=tol) and got["entropy"] > 0
+            # the reference is the initial policy: no KL before the first update, some after it
+            assert got["kl"] == pytest.approx(exp["kl"], rel=10 * tol, abs=1e-6)
+        assert r["metrics"][0]["kl"] == pytest.approx(0.0, abs=1e-6) and r["metrics"][1]["kl"] > 1e-6
+        assert r["ref_offloaded_to"] == {"cpu"} and r["ref_unchanged"]
     # the gradients each step applied: rank 0's rows then rank 1's make the unsharded gradient
     rows = results[0]["rows"]
     for step, want in enumerate(single_grads):

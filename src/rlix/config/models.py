@@ -386,9 +386,6 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _sharding(self) -> "TrainConfig":
-        if self.fsdp and self.kl_coef > 0:
-            raise ValueError("kl_coef > 0 needs a reference model, which fsdp does not shard yet: "
-                             "set kl_coef: 0 or fsdp: false")
         if self.activation_checkpointing and not self.fsdp:
             raise ValueError("activation_checkpointing applies to fsdp: true only")
         return self

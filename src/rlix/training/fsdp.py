@@ -23,8 +23,11 @@ is one contiguous byte range of the full tensor, so each rank writes its rows st
 on rank 0: ranks.py's TrainerGroup drives it). The ranks must therefore share rank 0's host.
 A checkpoint is written by all ranks at once with torch.distributed.checkpoint (each rank its
 rows; it resumes on any number of ranks) plus, from rank 0, the published weights as a plain
-Hugging Face folder (`export`). Not yet: a KL reference model, a device copy for shards beside
-the trainer (they sync from the host cache), and `compute_logprobs` outside a step.
+Hugging Face folder (`export`). With `kl_coef` > 0 each rank also keeps its rows of the initial
+policy in the compute dtype (the reference), wrapped the same way each step for a forward only,
+moved with the rest at offload and reload, read again from the checkpoint folder on resume as the
+unsharded trainer reloads its reference. Not yet: a device copy for shards beside the trainer
+(they sync from the host cache), and `compute_logprobs` outside a step.
 """
 
 from __future__ import annotations
@@ -127,9 +130,6 @@ class ShardedPolicyTrainer(PolicyTrainer):
         """Keep this rank's rows of every parameter (float32) and the model's buffers; the model
         itself stays a skeleton on the meta device. The rows are read from the checkpoint's
         safetensors files, or drawn for a seeded preset, without the whole model in memory."""
-        if self.kl_coef > 0:
-            raise TrainingError("kl_coef > 0 with fsdp: the reference model is not sharded yet; "
-                                "set kl_coef: 0 or train unsharded")
         config = AutoConfig.from_pretrained(self.model_path)
         stored = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
         self.compute_dtype = dtype or stored
@@ -139,13 +139,17 @@ class ShardedPolicyTrainer(PolicyTrainer):
         self.rows: dict[str, tuple[int, int]] = {}
         self.full_shapes: dict[str, tuple[int, ...]] = {}
         self.shards: dict[str, torch.Tensor] = {}
+        self.ref_shards: dict[str, torch.Tensor] = {}  # with kl_coef > 0: the initial policy's rows
         for name, p in skeleton.named_parameters():
             self.rows[name] = shard_rows(p.shape[0], self.world_size, self.rank)
             self.full_shapes[name] = tuple(p.shape)
             lo, hi = self.rows[name]
             # rounded through the compute dtype, as the unsharded trainer holds the checkpoint
-            part = rows(name, lo, hi).to(self.compute_dtype).to(MASTER_DTYPE)
-            self.shards[name] = part.to(start).requires_grad_(True)
+            part = rows(name, lo, hi).to(self.compute_dtype)
+            self.shards[name] = part.to(MASTER_DTYPE).to(start).requires_grad_(True)
+            if self.kl_coef > 0:  # the reference: the same rows, frozen, in the compute dtype (a tensor
+                # of its own: in float32 `.to` would return `part`, the policy's shard itself)
+                self.ref_shards[name] = part.to(start, copy=True)
         self.buffers = {n: b.to(start) for n, b in _buffers(skeleton).items()}
         # what a version is made of: names, full shapes and dtypes as shards are synced to
         self.sync_specs = {n: (tuple(t.shape), t.dtype) for n, t in weights_for_sync(skeleton, self.sync_dtype).items()}
@@ -160,6 +164,8 @@ class ShardedPolicyTrainer(PolicyTrainer):
             yield StateTensor(("model", "p", name), t.data, lambda v, t=t: setattr(t, "data", v))
         for name, b in self.buffers.items():
             yield StateTensor(("model", "b", name), b, lambda v, name=name: self.buffers.__setitem__(name, v))
+        for name, t in self.ref_shards.items():
+            yield StateTensor(("ref", "p", name), t, lambda v, name=name: self.ref_shards.__setitem__(name, v))
         yield from optimizer_tensors(self.optimizer)
 
     def _move(self, device: torch.device) -> None:
@@ -169,12 +175,28 @@ class ShardedPolicyTrainer(PolicyTrainer):
     # -- the step ---------------------------------------------------------------------------
     def _step_model(self) -> torch.nn.Module:
         """The model wrapped with FSDP2 over this step's process group, this rank's shards in it."""
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
         model = copy.deepcopy(self.model)  # the meta skeleton: nothing allocated
         if self.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == MASTER_DTYPE else self.compute_dtype,
                                       reduce_dtype=MASTER_DTYPE)
+        return self._wrap(model, self.shards, policy)
+
+    def _step_reference(self) -> torch.nn.Module | None:
+        """With kl_coef > 0, the reference model wrapped as the policy is, over the same group:
+        its frozen rows in the compute dtype, gathered layer by layer for a forward only."""
+        if not self.ref_shards:
+            return None
+        model = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
+        return self._wrap(model, self.ref_shards, MixedPrecisionPolicy()).eval()
+
+    def _wrap(self, model: torch.nn.Module, shards: dict[str, torch.Tensor],
+              policy: MixedPrecisionPolicy) -> torch.nn.Module:
+        """`model` (a meta skeleton) sharded with FSDP2 per decoder layer and at the root over
+        the step's group, this rank's `shards` copied in; each kept shard then aliases that
+        storage (one copy of the rank's rows during the step, not two). FSDP2 re-pads a shard
+        of uneven rows at its first forward; the kept one stays the unpadded copy, same values."""
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
         layers = model.get_decoder().layers
         if not isinstance(layers, torch.nn.ModuleList):
             raise TrainingError(f"{type(model).__name__}: no list of decoder layers to shard")
@@ -185,14 +207,11 @@ class ShardedPolicyTrainer(PolicyTrainer):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 local = p.to_local()
-                if tuple(local.shape) != tuple(self.shards[name].shape):
+                if tuple(local.shape) != tuple(shards[name].shape):
                     raise TrainingError(f"internal: FSDP2 gives rank {self.rank} {tuple(local.shape)} of {name}, "
-                                        f"this trainer keeps {tuple(self.shards[name].shape)}")
-                local.copy_(self.shards[name])
-                # the kept shard becomes that storage: one copy of the rank's parameters during
-                # the step, not two (FSDP2 re-pads a shard of uneven rows at its first forward;
-                # the kept one then stays the unpadded copy, with the same values)
-                self.shards[name].data = local
+                                        f"this trainer keeps {tuple(shards[name].shape)}")
+                local.copy_(shards[name])
+                shards[name].data = local
             for name, b in model.named_buffers():
                 b.copy_(self.buffers[name])
         return model

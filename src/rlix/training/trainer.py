@@ -326,6 +326,7 @@ class PolicyTrainer:
         with self._step_group(group) as group_stats:
             distributed = group_stats is not None
             model = self._step_model()
+            reference = self._step_reference()
             local = torch.tensor([sum(s.trained_tokens() for s in samples),
                                   sum(1 for s in samples if s.trained_tokens()), len(samples)],
                                  dtype=torch.float64, device=dev)
@@ -349,9 +350,9 @@ class PolicyTrainer:
                 behaviour = behaviour.to(dev)
                 adv = torch.tensor([float(s.advantage) for s in chunk], device=dev)
                 ref = None
-                if self.ref_model is not None:
+                if reference is not None:
                     with torch.no_grad():
-                        ref, _, _ = self._logprobs(self.ref_model, chunk)
+                        ref, _, _ = self._logprobs(reference, chunk)
                 loss, m = policy_loss(logp, behaviour, adv, mask, clip_eps=self.clip_eps,
                                       clip_eps_high=self.clip_eps_high, aggregation=self.aggregation,
                                       ref_logprobs=ref, kl_coef=self.kl_coef, normalizer=normalizer)
@@ -367,7 +368,7 @@ class PolicyTrainer:
                 sums = reduced.cpu()
             limit = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
             grad_norm = self._optimizer_step(model, limit)
-            del model
+            del model, reference
         self.step += 1
         loss_sum, clipped, ratio_sum, kl_sum, entropy_sum = sums.tolist()
         metrics = {
@@ -377,7 +378,7 @@ class PolicyTrainer:
             "num_samples": num_samples, "num_tokens": num_tokens, "step": float(self.step),
             "seconds": time.perf_counter() - started,
         }
-        if self.ref_model is not None:
+        if self.kl_coef > 0:
             metrics["kl"] = kl_sum / num_tokens
         if group_stats is not None:  # made and destroyed inside the step
             metrics.update(ranks=float(self.world_size), group_setup_s=group_stats.setup_s,
@@ -388,6 +389,10 @@ class PolicyTrainer:
     def _step_model(self) -> torch.nn.Module:
         """The module the step runs forward and backward through."""
         return self.model
+
+    def _step_reference(self) -> torch.nn.Module | None:
+        """The reference model the step's KL term reads (None without one: kl_coef 0)."""
+        return self.ref_model
 
     def _step_chunks(self, samples: Sequence[TrainSample]) -> Iterator[tuple[list[int], float]]:
         """The step's micro-batches and each one's weight in the loss (1: all of them count)."""
