@@ -26,6 +26,29 @@ MAX_TOP_LOGPROBS = 20
 TopLogprobs = list[tuple[int, float]]
 
 
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a constrained request's output must match (vLLM's structured outputs), as the engine
+    takes it: the server turns `response_format`, `structured_outputs` and forced tool calls into
+    one of these; the engine compiles it against its tokenizer (constrained.py) and masks every
+    sampled token to it. Frozen and hashable: compiled grammars are cached by it.
+
+    `spec`: the JSON schema (JSON text) for "json", the regex, the EBNF grammar, or xgrammar's
+    structural tag (JSON text); empty for "json_object" (any JSON object) and "choice"
+    (`choices`: the output is exactly one of them). `any_whitespace` False: JSON without
+    whitespace between tokens (vLLM's disable_any_whitespace). `param` names the request field
+    it came from, so that a schema that does not compile is a 400 naming that field."""
+
+    kind: ConstraintKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    any_whitespace: bool = True
+    param: str = "structured_outputs"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. top_k <= 0 and top_p >= 1 disable those filters; temperature 0 is greedy.
@@ -40,7 +63,8 @@ class SamplingParams:
     that many tokens were generated, the end-of-sequence ids and `stop_token_ids` are masked out
     of the sampled distribution (whether or not `ignore_eos`, as vLLM masks them) and no stop
     string can end the output (one ending in the text of the first `min_tokens` tokens is not a
-    match).
+    match). `constraint` (None: free text): every sampled token is one its grammar allows, and
+    the output ends (finish "stop") once the grammar is complete and end-of-sequence sampled.
     """
 
     max_tokens: int = 16
@@ -60,6 +84,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     min_tokens: int = 0
+    constraint: OutputConstraint | None = None
 
     @property
     def shapes_logits(self) -> bool:

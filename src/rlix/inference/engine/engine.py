@@ -22,6 +22,7 @@ import torch
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
+from rlix.inference.engine.constrained import CompiledConstraint, GrammarCompiler
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
@@ -88,8 +89,11 @@ class TorchEngine:
                              fused=fused, virtual_memory=virtual_memory)
         self.vocab_size = runner.vocab_size
         self._weights = runner.weights
+        eos_ids = _eos_ids(model, tokenizer)
+        #: compiles constrained requests' grammars (their library is loaded at the first one)
+        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, eos_ids)
         self._core = EngineCore(runner, tokenizer, max_num_seqs=max_num_seqs,
-                                eos_ids=_eos_ids(model, tokenizer),
+                                eos_ids=eos_ids,
                                 max_prefill_tokens=max_prefill_tokens, overlap=overlap_steps,
                                 prefix_cache_bytes=prefix_cache_bytes)
         self._core.on_prefilled = self._post_deltas
@@ -336,16 +340,19 @@ class TorchEngine:
         if self._closed:
             raise EngineStateError("the engine is closed")
         self._core.check_can_generate()
+        # a schema, regex or grammar that does not compile is refused here, before any work
+        grammar = self.grammars.compile(params.constraint) if params.constraint is not None else None
         if params.n > 1:
-            return self._stream_group(request_id, prompt, params, final_only)
-        return self._stream(request_id, prompt, params, final_only)
+            return self._stream_group(request_id, prompt, params, final_only, grammar)
+        return self._stream(request_id, prompt, params, final_only, grammar)
 
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      final_only: bool = False) -> AsyncIterator[GenerationOutput]:
+                      final_only: bool = False, grammar: CompiledConstraint | None = None
+                      ) -> AsyncIterator[GenerationOutput]:
         if request_id in self._live_ids:
             raise InvalidRequestError(f"request {request_id!r} is already running")
         sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
-        seq = Sequence(request_id, prompt, params, sink=sink, fold=final_only)
+        seq = Sequence(request_id, prompt, params, sink=sink, fold=final_only, grammar=grammar)
         out = GenerationOutput(request_id=request_id, prompt_token_ids=prompt)
         self._live_ids.add(request_id)
         with self._cv:
@@ -379,7 +386,8 @@ class TorchEngine:
             self._core.reject(seq, exc)
 
     async def _stream_group(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            final_only: bool = False) -> AsyncIterator[GenerationOutput]:
+                            final_only: bool = False, grammar: CompiledConstraint | None = None
+                            ) -> AsyncIterator[GenerationOutput]:
         """The n samples of one request: queued as one group (one prefill), yielded by index."""
         n = params.n
         ids = [f"{request_id}-{i}" for i in range(n)]
@@ -388,7 +396,7 @@ class TorchEngine:
         sink = _Stream(request_id, asyncio.get_running_loop(), final_only)
         group = PromptGroup(request_id)
         group.members = [Sequence(ids[i], prompt, params, sink=sink, index=i, group=group,
-                                  fold=final_only) for i in range(n)]
+                                  fold=final_only, grammar=grammar) for i in range(n)]
         outs = [GenerationOutput(request_id=ids[i], prompt_token_ids=prompt, index=i)
                 for i in range(n)]
         self._live_ids.update((request_id, *ids))

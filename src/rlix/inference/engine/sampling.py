@@ -13,7 +13,10 @@ divided, negative ones multiplied), then OpenAI's frequency and presence penalti
 token counts). A row short of its `min_tokens` has its stop ids (end-of-sequence and
 `stop_token_ids`) set to -inf, as vLLM's min-tokens logits processor does, until the row has
 generated that many tokens; only then does it become plain again (sampled inside the decode CUDA
-graph, overlapped). Rows that did not ask cost nothing: the batch's logits are not even copied.
+graph, overlapped). A constrained row (structured outputs, forced tool calls) then has every token
+its grammar forbids set to -inf (constrained.py); were its min_tokens mask to forbid what the
+grammar still allows, the grammar wins (an output that can only end must end). Rows that did not
+ask cost nothing: the batch's logits are not even copied.
 
 Logprobs are those of the model's raw distribution: log_softmax of the unscaled, unfiltered,
 unshaped logits, evaluated at the sampled token (what a trainer recomputes from the same
@@ -30,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from rlix.inference.engine.api import TopLogprobs
+from rlix.inference.engine.constrained import RowGrammar, apply_grammars
 
 
 def new_rng(seed: int | None) -> random.Random:
@@ -99,6 +103,8 @@ class RowSampling:
     shaping: LogitShaping | None = None
     #: token ids masked out (-inf) while the row is short of its min_tokens; None: no mask
     held: tuple[int, ...] | None = None
+    #: the row's grammar matcher (a constrained request); None: free text
+    grammar: RowGrammar | None = None
     #: temperature (or greedy) only: sampled by `sample_plain`, inside a decode CUDA graph
     plain: bool = field(init=False)
     _held_ids: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -108,7 +114,7 @@ class RowSampling:
 
     def _set_plain(self) -> None:
         self.plain = (self.shaping is None and not self.top_logprobs and self.top_k <= 0
-                      and self.top_p >= 1.0 and self.held is None)
+                      and self.top_p >= 1.0 and self.held is None and self.grammar is None)
 
     def hold(self, ids: tuple[int, ...]) -> None:
         """Mask `ids` out of this row's distribution until `release` (min_tokens). The row is
@@ -177,18 +183,30 @@ def sample(logits: torch.Tensor, rows: list[RowSampling]) -> Sampled:
     batch, vocab = logits.shape
     device = logits.device
     shaped = logits
-    # rows that asked for shaping, a min_tokens mask or alternatives (one pass; usually none)
+    # rows that asked for shaping, a min_tokens mask, a grammar or alternatives (usually none)
     special = [i for i, r in enumerate(rows)
-               if r.shaping is not None or r.top_logprobs or r.held is not None]
-    shaping = [i for i in special if rows[i].shaping is not None or rows[i].held is not None]
+               if r.shaping is not None or r.top_logprobs or r.held is not None or r.grammar is not None]
+    shaping = [i for i in special
+               if rows[i].shaping is not None or rows[i].held is not None or rows[i].grammar is not None]
     if shaping:
         shaped = logits.clone()
         for i in shaping:
+            if rows[i].shaping is not None:
+                rows[i].shaping.apply(shaped[i])  # type: ignore[union-attr]
+        constrained = [i for i in shaping if rows[i].grammar is not None]
+        if constrained:
+            apply_grammars(shaped, constrained, [rows[i].grammar for i in constrained])  # type: ignore[misc]
+        for i in shaping:
             row = rows[i]
-            if row.shaping is not None:
-                row.shaping.apply(shaped[i])
-            if row.held is not None:
+            if row.held is None:
+                continue
+            if row.grammar is None:
                 row.mask_held(shaped[i])
+                continue
+            held = shaped[i].clone()
+            row.mask_held(held)
+            if bool(torch.isfinite(held).any()):  # else the grammar allows nothing but an end
+                shaped[i] = held
     greedy = [r.temperature <= 0.0 for r in rows]  # (the property costs 1.5 us per 32 rows)
     tokens = shaped.argmax(dim=-1)
     if not all(greedy):

@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlix.errors import InferenceError
 from rlix.inference.engine.api import Detokenizer, FinishReason, SamplingParams, TopLogprobs
+from rlix.inference.engine.constrained import CompiledConstraint, RowGrammar
 from rlix.inference.engine.sampling import LogitShaping, RowSampling, new_rng
 
 _arrival = itertools.count()
@@ -71,6 +73,9 @@ class Sequence:
     prompt_top_logprobs: list[TopLogprobs] | None = None
     #: deliver one delta, at the end (final_only callers): no per-step delta is cut
     fold: bool = False
+    #: params.constraint compiled (the engine compiles it at generate()): each sample gets its
+    #: own matcher from it
+    grammar: CompiledConstraint | None = None
     sampling: RowSampling = field(init=False)
     pending: Delta = field(init=False)
     _text_checked: int = 0  # length of the output text already searched for stop strings
@@ -83,7 +88,8 @@ class Sequence:
             shaping = LogitShaping(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
                                    p.logit_bias, self.prompt_token_ids)
         self.sampling = RowSampling(p.temperature, p.top_k, p.top_p, new_rng(seed),
-                                    p.top_logprobs, shaping)
+                                    p.top_logprobs, shaping,
+                                    grammar=RowGrammar(self.grammar) if self.grammar is not None else None)
         self.pending = Delta(index=self.index)
 
     def hold_stops(self, eos_ids: frozenset[int]) -> None:
@@ -133,6 +139,12 @@ class Sequence:
             self.pending.top_logprobs.append(top)
         if self.sampling.held is not None and len(self.output_ids) >= self.params.min_tokens:
             self.sampling.release()
+        grammar = self.sampling.grammar
+        if grammar is not None and not grammar.accept(token):  # sampled from its mask: never
+            self.pending.error = InferenceError(f"request {self.request_id}: the grammar refused "
+                                                f"sampled token {token}")
+            self.finish("abort")
+            return
         self._check_finish(token, eos_ids, detokenizer)
 
     def _check_finish(self, token: int, eos_ids: frozenset[int],
@@ -142,6 +154,8 @@ class Sequence:
             self.finish("stop", token)
         elif not p.ignore_eos and token in eos_ids:
             self.finish("stop", None)
+        elif self.sampling.grammar is not None and self.sampling.grammar.terminated:
+            self.finish("stop", None)  # its end accepted (ignore_eos or not): nothing else may follow
         elif p.stop and detokenizer is not None and (hit := self._stop_string(detokenizer)):
             self.finish("stop", hit)
         elif len(self.output_ids) >= p.max_tokens:

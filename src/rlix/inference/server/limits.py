@@ -53,6 +53,12 @@ MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 #: `logit_bias` entries (OpenAI allows 300)
 MAX_LOGIT_BIAS = 1024
+#: a constraint's text: a JSON schema (as JSON), a regex, a grammar, a structural tag. Compiling
+#: costs about linear time in it (a regex can cost more: its size is what bounds it here)
+MAX_CONSTRAINT_CHARS = 2**16
+#: `structured_outputs.choice` entries, and the characters of each
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 #: `top_k` (more than any vocabulary: the engine treats k >= vocabulary as no filter)
 MAX_TOP_K = 2**31 - 1
 #: `seed`: torch's long, as vLLM bounds it
@@ -152,6 +158,7 @@ def _short(value: Any) -> str:
 
 #: sampling fields, top-level in completions and chat, under `sampling_params` in generate
 SAMPLING_BOUNDS: dict[str, Bound] = {
+    "structured_outputs": Bound(items=MAX_KEYS), "response_format": Bound(items=MAX_KEYS),
     "n": Bound(most=MAX_N), "best_of": Bound(most=MAX_N),
     "max_tokens": Bound(most=MAX_TOKENS), "max_completion_tokens": Bound(most=MAX_TOKENS),
     "stop": Bound(items=MAX_STOP, chars=MAX_STOP_CHARS),

@@ -67,15 +67,14 @@ INERT: dict[str, Callable[[Any], bool]] = {
     "min_p": _is(0, 0.0), "use_beam_search": _is(False), "length_penalty": _is(1, 1.0),
     "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _unset,
     "prompt_logprobs": _unset, "logprob_token_ids": _unset, "allowed_token_ids": _unset,
-    "bad_words": _unset, "structured_outputs": _unset, "guided_json": _unset,
+    "bad_words": _unset, "guided_json": _unset,
     "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
     "guided_decoding_backend": _unset, "kv_transfer_params": _unset, "vllm_xargs": _unset,
     "mm_processor_kwargs": _unset, "thinking_token_budget": _unset, "logits_processors": _unset,
 }
 #: ... the chat endpoint's own
 CHAT_INERT: dict[str, Callable[[Any], bool]] = {
-    **INERT, "response_format": lambda v: _unset(v) or v == {"type": "text"},
-    "modalities": lambda v: _unset(v) or v == ["text"], "parallel_tool_calls": _is(True),
+    **INERT, "modalities": lambda v: _unset(v) or v == ["text"],
     "audio": _unset, "prediction": _unset, "web_search_options": _unset, "functions": _unset,
     "function_call": _unset, "reasoning_effort": _unset, "verbosity": _unset,
     "echo": _is(False), "chat_template": _unset, "documents": _unset, "include_reasoning": _any,
@@ -83,14 +82,13 @@ CHAT_INERT: dict[str, Callable[[Any], bool]] = {
 }
 #: ... the completions endpoint's own (best_of is checked against n by the server)
 COMPLETION_INERT: dict[str, Callable[[Any], bool]] = {
-    **INERT, "suffix": _unset, "response_format": lambda v: _unset(v) or v == {"type": "text"},
+    **INERT, "suffix": _unset,
 }
 #: vLLM SamplingParams fields of /inference/v1/generate that change nothing for token output
 #: (`include_stop_str_in_output` changes the text only: the token ids are the same either way)
 GENERATE_INERT: dict[str, Callable[[Any], bool]] = {
     **{k: INERT[k] for k in ("min_p", "truncate_prompt_tokens", "prompt_logprobs",
-                              "allowed_token_ids", "bad_words", "structured_outputs",
-                              "logprob_token_ids")},
+                              "allowed_token_ids", "bad_words", "logprob_token_ids")},
     "skip_special_tokens": _any, "spaces_between_special_tokens": _any, "detokenize": _any,
     "include_stop_str_in_output": _any, "output_kind": _any, "extra_args": _unset,
     "best_of": _unset,
@@ -153,6 +151,7 @@ MaxTokens = Annotated[int, Field(le=MAX_TOKENS)]
 MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 TopK = Annotated[int, Field(le=MAX_TOP_K)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
+SmallObject = Annotated[dict[str, Any], at_most(MAX_KEYS)]
 
 
 class _SamplingFields(_Checked):
@@ -179,6 +178,9 @@ class _SamplingFields(_Checked):
     return_tokens_as_token_ids: bool | None = None
     min_tokens: MinTokens = 0
     include_stop_str_in_output: bool = False
+    # structured outputs (structured.py reads and bounds them)
+    response_format: SmallObject | None = None
+    structured_outputs: SmallObject | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -199,6 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Annotated[dict[str, Any], at_most(MAX_KEYS)] | None = None
     tools: Tools | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class GenerateSamplingParams(_Checked):
@@ -219,6 +222,7 @@ class GenerateSamplingParams(_Checked):
     repetition_penalty: float = 1.0
     logit_bias: LogitBias | None = None
     min_tokens: MinTokens = 0
+    structured_outputs: SmallObject | None = None
 
 
 class GenerateRequest(_Checked):

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlix.errors import InvalidRequestError, ModelNotFoundError
-from rlix.inference.engine.api import MAX_TOP_LOGPROBS, SamplingParams
+from rlix.inference.engine.api import MAX_TOP_LOGPROBS, OutputConstraint, SamplingParams
 from rlix.inference.server import openai_schema as S
-from rlix.inference.server.tool_calls import check_tools, template_messages
+from rlix.inference.server.structured import from_structured_outputs, request_constraint
+from rlix.inference.server.tool_calls import (ToolChoice, forced_call_constraint, template_messages,
+                                              tool_choice_of)
 
 
 @dataclass
@@ -31,7 +33,10 @@ class Job:
     return_token_ids: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per token shown, in the endpoint's meaning
-    parse_tools: bool = False  # chat with tools: the answer's <tool_call> blocks become tool_calls
+    #: chat with tools: whether the answer's <tool_call> blocks become tool_calls, and whether
+    #: the output was constrained to calls (tool_choice "required" or named)
+    tools: ToolChoice = field(default_factory=lambda: ToolChoice(False))
+    parallel_tool_calls: bool = True  # False: only the first call is answered (vLLM's)
     echo: str | None = None  # completions `echo`: the prompt's text, ahead of each choice's
     skip_special_tokens: bool = True
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
@@ -45,6 +50,10 @@ class Job:
     @property
     def n(self) -> int:
         return self.params.n
+
+    @property
+    def parse_tools(self) -> bool:
+        return self.tools.parse
 
     @property
     def engine_rid(self) -> str:
@@ -72,7 +81,8 @@ class RequestBuilder:
                 f"The model `{model}` does not exist. Valid aliases: {self.model_name}.", param="model")
 
     def _params(self, req: Any, prompt_len: int, max_tokens: int | None, default_max: int | None,
-                logprobs: bool, top: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
+                logprobs: bool, top: int = 0, prompt_logprobs: int | None = None,
+                constraint: OutputConstraint | None = None) -> SamplingParams:
         if req.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {req.n}", param="n")
         limit = self.check_room(prompt_len, isinstance(req, S.GenerateSamplingParams))
@@ -100,7 +110,8 @@ class RequestBuilder:
                               frequency_penalty=req.frequency_penalty or 0.0,
                               repetition_penalty=(1.0 if req.repetition_penalty is None
                                                   else req.repetition_penalty),
-                              logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens)
+                              logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
+                              constraint=constraint)
 
     def check_room(self, prompt_len: int, token_level: bool = False) -> int:
         """The context length, or InvalidRequestError if a prompt this long leaves no room
@@ -173,13 +184,14 @@ class RequestBuilder:
                                       "returned: ask for n)", param="best_of")
         self._check_top(req.logprobs, "logprobs")
         prompts = self._prompts(req.prompt)
+        constraint = request_constraint(req.response_format, req.structured_outputs)
         rid = S.new_id("cmpl")
         jobs = []
         for i, prompt in enumerate(prompts):
             ids = self._encode_prompt(prompt, req.add_special_tokens)
             k = req.logprobs
             params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
-                                  prompt_logprobs=k if req.echo else None)
+                                  prompt_logprobs=k if req.echo else None, constraint=constraint)
             job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
             job.rid, job.prompt_index = rid, i
             if len(prompts) > 1:  # vLLM's engine ids for the prompts of one request
@@ -196,14 +208,18 @@ class RequestBuilder:
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
                                       param="top_logprobs")
-        parse_tools = check_tools(req.tools, req.tool_choice)
+        tools = tool_choice_of(req.tools, req.tool_choice)
+        constraint = request_constraint(req.response_format, req.structured_outputs)
+        if tools.forced is not None:  # a forced call overrides the other constraints (vLLM's)
+            constraint = forced_call_constraint(req.tools or [], tools, req.parallel_tool_calls)
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
-        params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top)
+        params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top,
+                              constraint=constraint)
         job = self._job("chatcmpl", ids, params, req, logprobs=bool(req.logprobs), top=top)
-        job.parse_tools = parse_tools
+        job.tools, job.parallel_tool_calls = tools, req.parallel_tool_calls
         return job
 
     def prepare_generate(self, req: S.GenerateRequest) -> Job:
@@ -218,7 +234,9 @@ class RequestBuilder:
         # vLLM's shape: the sampled token then the best others, max(k, 1) entries: k >= 2 needs
         # the k best (the sampled one may be among them); 0 and 1 need none
         params = self._params(sp, len(req.token_ids), sp.max_tokens, 16, k is not None,
-                              top=k if k and k >= 2 else 0)
+                              top=k if k and k >= 2 else 0,
+                              constraint=from_structured_outputs(sp.structured_outputs,
+                                                                 "sampling_params.structured_outputs"))
         job = self._job("", req.token_ids, params, req, logprobs=k is not None, top=k or 0)
         job.rid = f"generate-tokens-{req.request_id}"
         return job

@@ -385,11 +385,21 @@ class OpenAIServing:
 
     @staticmethod
     def _tool_calls(job: Job, text: str, finish: str) -> tuple[str | None, list[ToolCall], str]:
-        """The answer's content, its tool calls, and the finish reason ("tool_calls" if any)."""
+        """The answer's content, its tool calls, and the finish reason, as vLLM gives them: with
+        calls parsed, "tool_calls" (for tool_choice "auto" if any call came, for "required"
+        whenever the output stopped); a named choice keeps the output's finish; a forced call's
+        content is "" rather than null; `parallel_tool_calls: false` keeps the first call."""
         if not job.parse_tools:
             return text, [], finish
         content, calls = parse_tool_calls(text)
-        return content, calls, "tool_calls" if calls and finish == "stop" else finish
+        if not job.parallel_tool_calls:
+            calls = calls[:1]
+        forced = job.tools.forced
+        if forced is not None:
+            content = content or ""
+        if finish == "stop" and (forced == "required" or (forced is None and calls)):
+            finish = "tool_calls"
+        return content, calls, finish
 
     def chat_stream(self, job: Job) -> AsyncIterator[str]:
         """The SSE text; the engine refuses a bad request here, before any of it is sent."""

@@ -5,6 +5,14 @@ vLLM's `hermes` parser reads): the model writes each call as
 
 A block that is not a JSON object with a string `name` makes the whole answer plain content, as
 vLLM's parser does: a half-written call is never executed as if it were one.
+
+A forced call (`tool_choice` "required" or a named function) constrains the output to this very
+format (`forced_call_constraint`): one or more blocks `<tool_call>\n{"name": NAME, "arguments":
+ARGS}\n</tool_call>` separated by newlines (exactly one for a named function, or with
+`parallel_tool_calls: false`), NAME a declared tool's and ARGS matching its `parameters` schema,
+so the parser above always finds valid calls of declared tools. That is what vLLM 0.32 does
+with its hermes parser (an xgrammar structural tag); the answer's shape is vLLM's too
+(serving.py).
 """
 
 from __future__ import annotations
@@ -13,10 +21,13 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rlix.errors import InvalidRequestError
 from rlix.httpkit import MAX_JSON_DEPTH, json_too_deep
+from rlix.inference.engine.api import OutputConstraint
+from rlix.inference.engine.constrained import MAX_JSON_WHITESPACE
+from rlix.inference.server.limits import MAX_CONSTRAINT_CHARS
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -60,20 +71,81 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return rest or None, calls
 
 
-def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
-    """Validate a request's `tools` and `tool_choice`; True when the answer should be parsed for
-    calls. Forcing a call ("required", a named function) needs guided decoding, which this engine
-    does not have: refused with 400 rather than ignored."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a chat request's `tools` and `tool_choice` ask of its answer."""
+
+    parse: bool  # the answer's <tool_call> blocks become `tool_calls`
+    forced: Literal["required", "named"] | None = None  # the output is constrained to calls
+    name: str | None = None  # the function a named choice forces
+
+
+def tool_choice_of(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolChoice:
+    """Validate a request's `tools` and `tool_choice` (vLLM's checks and params)."""
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str) and fn["name"]):
             raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                                       param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema object",
+                                      param="tools")
     if tool_choice in (None, "auto", "none"):
-        return bool(tools) and tool_choice != "none"
-    raise InvalidRequestError(f"tool_choice {tool_choice!r} is not supported (only 'auto' and 'none': forcing "
-                              "a call needs guided decoding)", param="tool_choice")
+        return ToolChoice(bool(tools) and tool_choice != "none")
+    if not tools:
+        raise InvalidRequestError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if tool_choice == "required":
+        return ToolChoice(True, "required")
+    usage = 'use "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    if not isinstance(tool_choice, dict):
+        raise InvalidRequestError(f"Invalid value for `tool_choice`: {str(tool_choice)[:100]!r}; {usage}",
+                                  param="tool_choice")
+    fn = tool_choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if tool_choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"Invalid `tool_choice`: {usage}", param="tool_choice.function.name")
+    if not any(t["function"]["name"] == name for t in tools):
+        raise InvalidRequestError(f"tool_choice names {name[:100]!r}, which is not in `tools`",
+                                  param="tool_choice.function.name")
+    return ToolChoice(True, "named", name)
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
+    """Validate `tools` and `tool_choice` where the output is not constrained (the agents'
+    gateway, /tokenize); True when the answer should be parsed for calls. Forcing a call needs
+    the engine's constrained decoding: refused with 400 here rather than ignored."""
+    choice = tool_choice_of(tools, tool_choice)
+    if choice.forced is not None:
+        raise InvalidRequestError(f"tool_choice {tool_choice!r} is not supported here (only 'auto' and "
+                                  "'none': forcing a call needs the engine's constrained decoding)",
+                                  param="tool_choice")
+    return choice.parse
+
+
+def forced_call_constraint(tools: list[dict[str, Any]], choice: ToolChoice,
+                           parallel: bool = True) -> OutputConstraint:
+    """The output constraint of a forced call: the blocks this module parses (module docstring),
+    of the named tool or any declared one, their arguments matching the tool's `parameters`
+    (any JSON object when it declares none)."""
+    tags = []
+    for tool in tools:
+        fn = tool["function"]
+        if choice.forced == "named" and fn["name"] != choice.name:
+            continue
+        schema = fn.get("parameters") or {"type": "object"}
+        tags.append({"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
+                     "content": {"type": "json_schema", "json_schema": schema,
+                                 "max_whitespace_cnt": MAX_JSON_WHITESPACE},
+                     "end": "}\n</tool_call>"})
+    single = choice.forced == "named" or not parallel
+    spec = json.dumps({"type": "structural_tag",
+                       "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
+                                  "at_least_one": True, "stop_after_first": single}})
+    if len(spec) > MAX_CONSTRAINT_CHARS * 4:
+        raise InvalidRequestError(f"the tools' parameter schemas take {len(spec)} characters; at most "
+                                  f"{MAX_CONSTRAINT_CHARS * 4} can constrain a forced call", param="tools")
+    return OutputConstraint("structural_tag", spec, param="tools")
 
 
 def text_content(content: Any, where: str) -> Any:
