@@ -29,6 +29,12 @@ budget on a shared 2-core machine, and bf16 matmuls are slower than fp32 on this
 `--gpu`: the `qwen2-0.5b-shape` preset in bf16 on CUDA (decode through CUDA graphs unless
 `--no-cuda-graphs`). Ends by printing one JSON line of headline figures.
 
+Constrained decoding (`tok_s_c32_json_schema`): the same c=32 queue, each request's output
+constrained to a JSON schema (a list of 4-16 small objects: `CONSTRAINED_SCHEMA`), so every row
+of every step pays its grammar's bitmask and the batch samples on the host. A constrained
+output ends when its JSON does (or at max_tokens): tok/s counts the tokens generated. The
+unconstrained figures above are measured without any constrained request in the engine.
+
     .venv/bin/python bench/engine_throughput.py [--gpu] [--model NAME] [--threads N]
 """
 
@@ -46,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from rlix.inference.engine.api import SamplingParams
+from rlix.inference.engine.api import OutputConstraint, SamplingParams
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.engine.runner.profile import gpu_breakdown
 
@@ -66,22 +72,34 @@ def make_requests(n: int, vocab: int, seed: int) -> list[Request]:
                     rng.randint(32, 128)) for _ in range(n)]
 
 
+#: the constrained run's schema: enough structure that each output runs for tens of tokens
+CONSTRAINED_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "minItems": 4, "maxItems": 16, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "kind": {"enum": ["alpha", "beta", "gamma"]},
+                                         "ok": {"type": "boolean"}},
+        "required": ["id", "kind", "ok"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False}
+
+
 async def engine_run(engine: TorchEngine, requests: list[Request], concurrency: int,
-                     stream: bool = False) -> float:
-    """Generated tokens per second with at most `concurrency` requests in flight."""
+                     stream: bool = False, constraint: OutputConstraint | None = None) -> float:
+    """Generated tokens per second with at most `concurrency` requests in flight (each output
+    constrained to `constraint` when given: it then ends where its grammar does)."""
     gate = asyncio.Semaphore(concurrency)
     generated = 0
 
     async def one(i: int, req: Request) -> None:
         nonlocal generated
         params = SamplingParams(max_tokens=req.max_tokens, temperature=1.0, seed=i,
-                                ignore_eos=True)
+                                ignore_eos=True, constraint=constraint)
         async with gate:
             last = None
             async for last in engine.generate(f"bench-{concurrency}-{i}", req.prompt, params,
                                               final_only=not stream):
                 pass
-            assert last is not None and len(last.token_ids) == req.max_tokens
+            assert last is not None and (len(last.token_ids) == req.max_tokens or constraint is not None)
             generated += len(last.token_ids)
 
     start = time.perf_counter()
@@ -267,6 +285,12 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
     bench.phase("streamed run at concurrency 32, then the bounds")
     streamed = asyncio.run(engine_run(engine, make_requests(128, vocab, seed=args.seed + 33), 32,
                                       stream=True))
+    bench.log(f"c= 32 streamed: engine {streamed:8.1f} tok/s")
+    schema = OutputConstraint("json", json.dumps(CONSTRAINED_SCHEMA))
+    asyncio.run(engine_run(engine, warm[:4], 4, constraint=schema))  # compiles it, loads xgrammar
+    constrained = asyncio.run(engine_run(engine, make_requests(counts[32], vocab, seed=args.seed + 32),
+                                         32, constraint=schema))
+    bench.log(f"c= 32 json_schema: engine {constrained:8.1f} tok/s (unconstrained {by_c_32(rows):8.1f})")
     extras = {}
     if args.gpu:
         extras = gpu_extras(engine, model, profiles) if not args.no_baselines else {
@@ -294,6 +318,7 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
         "tok_s_c32": r1(by_c[32][0]),
         "tok_s_c256": r1(by_c[256][0]) if 256 in by_c else None,
         "tok_s_c32_streamed": r1(streamed),
+        "tok_s_c32_json_schema": r1(constrained),
         "one_at_a_time_tok_s": r1(one_at_a_time or float("nan")),
         "static_batch_tok_s_c8": r1(by_c[8][1]),
         "static_batch_tok_s_c32": r1(by_c[32][1]),
@@ -312,6 +337,10 @@ def _measure(args, bench, device, model_name, dtype, counts, static_batches) -> 
             headline[key] = extras[key]
     headline.update({k: v for k, v in extras.items() if k not in headline})
     return headline
+
+
+def by_c_32(rows: list[tuple[int, int, float, float]]) -> float:
+    return next(eng for c, _, eng, _ in rows if c == 32)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,47 @@ def test_a_list_of_token_prompts_answers_each_as_alone(served):
     together = served.http.post("/v1/completions", json={**body, "prompt": prompts}).json()
     assert [c["text"] for c in together["choices"]] == alone
     assert together["usage"]["prompt_tokens"] == 9 and together["usage"]["completion_tokens"] == 18
+
+
+# ---------------------------------------------------------------- structured outputs (issue 41)
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                                  "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                 "required": ["answer", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_response_format_json_schema_is_honoured(served, path):
+    """Both servers answer 200 with the same keys, and JSON valid against the schema."""
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    r = served.http.post(path, json=_request(path, max_tokens=200, temperature=1.0, seed=3, n=4,
+                                             response_format=fmt))
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+        assert choice["finish_reason"] == "stop", text
+        jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+
+
+def test_structured_outputs_choice_and_regex(served):
+    choices = ["alpha", "beta"]
+    r = served.http.post("/v1/completions", json=_request("/v1/completions", max_tokens=20, n=6, seed=1,
+                                                          structured_outputs={"choice": choices}))
+    assert r.status_code == 200 and all(c["text"] in choices for c in r.json()["choices"]), r.text
+    r = served.http.post("/v1/chat/completions", json=_request(
+        "/v1/chat/completions", max_tokens=20, seed=1, structured_outputs={"regex": "[0-9]{4}"}))
+    content = r.json()["choices"][0]["message"]["content"]
+    assert r.status_code == 200 and len(content) == 4 and content.isdigit(), r.text
+
+
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"regex": "(ab"}},
+    {"structured_outputs": {"json": "{not json"}},
+    {"response_format": {"type": "json_schema"}},
+])
+def test_a_bad_constraint_is_a_400_on_both(served, extra):
+    r = served.http.post("/v1/chat/completions", json=_request("/v1/chat/completions", max_tokens=5, **extra))
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
