@@ -111,8 +111,9 @@ def test_chat_with_tools_through_the_router(oai):
     chunks = list(oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD], max_tokens=4,
                                               stream=True, extra_body={"ignore_eos": True}))
     assert chunks[-1].choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD], tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):  # a tool that was not declared
+        oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[ADD],
+                                    tool_choice={"type": "function", "function": {"name": "mul"}})
     with pytest.raises(openai.BadRequestError, match="tools\\[0\\]"):
         oai.chat.completions.create(model="tiny", messages=TOOL_TURNS, tools=[{"type": "function"}])
 
@@ -283,10 +284,10 @@ def test_completion_echo(via, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_unsupported_fields_are_refused_naming_them(via, stream):
     chat = dict(model="tiny", messages=CHAT, max_tokens=2, stream=stream)
-    for kw, param in ((dict(response_format={"type": "json_object"}), "response_format"),
+    for kw, param in ((dict(response_format={"type": "xml"}), "response_format.type"),
                       (dict(extra_body={"frobnicate": True}), "frobnicate"),
                       (dict(extra_body={"min_tokens": 3}), "min_tokens"),  # above max_tokens
-                      (dict(parallel_tool_calls=False), "parallel_tool_calls")):
+                      (dict(extra_body={"structured_outputs": {"regex": "(a"}}), "structured_outputs.regex")):
         with pytest.raises(openai.BadRequestError) as err:
             via.chat.completions.create(**chat, **kw)
         assert err.value.body["param"] == param and param in err.value.body["message"]

@@ -78,8 +78,11 @@ def test_stream_text_equals_plain_text(engine):
      "stream_options.usage_every"),
     ("/v1/chat/completions", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"json": "{"}}, "structured_outputs.json"),
+    ("/inference/v1/generate", {"sampling_params": {"structured_outputs": {"regexp": "a"}}},
+     "sampling_params.structured_outputs.regexp"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},

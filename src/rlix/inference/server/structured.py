@@ -78,7 +78,7 @@ def from_response_format(rf: Any) -> OutputConstraint | None:
             return OutputConstraint("json_object", param="response_format.json_schema")
         return OutputConstraint("json", _schema(schema, "response_format.json_schema.schema"),
                                 param="response_format.json_schema.schema")
-    raise InvalidRequestError(f"response_format type {str(kind)[:40]!r} is not supported (use 'text', "
+    raise InvalidRequestError(f"response_format.type {str(kind)[:40]!r} is not supported (use 'text', "
                               "'json_object' or 'json_schema')", param="response_format.type")
 
 
