@@ -62,6 +62,22 @@ class ModelNotFoundError(InvalidRequestError):
     """The request names a model this server does not serve (HTTP 404)."""
 
 
+class ResponseNotFoundError(InvalidRequestError):
+    """A Responses request names a response this server does not hold (HTTP 404, as vLLM's):
+    never stored (`store: false`), evicted from the bounded store, or unknown."""
+
+
+class UpstreamAnswerError(InferenceError):
+    """A shard refused a request the router translated (a Responses request relayed as a chat
+    completion): its status and error body, to be passed on to the caller as they came."""
+
+    def __init__(self, status: int, body: dict) -> None:
+        error = body.get("error") if isinstance(body, dict) else None
+        super().__init__(str(error.get("message") if isinstance(error, dict) else body)[:500])
+        self.status, self.body = status, body
+        self.param = error.get("param") if isinstance(error, dict) else None
+
+
 class EngineStateError(InferenceError):
     """The engine cannot do this now: asleep, weights not loaded, paused in a conflicting mode."""
 

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rlix import env
-from rlix.errors import InvalidRequestError, NoActiveShardError
+from rlix.errors import InvalidRequestError, NoActiveShardError, ResponseNotFoundError, UpstreamAnswerError
 from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard, bearer,
                           bounded_http_protocol, free_port)
 from rlix.inference.router.metrics import RouterMetrics
@@ -36,7 +36,8 @@ from rlix.inference.server import openai_schema as S
 from rlix.inference.server.control_schema import RouterShardBody, parse_body
 from rlix.inference.server.limits import check_bounds
 from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE, RESPONSES
-from rlix.inference.server.responses_api import from_chat, to_chat
+from rlix.inference.server.responses_service import ResponsesService
+from rlix.inference.server.responses_store import ResponseStore, StoreLimits
 
 
 #: the admin API's paths (small JSON bodies: MAX_CONTROL_BODY_BYTES)
@@ -55,13 +56,51 @@ def body_policy(max_body: int) -> Any:
     return lambda path: admin if path.startswith(ADMIN_PREFIX) else data
 
 
-def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI:
+class RelayChat:
+    """The router's chat completions (relayed to its shards: sticky by `session`, re-dispatched
+    on preemption) as the ChatBackend of /v1/responses (responses_service.py)."""
+
+    def __init__(self, router: Router, session: str | None) -> None:
+        self.router, self.session = router, session
+
+    async def complete(self, chat: dict[str, Any]) -> dict[str, Any]:
+        status, data = await self.router.relay.unary(CHAT, chat, self.session)
+        answer = json.loads(data) if isinstance(data, bytes) else data
+        if status != 200:
+            raise UpstreamAnswerError(status, answer)
+        return answer
+
+    async def stream(self, chat: dict[str, Any]) -> Any:
+        opened = await self.router.relay.open_stream(CHAT, chat, self.session)
+        if isinstance(opened, tuple):
+            raise UpstreamAnswerError(*opened)
+        return opened
+
+    async def prompt_tokens(self, chat: dict[str, Any]) -> tuple[int, int]:
+        """A shard's /tokenize of the chat's messages (vLLM's and rlix's both count them)."""
+        body: dict[str, Any] = {"messages": chat["messages"],
+                                "add_generation_prompt": chat.get("add_generation_prompt", True)}
+        if chat.get("tools") and chat.get("tool_choice") != "none":
+            body["tools"] = chat["tools"]
+        if chat.get("model"):
+            body["model"] = chat["model"]
+        passed = await self.router.passthrough("POST", "/tokenize", json.dumps(body).encode())
+        data = json.loads(passed.body) if passed.body else {}
+        if passed.status != 200:
+            raise UpstreamAnswerError(passed.status, data)
+        return int(data["count"]), int(data["max_model_len"])
+
+
+def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES,
+                      responses_store: StoreLimits = StoreLimits()) -> FastAPI:
     """Data-plane request bodies larger than `max_body` get 413 unread, JSON nested too deep 400
     (RequestGuard, on every path), fields out of bounds 400 naming them (limits.check_bounds),
     all before anything is relayed; a caller that goes away cancels its request (and the
-    shard's, whose connection closes)."""
+    shard's, whose connection closes). /v1/responses stores its responses here, in the
+    router (bounded by `responses_store`): a conversation continues on any shard."""
     app = FastAPI(title="rlix router", docs_url=None, redoc_url=None)
     app.state.router = router
+    responses_service = ResponsesService(ResponseStore(responses_store))
     metrics = RouterMetrics(router.relay, router.table)  # GET /metrics, typed families
     app.add_middleware(RequestGuard, policy=body_policy(max_body))
     expected = f"Bearer {router.api_key}".encode()
@@ -76,6 +115,14 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
     @app.exception_handler(InvalidRequestError)
     async def on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse(S.error_body(str(exc), "BadRequestError", 400, exc.param), status_code=400)
+
+    @app.exception_handler(ResponseNotFoundError)
+    async def on_not_found(_: Request, exc: ResponseNotFoundError) -> JSONResponse:
+        return JSONResponse(S.error_body(str(exc), "invalid_request_error", 404, exc.param), status_code=404)
+
+    @app.exception_handler(UpstreamAnswerError)
+    async def on_upstream(_: Request, exc: UpstreamAnswerError) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)  # a shard's refusal, as it came
 
     async def json_object(request: Request) -> dict:
         try:
@@ -117,14 +164,23 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES) -> FastAPI
 
     @app.post(RESPONSES)
     async def responses(request: Request) -> Response:
-        """Translated to a chat completion, relayed like one (sticky, re-dispatched), answered
-        as a Responses object."""
+        """Translated to a chat completion, relayed like one (sticky by X-Session-ID or the
+        body's vLLM `session_id`, re-dispatched), answered as a Responses object or its events."""
         body = await json_object(request)
-        status, data = await router.relay.unary(CHAT, to_chat(body), request.headers.get("x-session-id"))
-        answer = json.loads(data) if isinstance(data, bytes) else data
-        if status != 200:
-            return JSONResponse(answer, status_code=status)
-        return JSONResponse(from_chat(answer, body))
+        session = request.headers.get("x-session-id")
+        if session is None and isinstance(body.get("session_id"), str):
+            session = body["session_id"]
+        answer = await responses_service.create(body, RelayChat(router, session))
+        if isinstance(answer, dict):
+            return JSONResponse(answer)
+        return StreamingResponse(answer, media_type="text/event-stream")
+
+    @app.get(RESPONSES + "/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False) -> JSONResponse:
+        if stream:
+            raise InvalidRequestError("stream=true replays a background response's events; this server "
+                                      "runs none (background: true is refused)", param="stream")
+        return JSONResponse(responses_service.retrieve(response_id))
 
     @app.post(GENERATE)
     async def generate(request: Request) -> Response:
@@ -230,10 +286,11 @@ class RouterAdminClient:
 class RouterServer:
     """Serve a Router with uvicorn inside the running event loop (tests, the fleet actor)."""
 
-    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
+                 responses_store: StoreLimits = StoreLimits()) -> None:
         self.router = router
         self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(create_router_app(router), host=self.host, port=self.port,
+        config = uvicorn.Config(create_router_app(router, responses_store=responses_store), host=self.host, port=self.port,
                                 log_level="warning", access_log=False, lifespan="off",
                                 http=bounded_http_protocol())
         self.server = uvicorn.Server(config)
@@ -284,13 +341,13 @@ def parse_shards(specs: list[str]) -> dict[int, str]:
 
 def serve_router(shards: list[str], *, api_key: str, shard_api_key: str | None = None,
                  host: str = "127.0.0.1", port: int = 8100, hold_timeout_s: float = 60.0,
-                 max_body: int = MAX_BODY_BYTES) -> None:
+                 max_body: int = MAX_BODY_BYTES, responses_store: StoreLimits = StoreLimits()) -> None:
     """Run a router for shards someone started (`rlix router`), every one ACTIVE, until
     interrupted."""
     router = Router(api_key, shard_api_key, hold_timeout_s)
     for rank, url in parse_shards(shards).items():
         router.table.set(rank, url, ShardState.ACTIVE)
-    uvicorn.run(create_router_app(router, max_body), host=host, port=port, log_level="warning",
+    uvicorn.run(create_router_app(router, max_body, responses_store), host=host, port=port, log_level="warning",
                 access_log=False, http=bounded_http_protocol())
 
 

@@ -199,6 +199,8 @@ class Relay:
             content, calls = prog.text, None
             if prog.body.get("tools") and prog.body.get("tool_choice") != "none":
                 content, found = parse_tool_calls(prog.text)
+                if prog.body.get("parallel_tool_calls") is False:
+                    found = found[:1]  # vLLM's rule, as the engine server applies it
                 calls = [c.as_openai() for c in found]
                 finish = "tool_calls" if found and finish == "stop" else finish
             return S.chat_choice(prog.index, content, finish, stop_reason, lp, ids, calls)

@@ -25,14 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rlix.errors import (EngineStateError, InvalidRequestError, ModelNotFoundError,
-                         WeightUpdateError)
+                         ResponseNotFoundError, WeightUpdateError)
 from rlix.devices import cap_process_memory
 from rlix.httpkit import (MAX_BODY_BYTES, MAX_CONTROL_BODY_BYTES, BodyPolicy, RequestGuard, replay_body,
                           bounded_http_protocol)
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.server import openai_schema as S
-from rlix.inference.server import responses_api as R
 from rlix.inference.server.control import ControlPlane, control_routes
 from rlix.inference.server.control_schema import json_body
 from rlix.inference.server.limits import MAX_TRANSFER_BODY_BYTES, weights_body_limit
@@ -40,6 +39,8 @@ from rlix.inference.server.paths import (CONTROL_PATHS, DATA_PLANE_PREFIXES, GEN
                                         RESPONSES, TRANSFER_PATHS, WEIGHTS_PATH)
 from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.metrics import EngineMetrics
+from rlix.inference.server.responses_service import EngineChat, ResponsesService
+from rlix.inference.server.responses_store import ResponseStore, StoreLimits
 from rlix.inference.server.serving import OpenAIServing
 from rlix.models.presets import resolve_model
 from rlix.threads import favour_control_latency
@@ -81,6 +82,7 @@ def _err(status: int, message: str, type_: str, param: str | None = None) -> JSO
 #: rlix errors -> (HTTP status, error type, whether the error names a parameter); most specific first
 ERROR_ANSWERS: tuple[tuple[type[Exception], int, str, bool], ...] = (
     (ModelNotFoundError, 404, "NotFoundError", True),
+    (ResponseNotFoundError, 404, "invalid_request_error", True),  # vLLM's type for it
     (InvalidRequestError, 400, "BadRequestError", True),
     (WeightUpdateError, 400, "BadRequestError", False),
     (EngineStateError, 503, "ServiceUnavailableError", False),
@@ -225,14 +227,17 @@ class BearerAuth:
 
 def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str | None,
                model_root: str = "", close_engine: bool = False,
-               max_body: int = MAX_BODY_BYTES, generation_log: GenerationLog | None = None) -> FastAPI:
+               max_body: int = MAX_BODY_BYTES, generation_log: GenerationLog | None = None,
+               responses_store: StoreLimits = StoreLimits()) -> FastAPI:
     """The app for one engine. `close_engine` closes it when the app shuts down; a data-plane
     request body over `max_body` bytes gets 413 (the control plane's bounds: `body_policies`);
-    `generation_log` records every token-level generate. `api_key` None: the data plane open,
-    the control plane refused (BearerAuth)."""
+    `generation_log` records every token-level generate; `responses_store` bounds the stored
+    responses (/v1/responses). `api_key` None: the data plane open, the control plane refused
+    (BearerAuth)."""
     metrics = EngineMetrics(engine, model_name)  # GET /metrics, vLLM's names
     serving = OpenAIServing(engine, tokenizer, model_name, model_root, generation_log, metrics)
     control = ControlPlane(engine)
+    responses_service = ResponsesService(ResponseStore(responses_store))
     expected = f"Bearer {api_key}".encode() if api_key is not None else None
 
     @asynccontextmanager
@@ -298,20 +303,22 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str 
             return StreamingResponse(serving.chat_stream(job), media_type="text/event-stream")
         return JSONResponse(await serving.chat(job))
 
-    @app.post(RESPONSES)  # the Responses API subset, answered by a chat completion
+    @app.post(RESPONSES)  # the Responses API, answered by a chat completion (responses_service.py)
     async def responses(request: Request) -> Response:
         body = await json_body(request, required=True)
         if not isinstance(body, dict):
             raise InvalidRequestError("Request body must be a JSON object")
-        try:
-            chat_req = S.ChatCompletionRequest.model_validate(R.to_chat(body))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(map(str, first.get("loc", ()))) or None
-            raise InvalidRequestError(f"invalid request: {where + ': ' if where else ''}{first.get('msg')}",
-                                      param=where) from None
-        job = await _prepare(request, serving.prepare_chat, chat_req)
-        return JSONResponse(R.from_chat(await serving.chat(job), body))
+        answer = await responses_service.create(body, EngineChat(serving, offload=_large(request)))
+        if isinstance(answer, dict):
+            return JSONResponse(answer)
+        return StreamingResponse(answer, media_type="text/event-stream")
+
+    @app.get(RESPONSES + "/{response_id}")  # a stored response (vLLM's route)
+    async def retrieve_response(response_id: str, stream: bool = False) -> JSONResponse:
+        if stream:
+            raise InvalidRequestError("stream=true replays a background response's events; this server "
+                                      "runs none (background: true is refused)", param="stream")
+        return JSONResponse(responses_service.retrieve(response_id))
 
     @app.post(GENERATE)  # non-streamed valid bodies are served by FastGenerate
     async def generate(req: S.GenerateRequest) -> Response:
@@ -333,7 +340,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           device: str = "cpu", max_num_seqs: int = 64, max_model_len: int | None = None,
           served_model_name: str | None = None, dtype: str | None = None,
           max_body: int = MAX_BODY_BYTES, record_generations: str | None = None,
-          memory_share: float = 1.0, threads: int | None = None, capture_graphs: bool = False) -> None:
+          memory_share: float = 1.0, threads: int | None = None, capture_graphs: bool = False,
+          responses_store: StoreLimits = StoreLimits()) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs).
     `memory_share`: the fraction of the GPU's memory this server may allocate (a slice).
     `threads`: torch CPU threads of the engine (default: torch's). On CPU only the engine's
@@ -355,6 +363,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         asyncio.run(engine.capture_graphs())
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
                      model_root=str(path), close_engine=True, max_body=max_body,
-                     generation_log=GenerationLog(record_generations) if record_generations else None)
+                     generation_log=GenerationLog(record_generations) if record_generations else None,
+                     responses_store=responses_store)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
                 http=bounded_http_protocol())  # request heads bounded too

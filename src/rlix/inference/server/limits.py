@@ -67,6 +67,8 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_ID_CHARS = 4096
 #: keys of small free-form objects (`chat_template_kwargs`, `metadata`, a transfer's details)
 MAX_KEYS = 64
+#: `include` values of one Responses request (the API knows six)
+MAX_INCLUDES = 16
 #: request ids one /abort_requests names
 MAX_ABORT_IDS = 16384
 #: bucket messages of one /sync_weights (a bucket is tens to hundreds of MB)
@@ -178,7 +180,11 @@ FIELD_BOUNDS: dict[str, dict[str, Bound]] = {
                "model": Bound(chars=MAX_ID_CHARS)},
     RESPONSES: {**SAMPLING_BOUNDS, "max_output_tokens": Bound(most=MAX_TOKENS),
                 "model": Bound(chars=MAX_ID_CHARS), "input": Bound(items=MAX_MESSAGES, chars=MAX_PROMPT_CHARS),
-                "instructions": Bound(chars=MAX_PROMPT_CHARS), "tools": Bound(items=MAX_TOOLS)},
+                "instructions": Bound(chars=MAX_PROMPT_CHARS), "tools": Bound(items=MAX_TOOLS),
+                "previous_response_id": Bound(chars=MAX_ID_CHARS), "request_id": Bound(chars=MAX_ID_CHARS),
+                "session_id": Bound(chars=MAX_ID_CHARS), "include": Bound(items=MAX_INCLUDES),
+                "metadata": Bound(items=MAX_KEYS), "chat_template_kwargs": Bound(items=MAX_KEYS),
+                "max_tool_calls": Bound(most=MAX_TOKENS)},
 }
 
 

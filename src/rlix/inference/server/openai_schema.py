@@ -201,7 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Annotated[dict[str, Any], at_most(MAX_KEYS)] | None = None
     tools: Tools | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # False: the first call only (vLLM's rule)
 
 
 class GenerateSamplingParams(_Checked):

@@ -211,7 +211,7 @@ class RequestBuilder:
         tools = tool_choice_of(req.tools, req.tool_choice)
         constraint = request_constraint(req.response_format, req.structured_outputs)
         if tools.forced is not None:  # a forced call overrides the other constraints (vLLM's)
-            constraint = forced_call_constraint(req.tools or [], tools, req.parallel_tool_calls)
+            constraint = forced_call_constraint(req.tools or [], tools, req.parallel_tool_calls is not False)
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -219,7 +219,7 @@ class RequestBuilder:
         params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top,
                               constraint=constraint)
         job = self._job("chatcmpl", ids, params, req, logprobs=bool(req.logprobs), top=top)
-        job.tools, job.parallel_tool_calls = tools, req.parallel_tool_calls
+        job.tools, job.parallel_tool_calls = tools, req.parallel_tool_calls is not False
         return job
 
     def prepare_generate(self, req: S.GenerateRequest) -> Job:
