@@ -29,6 +29,21 @@ def sse_events(text: str) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
+def responses_events(text: str) -> list[dict]:
+    """A streamed Responses answer's events (`event: TYPE` then `data: {...}` per event, no
+    [DONE]), each parsed; fails unless every event's name is its data's `type`."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        lines = block.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), block[:200]
+        event = json.loads(lines[1][6:])
+        assert event["type"] == lines[0][7:], block[:200]
+        events.append(event)
+    return events
+
+
 def engine_cfg(model_dir, **kw) -> EngineBackendConfig:
     kw.setdefault("max_model_len", 512)
     kw.setdefault("max_num_seqs", 64)

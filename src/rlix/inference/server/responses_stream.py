@@ -68,6 +68,7 @@ class ResponseEvents:
         self._msg_id: str | None = None  # the text item open now
         self._text: list[str] = []
         self._logprobs: list[dict[str, Any]] = []
+        self._pending: list[dict[str, Any]] = []  # logprobs not yet sent with a text delta
 
     def _event(self, type_: str, **fields: Any) -> str:
         event = {"type": type_, "sequence_number": self.seq, **fields}
@@ -111,9 +112,12 @@ class ResponseEvents:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             content = delta.get("content")
+            if self.turn.logprobs:
+                # a token whose text is held back (part of a character) sends its logprob with
+                # no text: it goes with the next text, as the whole answer lists it
+                self._pending += (choice.get("logprobs") or {}).get("content") or []
             if content:
-                lps = ((choice.get("logprobs") or {}).get("content") or []) if self.turn.logprobs else []
-                out += self._text_delta(content, lps)
+                out += self._text_delta(content)
             for call in delta.get("tool_calls") or []:
                 out += self._close_text()
                 out += self._call(call)
@@ -121,8 +125,9 @@ class ResponseEvents:
                 self.finish = choice["finish_reason"]
         return out
 
-    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
+    def _text_delta(self, text: str) -> list[str]:
         out: list[str] = []
+        logprobs, self._pending = self._pending, []
         index = len(self.output)
         if self._msg_id is None:
             self._msg_id = f"msg_{secrets.token_hex(16)}"
@@ -142,12 +147,15 @@ class ResponseEvents:
         if self._msg_id is None:
             return []
         index, item_id = len(self.output), self._msg_id
+        out: list[str] = []
+        if self._pending:  # the answer's last tokens wrote no text: their logprobs still count
+            out += self._text_delta("")
         text = "".join(self._text)
         item = R.message_item(text, self._logprobs if self.turn.logprobs else None, item_id)
         part = item["content"][0]
         self._msg_id = None
         self.output.append(item)
-        return [
+        return out + [
             self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
                         text=text, logprobs=_stream_logprobs(self._logprobs)),
             self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
