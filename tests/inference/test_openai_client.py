@@ -133,10 +133,27 @@ def test_responses_create_through_the_router(oai):
     r2 = oai.responses.create(model="tiny", instructions="be brief", input=turns, tools=[tool],
                               max_output_tokens=4, extra_body={"ignore_eos": True})
     assert r2.usage.input_tokens > r.usage.input_tokens + 20 and r2.usage.output_tokens == 4
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.NotFoundError, match="not found"):
         oai.responses.create(model="tiny", input="x", previous_response_id="resp_1")
     with pytest.raises(openai.BadRequestError, match="input\\[0\\]"):
-        oai.responses.create(model="tiny", input=[{"type": "reasoning", "summary": []}])
+        oai.responses.create(model="tiny", input=[{"type": "reasoning", "encrypted_content": "gAAA"}])
+
+
+def test_responses_streamed_and_continued(via):
+    """Streaming and previous_response_id on the engine server and through the router (whose
+    own store continues a conversation on whichever shard it picks)."""
+    kw = dict(model="tiny", input="Once upon", max_output_tokens=6, temperature=1.0,
+              extra_body={"seed": 3, "ignore_eos": True})
+    plain = via.responses.create(**kw)
+    events = list(via.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == plain.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    nxt = via.responses.create(model="tiny", input="next", previous_response_id=events[-1].response.id,
+                               max_output_tokens=2, extra_body={"ignore_eos": True})
+    assert nxt.usage.input_tokens > plain.usage.input_tokens + plain.usage.output_tokens
+    assert via.responses.retrieve(nxt.id).id == nxt.id
 
 
 # ------------------------------------------------------------------ the OpenAI surface (issue 20)

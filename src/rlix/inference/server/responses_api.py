@@ -373,27 +373,26 @@ def usage(prompt: int, output: int) -> dict[str, Any]:
 
 def response_object(turn: ResponsesTurn, output: list[dict[str, Any]], status: str,
                     usage_: dict[str, Any] | None, model: str | None = None) -> dict[str, Any]:
-    """The Responses object, in vLLM 0.32's keys (and OpenAI's `error`); the request's
-    settings echoed as sent (vLLM echoes its resolved defaults: temperature 1.0...)."""
+    """The Responses object, in vLLM 0.32's keys and order (no `error`: vLLM sends none, and
+    OpenAI's clients read it as null); the request's settings echoed as sent (vLLM echoes its
+    resolved defaults: temperature 1.0...)."""
     body = turn.body
-    tools = body.get("tools") or []
     return {
-        "id": turn.response_id, "object": "response", "created_at": turn.created_at,
-        "status": status, "error": None,
+        "id": turn.response_id, "created_at": turn.created_at,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.get("instructions"), "metadata": body.get("metadata"),
-        "model": model or body.get("model"), "output": output,
+        "model": model or body.get("model"), "object": "response", "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "temperature": body.get("temperature"), "tool_choice": body.get("tool_choice") or "auto",
-        "tools": tools, "top_p": body.get("top_p"), "background": False,
+        "tools": body.get("tools") or [], "top_p": body.get("top_p"), "background": False,
         "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": body.get("max_tool_calls"),
         "previous_response_id": body.get("previous_response_id"), "prompt": None,
         "reasoning": body.get("reasoning"), "service_tier": body.get("service_tier") or "auto",
-        "text": body.get("text") or {"format": {"type": "text"}}, "top_logprobs": turn.top_logprobs,
-        "truncation": turn.truncation, "usage": usage_, "user": body.get("user"),
-        "presence_penalty": body.get("presence_penalty"), "frequency_penalty": body.get("frequency_penalty"),
-        "kv_transfer_params": None, "ec_transfer_params": None,
-        "input_messages": None, "output_messages": None,
+        "status": status, "text": body.get("text") or {"format": {"type": "text"}},
+        "top_logprobs": turn.top_logprobs, "truncation": turn.truncation, "usage": usage_,
+        "user": body.get("user"), "presence_penalty": body.get("presence_penalty"),
+        "frequency_penalty": body.get("frequency_penalty"), "kv_transfer_params": None,
+        "ec_transfer_params": None, "input_messages": None, "output_messages": None,
     }
 
 
