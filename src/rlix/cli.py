@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from rlix import env
 from rlix.errors import ConfigError, RlixError, SchedulerError
+from rlix.inference.server.responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreLimits
 from rlix.version import package_version
 
 
@@ -277,8 +278,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           served_model_name=args.served_model_name, dtype=args.dtype,
           max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations,
-          memory_share=env.gpu_memory_share(), threads=args.threads, capture_graphs=args.capture_graphs)
+          memory_share=env.gpu_memory_share(), threads=args.threads, capture_graphs=args.capture_graphs,
+          responses_store=_store_limits(args))
     return 0
+
+
+def _store_limits(args: argparse.Namespace) -> StoreLimits:
+    """The /v1/responses store's bounds from --responses-store-max and --responses-store-mib."""
+    if args.responses_store_max < 0 or args.responses_store_mib < 0:
+        raise ConfigError("--responses-store-max and --responses-store-mib must be >= 0 (0 stores nothing)")
+    return StoreLimits(max_responses=args.responses_store_max, max_bytes=int(args.responses_store_mib * 2**20))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -304,7 +313,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
     print(f"rlix router: http://{args.host}:{args.port} -> " +
           ", ".join(f"shard {r} {u}" for r, u in sorted(shards.items())), file=sys.stderr)
     serve_router(args.shard, api_key=api_key, shard_api_key=shard_api_key, host=args.host,
-                 port=args.port, hold_timeout_s=args.hold_timeout, max_body=int(args.max_body_mib * 2**20))
+                 port=args.port, hold_timeout_s=args.hold_timeout, max_body=int(args.max_body_mib * 2**20),
+                 responses_store=_store_limits(args))
     return 0
 
 
@@ -442,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "DIR/generations-PID.jsonl: the engine's own record, for audits")
     serve.add_argument("--max-body-mib", type=float, default=4.0,
                        help="larger request bodies get 413 unread (default: 4)")
+    _store_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
     export = sub.add_parser("export", help="write a trainer checkpoint as a Hugging Face model folder")
@@ -467,8 +478,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a request waits while no shard is active (default: 60)")
     router.add_argument("--max-body-mib", type=float, default=4.0,
                         help="larger request bodies get 413 unread (default: 4)")
+    _store_flags(router)
     router.set_defaults(func=_cmd_router)
     return parser
+
+
+def _store_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--responses-store-max", type=int, default=DEFAULT_MAX_RESPONSES,
+                        help="responses /v1/responses keeps for previous_response_id and GET (least recently "
+                             f"used evicted; 0: none; default: {DEFAULT_MAX_RESPONSES})")
+    parser.add_argument("--responses-store-mib", type=float, default=DEFAULT_MAX_BYTES / 2**20,
+                        help="MiB of JSON those responses and their conversations may take "
+                             f"(default: {DEFAULT_MAX_BYTES // 2**20})")
 
 
 def main(argv: list[str] | None = None) -> int:
