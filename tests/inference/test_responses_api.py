@@ -298,3 +298,26 @@ def test_a_relayed_refusal_is_recognised_as_too_long():
     turns = [{"role": "user", "content": "a" * 20}, {"role": "user", "content": "b" * 20}]
     r = asyncio.run(service.create({"input": turns, "truncation": "auto"}, chat))
     assert r["status"] == "completed" and chat.sent[-1]["messages"] == turns[1:]
+
+
+def test_a_caller_that_leaves_closes_the_chat_stream():
+    """Closing the events (the client went away) closes the chat stream at once: on a server
+    that aborts the request (serving.py's stream ends it in its `finally`)."""
+    closed: list[bool] = []
+
+    async def chat_sse():
+        try:
+            for _ in range(100):
+                yield f"data: {json.dumps(_delta('x'))}\n\n"
+        finally:
+            closed.append(True)
+
+    async def main() -> None:
+        events = ResponseEvents(R.parse({"input": "x", "stream": True}), lambda _: None).events(chat_sse())
+        async for text in events:
+            if text.startswith("event: response.output_text.delta"):
+                break
+        await events.aclose()
+        assert closed == [True]  # now, not when the loop's shutdown finalizes leftover generators
+
+    asyncio.run(main())

@@ -80,21 +80,26 @@ class ResponseEvents:
         return self._event(type_, response=R.response_object(self.turn, output, status, usage, self.model))
 
     async def events(self, chat_sse: AsyncIterator[str]) -> AsyncIterator[str]:
-        yield self._lifecycle("response.created", "in_progress", [], None)
-        yield self._lifecycle("response.in_progress", "in_progress", [], None)
-        async for piece in chat_sse:
-            for chunk in _chunks(piece):
-                if chunk is None:
-                    continue
-                if "error" in chunk:
-                    for text in self._close_text():
+        """The events' SSE text. Closed early (the caller went away), it closes the chat
+        stream now, which aborts the request (rather than whenever the collector finds it)."""
+        try:
+            yield self._lifecycle("response.created", "in_progress", [], None)
+            yield self._lifecycle("response.in_progress", "in_progress", [], None)
+            async for piece in chat_sse:
+                for chunk in _chunks(piece):
+                    if chunk is None:
+                        continue
+                    if "error" in chunk:
+                        for text in self._close_text():
+                            yield text
+                        yield self._error(chunk["error"])
+                        return
+                    for text in self._chunk(chunk):
                         yield text
-                    err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-                    yield self._event("error", code=str(err.get("code") or err.get("type") or "error"),
-                                      message=str(err.get("message")), param=err.get("param"))
-                    return
-                for text in self._chunk(chunk):
-                    yield text
+        finally:
+            aclose = getattr(chat_sse, "aclose", None)
+            if aclose is not None:
+                await aclose()
         for text in self._close_text():
             yield text
         status = R.status_of(self.finish)
@@ -103,6 +108,11 @@ class ResponseEvents:
         response = R.response_object(self.turn, self.output, status, R.usage(n_prompt, n_out), self.model)
         self.on_done(response)
         yield self._event("response.completed", response=response)
+
+    def _error(self, error: Any) -> str:
+        err = error if isinstance(error, dict) else {"message": str(error)}
+        return self._event("error", code=str(err.get("code") or err.get("type") or "error"),
+                           message=str(err.get("message")), param=err.get("param"))
 
     def _chunk(self, chunk: dict[str, Any]) -> list[str]:
         self.model = chunk.get("model") or self.model
