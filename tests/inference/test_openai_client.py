@@ -311,9 +311,10 @@ def test_unsupported_fields_are_refused_naming_them(via, stream):
     with pytest.raises(openai.BadRequestError) as err:
         via.completions.create(model="tiny", prompt="x", suffix="y", max_tokens=2, stream=stream)
     assert err.value.body["param"] == "suffix"
-    # what clients send that changes nothing here passes
+    # what clients send that changes nothing here passes (parallel_tool_calls: false is honoured:
+    # test_responses_clients.py)
     r = via.chat.completions.create(**chat, user="me", store=False, response_format={"type": "text"},
-                                    metadata={"run": "1"}, parallel_tool_calls=True)
+                                    metadata={"run": "1"}, parallel_tool_calls=False)
     assert (_by_index(r)[0]["finish"] if stream else r.choices[0].finish_reason) in ("length", "stop")
 
 

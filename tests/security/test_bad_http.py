@@ -482,7 +482,7 @@ def test_the_router_and_the_engine_bound_the_same_fields(path: str, name: str) -
     from rlix.errors import InvalidRequestError
     from rlix.inference.server import openai_schema as S
     from rlix.inference.server.limits import FIELD_BOUNDS, SAMPLING_BOUNDS, check_bounds
-    from rlix.inference.server.responses_api import to_chat
+    from rlix.inference.server.responses_api import parse
 
     base = {"/v1/completions": {"prompt": "hi"},
             "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
@@ -497,9 +497,9 @@ def test_the_router_and_the_engine_bound_the_same_fields(path: str, name: str) -
         with pytest.raises(InvalidRequestError) as refused:
             check_bounds(path, body)
         assert refused.value.param == name
-        if model is None:  # /v1/responses: translated by to_chat, which checks the same table
+        if model is None:  # /v1/responses: read by responses_api.parse, which checks the same table
             with pytest.raises(InvalidRequestError):
-                to_chat(body)
+                parse(body)
         elif field in (S.GenerateSamplingParams if name.startswith("sampling_params.") else model).model_fields:
             # (a field the model lacks is refused by name as unknown: openai_schema.refuse_unsupported)
             with pytest.raises(ValidationError) as invalid:

@@ -28,7 +28,7 @@ from typing import Any
 from rlix.errors import InvalidRequestError
 from rlix.inference.router.router import Generation, VersionSpan
 from rlix.inference.server.openai_schema import ROLES, GenerateSamplingParams
-from rlix.inference.server.responses_api import from_chat, to_chat
+from rlix.inference.server.responses_api import from_chat, parse
 from rlix.inference.server.tool_calls import check_tools, parse_tool_calls, template_messages
 
 #: (prompt token ids, sampling params, session id) -> the answer; the pipeline's router
@@ -204,8 +204,14 @@ class PolicyGateway:
                           "total_tokens": len(ids) + len(gen.token_ids)}}
 
     async def responses(self, body: dict[str, Any], session_id: str | None) -> dict[str, Any]:
-        """The Responses API subset (see server/responses_api.py), on the same path as chat."""
-        return from_chat(await self.chat(to_chat(body), session_id), body)
+        """The Responses API (see server/responses_api.py), on the same path as chat. The episode
+        is the conversation: nothing is stored, so previous_response_id is refused (and
+        streaming, as on chat)."""
+        if body.get("previous_response_id") is not None:
+            raise InvalidRequestError("the policy endpoint keeps no responses: send the whole conversation",
+                                      param="previous_response_id")
+        turn = parse(body)
+        return from_chat(await self.chat(turn.chat, session_id), turn)
 
     @staticmethod
     def _check(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict] | None]:

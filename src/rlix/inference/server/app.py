@@ -308,7 +308,10 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str 
         body = await json_body(request, required=True)
         if not isinstance(body, dict):
             raise InvalidRequestError("Request body must be a JSON object")
-        answer = await responses_service.create(body, EngineChat(serving, offload=_large(request)))
+        # a continued conversation (up to a context's worth of stored turns) is rendered off
+        # the loop whatever the size of this body
+        offload = _large(request) or body.get("previous_response_id") is not None
+        answer = await responses_service.create(body, EngineChat(serving, offload=offload))
         if isinstance(answer, dict):
             return JSONResponse(answer)
         return StreamingResponse(answer, media_type="text/event-stream")
