@@ -99,6 +99,7 @@ def test_an_assistant_message_in_progress_is_continued():
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),

@@ -129,6 +129,9 @@ def _text_format(value: Any) -> dict[str, Any] | None:
     fmt = value.get("format") if isinstance(value, dict) else None
     if value is not None and not isinstance(value, dict):
         raise InvalidRequestError("text must be an object ({'format': {...}})", param="text")
+    for key, setting in (value or {}).items():
+        if key != "format" and setting is not None:  # `verbosity`: chat's, refused there too
+            raise InvalidRequestError(f"text.{key} is not supported (leave it out)", param=f"text.{key}")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
     if isinstance(fmt, dict) and fmt.get("type") == "json_object":
