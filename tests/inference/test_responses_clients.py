@@ -226,3 +226,25 @@ def test_agents_sdk_runs_its_tool_loop_streamed(engine, chained):
     final, kinds = asyncio.run(run())
     assert seen == [(2, 3)] and final == ANSWER
     assert kinds.count("response.completed") == 2 and "response.function_call_arguments.done" in kinds
+
+
+def test_a_json_schema_format_and_a_forced_call_constrain_the_answer(served):
+    """text.format json_schema and tool_choice required go to chat's constrained decoding: the
+    random `tiny` model's answer is JSON of the schema, and a call of the declared tool."""
+    import jsonschema  # deferred: only this test validates a schema
+
+    _, client = served
+    # (bounded values: a random model's integer or free string could outrun max_output_tokens)
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "ok": {"type": "boolean"}},
+              "required": ["k", "ok"], "additionalProperties": False}
+    answer = client.responses.create(model="tiny", input="Give JSON", max_output_tokens=200, temperature=1.0,
+                                     text={"format": {"type": "json_schema", "name": "thing", "schema": schema}})
+    assert answer.status == "completed", answer
+    jsonschema.validate(json.loads(answer.output_text), schema)
+    tool = {"type": "function", "name": "lookup", "description": "look a word up", "strict": True,
+            "parameters": {"type": "object", "properties": {"word": {"type": "string", "enum": ["a", "b"]}},
+                           "required": ["word"], "additionalProperties": False}}
+    called = client.responses.create(model="tiny", input="Look up a word", tools=[tool], tool_choice="required",
+                                     max_output_tokens=200, temperature=1.0)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and all(c.name == "lookup" and json.loads(c.arguments)["word"] in ("a", "b") for c in calls), called
