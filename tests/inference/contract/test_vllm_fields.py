@@ -245,3 +245,51 @@ def test_structured_outputs_choice_and_regex(served):
 def test_a_bad_constraint_is_a_400_on_both(served, extra):
     r = served.http.post("/v1/chat/completions", json=_request("/v1/chat/completions", max_tokens=5, **extra))
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+# ---------------------------------------------------------------- prompt_logprobs
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
+def test_prompt_logprobs_are_the_models_own(served, path, tiny_model_dir):
+    """Each prompt token's logprob (the first: null) and the 2 best alternatives, in vLLM's
+    shape, where vLLM puts them (a completion choice's, the chat or generate response's), equal
+    to the checkpoint's own log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    answer = served.http.post(path, json=_request(path, max_tokens=1, prompt_logprobs=2)).json()
+    entries = answer["choices"][0]["prompt_logprobs"] if path == "/v1/completions" else answer["prompt_logprobs"]
+    ids = [262, 78, 78, 81] if path == "/inference/v1/generate" else (
+        answer["choices"][0]["prompt_token_ids"] if path == "/v1/completions" else answer["prompt_token_ids"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    # vLLM computes the tiny model in bfloat16 on its CPU (up to ~1% off float32); rlix runs float32
+    rel, tol = (1e-2, 5e-2) if served.backend == "vllm" else (0.0, 2e-3)
+    assert len(entries) == len(ids) and entries[0] is None
+    for j, entry in enumerate(entries[1:], 1):
+        row, token = raw[j - 1], ids[j]
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in entry.values())
+        # the 2 alternatives: ranked 1 and 2 in their own logprobs' order, and the model's 2 best
+        # (to the precision below: bfloat16 may swap near ties)
+        alts = sorted((v["rank"], int(t), v["logprob"]) for t, v in entry.items() if v["rank"] in (1, 2))
+        assert [a[0] for a in alts] == [1, 2] and alts[0][2] >= alts[1][2], (j, entry)
+        assert set(entry) == {str(token), *(str(a[1]) for a in alts)}, (j, entry)
+        second = float(row.topk(2).values[1])
+        for _, tid, _ in alts:
+            assert float(row[tid]) >= second - max(tol, rel * abs(second)), (j, entry)
+        value = float(row[token])
+        within = max(tol, rel * abs(value))
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=within)
+        mine = entry[str(token)]["rank"]
+        # vLLM ranks the prompt's token over the vocabulary; rlix where it is among the 2 computed
+        if served.backend == "vllm" or mine is not None:  # its vocabulary rank, to that precision
+            lowest, highest = (1 + int((row > value + d).sum()) for d in (within, -within))
+            assert lowest <= mine <= highest, (j, entry, lowest, highest)
+        else:
+            assert str(token) not in {str(a[1]) for a in alts}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_logprobs_in_a_stream_is_a_400_on_both(served, path):
+    answer = served.http.post(path, json=_request(path, max_tokens=1, prompt_logprobs=1, stream=True))
+    assert answer.status_code == 400, answer.text

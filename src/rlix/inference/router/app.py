@@ -44,6 +44,15 @@ from rlix.inference.server.responses_store import ResponseStore, StoreLimits
 ADMIN_PREFIX = "/router/"
 
 
+def _prompt_logprobs(path: str, body: dict) -> str | None:
+    """The field asking for prompt logprobs, when a request asks for them (else None)."""
+    if path == GENERATE:
+        sp = body.get("sampling_params")
+        asked = isinstance(sp, dict) and sp.get("prompt_logprobs") is not None
+        return "sampling_params.prompt_logprobs" if asked else None
+    return "prompt_logprobs" if body.get("prompt_logprobs") is not None else None
+
+
 def _several_prompts(prompt: Any) -> bool:
     """A completions `prompt` that lists more than one prompt (strings or token-id lists)."""
     return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
@@ -143,6 +152,12 @@ def create_router_app(router: Router, max_body: int = MAX_BODY_BYTES,
                 "a list of several prompts is answered by an engine server (`rlix serve`), not "
                 "through the router, which re-dispatches one prompt's samples token by token: "
                 "send one request per prompt", param="prompt")
+        asked = _prompt_logprobs(path, body)
+        if asked is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs are answered by an engine server (`rlix serve`), not through the router, "
+                "which relays each request as a stream (it continues a preempted request token by token) "
+                "and a stream carries no prompt logprobs, as in vLLM", param=asked)
         session = request.headers.get("x-session-id")
         if body.get("stream"):
             opened = await router.relay.open_stream(path, body, session)

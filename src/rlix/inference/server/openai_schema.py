@@ -66,7 +66,7 @@ INERT: dict[str, Callable[[Any], bool]] = {
     "store": _is(False), "service_tier": _is("auto", "default"), "priority": _is(0),
     "min_p": _is(0, 0.0), "use_beam_search": _is(False), "length_penalty": _is(1, 1.0),
     "spaces_between_special_tokens": _is(True), "truncate_prompt_tokens": _unset,
-    "prompt_logprobs": _unset, "logprob_token_ids": _unset, "allowed_token_ids": _unset,
+    "logprob_token_ids": _unset, "allowed_token_ids": _unset,
     "bad_words": _unset, "guided_json": _unset,
     "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
     "guided_decoding_backend": _unset, "kv_transfer_params": _unset, "vllm_xargs": _unset,
@@ -87,8 +87,8 @@ COMPLETION_INERT: dict[str, Callable[[Any], bool]] = {
 #: vLLM SamplingParams fields of /inference/v1/generate that change nothing for token output
 #: (`include_stop_str_in_output` changes the text only: the token ids are the same either way)
 GENERATE_INERT: dict[str, Callable[[Any], bool]] = {
-    **{k: INERT[k] for k in ("min_p", "truncate_prompt_tokens", "prompt_logprobs",
-                              "allowed_token_ids", "bad_words", "logprob_token_ids")},
+    **{k: INERT[k] for k in ("min_p", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
+                              "logprob_token_ids")},
     "skip_special_tokens": _any, "spaces_between_special_tokens": _any, "detokenize": _any,
     "include_stop_str_in_output": _any, "output_kind": _any, "extra_args": _unset,
     "best_of": _unset,
@@ -186,6 +186,7 @@ class _SamplingFields(_Checked):
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     echo: bool = False
     best_of: Samples | None = None
     add_special_tokens: bool = True
@@ -196,6 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Annotated[dict[str, Any], at_most(MAX_KEYS)] | None = None
@@ -217,6 +219,7 @@ class GenerateSamplingParams(_Checked):
     stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -350,10 +353,31 @@ def generate_logprobs(token_ids: list[int], logprobs: list[float],
     return {"content": content}
 
 
+def prompt_logprobs_of(prompt_ids: list[int], values: list[float | None], tops: list[list[tuple[int, float]]],
+                       decoded: list[str], decode_alt: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token (nothing precedes it), then for
+    each one a map from token id to {logprob, rank, decoded_token}: the prompt's own token first,
+    then the alternatives computed (the best k, which may hold the token itself). -inf is sent as
+    -9999.0, as vLLM clamps it (JSON has no infinity). The token's rank is known when it is among
+    the alternatives (vLLM ranks it over the whole vocabulary; here None otherwise)."""
+    out: list[dict | None] = []
+    for token, value, alts, text in zip(prompt_ids, values, tops, decoded):
+        if value is None:
+            out.append(None)
+            continue
+        ranks = {tid: r for r, (tid, _) in enumerate(alts, 1)}
+        entry = {str(token): {"logprob": max(value, -9999.0), "rank": ranks.get(token), "decoded_token": text}}
+        for r, (tid, v) in enumerate(alts, 1):
+            entry.setdefault(str(tid), {"logprob": max(v, -9999.0), "rank": r, "decoded_token": decode_alt(tid)})
+        out.append(entry)
+    return out
+
+
 def completion_choice(index: int, text: str, logprobs: dict | None, finish: str, stop_reason: Any,
-                      token_ids: list[int] | None, prompt_ids: list[int] | None) -> dict:
+                      token_ids: list[int] | None, prompt_ids: list[int] | None,
+                      prompt_logprobs: list[dict | None] | None = None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-            "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": None,
+            "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": prompt_logprobs,
             "prompt_token_ids": prompt_ids, "routed_experts": None}
 
 
@@ -394,11 +418,11 @@ def chat_choice(index: int, content: str | None, finish: str, stop_reason: Any, 
 
 
 def chat_response(rid: str, model: str, choices: list[dict], prompt_ids: list[int] | None,
-                  n_prompt: int, n_out: int) -> dict:
+                  n_prompt: int, n_out: int, prompt_logprobs: list[dict | None] | None = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": choices, "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-        "usage": usage(n_prompt, n_out), "prompt_logprobs": None, "prompt_token_ids": prompt_ids,
+        "usage": usage(n_prompt, n_out), "prompt_logprobs": prompt_logprobs, "prompt_token_ids": prompt_ids,
         "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
     }
 
@@ -443,10 +467,10 @@ def generate_choice(index: int, finish: str, stop_reason: Any, token_ids: list[i
 
 
 def generate_response(rid: str, model: str, choices: list[dict], prompt_ids: list[int] | None,
-                      n_prompt: int) -> dict:
+                      n_prompt: int, prompt_logprobs: list[dict | None] | None = None) -> dict:
     return {
         "request_id": rid, "model": model, "created": int(time.time()),
-        "usage": usage(n_prompt, sum(len(c["token_ids"]) for c in choices)), "prompt_logprobs": None,
+        "usage": usage(n_prompt, sum(len(c["token_ids"]) for c in choices)), "prompt_logprobs": prompt_logprobs,
         "prompt_token_id_logprobs": None, "prompt_token_ids": prompt_ids, "mm_placeholders": None,
         "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
         "output_mode": "tokens", "choices": choices,

@@ -129,6 +129,16 @@ class RequestBuilder:
                 f"Please reduce the length of the input prompt.", param="input_tokens")
         return limit
 
+    @classmethod
+    def _prompt_logprobs(cls, k: int | None, stream: bool, name: str) -> int | None:
+        """A checked `prompt_logprobs`: None, or 0 (the prompt tokens' own logprobs) to 20
+        alternatives; vLLM's -1 (the whole vocabulary) is past the 20 both servers allow. As in
+        vLLM, a stream carries none (400 unless 0)."""
+        cls._check_top(k, name)
+        if stream and k:
+            raise InvalidRequestError("`prompt_logprobs` are not available when `stream=True`.", param=name)
+        return k
+
     @staticmethod
     def _check_top(k: int | None, name: str) -> None:
         if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
@@ -183,6 +193,7 @@ class RequestBuilder:
             raise InvalidRequestError("best_of other than n is not supported (every sample is "
                                       "returned: ask for n)", param="best_of")
         self._check_top(req.logprobs, "logprobs")
+        asked = self._prompt_logprobs(req.prompt_logprobs, req.stream, "prompt_logprobs")
         prompts = self._prompts(req.prompt)
         constraint = request_constraint(req.response_format, req.structured_outputs)
         rid = S.new_id("cmpl")
@@ -190,8 +201,10 @@ class RequestBuilder:
         for i, prompt in enumerate(prompts):
             ids = self._encode_prompt(prompt, req.add_special_tokens)
             k = req.logprobs
+            # vLLM's: echo with logprobs computes the prompt's too (and returns them as such)
+            prompt_lp = asked if asked is not None else (k if req.echo else None)
             params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
-                                  prompt_logprobs=k if req.echo else None, constraint=constraint)
+                                  prompt_logprobs=prompt_lp, constraint=constraint)
             job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
             job.rid, job.prompt_index = rid, i
             if len(prompts) > 1:  # vLLM's engine ids for the prompts of one request
@@ -205,6 +218,7 @@ class RequestBuilder:
         self.check_model(req.model)
         S.refuse_unsupported(req, S.CHAT_INERT)
         self._check_top(req.top_logprobs, "top_logprobs")
+        prompt_lp = self._prompt_logprobs(req.prompt_logprobs, req.stream, "prompt_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequestError("when using `top_logprobs`, `logprobs` must be set to true.",
                                       param="top_logprobs")
@@ -217,7 +231,7 @@ class RequestBuilder:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top,
-                              constraint=constraint)
+                              prompt_logprobs=prompt_lp, constraint=constraint)
         job = self._job("chatcmpl", ids, params, req, logprobs=bool(req.logprobs), top=top)
         job.tools, job.parallel_tool_calls = tools, req.parallel_tool_calls is not False
         return job
@@ -233,8 +247,9 @@ class RequestBuilder:
         k = sp.logprobs
         # vLLM's shape: the sampled token then the best others, max(k, 1) entries: k >= 2 needs
         # the k best (the sampled one may be among them); 0 and 1 need none
+        prompt_lp = self._prompt_logprobs(sp.prompt_logprobs, req.stream, "sampling_params.prompt_logprobs")
         params = self._params(sp, len(req.token_ids), sp.max_tokens, 16, k is not None,
-                              top=k if k and k >= 2 else 0,
+                              top=k if k and k >= 2 else 0, prompt_logprobs=prompt_lp,
                               constraint=from_structured_outputs(sp.structured_outputs,
                                                                  "sampling_params.structured_outputs"))
         job = self._job("", req.token_ids, params, req, logprobs=k is not None, top=k or 0)

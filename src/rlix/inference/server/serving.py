@@ -233,6 +233,14 @@ class OpenAIServing:
         return [self._token_str(t, as_id) for t in ids]
 
     # ------------------------------------------------------------ logprobs
+    def _prompt_lp(self, job: Job, out: GenerationOutput) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs` of the job's prompt (None when not asked for)."""
+        if job.params.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        n = len(job.prompt_ids)
+        return S.prompt_logprobs_of(job.prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs or [[]] * n,
+                                    self._strs(job.prompt_ids), self._token_str)
+
     def _completion_lp(self, job: Job, out: GenerationOutput, ids: list[int], lps: list[float],
                        tops: list[TopLogprobs], offset0: int = 0, echo: bool = False) -> dict:
         """Completions logprobs of `ids` (the echoed prompt's first when `echo`); each token's
@@ -286,7 +294,8 @@ class OpenAIServing:
                 choices.append(S.completion_choice(job.first_index + i, text, lp, last.finish,
                                                    last.stop_reason,
                                                    out.token_ids if job.return_token_ids else None,
-                                                   job.prompt_ids if job.return_token_ids else None))
+                                                   job.prompt_ids if job.return_token_ids else None,
+                                                   self._prompt_lp(job, out)))
                 n_out += len(out.token_ids)
         return S.completion_response(jobs[0].rid, self.model_name, choices,
                                      sum(len(job.prompt_ids) for job in jobs), n_out)
@@ -370,9 +379,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ chat
     async def chat(self, job: Job) -> dict:
-        choices, n_out = [], 0
+        choices, n_out, prompt_lp = [], 0, None
         for i, (last, text) in enumerate(await self._finals(job)):
             out = last.out
+            prompt_lp = prompt_lp or self._prompt_lp(job, out)
             lp = self._chat_lp(job, out.token_ids, out.logprobs, out.top_logprobs) if job.logprobs else None
             content, calls, finish = self._tool_calls(job, text, last.finish)
             choices.append(S.chat_choice(i, content, finish, last.stop_reason, lp,
@@ -381,7 +391,7 @@ class OpenAIServing:
             n_out += len(out.token_ids)
         return S.chat_response(job.rid, self.model_name, choices,
                                job.prompt_ids if job.return_token_ids else None,
-                               len(job.prompt_ids), n_out)
+                               len(job.prompt_ids), n_out, prompt_lp)
 
     @staticmethod
     def _tool_calls(job: Job, text: str, finish: str) -> tuple[str | None, list[ToolCall], str]:
@@ -475,9 +485,10 @@ class OpenAIServing:
         return S.generate_logprobs(ids, lps, tops or None, job.top_logprobs)
 
     async def generate(self, job: Job) -> dict:
-        choices = []
+        choices, prompt_lp = [], None
         for i, (last, _) in enumerate(await self._finals(job, always=False)):
             out = last.out
+            prompt_lp = prompt_lp or self._prompt_lp(job, out)
             ids = out.token_ids
             lp = self._generate_lp(job, ids, out.logprobs, out.top_logprobs) if job.logprobs else None
             if self.generation_log is not None:
@@ -486,7 +497,8 @@ class OpenAIServing:
             choices.append(S.generate_choice(i, last.finish, last.stop_reason, ids, lp,
                                              S.weight_spans(out.weight_versions, len(ids))))
         return S.generate_response(job.rid, self.model_name, choices,
-                                   job.prompt_ids if job.return_token_ids else None, len(job.prompt_ids))
+                                   job.prompt_ids if job.return_token_ids else None, len(job.prompt_ids),
+                                   prompt_lp)
 
     def generate_stream(self, job: Job) -> AsyncIterator[str]:
         """The SSE text; the engine refuses a bad request here, before any of it is sent."""
