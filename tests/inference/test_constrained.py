@@ -1,7 +1,9 @@
 """Constrained decoding inside the engine (constrained.py): a grammar's mask applied to a row's
 logits before the pick, padded logits never picked, unconstrained rows untouched and still
 plain, the matcher advanced by every kept token, the request ended when the grammar is, and a
-constraint that does not compile refused at generate() naming its field."""
+constraint that does not compile refused at generate() naming its field. A continuation's
+matcher (a re-dispatched request's: `already_generated`) starts after the tokens already
+generated, so it masks and picks as the uninterrupted request would have."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from transformers import AutoTokenizer
 
 from rlix.errors import InvalidRequestError
 from rlix.inference.engine.api import OutputConstraint, SamplingParams
-from rlix.inference.engine.constrained import GrammarCompiler, RowGrammar, apply_grammars, choice_grammar
+from rlix.inference.engine.constrained import (GrammarCompiler, RowGrammar, apply_grammars, choice_grammar,
+                                               grammar_after)
 from rlix.inference.engine.sampling import RowSampling, sample
 
 
@@ -144,3 +147,78 @@ def test_the_engine_ends_a_constrained_request_with_its_grammar(make_engine, h, 
     with pytest.raises(InvalidRequestError) as err:
         engine.generate("bad", prompt, SamplingParams(constraint=OutputConstraint("regex", "(", param="x.regex")))
     assert err.value.param == "x.regex"
+
+
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}, "v": {"type": "boolean"},
+                                           "w": {"type": "string", "pattern": "^[a-z]{1,8}$"}},
+          "required": ["k", "v", "w"], "additionalProperties": False}
+
+
+def allowed(grammar: RowGrammar, vocab: int) -> list[int]:
+    logits = torch.zeros(1, vocab)
+    apply_grammars(logits, [0], [grammar])
+    return torch.isfinite(logits[0]).nonzero()[:, 0].tolist()
+
+
+def test_a_matcher_advanced_through_generated_tokens_masks_as_the_one_that_sampled_them(tok, compiler):
+    """What the shard taking a re-dispatched request does: its matcher, advanced through the
+    tokens the first shard's row sampled, allows at each point exactly what that row's did."""
+    compiled = compiler.compile(OutputConstraint("json", json.dumps(SCHEMA)))
+    row = RowSampling(1.0, 0, 1.0, random.Random(7), grammar=RowGrammar(compiled))
+    torch.manual_seed(0)
+    masks, sampled = [], []
+    while not row.grammar.terminated:  # type: ignore[union-attr]
+        masks.append(allowed(row.grammar, compiler.vocab_size))  # type: ignore[arg-type]
+        token = sample(torch.randn(1, compiler.vocab_size), [row]).tokens[0]
+        assert row.grammar.accept(token)  # type: ignore[union-attr]
+        sampled.append(token)
+    assert len(sampled) > 8
+    assert set(json.loads(tok.decode(sampled, skip_special_tokens=True))) == {"k", "v", "w"}
+    for k in range(len(sampled)):  # every cut point but after the end itself
+        advanced = grammar_after(compiled, sampled[:k], "already_generated")
+        assert allowed(advanced, compiler.vocab_size) == masks[k], k
+    # forked (the n samples of a continuation): the same state, advanced independently
+    half = grammar_after(compiled, sampled[:5], "already_generated")
+    fork = half.fork()
+    assert fork.advance(sampled[5:8]) == 3
+    assert allowed(half, compiler.vocab_size) == masks[5] and allowed(fork, compiler.vocab_size) == masks[8]
+
+
+def test_already_generated_tokens_the_grammar_refuses_are_a_400_naming_the_field(tok, compiler):
+    compiled = compiler.compile(OutputConstraint("regex", "[0-9]+x"))
+    with pytest.raises(InvalidRequestError) as err:
+        grammar_after(compiled, ids_of(tok, "12") + ids_of(tok, "y"), "already_generated")
+    assert err.value.param == "already_generated" and "does not allow" in str(err.value)
+    with pytest.raises(InvalidRequestError) as err:  # the end already came: nothing to continue
+        grammar_after(compiled, ids_of(tok, "1x") + [tok.eos_token_id], "already_generated")
+    assert err.value.param == "already_generated"
+
+
+def test_the_engine_continues_a_constrained_request_from_its_already_generated_tokens(make_engine, h, tok):
+    """A greedy constrained answer cut after k tokens and continued (prompt + those k tokens,
+    already_generated=k, n = 2 to fork the advanced matcher) gives the uninterrupted answer's
+    rest; tokens the grammar refuses, or more than the prompt holds, are refused at generate()."""
+    engine = make_engine(max_num_seqs=4)
+    c = OutputConstraint("json", json.dumps(SCHEMA), any_whitespace=False)  # greedy: no runs of spaces
+    prompt = ids_of(tok, "hello there")
+    whole = h.run(engine, prompt, SamplingParams(max_tokens=200, temperature=0.0, constraint=c))
+    ref = whole.token_ids
+    assert whole.finish_reason == "stop" and len(ref) > 8
+    k = len(ref) // 2
+    rest = SamplingParams(max_tokens=200 - k, temperature=0.0, constraint=c, n=2, already_generated=k)
+
+    async def continued() -> list:  # type: ignore[type-arg]
+        outs = {}
+        async for out in engine.generate("cont", prompt + ref[:k], rest):
+            outs[out.index] = out
+        return [outs[0], outs[1]]
+
+    for out in asyncio.run(continued()):
+        assert ref[:k] + out.token_ids == ref and out.finish_reason == "stop"
+    bad = ref[:k - 1] + ids_of(tok, "]]")[:1]
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate("bad", prompt + bad, SamplingParams(constraint=c, already_generated=k))
+    assert err.value.param == "already_generated"
+    with pytest.raises(InvalidRequestError) as err:
+        engine.generate("long", prompt, SamplingParams(constraint=c, already_generated=len(prompt) + 1))
+    assert err.value.param == "already_generated"

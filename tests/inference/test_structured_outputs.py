@@ -179,3 +179,31 @@ def test_a_bad_constraint_is_a_400_naming_the_field(oai, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, extra_body=extra)
     assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
+
+
+def test_already_generated_tokens_a_grammar_refuses_are_a_400_naming_the_field(server):
+    """The router's continuation field (rlix's own): a constrained completion continued from its
+    first tokens (prompt + those, already_generated = their count) completes the same match;
+    the ids it counts must be ones the constraint allows (they came from a matcher: anything
+    else is tampering or another tokenizer) and no more than the prompt holds."""
+    regex = {"structured_outputs": {"regex": "[0-9]{6}"}}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(server + path, json=body, headers=headers, timeout=60)
+
+    first = post("/v1/completions", {"model": "tiny", "prompt": "n:", "max_tokens": 2, "seed": 4,
+                                     "return_token_ids": True, **regex}).json()
+    prompt, head = first["choices"][0]["prompt_token_ids"], first["choices"][0]["token_ids"]
+    assert first["choices"][0]["finish_reason"] == "length"  # 2 tokens cannot be 6 digits and an end
+    rest = post("/v1/completions", {"model": "tiny", "prompt": prompt + head, "max_tokens": 12, "seed": 4,
+                                    "already_generated": len(head), **regex}).json()["choices"][0]
+    assert rest["finish_reason"] == "stop" and re.fullmatch(r"[0-9]{6}", first["choices"][0]["text"] + rest["text"])
+    for already in (len(prompt) + 1, 1, -1):  # 1: the prompt's last id is no digit
+        r = post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5,
+                                     "already_generated": already, **regex})
+        assert r.status_code == 400 and r.json()["error"]["param"].endswith("already_generated"), r.text
+    for already in (1, 10**9):
+        r = post("/inference/v1/generate", {"token_ids": prompt, "already_generated": already,
+                                            "sampling_params": {"max_tokens": 5, **regex}})
+        assert r.status_code == 400 and r.json()["error"]["param"].endswith("already_generated"), r.text

@@ -65,6 +65,10 @@ class SamplingParams:
     string can end the output (one ending in the text of the first `min_tokens` tokens is not a
     match). `constraint` (None: free text): every sampled token is one its grammar allows, and
     the output ends (finish "stop") once the grammar is complete and end-of-sequence sampled.
+    `already_generated` (a re-dispatched continuation's): the prompt's last that many tokens are
+    output an earlier attempt of the request generated under `constraint`, so the grammar's
+    matcher starts after them (constrained.grammar_after) rather than at its start; without a
+    constraint it changes nothing.
     """
 
     max_tokens: int = 16
@@ -85,6 +89,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     min_tokens: int = 0
     constraint: OutputConstraint | None = None
+    already_generated: int = 0
 
     @property
     def shapes_logits(self) -> bool:

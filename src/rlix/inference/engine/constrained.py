@@ -167,10 +167,25 @@ class RowGrammar:
     Owned by the row's RowSampling: `sample` asks it for the row's bitmask, the sequence
     feeds it every token the row keeps (`accept`), in order, exactly once."""
 
-    def __init__(self, compiled: CompiledConstraint) -> None:
+    def __init__(self, compiled: CompiledConstraint, matcher: Any = None) -> None:
         self._xgr = _import_xgrammar()
-        self.matcher = self._xgr.GrammarMatcher(compiled.compiled)
+        self.matcher = self._xgr.GrammarMatcher(compiled.compiled) if matcher is None else matcher
+        self.compiled = compiled
         self.vocab_size = compiled.compiled.tokenizer_info.vocab_size
+
+    def fork(self) -> RowGrammar:
+        """An independent matcher in this one's state: the n samples of a continued request
+        each start where the tokens already generated left the grammar."""
+        return RowGrammar(self.compiled, self.matcher.fork())
+
+    def advance(self, tokens: list[int]) -> int:
+        """Accept `tokens` in order (output an earlier attempt generated under this grammar);
+        how many were accepted: len(tokens) unless the grammar refused one (which it then
+        did not take: the matcher stays after the last accepted token)."""
+        for i, token in enumerate(tokens):
+            if not self.matcher.accept_token(token):
+                return i
+        return len(tokens)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this row's allowed tokens into bitmask[row] (a CPU int32 bitmask)."""
@@ -184,6 +199,25 @@ class RowGrammar:
     def terminated(self) -> bool:
         """The grammar is complete and its end (an end-of-sequence token) was accepted."""
         return bool(self.matcher.is_terminated())
+
+
+def grammar_after(compiled: CompiledConstraint, generated: list[int], param: str) -> RowGrammar:
+    """A matcher advanced through `generated`: the tokens a re-dispatched request already
+    generated under this constraint elsewhere (the router sends them as the prompt's tail and
+    says how many). Its next mask is then the one an uninterrupted generation would have had,
+    so the continued output plus what came before is one the grammar allows. Tokens it refuses
+    did not come from a matcher of this grammar and tokenizer (tampering, or another model):
+    InvalidRequestError naming `param`, before any work."""
+    grammar = RowGrammar(compiled)
+    taken = grammar.advance(generated)
+    if taken < len(generated):
+        raise InvalidRequestError(f"{param}: the constraint does not allow the already generated tokens "
+                                  f"(token {taken} of {len(generated)}, id {generated[taken]}, is refused "
+                                  f"after the {taken} before it)", param=param)
+    if grammar.terminated:
+        raise InvalidRequestError(f"{param}: the already generated tokens end the constraint's output "
+                                  f"(nothing is left to generate)", param=param)
+    return grammar
 
 
 def apply_grammars(logits: torch.Tensor, rows: list[int], grammars: list[RowGrammar]) -> None:

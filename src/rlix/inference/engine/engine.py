@@ -22,7 +22,7 @@ import torch
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
-from rlix.inference.engine.constrained import CompiledConstraint, GrammarCompiler
+from rlix.inference.engine.constrained import GrammarCompiler, RowGrammar, grammar_after
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
@@ -340,14 +340,18 @@ class TorchEngine:
         if self._closed:
             raise EngineStateError("the engine is closed")
         self._core.check_can_generate()
-        # a schema, regex or grammar that does not compile is refused here, before any work
-        grammar = self.grammars.compile(params.constraint) if params.constraint is not None else None
+        # a schema, regex or grammar that does not compile is refused here, before any work; so
+        # are already generated tokens (a continuation's prompt tail) the grammar does not allow
+        grammar = None
+        if params.constraint is not None:
+            generated = prompt[len(prompt) - params.already_generated:] if params.already_generated else []
+            grammar = grammar_after(self.grammars.compile(params.constraint), generated, "already_generated")
         if params.n > 1:
             return self._stream_group(request_id, prompt, params, final_only, grammar)
         return self._stream(request_id, prompt, params, final_only, grammar)
 
     async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      final_only: bool = False, grammar: CompiledConstraint | None = None
+                      final_only: bool = False, grammar: RowGrammar | None = None
                       ) -> AsyncIterator[GenerationOutput]:
         if request_id in self._live_ids:
             raise InvalidRequestError(f"request {request_id!r} is already running")
@@ -386,7 +390,7 @@ class TorchEngine:
             self._core.reject(seq, exc)
 
     async def _stream_group(self, request_id: str, prompt: list[int], params: SamplingParams,
-                            final_only: bool = False, grammar: CompiledConstraint | None = None
+                            final_only: bool = False, grammar: RowGrammar | None = None
                             ) -> AsyncIterator[GenerationOutput]:
         """The n samples of one request: queued as one group (one prefill), yielded by index."""
         n = params.n

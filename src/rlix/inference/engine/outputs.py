@@ -30,6 +30,9 @@ def validate_request(request_id: str, prompt: list[int], params: SamplingParams,
     if not 0 <= params.min_tokens <= params.max_tokens:
         raise InvalidRequestError(f"min_tokens must lie in [0, max_tokens={params.max_tokens}], got "
                                   f"{params.min_tokens}", param="min_tokens")
+    if not 0 <= params.already_generated <= len(ids):
+        raise InvalidRequestError(f"already_generated must lie in [0, {len(ids)}] (the prompt's length), "
+                                  f"got {params.already_generated}", param="already_generated")
     if len(ids) + params.max_tokens > max_model_len:
         raise InvalidRequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "

@@ -9,7 +9,7 @@ from typing import Any
 
 from rlix.errors import InferenceError
 from rlix.inference.engine.api import Detokenizer, FinishReason, SamplingParams, TopLogprobs
-from rlix.inference.engine.constrained import CompiledConstraint, RowGrammar
+from rlix.inference.engine.constrained import RowGrammar
 from rlix.inference.engine.sampling import LogitShaping, RowSampling, new_rng
 
 _arrival = itertools.count()
@@ -73,9 +73,10 @@ class Sequence:
     prompt_top_logprobs: list[TopLogprobs] | None = None
     #: deliver one delta, at the end (final_only callers): no per-step delta is cut
     fold: bool = False
-    #: params.constraint compiled (the engine compiles it at generate()): each sample gets its
-    #: own matcher from it
-    grammar: CompiledConstraint | None = None
+    #: params.constraint's matcher where this output starts (at the grammar's start, or after a
+    #: continuation's already generated tokens: the engine builds it at generate()); each sample
+    #: forks its own from it
+    grammar: RowGrammar | None = None
     sampling: RowSampling = field(init=False)
     pending: Delta = field(init=False)
     _text_checked: int = 0  # length of the output text already searched for stop strings
@@ -89,7 +90,7 @@ class Sequence:
                                    p.logit_bias, self.prompt_token_ids)
         self.sampling = RowSampling(p.temperature, p.top_k, p.top_p, new_rng(seed),
                                     p.top_logprobs, shaping,
-                                    grammar=RowGrammar(self.grammar) if self.grammar is not None else None)
+                                    grammar=self.grammar.fork() if self.grammar is not None else None)
         self.pending = Delta(index=self.index)
 
     def hold_stops(self, eos_ids: frozenset[int]) -> None:

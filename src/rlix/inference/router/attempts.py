@@ -4,21 +4,32 @@ Pure bookkeeping for relay.py: an attempt's output (whole or one streamed chunk)
 running total (ids, text, logprobs in the endpoint's shape, weight-version spans shifted to where
 the attempt began), and `upstream()` builds the continuation: prompt ids plus every token so far,
 max_tokens minus those, through /v1/completions for a chat.
+
+A continuation keeps the request's output constraint and says how many of the prompt's last ids
+are output already generated (`already_generated`, rlix's own field of /v1/completions and
+/inference/v1/generate): a shard advances a constrained request's matcher through them before
+its first pick, so the joined output is one an uninterrupted constrained generation could have
+given (without a constraint the count changes nothing). A chat's forced tool call goes as the
+structural tag the chat endpoint compiles it to.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from rlix.errors import InvalidRequestError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.paths import CHAT, COMPLETIONS, GENERATE
+from rlix.inference.server.tool_calls import ToolChoice, forced_call_constraint, tool_choice_of
 
 #: what a continuation (token-level, through /v1/completions for a chat) carries over of a
 #: chat or completions request, besides prompt, max_tokens and logprobs
 CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "stream", "stream_options", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "logit_bias", "skip_special_tokens",
-                    "return_tokens_as_token_ids", "include_stop_str_in_output", "min_tokens")
+                    "return_tokens_as_token_ids", "include_stop_str_in_output", "min_tokens",
+                    "response_format", "structured_outputs")
 
 
 def _min_left(holder: dict, done: int) -> dict:
@@ -103,6 +114,39 @@ class Attempts:
             return mt if mt is not None else self.body.get("max_tokens")
         return self.body.get("max_tokens", 16)
 
+    @cached_property
+    def tools(self) -> ToolChoice:
+        """What a chat's `tools` and `tool_choice` ask of its answer (nothing for the other
+        paths). Read once a shard took the request, so they were checked there."""
+        if self.path != CHAT:
+            return ToolChoice(False)
+        try:
+            return tool_choice_of(self.body.get("tools"), self.body.get("tool_choice"))
+        except InvalidRequestError:  # the shard refused it: no answer is built from it
+            return ToolChoice(False)
+
+    @property
+    def parallel_calls(self) -> bool:
+        return self.body.get("parallel_tool_calls", True) is not False
+
+    @property
+    def holds_calls(self) -> bool:
+        """A chat whose answer is parsed for tool calls: streamed, its text comes in one delta
+        at the end (a call is known only once its block closes), as a shard streams it."""
+        return self.path == CHAT and self.tools.parse
+
+    @cached_property
+    def _forced_call(self) -> dict:
+        """A chat's forced tool call as /v1/completions takes it: the structural tag the chat
+        endpoint compiles `tools` + `tool_choice` to (the same function, so the same grammar)."""
+        constraint = forced_call_constraint(self.body["tools"], self.tools, self.parallel_calls)
+        return {"structural_tag": constraint.spec}
+
+    def _already_generated(self) -> int:
+        """The prompt's tail of output (the caller's own count, if it sent one, plus ours)."""
+        sent = self.body.get("already_generated")
+        return len(self.ids) + (sent if isinstance(sent, int) and not isinstance(sent, bool) else 0)
+
     def upstream(self) -> tuple[str, dict]:
         """Path and body for the next attempt."""
         self.base = len(self.ids)
@@ -111,12 +155,21 @@ class Attempts:
                 return self.path, self.body
             return self.path, {**self.body, "return_token_ids": True}
         left = None if self.max_tokens is None else self.max_tokens - len(self.ids)
+        already = self._already_generated()
         if self.path == GENERATE:
             sp = {**_min_left(self.body.get("sampling_params", {}), len(self.ids)), "max_tokens": left}
-            return GENERATE, {**self.body, "token_ids": self.prompt_ids + self.ids, "sampling_params": sp,
-                              "return_token_ids": True}
+            body = {**self.body, "token_ids": self.prompt_ids + self.ids, "sampling_params": sp,
+                    "return_token_ids": True}
+            if already:
+                body["already_generated"] = already
+            return GENERATE, body
         keep = _min_left({k: v for k, v in self.body.items() if k in CONTINUED_FIELDS}, len(self.ids))
+        if self.tools.forced is not None:  # overrides the other constraints, as on the chat endpoint
+            keep.pop("response_format", None)
+            keep["structured_outputs"] = self._forced_call
         body = {**keep, "prompt": self.prompt_ids + self.ids, "return_token_ids": True}
+        if already:
+            body["already_generated"] = already
         if left is not None:
             body["max_tokens"] = left
         if self.path == CHAT and self.body.get("logprobs"):

@@ -10,6 +10,12 @@ against the original prompt. Upstream calls always ask for `return_token_ids`; t
 blanked again unless the caller asked for them. A chat request continues through
 /v1/completions on the already-templated prompt ids.
 
+A constrained request (response_format, structured_outputs, a forced tool call) continues under
+its constraint from where the cut attempt left its grammar (attempts.py: `already_generated`). A
+chat whose answer is parsed for tool calls gets them parsed from every attempt's text joined
+(a shard leaves a cut answer unparsed); streamed, its text comes in one delta at the end, as a
+shard streams such a chat.
+
 A request of n > 1 samples goes whole to one shard (its samples share the prefill there). If
 that attempt is cut, each sample cut short is continued on its own, token-level as above (its
 prompt ids + its tokens, seed + index when seeded, as the engine seeds sample `index`), all of
@@ -33,7 +39,7 @@ from typing import Any
 from rlix.errors import NoActiveShardError, ShardPreemptedError
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.paths import CHAT, GENERATE
-from rlix.inference.server.tool_calls import parse_tool_calls
+from rlix.inference.server.tool_calls import answer_calls
 from rlix.inference.router.attempts import Attempts, chat_items, requested_n
 from rlix.inference.router.shard_table import Shard, ShardState, ShardTable
 from rlix.httpkit import HttpPool, UpstreamError, UpstreamResponse, bearer
@@ -196,13 +202,8 @@ class Relay:
             return S.generate_choice(prog.index, finish, stop_reason, prog.ids, lp, prog.spans)
         if prog.path == CHAT:
             lp = {"content": prog.lp_items} if prog.body.get("logprobs") else None
-            content, calls = prog.text, None
-            if prog.body.get("tools") and prog.body.get("tool_choice") != "none":
-                content, found = parse_tool_calls(prog.text)
-                if prog.body.get("parallel_tool_calls") is False:
-                    found = found[:1]  # vLLM's rule, as the engine server applies it
-                calls = [c.as_openai() for c in found]
-                finish = "tool_calls" if found and finish == "stop" else finish
+            content, found, finish = answer_calls(prog.text, finish, prog.tools, prog.parallel_calls)
+            calls = [c.as_openai() for c in found] if prog.tools.parse else None
             return S.chat_choice(prog.index, content, finish, stop_reason, lp, ids, calls)
         lp = (S.completion_logprobs(prog.lp_tokens, prog.lp_values, 0, prog.lp_top)
               if prog.body.get("logprobs") is not None else None)
@@ -333,11 +334,16 @@ class Relay:
                     if finish is not None and self._cut(shard, 200, finish):
                         cut = True
                         choice = {**choice, "finish_reason": None, "stop_reason": None}
-                        if choice.get("text") or (choice.get("delta") or {}).get("content") \
-                                or choice.get("token_ids"):
+                        if not prog.holds_calls and (choice.get("text") or (choice.get("delta") or {}).get(
+                                "content") or choice.get("token_ids")):
                             yield self._rechunk(prog, chunk, choice, up_path, ident, wants_usage)
                         break
-                    yield self._rechunk(prog, chunk, choice, up_path, ident, wants_usage)
+                    if prog.holds_calls and up_path != prog.path:
+                        # a continued chat with tools: its calls are parsed from the whole text
+                        if finish is not None:
+                            yield self._calls_chunk(prog, choice, ident, wants_usage)
+                    else:
+                        yield self._rechunk(prog, chunk, choice, up_path, ident, wants_usage)
                     done = done or finish is not None
             except UpstreamError as exc:
                 cut = not done
@@ -398,7 +404,8 @@ class Relay:
                 if finish is not None and self._cut(shard, 200, finish):
                     cut.add(lane.index)
                     choice = {**choice, "finish_reason": None, "stop_reason": None}
-                    if choice.get("text") or (choice.get("delta") or {}).get("content") or choice.get("token_ids"):
+                    if not lane.holds_calls and (choice.get("text") or (choice.get("delta") or {}).get(
+                            "content") or choice.get("token_ids")):
                         yield self._rechunk(lane, chunk, choice, up_path, ident, wants_usage)
                     continue
                 yield self._rechunk(lane, chunk, choice, up_path, ident, wants_usage)
@@ -491,6 +498,21 @@ class Relay:
                                  choice.get("text", ""), finish, choice.get("stop_reason"), lp, ids,
                                  last=finish is not None and not wants_usage, index=prog.index,
                                  usage=usage))
+
+    def _calls_chunk(self, prog: Attempts, choice: dict, ident: dict, wants_usage: bool) -> str:
+        """The one delta of a re-dispatched chat with tools: content and tool calls parsed from
+        every attempt's text (a shard streams such a chat the same way: all of it at the end,
+        and a cut attempt's text is held back, unparsed), with every attempt's ids and logprobs."""
+        content, calls, finish = answer_calls(prog.text, choice.get("finish_reason"), prog.tools,
+                                              prog.parallel_calls)
+        lp = {"content": prog.lp_items} if prog.body.get("logprobs") else None
+        chunk = S.chat_chunk(ident.get("id", ""), ident.get("model", ""), ident.get("created", 0),
+                             content or "", finish, choice.get("stop_reason"), lp,
+                             prog.ids if prog.wants_ids else None, last=not wants_usage, index=prog.index,
+                             usage=self._running_usage(prog, {}))
+        if calls:
+            chunk["choices"][0]["delta"]["tool_calls"] = [c.as_openai(j) for j, c in enumerate(calls)]
+        return _sse(chunk)
 
     @staticmethod
     def _running_usage(prog: Attempts, chunk: dict) -> dict | None:

@@ -56,6 +56,9 @@ MAX_LOGIT_BIAS = 1024
 #: a constraint's text: a JSON schema (as JSON), a regex, a grammar, a structural tag. Compiling
 #: costs about linear time in it (a regex can cost more: its size is what bounds it here)
 MAX_CONSTRAINT_CHARS = 2**16
+#: a structural tag's text: it holds one schema per tag (a forced tool call's: one per tool, each
+#: bounded as above), so several constraints' worth; the router continues a forced call as one
+MAX_STRUCTURAL_TAG_CHARS = 4 * MAX_CONSTRAINT_CHARS
 #: `structured_outputs.choice` entries, and the characters of each
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
@@ -172,12 +175,13 @@ SAMPLING_BOUNDS: dict[str, Bound] = {
 #: the fields of each data-plane path the router checks (the engine's models carry the same bounds)
 FIELD_BOUNDS: dict[str, dict[str, Bound]] = {
     COMPLETIONS: {**SAMPLING_BOUNDS, "model": Bound(chars=MAX_ID_CHARS),
+                  "already_generated": Bound(most=MAX_PROMPT_TOKENS, least=0),
                   "prompt": Bound(items=MAX_PROMPT_TOKENS, chars=MAX_PROMPT_CHARS,
                                   item_items=MAX_PROMPT_TOKENS)},
     CHAT: {**SAMPLING_BOUNDS, "model": Bound(chars=MAX_ID_CHARS), "messages": Bound(items=MAX_MESSAGES),
            "tools": Bound(items=MAX_TOOLS), "chat_template_kwargs": Bound(items=MAX_KEYS)},
     GENERATE: {"token_ids": Bound(items=MAX_PROMPT_TOKENS), "request_id": Bound(chars=MAX_ID_CHARS),
-               "model": Bound(chars=MAX_ID_CHARS)},
+               "model": Bound(chars=MAX_ID_CHARS), "already_generated": Bound(most=MAX_PROMPT_TOKENS, least=0)},
     RESPONSES: {**SAMPLING_BOUNDS, "max_output_tokens": Bound(most=MAX_TOKENS),
                 "model": Bound(chars=MAX_ID_CHARS), "input": Bound(items=MAX_MESSAGES, chars=MAX_PROMPT_CHARS),
                 "instructions": Bound(chars=MAX_PROMPT_CHARS), "tools": Bound(items=MAX_TOOLS),

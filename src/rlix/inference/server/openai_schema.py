@@ -149,6 +149,9 @@ Tools = Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS, fail_fast=Tr
 Samples = Annotated[int, Field(le=MAX_N)]
 MaxTokens = Annotated[int, Field(le=MAX_TOKENS)]
 MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
+#: rlix's own (the router's continuations): how many of the prompt's last ids an earlier attempt
+#: generated; at most a prompt's length (the request builder checks it against this prompt's)
+AlreadyGenerated = Annotated[int, Field(ge=0, le=MAX_PROMPT_TOKENS)]
 TopK = Annotated[int, Field(le=MAX_TOP_K)]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]
 SmallObject = Annotated[dict[str, Any], at_most(MAX_KEYS)]
@@ -190,6 +193,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Samples | None = None
     add_special_tokens: bool = True
+    already_generated: AlreadyGenerated = 0  # not vLLM's: SamplingParams.already_generated
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -235,6 +239,7 @@ class GenerateRequest(_Checked):
     model: Name | None = None
     return_token_ids: bool | None = None
     output_mode: Literal["tokens"] = "tokens"
+    already_generated: AlreadyGenerated = 0  # not vLLM's: SamplingParams.already_generated
     stream: bool | None = False
     stream_options: StreamOptions | None = None
 

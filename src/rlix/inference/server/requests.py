@@ -82,7 +82,7 @@ class RequestBuilder:
 
     def _params(self, req: Any, prompt_len: int, max_tokens: int | None, default_max: int | None,
                 logprobs: bool, top: int = 0, prompt_logprobs: int | None = None,
-                constraint: OutputConstraint | None = None) -> SamplingParams:
+                constraint: OutputConstraint | None = None, already_generated: int = 0) -> SamplingParams:
         if req.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {req.n}", param="n")
         limit = self.check_room(prompt_len, isinstance(req, S.GenerateSamplingParams))
@@ -96,6 +96,9 @@ class RequestBuilder:
         if temperature < 0 or not 0 < top_p <= 1:
             raise InvalidRequestError("temperature must be >= 0 and top_p in (0, 1]", param="temperature")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if already_generated > prompt_len:
+            raise InvalidRequestError(f"already_generated ({already_generated}) counts more tokens than the "
+                                      f"prompt holds ({prompt_len})", param="already_generated")
         capped = min(wanted, room)
         if req.min_tokens > capped:  # vLLM's check and wording, against max_tokens once capped
             where = "sampling_params." if isinstance(req, S.GenerateSamplingParams) else ""
@@ -111,7 +114,7 @@ class RequestBuilder:
                               repetition_penalty=(1.0 if req.repetition_penalty is None
                                                   else req.repetition_penalty),
                               logit_bias=_logit_bias(req.logit_bias), min_tokens=req.min_tokens,
-                              constraint=constraint)
+                              constraint=constraint, already_generated=already_generated)
 
     def check_room(self, prompt_len: int, token_level: bool = False) -> int:
         """The context length, or InvalidRequestError if a prompt this long leaves no room
@@ -204,7 +207,8 @@ class RequestBuilder:
             # vLLM's: echo with logprobs computes the prompt's too (and returns them as such)
             prompt_lp = asked if asked is not None else (k if req.echo else None)
             params = self._params(req, len(ids), req.max_tokens, 16, k is not None, top=k or 0,
-                                  prompt_logprobs=prompt_lp, constraint=constraint)
+                                  prompt_logprobs=prompt_lp, constraint=constraint,
+                                  already_generated=req.already_generated)
             job = self._job("cmpl", ids, params, req, logprobs=k is not None, top=k or 0)
             job.rid, job.prompt_index = rid, i
             if len(prompts) > 1:  # vLLM's engine ids for the prompts of one request
@@ -251,7 +255,8 @@ class RequestBuilder:
         params = self._params(sp, len(req.token_ids), sp.max_tokens, 16, k is not None,
                               top=k if k and k >= 2 else 0, prompt_logprobs=prompt_lp,
                               constraint=from_structured_outputs(sp.structured_outputs,
-                                                                 "sampling_params.structured_outputs"))
+                                                                 "sampling_params.structured_outputs"),
+                              already_generated=req.already_generated)
         job = self._job("", req.token_ids, params, req, logprobs=k is not None, top=k or 0)
         job.rid = f"generate-tokens-{req.request_id}"
         return job

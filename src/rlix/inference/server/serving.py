@@ -30,7 +30,7 @@ from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.metrics import EngineMetrics
 from rlix.inference.server.requests import Job, RequestBuilder
 from rlix.inference.server.text_stream import TextStream
-from rlix.inference.server.tool_calls import ToolCall, check_tools, parse_tool_calls
+from rlix.inference.server.tool_calls import ToolCall, answer_calls, check_tools
 
 
 @dataclass
@@ -395,21 +395,8 @@ class OpenAIServing:
 
     @staticmethod
     def _tool_calls(job: Job, text: str, finish: str) -> tuple[str | None, list[ToolCall], str]:
-        """The answer's content, its tool calls, and the finish reason, as vLLM gives them: with
-        calls parsed, "tool_calls" (for tool_choice "auto" if any call came, for "required"
-        whenever the output stopped); a named choice keeps the output's finish; a forced call's
-        content is "" rather than null; `parallel_tool_calls: false` keeps the first call."""
-        if not job.parse_tools:
-            return text, [], finish
-        content, calls = parse_tool_calls(text)
-        if not job.parallel_tool_calls:
-            calls = calls[:1]
-        forced = job.tools.forced
-        if forced is not None:
-            content = content or ""
-        if finish == "stop" and (forced == "required" or (forced is None and calls)):
-            finish = "tool_calls"
-        return content, calls, finish
+        """The answer's content, tool calls and finish reason (tool_calls.answer_calls)."""
+        return answer_calls(text, finish, job.tools, job.parallel_tool_calls)
 
     def chat_stream(self, job: Job) -> AsyncIterator[str]:
         """The SSE text; the engine refuses a bad request here, before any of it is sent."""

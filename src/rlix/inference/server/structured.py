@@ -23,7 +23,8 @@ from typing import Any
 
 from rlix.errors import InvalidRequestError
 from rlix.inference.engine.api import OutputConstraint
-from rlix.inference.server.limits import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_CHARS
+from rlix.inference.server.limits import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_CONSTRAINT_CHARS,
+                                          MAX_STRUCTURAL_TAG_CHARS)
 
 #: the constraint keys of `structured_outputs` (exactly one of them is set)
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -32,14 +33,14 @@ OPTIONS = {"disable_any_whitespace": (True, False), "disable_additional_properti
            "disable_fallback": (True, False), "whitespace_pattern": (None,)}
 
 
-def _text(value: Any, param: str, what: str) -> str:
+def _text(value: Any, param: str, what: str, most: int = MAX_CONSTRAINT_CHARS) -> str:
     """A constraint's text (a schema given as an object is serialised), bounded."""
     if isinstance(value, (dict, bool)) and what == "JSON schema":
         value = json.dumps(value)
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{param} must be a non-empty {what}", param=param)
-    if len(value) > MAX_CONSTRAINT_CHARS:
-        raise InvalidRequestError(f"{param} holds {len(value)} characters; at most {MAX_CONSTRAINT_CHARS} "
+    if len(value) > most:
+        raise InvalidRequestError(f"{param} holds {len(value)} characters; at most {most} "
                                   f"are accepted", param=param)
     return value
 
@@ -121,7 +122,8 @@ def from_structured_outputs(so: Any, where: str = "structured_outputs") -> Outpu
                                           f"{MAX_CHOICE_CHARS} characters", param=param)
         return OutputConstraint("choice", choices=tuple(value), param=param)
     what = {"regex": "regex", "grammar": "grammar (EBNF)", "structural_tag": "structural tag (JSON text)"}[kind]
-    return OutputConstraint(kind, _text(value, param, what), param=param)  # type: ignore[arg-type]
+    most = MAX_STRUCTURAL_TAG_CHARS if kind == "structural_tag" else MAX_CONSTRAINT_CHARS
+    return OutputConstraint(kind, _text(value, param, what, most), param=param)  # type: ignore[arg-type]
 
 
 def request_constraint(response_format: Any, structured_outputs: Any) -> OutputConstraint | None:

@@ -27,7 +27,7 @@ from rlix.errors import InvalidRequestError
 from rlix.httpkit import MAX_JSON_DEPTH, json_too_deep
 from rlix.inference.engine.api import OutputConstraint
 from rlix.inference.engine.constrained import MAX_JSON_WHITESPACE
-from rlix.inference.server.limits import MAX_CONSTRAINT_CHARS
+from rlix.inference.server.limits import MAX_STRUCTURAL_TAG_CHARS
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -78,6 +78,28 @@ class ToolChoice:
     parse: bool  # the answer's <tool_call> blocks become `tool_calls`
     forced: Literal["required", "named"] | None = None  # the output is constrained to calls
     name: str | None = None  # the function a named choice forces
+
+
+def answer_calls(text: str, finish: str, choice: ToolChoice, parallel: bool = True
+                 ) -> tuple[str | None, list[ToolCall], str]:
+    """A chat answer's content, its tool calls and its finish reason, as vLLM gives them: with
+    calls parsed, "tool_calls" (for tool_choice "auto" if any call came, for "required"
+    whenever the output stopped); a named choice keeps the output's finish; a forced call's
+    content is "" rather than null; `parallel` False keeps the first call. The engine server
+    and the router (on a re-dispatched answer's whole text) both answer through this.
+
+    A cut answer (finish "abort") is not parsed: its last block may be half-written, and the
+    router, which continues a preempted one on another shard, needs its text as written."""
+    if not choice.parse or finish == "abort":
+        return text, [], finish
+    content, calls = parse_tool_calls(text)
+    if not parallel:
+        calls = calls[:1]
+    if choice.forced is not None:
+        content = content or ""
+    if finish == "stop" and (choice.forced == "required" or (choice.forced is None and calls)):
+        finish = "tool_calls"
+    return content, calls, finish
 
 
 def tool_choice_of(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolChoice:
@@ -142,9 +164,9 @@ def forced_call_constraint(tools: list[dict[str, Any]], choice: ToolChoice,
     spec = json.dumps({"type": "structural_tag",
                        "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
                                   "at_least_one": True, "stop_after_first": single}})
-    if len(spec) > MAX_CONSTRAINT_CHARS * 4:
+    if len(spec) > MAX_STRUCTURAL_TAG_CHARS:
         raise InvalidRequestError(f"the tools' parameter schemas take {len(spec)} characters; at most "
-                                  f"{MAX_CONSTRAINT_CHARS * 4} can constrain a forced call", param="tools")
+                                  f"{MAX_STRUCTURAL_TAG_CHARS} can constrain a forced call", param="tools")
     return OutputConstraint("structural_tag", spec, param="tools")
 
 
