@@ -160,14 +160,31 @@ def test_a_forced_tool_call_continued_on_another_shard_is_a_valid_call(shards, s
         jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
 
 
-def test_samples_of_a_json_schema_request_each_continue_with_their_own_tokens(shards):
+def _by_index(payload, stream: bool) -> dict[int, Answer]:  # type: ignore[no-untyped-def]
+    """{index: Answer} of an answer of several choices."""
+    if not stream:
+        return {c["index"]: Answer("", {"choices": [c]}, False) for c in payload["choices"]}
+    chunks: dict[int, list] = {}
+    for chunk in payload:
+        for c in chunk["choices"]:
+            chunks.setdefault(c["index"], []).append({"choices": [c]})
+    return {i: Answer("", got, True) for i, got in chunks.items()}
+
+
+@pytest.mark.parametrize("kind, stream", [("chat_json", False), ("chat_tools", True)])
+def test_samples_of_a_constrained_request_each_continue_with_their_own_tokens(shards, kind, stream):
     """n = 2 goes whole to one shard; cut, each sample continues on its own with its own
     already generated tokens (one re-dispatch per sample), and both answers are the
     uninterrupted ones (greedy: the samples are alike, so both are cut mid-way)."""
-    path, body = CASES["chat_json"]
-    body = {**body, "n": 2, "return_token_ids": True}
+    path, body = CASES[kind]
+    body = {**body, "n": 2, "return_token_ids": True, "stream": stream}
 
-    async def main() -> tuple[dict, dict, int]:
+    async def call(http: httpx.AsyncClient, url: str) -> dict[int, Answer]:
+        r = await http.post(url + path, json=body)
+        assert r.status_code == 200, r.text
+        return _by_index(sse_events(r.text) if stream else r.json(), stream)
+
+    async def main() -> tuple[dict[int, Answer], dict[int, Answer], int]:
         router = Router(KEY)
         server = RouterServer(router)
         await server.start()
@@ -177,11 +194,9 @@ def test_samples_of_a_json_schema_request_each_continue_with_their_own_tokens(sh
             await router.set_shard(1, shards[1], "inactive")
             async with httpx.AsyncClient(timeout=120) as http:
                 t0 = time.perf_counter()
-                r = await http.post(server.url + path, json=body)
+                reference = await call(http, server.url)
                 took = time.perf_counter() - t0
-                assert r.status_code == 200, r.text
-                reference = r.json()
-                task = asyncio.create_task(http.post(server.url + path, json=body))
+                task = asyncio.create_task(call(http, server.url))
                 deadline = time.monotonic() + 30
                 while await _running(client, 0) < 2:
                     assert not task.done() and time.monotonic() < deadline, "shard 0 never ran the samples"
@@ -190,19 +205,24 @@ def test_samples_of_a_json_schema_request_each_continue_with_their_own_tokens(sh
                 await router.set_shard(1, state="active")
                 await router.set_shard(0, state="preempted")
                 await client.abort_requests([0])
-                r = await asyncio.wait_for(task, 120)
-                assert r.status_code == 200, r.text
-            return reference, r.json(), router.relay.redispatched
+                cut = await asyncio.wait_for(task, 120)
+            return reference, cut, router.relay.redispatched
         finally:
             await client.aclose()
             await server.stop()
 
-    reference, answer, redispatched = asyncio.run(main())
-    assert redispatched == 2 and sorted(c["index"] for c in answer["choices"]) == [0, 1]
-    for choice in answer["choices"]:
-        assert choice["finish_reason"] == "stop", choice["message"]["content"]
-        assert choice["token_ids"] == reference["choices"][choice["index"]]["token_ids"]
-        jsonschema.validate(json.loads(choice["message"]["content"]), ANSWER)
+    reference, cut, redispatched = asyncio.run(main())
+    assert redispatched == 2 and sorted(cut) == [0, 1]
+    for i, got in cut.items():
+        assert got.ids == reference[i].ids and got.finishes == reference[i].finishes and len(got.finishes) == 1
+        if kind == "chat_json":
+            assert got.finishes == ["stop"]
+            jsonschema.validate(json.loads(got.text), ANSWER)
+        else:
+            assert got.finishes == ["tool_calls"] and got.text == "" and got.calls
+            assert [c["function"] for c in got.calls] == [c["function"] for c in reference[i].calls]
+            for call in got.calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
 
 
 def test_a_continuation_carries_the_constraint_and_its_already_generated_count():
