@@ -221,8 +221,9 @@ def test_samples_of_a_constrained_request_each_continue_with_their_own_tokens(sh
         else:
             assert got.finishes == ["tool_calls"] and got.text == "" and got.calls
             assert [c["function"] for c in got.calls] == [c["function"] for c in reference[i].calls]
-            for call in got.calls:
-                jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
+            for tool_call in got.calls:
+                fn = tool_call["function"]
+                jsonschema.validate(json.loads(fn["arguments"]), PARAMS[fn["name"]])
 
 
 def test_a_continuation_carries_the_constraint_and_its_already_generated_count():
