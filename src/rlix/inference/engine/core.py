@@ -35,6 +35,7 @@ from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sampling import Sampled, sample, top_alternatives
 from rlix.inference.engine.sequence import Delta, Sequence
+from rlix.inference.engine.stats import EngineStats
 from rlix.inference.engine.weights import WeightStaging
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,13 @@ class EngineCore:
         self.prefixes = (PrefixCache(prefix_cache_bytes)
                          if prefix_cache_bytes > 0 and runner.reuses_prefixes else None)
         self.forked_rows = 0  # samples that copied another's prefill instead of running their own
+        self.forked_prompt_tokens = 0  # the prompt tokens of those samples (copied, not computed)
         self.profile = StepProfile()
+        #: what /metrics reports of the engine's own work (stats.py): tokens per step, each
+        #: token's latency, each request's phases
+        self.stats = EngineStats(runner.cache.max_len)
+        self._step_tokens = 0  # tokens the step under way computed (prefilled + sampled)
+        self._appended_at = 0.0  # when the last batch of tokens was recorded (_append)
         #: overlapped decode (module docstring): None = wherever decode runs through CUDA graphs
         self.overlap = runner.graphs is not None if overlap is None else overlap
         self._in_flight: DecodeLaunch | None = None
@@ -124,6 +131,13 @@ class EngineCore:
         if self.running:
             return True
         return any(self._admissible(s) for s in self.waiting)
+
+    def num_deferred(self) -> int:
+        """Waiting requests a pause keeps out of the batch (read from other threads: the copy
+        of the queue is one C call under the GIL)."""
+        if self.pause_mode is None:
+            return 0
+        return sum(1 for s in list(self.waiting) if not self._admissible(s))
 
     def drained(self) -> bool:
         """True when nothing that was in flight at the pause is still running or waiting."""
@@ -194,6 +208,7 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> None:
         self._step_count += 1
+        self._step_tokens = 0
         admitted: list[Sequence] = []
         prof = self.profile
         try:
@@ -225,6 +240,7 @@ class EngineCore:
                 self._decode_now()
             prof.mark("retire")
             prof.end(prefilled=bool(groups))
+            self.stats.iteration_tokens.observe(self._step_tokens)
         except Exception as exc:  # a failed forward fails the batch, not the engine
             log.exception("engine step failed; failing the running requests")
             self._in_flight, self._in_flight_rows = None, []
@@ -317,8 +333,10 @@ class EngineCore:
             budget -= size
         kept.extend(self.waiting)
         self.waiting = kept
+        now = time.monotonic()
         for seq in admitted:
             self._queued_at.pop(seq, None)
+            seq.scheduled_at = now
         return admitted
 
     def _waited_long_enough(self) -> bool:
@@ -341,7 +359,9 @@ class EngineCore:
         offsets = self._reuse_prefixes(group, first_row, every)
         logits, full = self.runner.prefill_all([s.prompt_token_ids for s in group], first_row, every,
                                                offsets)
-        self.prefill_tokens += sum(len(s.prompt_token_ids) for s in group) - sum(offsets or ())
+        computed = sum(len(s.prompt_token_ids) for s in group) - sum(offsets or ())
+        self.prefill_tokens += computed
+        self._step_tokens += computed
         self.running.extend(group)
         seqs, rows = list(group), list(range(len(group)))
         for i, leader in enumerate(group):
@@ -355,7 +375,9 @@ class EngineCore:
                             len(leader.prompt_token_ids))
             self.running.extend(followers)
             self.forked_rows += len(followers)
+            self.forked_prompt_tokens += len(leader.prompt_token_ids) * len(followers)
             for f in followers:
+                f.cached_prompt_tokens = len(f.prompt_token_ids)  # copied, not computed
                 if leader.prompt_logprobs is not None:
                     f.set_prompt_logprobs(leader.prompt_logprobs, leader.prompt_top_logprobs or [])
             seqs += followers
@@ -377,6 +399,7 @@ class EngineCore:
             hit = None if i in every else self.prefixes.match(seq.prompt_token_ids, self.weight_version)
             if hit is not None:
                 kv[:, :, first_row + i, :, : hit.length].copy_(hit.entry.kv[..., : hit.length, :])
+                seq.cached_prompt_tokens = hit.length
             offsets.append(hit.length if hit is not None else 0)
         return offsets
 
@@ -414,14 +437,29 @@ class EngineCore:
         self.profile.mark("append")
 
     def _append(self, seqs: list[Sequence], picks: Sampled) -> None:
+        """Record a batch of sampled tokens, all at one clock reading. Each token's latency is
+        the time since its row's previous token; rows whose previous token came with the last
+        batch (a decode step's usual case) share one observation (stats.py)."""
         tokens, logprobs, top = picks
         version, eos, detok, touched = self.weight_version, self.eos_ids, self.detokenizer, self._touched
+        now, previous, inter_token = time.monotonic(), self._appended_at, self.stats.inter_token
+        along = recorded = 0  # rows whose previous token came with the last batch; tokens recorded
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
             if seq.finished:  # ended at the step before (overlapped decode): one token too many
                 continue
-            seq.append(token, logprob, version, eos, detok, top[i] if top is not None else None)
+            last = seq.last_token_at
+            if last == previous:
+                along += 1
+            elif last:
+                inter_token.observe(now - last)
+            recorded += 1
+            seq.append(token, logprob, version, eos, detok, top[i] if top is not None else None, now)
             if not seq.fold or seq.finish_reason is not None:
                 touched[seq] = None
+        if along and previous:
+            inter_token.observe(now - previous, along)
+        self._appended_at = now
+        self._step_tokens += recorded
 
     def _retire_finished(self, in_flight: bool = False) -> list[int]:
         """Remove finished rows, moving the last running row into each hole (descending order);
@@ -435,6 +473,7 @@ class EngineCore:
         for row in range(len(running) - 1, -1, -1):
             if running[row].finish_reason is None:
                 continue
+            self.stats.finished(running[row])
             last = len(running) - 1
             if row != last:
                 running[row] = running[last]

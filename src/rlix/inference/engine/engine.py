@@ -30,6 +30,7 @@ from rlix.inference.engine.prefix_cache import DEFAULT_BUDGET_BYTES
 from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
 from rlix.inference.engine.runner.profile import StepProfile
 from rlix.inference.engine.sequence import Delta, PromptGroup, Sequence
+from rlix.inference.engine.stats import EngineStats
 from rlix.inference.engine.weights import WeightStaging
 from rlix.models.presets import resolve_model
 from rlix.threads import yield_cores_to_control
@@ -153,6 +154,42 @@ class TorchEngine:
         """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
         prefixes = self._core.prefixes
         return prefixes.hit_tokens if prefixes is not None else 0
+
+    @property
+    def prefix_queried_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix cache (0 without one)."""
+        prefixes = self._core.prefixes
+        return prefixes.queried_tokens if prefixes is not None else 0
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether finished rows' keys and values are kept for later prompts (core.py)."""
+        return self._core.prefixes is not None
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's own measures for /metrics (stats.py); read-only from other threads."""
+        return self._core.stats
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._core.max_num_seqs
+
+    def sleep_level(self) -> int:
+        """0 awake; 1 asleep with its weights kept (offloaded); 2 asleep with them dropped."""
+        if not self._core.sleeping:
+            return 0
+        return 1 if self._weights.loaded else 2
+
+    def num_waiting_deferred(self) -> int:
+        """Waiting requests held by a pause (admitted only after resume), not by a lack of
+        free rows: vLLM's "deferred" waiting reason."""
+        return self._core.num_deferred()
+
+    @property
+    def forked_prompt_tokens(self) -> int:
+        """Prompt tokens of the samples that copied another sample's prefill (n > 1)."""
+        return self._core.forked_prompt_tokens
 
     @property
     def forked_rows(self) -> int:

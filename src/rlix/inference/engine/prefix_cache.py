@@ -70,6 +70,7 @@ class PrefixCache:
         self.nbytes = 0
         self.hits = 0
         self.hit_tokens = 0
+        self.queried_tokens = 0  # prompt tokens looked up (vLLM's prefix cache queries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -84,6 +85,7 @@ class PrefixCache:
         len(prompt) - 1 tokens, at least min_hit_tokens), or None."""
         best: PrefixHit | None = None
         wanted = tuple(prompt)
+        self.queried_tokens += len(wanted)
         for entry in self._by_key.get(wanted[:KEY_TOKENS], ()):
             if entry.version != version:
                 continue

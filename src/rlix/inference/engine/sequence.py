@@ -77,6 +77,15 @@ class Sequence:
     #: continuation's already generated tokens: the engine builds it at generate()); each sample
     #: forks its own from it
     grammar: RowGrammar | None = None
+    #: time.monotonic() when it reached the engine, was admitted into the batch, got its first
+    #: and its latest token (0.0: not yet); the engine's metrics (stats.py) read them
+    arrived_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    #: prompt tokens whose keys and values it did not compute: a prefix cache hit, or the whole
+    #: prompt for a sample that copied its request's prefill (n > 1)
+    cached_prompt_tokens: int = 0
     sampling: RowSampling = field(init=False)
     pending: Delta = field(init=False)
     _text_checked: int = 0  # length of the output text already searched for stop strings
@@ -123,11 +132,16 @@ class Sequence:
         self.pending.prompt_logprobs, self.pending.prompt_top_logprobs = logprobs, top
 
     def append(self, token: int, logprob: float, version: int, eos_ids: frozenset[int],
-               detokenizer: Detokenizer | None, top: TopLogprobs | None = None) -> None:
-        """Record one sampled token (under weight `version`) and decide whether the request ends."""
+               detokenizer: Detokenizer | None, top: TopLogprobs | None = None,
+               now: float | None = None) -> None:
+        """Record one sampled token (under weight `version`, read at time.monotonic() `now`: one
+        clock reading serves a step's rows) and decide whether the request ends."""
         index = len(self.output_ids)
+        if now is None:
+            now = time.monotonic()
         if index == 0:
-            self.pending.first_token_at = time.monotonic()
+            self.pending.first_token_at = self.first_token_at = now
+        self.last_token_at = now
         if not self.weight_versions or self.weight_versions[-1][1] != version:
             self.weight_versions.append((index, version))
             self.pending.weight_versions.append((index, version))

@@ -359,21 +359,22 @@ def generate_logprobs(token_ids: list[int], logprobs: list[float],
 
 
 def prompt_logprobs_of(prompt_ids: list[int], values: list[float | None], tops: list[list[tuple[int, float]]],
-                       decoded: list[str], decode_alt: Callable[[int], str]) -> list[dict | None]:
+                       decode: Callable[[int, int], str]) -> list[dict | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token (nothing precedes it), then for
     each one a map from token id to {logprob, rank, decoded_token}: the prompt's own token first,
     then the alternatives computed (the best k, which may hold the token itself). -inf is sent as
     -9999.0, as vLLM clamps it (JSON has no infinity). The token's rank is known when it is among
-    the alternatives (vLLM ranks it over the whole vocabulary; here None otherwise)."""
+    the alternatives (vLLM ranks it over the whole vocabulary; here None otherwise). `decode(token,
+    j)`: a token's text in place of prompt token j (after the tokens before it)."""
     out: list[dict | None] = []
-    for token, value, alts, text in zip(prompt_ids, values, tops, decoded):
+    for j, (token, value, alts) in enumerate(zip(prompt_ids, values, tops)):
         if value is None:
             out.append(None)
             continue
         ranks = {tid: r for r, (tid, _) in enumerate(alts, 1)}
-        entry = {str(token): {"logprob": max(value, -9999.0), "rank": ranks.get(token), "decoded_token": text}}
+        entry = {str(token): {"logprob": max(value, -9999.0), "rank": ranks.get(token), "decoded_token": decode(token, j)}}
         for r, (tid, v) in enumerate(alts, 1):
-            entry.setdefault(str(tid), {"logprob": max(v, -9999.0), "rank": r, "decoded_token": decode_alt(tid)})
+            entry.setdefault(str(tid), {"logprob": max(v, -9999.0), "rank": r, "decoded_token": decode(tid, j)})
         out.append(entry)
     return out
 

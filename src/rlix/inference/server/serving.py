@@ -30,6 +30,7 @@ from rlix.inference.server.generation_log import GenerationLog
 from rlix.inference.server.metrics import EngineMetrics
 from rlix.inference.server.requests import Job, RequestBuilder
 from rlix.inference.server.text_stream import TextStream
+from rlix.inference.server.token_text import MAX_CONTEXT, TokenTexts
 from rlix.inference.server.tool_calls import ToolCall, answer_calls, check_tools
 
 
@@ -80,7 +81,7 @@ class OpenAIServing:
         self.model_root = model_root or model_name
         self.created = int(time.time())
         self._bg: set[asyncio.Task] = set()
-        self._token_strs: dict[int, str] = {}  # token id -> its text alone (logprob tokens)
+        self.token_texts = TokenTexts(tokenizer)  # logprob tokens' strings, as vLLM's
         self.requests = RequestBuilder(tokenizer, model_name, self.model_root,
                                        lambda: self.engine.max_model_len)
 
@@ -139,8 +140,9 @@ class OpenAIServing:
                   agen: AsyncIterator[GenerationOutput] | None = None) -> AsyncIterator[Step]:
         """Engine outputs -> Steps (one per output that added something to a choice); a stop
         string ends its choice (the engine is told to abort that sample). `agen`: the request
-        as `start` handed it over (else it is started here). Metrics: the prompt counts once
-        (its samples share one prefill), each sample is a request of its own when it ends."""
+        as `start` handed it over (else it is started here). Metrics: each sample is a request
+        of its own (vLLM's child requests), its prompt counted once it is prefilled (the samples
+        share one prefill: the engine reports the copies as cached prompt tokens)."""
         if agen is None:
             agen = self.start(job)
         n = job.n
@@ -148,7 +150,8 @@ class OpenAIServing:
         finishes: list[str | None] = [None] * n  # choices whose finish went out
         first_at: list[float | None] = [None] * n
         closed = 0
-        prompt_counted = False
+        prompt_counted = [False] * n
+        failed = False  # the engine failed the request (not: its caller left)
         try:
             async for out in agen:
                 i = out.index
@@ -174,9 +177,9 @@ class OpenAIServing:
                 k = seen[i]
                 new_ids, new_lps = out.token_ids[k:], out.logprobs[k:]
                 new_top = out.top_logprobs[k:] if out.top_logprobs else []
-                if self.metrics is not None and new_ids:  # the prompt counts once prefilled
-                    self.metrics.tokens(0 if prompt_counted else len(job.prompt_ids), len(new_ids))
-                    prompt_counted = True
+                if self.metrics is not None and new_ids:  # a sample's prompt counts once prefilled
+                    self.metrics.tokens(0 if prompt_counted[i] else len(job.prompt_ids), len(new_ids))
+                    prompt_counted[i] = True
                 seen[i] = len(out.token_ids)
                 if finish is not None:
                     finishes[i] = finish
@@ -185,14 +188,19 @@ class OpenAIServing:
                     yield Step(out, new_ids, new_lps, delta, finish, stop_reason, i, new_top)
                 if closed == n:
                     return
+        except Exception:
+            failed = True
+            raise
         finally:
-            if self.metrics is not None:
+            if self.metrics is not None:  # a sample not ended here was failed or left (vLLM's reasons)
                 now = time.monotonic()
                 for i in range(n):
-                    self.metrics.request_done(prompt_tokens=len(job.prompt_ids), generation_tokens=seen[i],
-                                              finish_reason=finishes[i],
-                                              ttft_s=None if first_at[i] is None else first_at[i] - job.started,
-                                              e2e_s=now - job.started)
+                    self.metrics.sample_done(prompt_tokens=len(job.prompt_ids), generation_tokens=seen[i],
+                                             max_tokens=job.params.max_tokens,
+                                             finish_reason=finishes[i] or ("error" if failed else "abort"),
+                                             ttft_s=None if first_at[i] is None else first_at[i] - job.started,
+                                             e2e_s=now - job.started)
+                self.metrics.request_done(n=n, generated=seen)
             if closed < n:
                 self._abort_later(job.engine_rid)
             aclose = getattr(agen, "aclose", None)
@@ -221,16 +229,21 @@ class OpenAIServing:
             chunks.setdefault(step.index, []).append(step.text)
         return [(last[i], "".join(chunks[i])) for i in range(job.n)]  # every choice ends
 
-    def _token_str(self, token: int, as_id: bool = False) -> str:
+    def _token_str(self, token: int, as_id: bool = False, before: list[int] | tuple[int, ...] = ()) -> str:
+        """A logprob token's string: its id (return_tokens_as_token_ids), or its text after
+        the tokens `before` it (token_text.py)."""
         if as_id:
             return f"token_id:{token}"
-        text = self._token_strs.get(token)
-        if text is None:
-            text = self._token_strs[token] = self.tok.decode([token])
-        return text
+        return self.token_texts.at(token, before)
 
-    def _strs(self, ids: list[int], as_id: bool = False) -> list[str]:
-        return [self._token_str(t, as_id) for t in ids]
+    def _contexts(self, ids: list[int], before: list[int]) -> list[list[int]]:
+        """For each of `ids`, the tokens just before it (`before`: those preceding ids[0])."""
+        window = list(before[-MAX_CONTEXT:])
+        out = []
+        for t in ids:
+            out.append(window)
+            window = [*window[1 - MAX_CONTEXT:], t]
+        return out
 
     # ------------------------------------------------------------ logprobs
     def _prompt_lp(self, job: Job, out: GenerationOutput) -> list[dict | None] | None:
@@ -238,8 +251,9 @@ class OpenAIServing:
         if job.params.prompt_logprobs is None or out.prompt_logprobs is None:
             return None
         n = len(job.prompt_ids)
+        contexts = self._contexts(job.prompt_ids, [])
         return S.prompt_logprobs_of(job.prompt_ids, out.prompt_logprobs, out.prompt_top_logprobs or [[]] * n,
-                                    self._strs(job.prompt_ids), self._token_str)
+                                    lambda token, j: self._token_str(token, False, contexts[j]))
 
     def _completion_lp(self, job: Job, out: GenerationOutput, ids: list[int], lps: list[float],
                        tops: list[TopLogprobs], offset0: int = 0, echo: bool = False) -> dict:
@@ -250,30 +264,39 @@ class OpenAIServing:
         values: list[float | None] = []
         top: list[dict[str, float] | None] = []
 
-        def add(token: int, lp: float | None, alts: TopLogprobs) -> None:
-            tokens.append(self._token_str(token, as_id))
+        def add(token: int, lp: float | None, alts: TopLogprobs, before: list[int]) -> None:
+            tokens.append(self._token_str(token, as_id, before))
             values.append(lp)
             if lp is None:
                 top.append(None)
                 return
-            best = {self._token_str(t, as_id): v for t, v in alts[:k]}
-            best.setdefault(tokens[-1], lp)
+            # vLLM's order: the token itself, then the alternatives by rank (an alternative
+            # whose string is the same replaces its value, as in vLLM's dict)
+            best = {tokens[-1]: lp}
+            for t, v in alts[:k]:
+                best[self._token_str(t, as_id, before)] = v
             top.append(best)
 
         if echo:
             n = len(job.prompt_ids)
-            for token, lp, alts in zip(job.prompt_ids, out.prompt_logprobs or [None] * n,
-                                       out.prompt_top_logprobs or [[]] * n):
-                add(token, lp, alts)
-        for token, lp, alts in zip(ids, lps, tops or [[]] * len(ids)):
-            add(token, lp, alts)
+            # a prompt token follows the prompt tokens before it that have logprobs (not the first)
+            contexts = [[], *self._contexts(job.prompt_ids[1:], [])]
+            for token, lp, alts, before in zip(job.prompt_ids, out.prompt_logprobs or [None] * n,
+                                               out.prompt_top_logprobs or [[]] * n, contexts):
+                add(token, lp, alts, before)
+        contexts = self._contexts(ids, out.token_ids[:len(out.token_ids) - len(ids)])
+        for token, lp, alts, before in zip(ids, lps, tops or [[]] * len(ids), contexts):
+            add(token, lp, alts, before)
         return S.completion_logprobs(tokens, values, offset0, top)
 
-    def _chat_lp(self, job: Job, ids: list[int], lps: list[float], tops: list[TopLogprobs]) -> dict:
+    def _chat_lp(self, job: Job, ids: list[int], lps: list[float], tops: list[TopLogprobs],
+                 before: list[int] | None = None) -> dict:
+        """Chat logprobs of `ids`, the output tokens after `before` (a streamed chunk's)."""
         as_id = job.tokens_as_ids
-        top = ([[(self._token_str(t, as_id), v) for t, v in alts] for alts in tops]
+        contexts = self._contexts(ids, before or [])
+        top = ([[(self._token_str(t, as_id, ctx), v) for t, v in alts] for alts, ctx in zip(tops, contexts)]
                if job.top_logprobs else None)
-        return S.chat_logprobs(self._strs(ids, as_id), lps, top)
+        return S.chat_logprobs([self._token_str(t, as_id, ctx) for t, ctx in zip(ids, contexts)], lps, top)
 
     # ------------------------------------------------------------ completions
     async def completion(self, jobs: list[Job]) -> dict:
@@ -387,7 +410,7 @@ class OpenAIServing:
             content, calls, finish = self._tool_calls(job, text, last.finish)
             choices.append(S.chat_choice(i, content, finish, last.stop_reason, lp,
                                          out.token_ids if job.return_token_ids else None,
-                                         [c.as_openai() for c in calls] if job.parse_tools else None))
+                                         [c.as_openai() for c in calls] or None))
             n_out += len(out.token_ids)
         return S.chat_response(job.rid, self.model_name, choices,
                                job.prompt_ids if job.return_token_ids else None,
@@ -417,7 +440,8 @@ class OpenAIServing:
             if isinstance(step, str):
                 yield step
                 return
-            lp = (self._chat_lp(job, step.new_ids, step.new_logprobs, step.new_top)
+            lp = (self._chat_lp(job, step.new_ids, step.new_logprobs, step.new_top,
+                                before=step.out.token_ids[:len(step.out.token_ids) - len(step.new_ids)])
                   if job.logprobs else None)
             n_out[step.index] = len(step.out.token_ids)
             yield sse(S.chat_chunk(job.rid, self.model_name, job.created, step.text, step.finish,
