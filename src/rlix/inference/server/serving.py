@@ -265,11 +265,12 @@ class OpenAIServing:
         top: list[dict[str, float] | None] = []
 
         def add(token: int, lp: float | None, alts: TopLogprobs, before: list[int]) -> None:
-            tokens.append(self._token_str(token, as_id, before))
             values.append(lp)
-            if lp is None:
+            if lp is None:  # the prompt's first token: decoded alone, as vLLM's (no logprob entry)
+                tokens.append(self._token_str(token, True) if as_id else self.tok.decode([token]))
                 top.append(None)
                 return
+            tokens.append(self._token_str(token, as_id, before))
             # vLLM's order: the token itself, then the alternatives by rank (an alternative
             # whose string is the same replaces its value, as in vLLM's dict)
             best = {tokens[-1]: lp}
