@@ -197,12 +197,13 @@ def test_a_stop_string_ends_each_of_n_choices_on_its_own(engine):
     assert texts == {0: expected, 1: expected, 2: expected} and finishes == {i: ["stop"] for i in range(3)}
 
 
-def test_metrics_count_a_shared_prefill_once_and_each_sample_as_a_request(engine):
-    """n = 3 samples: the prompt's tokens once (one prefill), 3 finished requests, 3 x output."""
+def test_metrics_count_each_sample_as_a_request_and_its_shared_prefill_as_cached(engine):
+    """n = 3 samples: 3 finished requests, each with its prompt (vLLM's child requests), 3 x
+    output; the prompt was computed once, the other two samples' prompts were copied (cached)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     def values(text):
-        return {(s.name, s.labels.get("finished_reason")): s.value
+        return {(s.name, s.labels.get("finished_reason") or s.labels.get("source")): s.value
                 for f in text_string_to_metric_families(text) for s in f.samples}
 
     async def fn(http):
@@ -211,8 +212,11 @@ def test_metrics_count_a_shared_prefill_once_and_each_sample_as_a_request(engine
         return (await http.get("/metrics")).text
 
     v = values(_run(engine, fn))
-    assert v[("vllm:prompt_tokens_total", None)] == 4 and v[("vllm:generation_tokens_total", None)] == 15
+    assert v[("vllm:prompt_tokens_total", None)] == 3 * 4 and v[("vllm:generation_tokens_total", None)] == 15
     assert v[("vllm:request_success_total", "length")] == 3
+    assert v[("vllm:prompt_tokens_by_source_total", "local_compute")] == 4
+    assert v[("vllm:prompt_tokens_by_source_total", "local_cache_hit")] == 2 * 4
+    assert v[("vllm:request_params_n_count", None)] == 1 and v[("vllm:request_params_n_sum", None)] == 3
 
 
 def test_a_final_text_cut_inside_a_character_holds_the_partial_character_back(engine):
