@@ -192,3 +192,32 @@ def test_overlapped_graph_steps_give_the_same_tokens_on_gpu(tiny_model_dir):
     overlapping = core(True)
     same(plain, run(overlapping, requests(stop)))
     assert overlapping.overlapped_steps > 20
+
+
+@pytest.mark.parametrize("late", ["top_logprobs", "penalty"])
+def test_a_newcomer_that_samples_on_the_host_while_a_step_is_in_flight(tiny, late):
+    """Plain rows run chained; then a request whose row samples on the host (alternatives asked
+    for, or a penalty) is admitted while a step is in flight: that step is read and the batch
+    decodes at once. The next step must not chain on the step already read (its picks are not
+    the rows' inputs any more); every row gets the tokens it gets without overlap."""
+    def reqs() -> list[list[Sequence]]:
+        early = [[Sequence(f"p{i}", prompt_of(6 + i, salt=i), SamplingParams(
+            max_tokens=24, temperature=1.0, seed=10 + i, ignore_eos=True))] for i in range(2)]
+        extra = {"top_logprobs": 2} if late == "top_logprobs" else {"presence_penalty": 0.5}
+        return early + [[Sequence("late", prompt_of(7, salt=50), SamplingParams(
+            max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, **extra))]]
+
+    def add_late_at_step(k: int) -> Callable[[list[list[Sequence]]], dict[str, tuple]]:
+        def go(core: EngineCore, all_reqs: list[list[Sequence]]) -> dict[str, tuple]:
+            return run(core, all_reqs[:2], {k: lambda c: c.add(all_reqs[2][0])}) | {
+                "late/0": tuple(getattr(all_reqs[2][0], f) for f in ("output_ids", "logprobs", "finish_reason",
+                                                                      "weight_versions"))}
+        return go
+
+    for k in (3, 6):
+        plain_reqs, overlap_reqs = reqs(), reqs()
+        plain = add_late_at_step(k)(new_core(tiny, overlap=False), plain_reqs)
+        core = new_core(tiny, overlap=True)
+        overlapped = add_late_at_step(k)(core, overlap_reqs)
+        same(plain, overlapped)
+        assert core.overlapped_steps > 5

@@ -218,6 +218,8 @@ class EngineCore:
             if launched is not None and not chained:
                 self.settle()
                 prof.mark("wait")
+            elif chained:  # this step reads it (_chain): no later step may chain on it again
+                self._in_flight, self._in_flight_rows = None, []
             # chained: the rows known finished leave now; the others' inputs are in flight
             sources = self._retire_finished(in_flight=True) if chained else []
             admitted = self._admit()
