@@ -202,6 +202,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None
+    #: NeMo Gym's: the prompt starts with exactly these ids (token_prefix.py)
+    required_prefix_token_ids: PromptIds | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Annotated[dict[str, Any], at_most(MAX_KEYS)] | None = None

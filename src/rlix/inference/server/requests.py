@@ -17,6 +17,7 @@ from rlix.errors import InvalidRequestError, ModelNotFoundError
 from rlix.inference.engine.api import MAX_TOP_LOGPROBS, OutputConstraint, SamplingParams
 from rlix.inference.server import openai_schema as S
 from rlix.inference.server.structured import from_structured_outputs, request_constraint
+from rlix.inference.server.token_prefix import required_prefix, splice
 from rlix.inference.server.tool_calls import (ToolChoice, forced_call_constraint, template_messages,
                                               tool_choice_of)
 
@@ -232,6 +233,11 @@ class RequestBuilder:
             constraint = forced_call_constraint(req.tools or [], tools, req.parallel_tool_calls is not False)
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs, req.tools if req.tool_choice != "none" else None)
+        found = required_prefix(req.required_prefix_token_ids, req.messages)
+        if found is not None:  # earlier turns as sampled, not as re-tokenized (token_prefix.py)
+            prefix, where = found
+            self.check_ids(prefix, where)
+            ids = splice(ids, prefix, self.tok.all_special_ids, where)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else 0
         params = self._params(req, len(ids), max_tokens, None, bool(req.logprobs), top=top,
