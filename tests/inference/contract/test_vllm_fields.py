@@ -293,3 +293,30 @@ def test_prompt_logprobs_are_the_models_own(served, path, tiny_model_dir):
 def test_prompt_logprobs_in_a_stream_is_a_400_on_both(served, path):
     answer = served.http.post(path, json=_request(path, max_tokens=1, prompt_logprobs=1, stream=True))
     assert answer.status_code == 400, answer.text
+
+
+# ---------------------------------------------------------------- required_prefix_token_ids
+def test_required_prefix_token_ids_on_chat(served, tok):
+    """NeMo Gym's field: rlix starts the prompt with exactly these ids; stock vLLM ignores the
+    field (NeMo RL's server patches it in), so there both answers are 200 with the same keys and
+    only rlix's prompt is the spliced one (a difference listed in docs/INFERENCE_SERVING.md)."""
+    first = served.http.post("/v1/chat/completions", json=_request("/v1/chat/completions", max_tokens=3,
+                                                                   temperature=0)).json()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    # the turn as sampled character by character: not how the template re-tokenizes its text
+    text = "hello there"
+    turn = [tok.convert_tokens_to_ids(tok.tokenize(ch)[0]) for ch in text] + [end]
+    prefix = first["prompt_token_ids"] + turn
+    messages = [*CHAT, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "return_token_ids": True,
+            "required_prefix_token_ids": prefix}
+    answer = served.http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    plain = served.http.post("/v1/chat/completions", json={k: v for k, v in body.items()
+                                                           if k != "required_prefix_token_ids"}).json()
+    assert list(answer.json()) == list(plain)
+    got = answer.json()["prompt_token_ids"]
+    if served.backend == "vllm":
+        assert got == plain["prompt_token_ids"]  # ignored
+    else:
+        assert got[: len(prefix)] == prefix and got != plain["prompt_token_ids"]
