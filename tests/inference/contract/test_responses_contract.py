@@ -9,6 +9,8 @@ is tested on rlix's server (and through the openai client in test_responses_clie
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kit import responses_events
@@ -65,3 +67,41 @@ def test_previous_response_id_continues_a_stored_response(served):
     assert second["previous_response_id"] == first["id"]
     assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
     assert served.http.get(f"/v1/responses/{second['id']}").json() == second
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                          "required": ["city"], "additionalProperties": False}}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("extra, status", [
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 2}, 200),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "think"}]},
+                {"role": "user", "content": "Once upon a time"}]}, 200),
+    ({"reasoning": {"effort": "low"}}, 200),
+    ({"truncation": "auto"}, 200),
+    ({"max_tool_calls": 2, "tools": [WEATHER], "parallel_tool_calls": False}, 200),
+    ({"background": False}, 200),
+    ({"background": True}, 400),
+    ({"text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}}, "max_output_tokens": 64,
+      "ignore_eos": False}, 200),
+    ({"store": False}, 200),
+], ids=["include-logprobs", "reasoning-item", "reasoning-effort", "truncation", "max-tool-calls", "background-false",
+        "background-true", "json-schema", "store-false"])
+def test_each_responses_field_answers_as_vllm_does(served, extra, status):
+    """The fields table of docs/INFERENCE_SERVING.md, one request each, on both servers: the same
+    status and, when answered, the same response keys (values differ: rlix's engine is not
+    vLLM's)."""
+    answer = served.http.post("/v1/responses", json={**BODY, **extra})
+    assert answer.status_code == status, answer.text
+    if status != 200:
+        return
+    r = answer.json()
+    assert list(r) == RESPONSE_KEYS and r["status"] in ("completed", "incomplete")
+    text = [c for item in r["output"] if item["type"] == "message" for c in item["content"]]
+    if "include" in extra:  # the text's logprobs, each with its 2 alternatives
+        assert text and all(len(lp["top_logprobs"]) == 2 for c in text for lp in c["logprobs"])
+    if "text" in extra and r["status"] == "completed":
+        assert json.loads(text[0]["text"]) in ({"ok": True}, {"ok": False})
