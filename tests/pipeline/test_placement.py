@@ -27,6 +27,7 @@ from rlix.inference.fleet.local_launcher import LocalLauncher
 from rlix.inference.router.router import Router
 from rlix.placement import GpuReservation
 from rlix.scheduler.async_scheduler import AsyncScheduler
+from rlix.scheduler.planning.planner import PlannerParams
 from rlix.scheduler.types import PipelineSpec, Progress, Topology
 
 KEY = "placement-test"
@@ -360,7 +361,9 @@ def test_a_grant_waits_for_the_previous_holders_release_confirmation():
     timeline: list[tuple[str, float]] = []
 
     async def main() -> None:
-        sched = AsyncScheduler(Topology.uniform(1, 1))
+        # b's only shard is its rollout floor: A's training request takes the GPU once it has
+        # waited aging_s (1 s here, not the default minute)
+        sched = AsyncScheduler(Topology.uniform(1, 1), PlannerParams(aging_s=1.0))
 
         async def b_resize(remove, add):
             if remove:
