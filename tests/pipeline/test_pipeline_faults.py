@@ -307,3 +307,23 @@ def test_sigkilled_scheduler_is_restarted_and_both_pipelines_finish_every_step(t
     assert gone(killer.killed)
     log = (tmp_path / "run" / "run.log").read_text()
     assert "failed" not in log and "Ray restarted it (restart 1)" in log, log[-3000:]
+
+
+@pytest.mark.slow  # a whole two-pipeline run with a restart: CI's slow step
+def test_a_killed_fsdp_rank_fails_its_pipeline_which_resumes_from_its_sharded_checkpoint(tmp_path, fresh_ray):
+    """pb trains with FSDP2 over 2 ranks; its rank 1 is SIGKILLed by PID after a few steps: the
+    pipeline notices (every rank is pinged), fails, ends its other rank and resumes from its
+    torch.distributed.checkpoint on 2 new ranks; pa never notices."""
+    def rank_1(procs: dict) -> int | None:
+        ranks = procs.get("trainer_ranks") or []
+        return ranks[1] if len(ranks) > 1 else None
+
+    summary, killer = run_with_fault(tmp_path, rank_1, restart="on_failure", max_restarts=1, train_gpus=2,
+                                     train={"fsdp": True})
+    pb = summary["pipelines"]["pb"]
+    assert pb["restarts"] == 1 and pb["state"] == "done", pb.get("failures")
+    assert pb["steps"] == PB_STEPS and [r["step"] for r in _metrics(tmp_path)] == list(range(1, PB_STEPS + 1))
+    assert pb["start_step"] >= 2  # resumed from a checkpoint, not from scratch
+    assert pb["checksum_mismatches"] == [] and pb["version_mismatches"] == []
+    assert gone(killer.killed) and all(gone(pid) for pid in killer.processes["trainer_ranks"])
+    assert shm_of(killer.processes["trainer_ranks"][0]) == []  # rank 0's cache went with it
