@@ -194,3 +194,26 @@ def need_vllm() -> None:
         pytest.fail(f"vLLM is required here (RLIX_REQUIRE_VLLM): {reason}")
     if reason:
         pytest.skip(reason)
+
+
+# -- constrained decoding: the schema and the tools both its HTTP and its router tests use ------
+#: bounded values everywhere: the random `tiny` model's output is made valid by the constraint alone
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "answer": {"enum": ["yes", "no"]},
+    "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "maxItems": 2},
+    "ok": {"type": "boolean"}},
+    "required": ["answer", "confidence", "tags", "ok"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -99, "maximum": 99},
+        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+#: each tool's name -> its arguments' schema
+TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, ADD_TOOL)}

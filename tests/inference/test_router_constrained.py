@@ -19,39 +19,22 @@ import httpx
 import jsonschema
 import pytest
 
-from kit import KEY, shard_processes, sse_events
+from kit import ADD_TOOL, ANSWER_SCHEMA, KEY, TOOL_PARAMS, WEATHER_TOOL, shard_processes, sse_events
 from rlix.inference.fleet.client import RemoteInferenceClient
 from rlix.inference.router.attempts import Attempts
 from rlix.inference.router.app import RouterServer
 from rlix.inference.router.router import Router
 
-ANSWER = {"type": "object", "properties": {
-    "answer": {"enum": ["yes", "no"]},
-    "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
-    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "maxItems": 2},
-    "ok": {"type": "boolean"}},
-    "required": ["answer", "confidence", "tags", "ok"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -99, "maximum": 99},
-        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}}
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 600}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
 CASES = {
     "chat_json": ("/v1/chat/completions", {**GREEDY, "messages": MESSAGES, "response_format": FORMAT}),
-    "chat_tools": ("/v1/chat/completions", {**GREEDY, "messages": MESSAGES, "tools": [WEATHER, ADD],
+    "chat_tools": ("/v1/chat/completions", {**GREEDY, "messages": MESSAGES, "tools": [WEATHER_TOOL, ADD_TOOL],
                                             "tool_choice": "required"}),
     "cmpl_json": ("/v1/completions", {**GREEDY, "prompt": "The answer:", "response_format": FORMAT}),
     "gen_json": ("/inference/v1/generate", {"token_ids": [9, 8, 7], "sampling_params": {
-        "temperature": 0, "max_tokens": 600, "structured_outputs": {"json": ANSWER}}}),
+        "temperature": 0, "max_tokens": 600, "structured_outputs": {"json": ANSWER_SCHEMA}}}),
 }
 
 
@@ -146,7 +129,7 @@ def test_a_json_schema_request_continued_on_another_shard_still_validates(shards
     _assert_continued_exactly(reference, cut, redispatched)
     assert cut.finishes == ["stop"]
     text = _decode(shards[1], cut.ids[:-1]) if kind == "gen_json" else cut.text  # ids end with the eos
-    jsonschema.validate(json.loads(text), ANSWER)
+    jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -156,8 +139,8 @@ def test_a_forced_tool_call_continued_on_another_shard_is_a_valid_call(shards, s
     assert cut.finishes == ["tool_calls"] and cut.text == ""  # vLLM's shape of a forced call
     assert cut.calls and [c["function"] for c in cut.calls] == [c["function"] for c in reference.calls]
     for call in cut.calls:  # parsed from both attempts' text together
-        assert call["type"] == "function" and call["function"]["name"] in PARAMS
-        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMS[call["function"]["name"]])
+        assert call["type"] == "function" and call["function"]["name"] in TOOL_PARAMS
+        jsonschema.validate(json.loads(call["function"]["arguments"]), TOOL_PARAMS[call["function"]["name"]])
 
 
 def _by_index(payload, stream: bool) -> dict[int, Answer]:  # type: ignore[no-untyped-def]
@@ -217,18 +200,18 @@ def test_samples_of_a_constrained_request_each_continue_with_their_own_tokens(sh
         assert got.ids == reference[i].ids and got.finishes == reference[i].finishes and len(got.finishes) == 1
         if kind == "chat_json":
             assert got.finishes == ["stop"]
-            jsonschema.validate(json.loads(got.text), ANSWER)
+            jsonschema.validate(json.loads(got.text), ANSWER_SCHEMA)
         else:
             assert got.finishes == ["tool_calls"] and got.text == "" and got.calls
             assert [c["function"] for c in got.calls] == [c["function"] for c in reference[i].calls]
             for tool_call in got.calls:
                 fn = tool_call["function"]
-                jsonschema.validate(json.loads(fn["arguments"]), PARAMS[fn["name"]])
+                jsonschema.validate(json.loads(fn["arguments"]), TOOL_PARAMS[fn["name"]])
 
 
 def test_a_continuation_carries_the_constraint_and_its_already_generated_count():
     """What the router sends a shard for the rest of a cut constrained request (no shard)."""
-    tools = {"messages": MESSAGES, "tools": [WEATHER, ADD], "tool_choice": "required",
+    tools = {"messages": MESSAGES, "tools": [WEATHER_TOOL, ADD_TOOL], "tool_choice": "required",
              "parallel_tool_calls": False, "response_format": FORMAT, "max_tokens": 50}
     prog = Attempts("/v1/chat/completions", tools, False, prompt_ids=[1, 2], ids=[7, 8, 9])
     path, sent = prog.upstream()
@@ -236,7 +219,7 @@ def test_a_continuation_carries_the_constraint_and_its_already_generated_count()
     assert "response_format" not in sent and "tools" not in sent  # the forced call overrides, as on chat
     tag = json.loads(sent["structured_outputs"]["structural_tag"])
     assert tag["format"]["stop_after_first"] is True  # parallel_tool_calls false: one call
-    assert {t["begin"].split('"name": ')[1].split('"')[1] for t in tag["format"]["tags"]} == set(PARAMS)
+    assert {t["begin"].split('"name": ')[1].split('"')[1] for t in tag["format"]["tags"]} == set(TOOL_PARAMS)
     prog = Attempts("/v1/completions", {"prompt": "x", "response_format": FORMAT,
                                         "structured_outputs": {"regex": "a"}}, False, prompt_ids=[1], ids=[4])
     sent = prog.upstream()[1]

@@ -20,29 +20,10 @@ import jsonschema
 import openai
 import pytest
 
-from kit import KEY, shard_processes
+from kit import ADD_TOOL, ANSWER_SCHEMA, KEY, TOOL_PARAMS, WEATHER_TOOL, shard_processes
 
 N = 50
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "the weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"enum": ["Paris", "Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -99, "maximum": 99},
-        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}}
-TOOLS = [WEATHER, ADD]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ANSWER = {"type": "object", "properties": {
-    "answer": {"enum": ["yes", "no"]},
-    "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
-    "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "maxItems": 2},
-    "ok": {"type": "boolean"}},
-    "required": ["answer", "confidence", "tags", "ok"], "additionalProperties": False}
+TOOLS = [WEATHER_TOOL, ADD_TOOL]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris for the next days?"}]
 
 
@@ -74,7 +55,7 @@ def assert_valid_calls(choice, names: set[str]) -> None:  # type: ignore[no-unty
     assert calls, (choice.finish_reason, choice.message.content)
     for call in calls:
         assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_PARAMS[call.function.name])
 
 
 def test_tool_choice_required_gives_a_valid_call_every_time(server):
@@ -104,19 +85,19 @@ def test_required_without_parallel_calls_gives_one_call_and_streams(oai):
     chunks = list(oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=300,
                                               tool_choice="required", parallel_tool_calls=False, stream=True))
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name in PARAMS
-    jsonschema.validate(json.loads(calls[0].function.arguments), PARAMS[calls[0].function.name])
+    assert len(calls) == 1 and calls[0].function.name in TOOL_PARAMS
+    jsonschema.validate(json.loads(calls[0].function.arguments), TOOL_PARAMS[calls[0].function.name])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_json_schema_response_format_validates_every_time(server):
-    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA, "strict": True}}
     rs = concurrently(server, N, lambda c: c.chat.completions.create(
         # (the random model may put up to 24 whitespace characters in each of ~15 gaps: room for all)
         model="tiny", messages=MESSAGES, response_format=fmt, temperature=1.0, max_tokens=1200))
     for r in rs:
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
-        jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+        jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER_SCHEMA)
     assert len({r.choices[0].message.content for r in rs}) > 1  # sampled, not one canned answer
 
 
@@ -128,9 +109,9 @@ def test_json_object_and_completions_json_schema(oai):
     else:
         assert r.choices[0].message.content.lstrip().startswith("{")
     c = oai.completions.create(model="tiny", prompt="The answer:", max_tokens=300, n=3, extra_body={
-        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}})
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}})
     for choice in c.choices:
-        jsonschema.validate(json.loads(choice.text), ANSWER)
+        jsonschema.validate(json.loads(choice.text), ANSWER_SCHEMA)
 
 
 def test_regex_and_choice(oai):
