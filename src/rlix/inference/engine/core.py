@@ -29,7 +29,7 @@ from rlix.errors import EngineStateError, InvalidRequestError
 from rlix.inference.engine.api import Detokenizer, PauseMode
 from rlix.inference.engine.batching import plan_prefill_groups, request_leaders, samples_from
 from rlix.inference.engine.prefix_cache import PrefixCache
-from rlix.inference.engine.runner.memory import device_resident_bytes, release_memory, used_bytes
+from rlix.inference.engine.runner.memory import device_resident_bytes, used_bytes
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.profile import StepProfile
@@ -107,7 +107,7 @@ class EngineCore:
         #: called after a step's prefills when its decode runs synchronously (no overlap): the
         #: newcomers' first tokens reach their callers a decode step sooner (the engine posts them)
         self.on_prefilled: Callable[[], None] | None = None
-        runner.cache.allocate()
+        runner.allocate_cache()
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -353,9 +353,9 @@ class EngineCore:
     def _prefill(self, group: list[Sequence], forks: dict[Sequence, list[Sequence]]) -> None:
         """Prefill `group` into the next free rows; each one's forks (the other samples of its
         request) get a copy of its cache row and sample from its logits."""
-        cache = self.runner.cache
+        runner = self.runner
         width = max(len(s.prompt_token_ids) for s in group)
-        cache.ensure_capacity(width, live_rows=len(self.running), live_len=self._live_len())
+        runner.ensure_capacity(width, live_rows=len(self.running), live_len=self._live_len())
         first_row = len(self.running)
         every = frozenset(i for i, s in enumerate(group) if s.params.prompt_logprobs is not None)
         offsets = self._reuse_prefixes(group, first_row, every)
@@ -373,8 +373,8 @@ class EngineCore:
             if not followers:
                 continue
             start = len(self.running)
-            cache.copy_rows(first_row + i, list(range(start, start + len(followers))),
-                            len(leader.prompt_token_ids))
+            runner.copy_rows(first_row + i, list(range(start, start + len(followers))),
+                             len(leader.prompt_token_ids))
             self.running.extend(followers)
             self.forked_rows += len(followers)
             self.forked_prompt_tokens += len(leader.prompt_token_ids) * len(followers)
@@ -423,7 +423,7 @@ class EngineCore:
         running = self.running
         positions = [s.cached_len for s in running]
         longest = max(positions)
-        self.runner.cache.ensure_capacity(longest + 1, live_rows=len(running), live_len=longest)
+        self.runner.ensure_capacity(longest + 1, live_rows=len(running), live_len=longest)
         prof = self.profile
         prof.batch, prof.live = len(running), sum(positions) + len(running)
         prof.mark("schedule")
@@ -484,7 +484,7 @@ class EngineCore:
         moves = [(src, row) for row, src in enumerate(before) if src != row]
         if moves:
             length = max(running[dst].cached_len for _, dst in moves) + int(in_flight)
-            self.runner.cache.move_rows([m[0] for m in moves], [m[1] for m in moves], length)
+            self.runner.move_rows([m[0] for m in moves], [m[1] for m in moves], length)
         return before
 
     # -- sleep ---------------------------------------------------------------------------
@@ -500,21 +500,12 @@ class EngineCore:
         self.abort(None)  # settles the step in flight first
         before = used_bytes(self.runner.device)
         t1 = time.perf_counter()
-        keep = self.runner.graphs_survive_sleep()
-        if keep:
-            self.runner.release_moved_graphs()
-        else:
-            self.runner.release_graphs()
-        self.runner.cache.free()
+        keep = self.runner.free_for_sleep(level)
         if self.prefixes is not None:
             self.prefixes.clear()
         self.kv_asleep = True
-        if level == 2:
-            self.weights.discard()
-        elif self.weights.on_device:
-            self.weights.offload()
         t2 = time.perf_counter()
-        release_memory(self.runner.device, keep_workspaces=keep)
+        self.runner.release_memory(keep)
         t3 = time.perf_counter()
         self.last_sleep_freed_bytes = max(0, before - used_bytes(self.runner.device))
         self.last_sleep_kept_graphs = keep
@@ -529,10 +520,9 @@ class EngineCore:
         unknown = [t for t in tags if t not in SLEEP_TAGS]
         if unknown:
             raise InvalidRequestError(f"unknown wake-up tags {unknown}; use {list(SLEEP_TAGS)}")
-        if "weights" in tags and not self.weights.on_device:
-            self.weights.wake()
-        if "kv_cache" in tags and self.kv_asleep:
-            self.runner.cache.allocate()
+        self.runner.wake(weights="weights" in tags and not self.weights.on_device,
+                         kv_cache="kv_cache" in tags and self.kv_asleep)
+        if "kv_cache" in tags:
             self.kv_asleep = False
 
     # -- weights -------------------------------------------------------------------------
@@ -541,8 +531,7 @@ class EngineCore:
         if not self.weights.on_device:
             raise EngineStateError("weights are asleep; wake_up(['weights']) before updating")
         self.settle()  # the step in flight used the old weights: its tokens are recorded as such
-        complete = staging.check_complete()
-        self.weights.swap_in(staging.staged, complete)
+        self.runner.commit_update(staging)
         self.weight_version = staging.version
         if self.prefixes is not None:  # computed by the old weights
             self.prefixes.clear()

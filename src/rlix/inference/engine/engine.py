@@ -15,10 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from os import PathLike
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
 
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
@@ -26,6 +29,9 @@ from rlix.inference.engine.constrained import GrammarCompiler, RowGrammar, gramm
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
+from rlix.inference.engine.runner.tensor_parallel import ShardPlan
+from rlix.inference.engine.runner.tp_group import RankGroup, RunnerOptions, load_rank
+from rlix.inference.engine.runner.tp_runner import TensorParallelRunner
 from rlix.inference.engine.prefix_cache import DEFAULT_BUDGET_BYTES
 from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
 from rlix.inference.engine.runner.profile import StepProfile
@@ -74,7 +80,7 @@ class TorchEngine:
                  cuda_graphs: bool = True, fused: bool | None = None,
                  overlap_steps: bool | None = None, compute_threads: int | None = None,
                  prefix_cache_bytes: int = DEFAULT_BUDGET_BYTES,
-                 virtual_memory: bool | None = None) -> None:
+                 virtual_memory: bool | None = None, tp_group: RankGroup | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
@@ -84,10 +90,14 @@ class TorchEngine:
                               f"max_position_embeddings {limit}")
         if max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
-        runner = ModelRunner(model, device=self.device, num_rows=max_num_seqs,
-                             max_model_len=self.max_model_len,
-                             kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs,
-                             fused=fused, virtual_memory=virtual_memory)
+        options = dict(device=self.device, num_rows=max_num_seqs, max_model_len=self.max_model_len,
+                       kv_initial_capacity=kv_initial_capacity, cuda_graphs=cuda_graphs,
+                       fused=fused, virtual_memory=virtual_memory)
+        #: the model's forwards; rank 0 of a tensor-parallel group (`tp_group`: the other ranks'
+        #: processes; `model` holds rank 0's slices) sends them to the other ranks too
+        self._runner: ModelRunner = (TensorParallelRunner(model, tp_group, **options) if tp_group is not None
+                                     else ModelRunner(model, **options))  # type: ignore[arg-type]
+        runner = self._runner
         self.vocab_size = runner.vocab_size
         self._weights = runner.weights
         eos_ids = _eos_ids(model, tokenizer)
@@ -116,18 +126,47 @@ class TorchEngine:
     @classmethod
     def from_pretrained(cls, path: str | PathLike[str], device: str | torch.device = "cpu",
                         dtype: str | torch.dtype | None = None, max_num_seqs: int = 32,
-                        max_model_len: int | None = None, **kwargs: Any) -> TorchEngine:
-        """Load a preset name or a local checkpoint dir; dtype None/"auto" keeps the saved one."""
+                        max_model_len: int | None = None, tensor_parallel_size: int = 1,
+                        **kwargs: Any) -> TorchEngine:
+        """Load a preset name or a local checkpoint dir; dtype None/"auto" keeps the saved one.
+        `tensor_parallel_size` > 1: the model is split over that many devices from `device` on
+        (CUDA), or that many processes (CPU); this process is rank 0 and starts the others."""
         device = torch.device(device)
         if isinstance(dtype, str) and dtype != "auto":
             resolved = getattr(torch, dtype, None)
             if not isinstance(resolved, torch.dtype):
                 raise ConfigError(f"unknown dtype {dtype!r}; use e.g. float32, bfloat16, auto")
             dtype = resolved
-        model, tokenizer = load_model(resolve_model(path), device,
-                                      None if dtype == "auto" else dtype)
+        folder = resolve_model(path)
+        dtype = None if dtype == "auto" else dtype
+        if tensor_parallel_size > 1:
+            return cls._tensor_parallel(folder, device, dtype, tensor_parallel_size, max_num_seqs,
+                                        max_model_len, **kwargs)
+        model, tokenizer = load_model(folder, device, dtype)
         return cls(model, tokenizer, device=device, max_num_seqs=max_num_seqs,
                    max_model_len=max_model_len, **kwargs)
+
+    @classmethod
+    def _tensor_parallel(cls, folder: Path, device: torch.device, dtype: torch.dtype | None, size: int,
+                         max_num_seqs: int, max_model_len: int | None, **kwargs: Any) -> TorchEngine:
+        """Rank 0's slices loaded while the workers load theirs (runner/tp_group.py)."""
+        config = AutoConfig.from_pretrained(folder)
+        ShardPlan.for_rank(config, 0, size)  # a size that does not divide the model fails here
+        limit = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        options = RunnerOptions(num_rows=max_num_seqs, max_model_len=int(max_model_len or limit or 2048),
+                                kv_initial_capacity=kwargs.get("kv_initial_capacity", DEFAULT_INITIAL_CAPACITY),
+                                cuda_graphs=kwargs.get("cuda_graphs", True), fused=kwargs.get("fused"),
+                                virtual_memory=kwargs.get("virtual_memory"))
+        with ThreadPoolExecutor(1, thread_name_prefix="rlix-tp-load") as pool:
+            loading = pool.submit(load_rank, folder, device, dtype, 0, size)
+            group = RankGroup(device, size, str(folder), dtype, options)
+            try:
+                model = loading.result()
+                return cls(model, AutoTokenizer.from_pretrained(folder), device=device, max_num_seqs=max_num_seqs,
+                           max_model_len=max_model_len, tp_group=group, **kwargs)
+            except BaseException:
+                group.close()
+                raise
 
     # -- status --------------------------------------------------------------------------
     @property
@@ -352,6 +391,7 @@ class TorchEngine:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout=30)
+        self._runner.close()
 
     def __enter__(self) -> TorchEngine:
         return self
@@ -505,7 +545,7 @@ class TorchEngine:
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Canonical parameter name -> (shape, dtype): lets a bucket receiver refuse a layout
         that does not fit this model before an update starts."""
-        return {n: (s.shape, s.dtype) for n, s in self._weights.specs.items()}
+        return self._runner.full_specs()
 
     async def start_weight_update(self, version: int, allow_partial: bool = False) -> None:
         """Open an update; allow_partial lets finish accept a subset of the parameters."""
@@ -514,7 +554,7 @@ class TorchEngine:
         with self._staging_lock:
             if self._staging is not None:
                 raise EngineStateError("a weight update is already in progress; finish or abort it")
-            self._staging = WeightStaging(self._weights, int(version), allow_partial)
+            self._staging = self._runner.open_update(int(version), allow_partial)
             self._staging_failure = None
 
     def weight_destination(self, name: str) -> torch.Tensor | None:
@@ -549,10 +589,10 @@ class TorchEngine:
         with self._staging_lock:
             staging = self._require_staging()
             try:
-                staging.add(named_tensors)
+                self._runner.stage(staging, named_tensors)
             except WeightUpdateError as exc:
                 self._staging, self._staging_failure = None, str(exc)
-                staging.abandon()
+                self._runner.abandon_update(staging)
                 raise
 
     def _require_staging(self) -> WeightStaging:
@@ -571,14 +611,14 @@ class TorchEngine:
             return int(await self._call(lambda: self._core.apply_update(staging)))
         except WeightUpdateError as exc:
             self._staging_failure = str(exc)
-            staging.abandon()
+            self._runner.abandon_update(staging)
             raise
 
     async def abort_weight_update(self, reason: str) -> None:
         with self._staging_lock:
             if self._staging is not None:
                 log.info("weight update to version %d aborted: %s", self._staging.version, reason)
-                self._staging.abandon()
+                self._runner.abandon_update(self._staging)
             self._staging, self._staging_failure = None, None
 
 

@@ -23,8 +23,9 @@ from rlix.inference.engine.runner.fused_model import FusedDecoder, unsupported_r
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.runner.memory import release_memory
 from rlix.inference.engine.runner.profile import StepProfile
+from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel, shard_state_dict, unsharded_shape
 from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample, sample_plain
-from rlix.inference.engine.weights import ServedWeights
+from rlix.inference.engine.weights import ServedWeights, WeightStaging
 from rlix.models.init import is_seeded, load_causal_lm
 
 
@@ -66,13 +67,24 @@ class ModelRunner:
     `virtual_memory` (with CUDA graphs only; None: wherever the device supports it, vmm.py): the
     KV cache and the reload stores of the weights keep their device addresses across a sleep,
     so the graphs survive it (`graphs_survive_sleep`) instead of being captured again.
+    `tp` (size > 1): this runner is one rank of a tensor-parallel group; `model` already holds
+    this rank's slices (tensor_parallel.shard_model), the fused decoder joins the group's
+    all-reduces, and the KV cache holds this rank's KV heads. Every rank must then make the same
+    calls in the same order: rank 0's runner (tp_runner.py) sends each to the others.
+
+    Everything that changes device state goes through this class's verbs (the forwards, the KV
+    cache's rows, sleep, wake, a weight update's staging and commit), never through its parts:
+    that is what lets rank 0 mirror them.
     """
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, num_rows: int,
                  max_model_len: int, kv_initial_capacity: int = DEFAULT_INITIAL_CAPACITY,
                  cuda_graphs: bool = True, fused: bool | None = None,
-                 virtual_memory: bool | None = None) -> None:
+                 virtual_memory: bool | None = None, tp: TensorParallel | None = None) -> None:
         config = model.config
+        self.tp = tp if tp is not None else TensorParallel.single()
+        #: this rank's cut of the model (ShardPlan refuses a size that does not divide it)
+        self.plan = ShardPlan.of(config, self.tp)
         layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
         if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
             raise ConfigError(f"{type(model).__name__}: only full-attention layers are supported, "
@@ -95,18 +107,19 @@ class ModelRunner:
         self.weights = ServedWeights(model, device, virtual=self.virtual)
         if use_graphs:
             kv_initial_capacity = max_model_len
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.cache = SlotKVCache(
             num_layers=config.num_hidden_layers, num_rows=num_rows,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim, max_len=max_model_len, dtype=self.dtype, device=device,
+            num_kv_heads=self.plan.local_kv_heads, head_dim=self.plan.head_dim,
+            max_len=max_model_len, dtype=self.dtype, device=device,
             initial_capacity=kv_initial_capacity, virtual=self.virtual)
         self.mask_min = torch.finfo(self.dtype).min
         why_not = unsupported_reason(model)
         if fused and why_not:
             raise ConfigError(f"{type(model).__name__}: the fused decoder does not support {why_not}")
-        self.fused = (FusedDecoder(model, self.weights, self.cache)
+        if self.tp.size > 1 and (fused is False or why_not):
+            raise ConfigError(f"{type(model).__name__}: tensor parallelism runs on the fused decoder "
+                              f"only ({why_not or 'fused: false was asked'})")
+        self.fused = (FusedDecoder(model, self.weights, self.cache, tp=self.tp)
                       if fused is not False and why_not is None else None)
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self.prefill_graphs = PrefillGraphs(self) if use_graphs and self.fused is not None else None
@@ -118,8 +131,9 @@ class ModelRunner:
         #: no padding bound
         self.packs_prefill = self.fused is not None and device.type == "cpu"
         #: a prefill can start mid-prompt over keys already in the row (the prefix cache): the
-        #: fused decoder's packed prefill, eager where prefills are otherwise padded graphs
-        self.reuses_prefixes = self.fused is not None
+        #: fused decoder's packed prefill, eager where prefills are otherwise padded graphs; on
+        #: one rank (the prefix cache copies rows of this rank's cache only)
+        self.reuses_prefixes = self.fused is not None and self.tp.size == 1
 
     def capture_graphs(self) -> None:
         """Capture the decode and common prefill CUDA graphs now instead of at first use (a
@@ -244,20 +258,25 @@ class ModelRunner:
         sampled inside the CUDA graph; a batch with any other row samples the logits here."""
         if self.graphs is not None and all(r.plain for r in rows):
             uniforms, temperatures = plain_inputs(rows)
-            launched = self.graphs.launch(tokens, positions, uniforms, temperatures)
+            launched = self.launch_plain(tokens, positions, uniforms, temperatures, None)
             if profile is not None:
                 profile.mark("decode")
             return launched.result()
         return sample(self.decode(tokens, positions), rows)
 
-    @torch.inference_mode()
     def launch_decode(self, tokens: list[int], positions: list[int], rows: list[RowSampling],
                       after: DecodeLaunch | None = None) -> DecodeLaunch:
         """Start one decode step of plain rows (temperature or greedy only) without waiting for
         it. With `after` (a step not read yet), a negative tokens[i] = -(r + 1) is the token
         `after` sampled for its row r, taken on the device. Without CUDA graphs the step runs
         now (same picks; the engine's overlap logic then runs, gaining nothing)."""
-        uniforms, temperatures = plain_inputs(rows)
+        uniforms, temperatures = plain_inputs(rows)  # the rows' random draws, taken here once
+        return self.launch_plain(tokens, positions, uniforms, temperatures, after)
+
+    @torch.inference_mode()
+    def launch_plain(self, tokens: list[int], positions: list[int], uniforms: list[float],
+                     temperatures: list[float], after: DecodeLaunch | None) -> DecodeLaunch:
+        """launch_decode with the rows' draws taken: what every rank of a group runs alike."""
         if self.graphs is not None:
             return self.graphs.launch(tokens, positions, uniforms, temperatures, after)
         ids = torch.tensor(tokens, dtype=torch.float64)
@@ -280,3 +299,67 @@ class ModelRunner:
         ids, pos = both[0], both[1]
         return self.decode_logits(ids, pos, max(positions) + 1,
                                   torch.arange(len(tokens), device=self.device))
+
+    # -- the KV cache's rows -------------------------------------------------------------
+    def allocate_cache(self) -> None:
+        self.cache.allocate()
+
+    def ensure_capacity(self, length: int, live_rows: int, live_len: int) -> None:
+        self.cache.ensure_capacity(length, live_rows=live_rows, live_len=live_len)
+
+    def copy_rows(self, src: int, dsts: list[int], length: int) -> None:
+        self.cache.copy_rows(src, dsts, length)
+
+    def move_rows(self, srcs: list[int], dsts: list[int], length: int) -> None:
+        self.cache.move_rows(srcs, dsts, length)
+
+    # -- sleep and wake ------------------------------------------------------------------
+    def free_for_sleep(self, level: int) -> bool:
+        """Drop the graphs (unless they survive the sleep), free the KV cache, offload (1) or
+        drop (2) the weights; whether the graphs were kept."""
+        keep = self.graphs_survive_sleep()
+        if keep:
+            self.release_moved_graphs()
+        else:
+            self.release_graphs()
+        self.cache.free()
+        if level == 2:
+            self.weights.discard()
+        elif self.weights.on_device:
+            self.weights.offload()
+        return keep
+
+    def release_memory(self, keep_workspaces: bool) -> None:
+        """Hand what was freed back to the device (or the host's allocator)."""
+        release_memory(self.device, keep_workspaces=keep_workspaces)
+
+    def wake(self, weights: bool, kv_cache: bool) -> None:
+        if weights:
+            self.weights.wake()
+        if kv_cache:
+            self.cache.allocate()
+
+    # -- weight updates ------------------------------------------------------------------
+    def open_update(self, version: int, allow_partial: bool) -> WeightStaging:
+        return WeightStaging(self.weights, version, allow_partial)
+
+    def stage(self, staging: WeightStaging, named: dict[str, torch.Tensor]) -> None:
+        """Validate and stage full tensors (checkpoint names); this rank keeps its slices."""
+        staging.add(shard_state_dict(self.plan, named))
+
+    def abandon_update(self, staging: WeightStaging) -> None:
+        staging.abandon()
+
+    def commit_update(self, staging: WeightStaging) -> None:
+        """Serve the staged tensors (raises WeightUpdateError when an update that must be
+        complete is not, leaving the old weights served)."""
+        complete = staging.check_complete()
+        self.weights.swap_in(staging.staged, complete)
+
+    def full_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Canonical parameter name -> (shape, dtype) of the whole model (what a sender sends;
+        a rank's own slices are smaller)."""
+        return {n: (unsharded_shape(self.plan, n, s.shape), s.dtype) for n, s in self.weights.specs.items()}
+
+    def close(self) -> None:
+        """Nothing to end on one rank (rank 0 of a group ends the others)."""

@@ -68,9 +68,14 @@ class TensorParallel:
         return TensorParallel(0, 1, None)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the group's ranks, in place (x itself at size 1)."""
+        """x summed over the group's ranks, in place (x itself at size 1). Called on the group
+        itself: an engine's group is made apart from torch.distributed's default one (tp_group.py),
+        so that several engines, or an engine beside a trainer, can live in one process."""
         if self.size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+            assert self.group is not None
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            self.group.allreduce([x], options).wait()
         return x
 
 
@@ -136,10 +141,15 @@ class ShardPlan:
     def of(cls, config: PretrainedConfig, tp: TensorParallel) -> ShardPlan:
         """The plan for a transformers config (Qwen2 / Llama / Mistral fields; the fused
         decoder's counts): KV heads default to the query heads, head_dim to hidden / heads."""
+        return cls.for_rank(config, tp.rank, tp.size)
+
+    @classmethod
+    def for_rank(cls, config: PretrainedConfig, rank: int, size: int) -> ShardPlan:
+        """`of` for a place given by number (before any group exists)."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(tp.rank, tp.size, heads, kv_heads, head_dim, int(config.intermediate_size))
+        return cls(rank, size, heads, kv_heads, head_dim, int(config.intermediate_size))
 
     @property
     def local_heads(self) -> int:
@@ -201,6 +211,17 @@ def sharded_spec(plan: ShardPlan, spec: ParamSpec) -> ParamSpec:
     shape = list(spec.shape)
     shape[dim] = length
     return replace(spec, shape=tuple(shape))
+
+
+def unsharded_shape(plan: ShardPlan, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The whole model's shape of parameter `name`, of which this rank holds `shape`."""
+    found = _split_of(name)
+    if found is None or plan.size == 1:
+        return tuple(shape)
+    dim = found[0].value
+    full = list(shape)
+    full[dim] *= plan.size
+    return tuple(full)
 
 
 def shard_model(model: torch.nn.Module, plan: ShardPlan) -> None:
