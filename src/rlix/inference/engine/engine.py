@@ -283,6 +283,11 @@ class TorchEngine:
     def is_paused(self) -> bool:
         return self._core.pause_mode is not None
 
+    def failure(self) -> str | None:
+        """Why this engine cannot serve any more (one of its tensor-parallel ranks is gone: the
+        server's /health then fails, so the shard is replaced), None while it can."""
+        return self._runner.failure()
+
     def is_sleeping(self) -> bool:
         return self._core.sleeping
 
@@ -541,6 +546,15 @@ class TorchEngine:
     def served_weights(self) -> dict[str, torch.Tensor]:
         """The served parameters by canonical name (read-only use: the weight audit)."""
         return {n: p.data for n, p in self._weights.params.items()}
+
+    async def weight_checksums(self) -> dict[str, int]:
+        """Per-tensor checksums of the served weights by canonical name (the weight audit). On
+        one rank computed beside the steps; a tensor-parallel engine gathers its split tensors
+        from every rank, between two steps (the gathers are collectives, ordered with the
+        forwards)."""
+        if self._runner.tp.size == 1:
+            return await asyncio.to_thread(self._runner.weight_checksums)
+        return await self._call(self._runner.weight_checksums)
 
     def weight_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Canonical parameter name -> (shape, dtype): lets a bucket receiver refuse a layout

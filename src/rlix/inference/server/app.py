@@ -271,6 +271,9 @@ def create_app(engine: EngineAPI, tokenizer: Any, model_name: str, api_key: str 
     # ------------------------------------------------------------ data plane
     @app.get("/health")
     async def health() -> Response:
+        failure = engine.failure()
+        if failure is not None:  # broken for good (a tensor-parallel rank gone): replace this server
+            return Response(failure, status_code=503, media_type="text/plain")
         return Response(status_code=200)
 
     @app.get("/version")  # open like /health (not under PROTECTED_PREFIXES), as in vLLM

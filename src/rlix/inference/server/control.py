@@ -41,7 +41,6 @@ from rlix.inference.server.control_schema import (AbortRequestsBody, AbortWeight
                                                   FinishWeightUpdateBody, InitTransferInfo,
                                                   StartWeightUpdateBody, SyncWeightsBody,
                                                   UpdateWeightsBody, json_body, parse_body)
-from rlix.weights.buckets import tensor_checksums
 from rlix.weights.shard_updater import ShardUpdater
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -291,15 +290,10 @@ class ControlPlane:
     def weight_info(self) -> dict:
         return {"weight_version": str(self.engine.weight_version)}
 
-    def weight_checksums(self) -> dict:
+    async def weight_checksums(self) -> dict:
         """Checksums of every served tensor, computed on the engine's device (rlix extension)."""
-        served = getattr(self.engine, "served_weights", None)
-        if not callable(served):
-            raise InvalidRequestError("this engine cannot report its weights")
-        tensors = served()
-        if any(t.numel() == 0 for t in tensors.values()):
-            raise InvalidRequestError("weights are not loaded (asleep at level 2)")
-        return {"weight_version": self.engine.weight_version, "checksums": tensor_checksums(tensors)}
+        checksums = await self.engine.weight_checksums()
+        return {"weight_version": self.engine.weight_version, "checksums": checksums}
 
     @staticmethod
     def tensors_from_json(body: UpdateWeightsBody) -> dict[str, torch.Tensor]:
@@ -423,7 +417,7 @@ def control_routes(control: ControlPlane) -> APIRouter:
 
     @router.get("/weight_checksums")
     async def weight_checksums() -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(control.weight_checksums))
+        return JSONResponse(await control.weight_checksums())
 
     return router
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from rlix.errors import ConfigError
+from rlix.errors import ConfigError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.runner import vmm
 from rlix.inference.engine.runner.cuda_graphs import (PREFILL_GROUP_TOKENS, DecodeGraphs, DecodeLaunch, PrefillGraphs,
                                                       gather_inputs)
@@ -23,10 +23,12 @@ from rlix.inference.engine.runner.fused_model import FusedDecoder, unsupported_r
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.runner.memory import release_memory
 from rlix.inference.engine.runner.profile import StepProfile
-from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel, shard_state_dict, unsharded_shape
+from rlix.inference.engine.runner.tensor_parallel import (ShardPlan, TensorParallel, gather_full, shard_state_dict,
+                                                          unsharded_shape)
 from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample, sample_plain
 from rlix.inference.engine.weights import ServedWeights, WeightStaging
 from rlix.models.init import is_seeded, load_causal_lm
+from rlix.weights.wire import bucket_checksum
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
@@ -345,7 +347,11 @@ class ModelRunner:
 
     def stage(self, staging: WeightStaging, named: dict[str, torch.Tensor]) -> None:
         """Validate and stage full tensors (checkpoint names); this rank keeps its slices."""
-        staging.add(shard_state_dict(self.plan, named))
+        try:
+            mine = shard_state_dict(self.plan, named)
+        except ValueError as exc:  # not the whole tensor: nothing to cut this rank's slice from
+            raise WeightUpdateError(str(exc)) from None
+        staging.add(mine)
 
     def abandon_update(self, staging: WeightStaging) -> None:
         staging.abandon()
@@ -360,6 +366,24 @@ class ModelRunner:
         """Canonical parameter name -> (shape, dtype) of the whole model (what a sender sends;
         a rank's own slices are smaller)."""
         return {n: (unsharded_shape(self.plan, n, s.shape), s.dtype) for n, s in self.weights.specs.items()}
+
+    @torch.inference_mode()
+    def weight_checksums(self) -> dict[str, int]:
+        """Per-tensor checksums of the whole model's served weights by canonical name (the
+        weight audit): a split tensor is gathered from every rank, one tensor at a time, and
+        summed on rank 0 (the other ranks return nothing)."""
+        out: dict[str, int] = {}
+        for name, param in self.weights.params.items():
+            if param.numel() == 0:
+                raise InvalidRequestError("weights are not loaded (asleep at level 2)")
+            full = gather_full(self.tp, name, param.data)
+            if self.tp.rank == 0:
+                out[name] = bucket_checksum(full.contiguous().reshape(-1).view(torch.uint8))
+        return out
+
+    def failure(self) -> str | None:
+        """Why this runner cannot go on (a tensor-parallel rank gone), None while it can."""
+        return None
 
     def close(self) -> None:
         """Nothing to end on one rank (rank 0 of a group ends the others)."""

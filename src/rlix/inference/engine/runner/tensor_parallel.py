@@ -224,6 +224,18 @@ def unsharded_shape(plan: ShardPlan, name: str, shape: tuple[int, ...]) -> tuple
     return tuple(full)
 
 
+def gather_full(tp: TensorParallel, name: str, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor `name` from every rank's slice `local` (all ranks must call this for
+    the same names in the same order: an all-gather); `local` itself when it is not split."""
+    found = _split_of(name)
+    if found is None or tp.size == 1:
+        return local
+    assert tp.group is not None
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    tp.group.allgather([parts], [local.contiguous()]).wait()
+    return torch.cat(parts, dim=found[0].value)
+
+
 def shard_model(model: torch.nn.Module, plan: ShardPlan) -> None:
     """Replace the split parameters of a (full) model by this rank's slices, in memory of their
     own, so the full tensors can be freed; the model's transformers forward no longer applies

@@ -76,6 +76,7 @@ class Op(Enum):
     STAGE = "stage"
     ABANDON_UPDATE = "abandon_update"
     COMMIT_UPDATE = "commit_update"
+    CHECKSUMS = "checksums"
     EXIT = "exit"
 
 
@@ -255,18 +256,22 @@ class RankGroup:
 
     def _watch(self) -> None:
         while not self._closing:
-            for rank, proc in enumerate(self._procs, start=1):
-                code = proc.poll()
-                if code is not None and not self._closing and self.failure is None:
-                    self.failure = (f"tensor parallel rank {rank} (pid {proc.pid}) exited with code "
-                                    f"{code}")
-                    log.error("%s; the engine cannot go on", self.failure)
-                    if self.backend == "nccl":
-                        try:
-                            self.group.abort()  # a collective waiting on it fails instead of hanging
-                        except (RuntimeError, AttributeError):
-                            pass
+            self.poll()
             time.sleep(WATCH_S)
+
+    def poll(self) -> str | None:
+        """Look at the workers now: the group's failure (module docstring), None while all run."""
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None and not self._closing and self.failure is None:
+                self.failure = f"tensor parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+                log.error("%s; the engine cannot go on", self.failure)
+                if self.backend == "nccl":
+                    try:
+                        self.group.abort()  # a collective waiting on it fails instead of hanging
+                    except (RuntimeError, AttributeError):
+                        pass
+        return self.failure
 
     def _check(self) -> None:
         if self.failure is not None:

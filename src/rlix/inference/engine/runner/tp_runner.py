@@ -12,9 +12,12 @@ rank keeps its slices.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-from rlix.errors import WeightUpdateError
+from rlix.errors import EngineStateError, WeightUpdateError
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.tp_group import Op, RankGroup, SharedTensors
@@ -29,12 +32,27 @@ class TensorParallelRunner(ModelRunner):
         self._last: DecodeLaunch | None = None
         super().__init__(model, tp=group.tp, **kwargs)  # type: ignore[arg-type]
 
+    def failure(self) -> str | None:
+        return self.group.poll()
+
+    @contextmanager
+    def _collective(self) -> Iterator[None]:
+        """A collective that fails because a rank is gone says so (EngineStateError naming it)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            failure = self.group.poll()
+            if failure is None:
+                raise
+            raise EngineStateError(failure) from exc
+
     # -- forwards --------------------------------------------------------------------------
     def prefill_all(self, prompts: list[list[int]], first_row: int,
                     every_position: frozenset[int] = frozenset(), offsets: list[int] | None = None
                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         self.group.call(Op.PREFILL, prompts, first_row, every_position, offsets)
-        return super().prefill_all(prompts, first_row, every_position, offsets)
+        with self._collective():
+            return super().prefill_all(prompts, first_row, every_position, offsets)
 
     def launch_plain(self, tokens: list[int], positions: list[int], uniforms: list[float],
                      temperatures: list[float], after: DecodeLaunch | None) -> DecodeLaunch:
@@ -42,16 +60,19 @@ class TensorParallelRunner(ModelRunner):
             raise RuntimeError("a chained decode step must follow the step launched last: the "
                                "other ranks chain on their own last step")
         self.group.call(Op.LAUNCH, tokens, positions, uniforms, temperatures, after is not None)
-        self._last = super().launch_plain(tokens, positions, uniforms, temperatures, after)
+        with self._collective():
+            self._last = super().launch_plain(tokens, positions, uniforms, temperatures, after)
         return self._last
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         self.group.call(Op.DECODE, tokens, positions)
-        return super().decode(tokens, positions)
+        with self._collective():
+            return super().decode(tokens, positions)
 
     def capture_graphs(self) -> None:
         self.group.call(Op.CAPTURE)
-        super().capture_graphs()
+        with self._collective():
+            super().capture_graphs()
 
     # -- the KV cache's rows ---------------------------------------------------------------
     def allocate_cache(self) -> None:
@@ -108,6 +129,11 @@ class TensorParallelRunner(ModelRunner):
             raise
         self.group.call(Op.COMMIT_UPDATE, reply=True)
         super().commit_update(staging)
+
+    def weight_checksums(self) -> dict[str, int]:
+        self.group.call(Op.CHECKSUMS)  # the workers join the gathers
+        with self._collective():
+            return super().weight_checksums()
 
     def close(self) -> None:
         self.group.close()

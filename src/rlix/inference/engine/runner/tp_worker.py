@@ -58,6 +58,7 @@ class Worker:
             Op.STAGE: self._stage,
             Op.ABANDON_UPDATE: self._abandon,
             Op.COMMIT_UPDATE: self._commit,
+            Op.CHECKSUMS: runner.weight_checksums,
         }
 
     def _prefill(self, prompts: list[list[int]], first_row: int, every: frozenset[int],

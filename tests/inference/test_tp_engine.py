@@ -1,0 +1,200 @@
+"""The embedded engine split over two ranks (runner/tp_group.py, tp_runner.py, tp_worker.py): on
+the CPU its second rank is a process over gloo. It generates what the one-rank engine generates
+(concurrent rows that finish and move, forked samples, host-sampled rows), sleeps and wakes on
+every rank, takes in-place and full (level-2) weight updates on every rank, refuses a bad one on
+every rank, answers the weight audit with the whole model's checksums, and fails (not hangs)
+when a rank is killed; every rank's process ends with the engine, or with rank 0's process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
+from rlix.inference.engine.api import SamplingParams
+from rlix.inference.engine.engine import TorchEngine
+from rlix.procguard import pid_alive
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3, 250, 42, 8], [11, 2, 300], [45, 46, 47, 48, 49], [7, 7, 7, 7, 7, 7, 7, 7, 7]]
+#: different lengths: rows finish at different steps and the rows after them move up
+LENGTHS = [5, 16, 9, 12]
+GONE_S = 20.0
+
+
+def _engine(path, tp: int) -> TorchEngine:
+    return TorchEngine.from_pretrained(path, dtype="float32", max_num_seqs=8, tensor_parallel_size=tp)
+
+
+async def _one(engine: TorchEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    by_index: dict[int, list[int]] = {}
+    async for out in engine.generate(rid, prompt, params):
+        by_index[out.index] = out.token_ids
+    return [by_index[i] for i in sorted(by_index)]
+
+
+async def _batch(engine: TorchEngine, tag: str = "") -> list[list[list[int]]]:
+    """Every prompt at once, greedy, each with its own length; one with 2 samples (a fork), one
+    with top logprobs (sampled on the host, not in the plain launch)."""
+    calls = []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                n=2 if i == 1 else 1, top_logprobs=3 if i == 2 else 0)
+        calls.append(_one(engine, f"{tag}r{i}", prompt, params))
+    return list(await asyncio.gather(*calls))
+
+
+def _gone(pids: list[int], within_s: float = GONE_S) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(pid_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir):
+    engine = _engine(tiny_model_dir, 1)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture()
+def pair(tiny_model_dir):
+    engine = _engine(tiny_model_dir, 2)
+    pids = engine._runner.group.pids
+    yield engine
+    engine.close()
+    assert _gone(pids), f"tensor parallel workers {pids} outlived the engine"
+
+
+def _changed(path) -> dict[str, torch.Tensor]:
+    """New full values for split and replicated tensors, as a trainer sends them."""
+    full = load_file(str(path / "model.safetensors"))
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+             "model.layers.0.self_attn.v_proj.bias", "model.norm.weight"]
+    gen = torch.Generator().manual_seed(3)
+    return {n: full[n] + 0.2 * torch.randn(full[n].shape, generator=gen) for n in names}
+
+
+def test_two_ranks_generate_what_one_rank_does(single, pair):
+    one, two = asyncio.run(_batch(single)), asyncio.run(_batch(pair))
+    assert two == one
+    assert [len(samples) for samples in two] == [1, 2, 1, 1]
+    assert [len(samples[0]) for samples in two] == LENGTHS
+
+
+def test_sleep_wake_and_weight_updates_reach_every_rank(single, pair, tiny_model_dir):
+    async def main():
+        base = await _batch(pair)
+        await pair.sleep(1)
+        assert pair.is_sleeping()
+        await pair.wake_up()
+        after_wake = await _batch(pair, "w")
+        changed = _changed(tiny_model_dir)
+        for engine in (single, pair):  # an in-place update of a few tensors
+            await engine.start_weight_update(1, allow_partial=True)
+            await engine.update_weights(changed)
+            assert await engine.finish_weight_update() == 1
+        updated = [await _batch(single, "u"), await _batch(pair, "u")]
+        sums = [await single.weight_checksums(), await pair.weight_checksums()]
+        await pair.sleep(2)  # weights dropped on every rank: a full reload brings them back
+        await pair.wake_up()
+        await pair.start_weight_update(2)
+        await pair.update_weights(load_file(str(tiny_model_dir / "model.safetensors")))
+        assert await pair.finish_weight_update() == 2
+        reloaded = await _batch(pair, "l")
+        for engine in (single,):  # leave the module's engine as it was
+            await engine.start_weight_update(2)
+            await engine.update_weights(load_file(str(tiny_model_dir / "model.safetensors")))
+            await engine.finish_weight_update()
+        return base, after_wake, updated, sums, reloaded
+
+    base, after_wake, (single_updated, pair_updated), (single_sums, pair_sums), reloaded = asyncio.run(main())
+    assert after_wake == base
+    assert pair_updated == single_updated and pair_updated != base  # every rank took its slices
+    assert pair_sums == single_sums  # the audit sees the whole model, gathered from both ranks
+    assert reloaded == base
+
+
+def test_a_refused_update_leaves_every_rank_serving_the_old_weights(pair, tiny_model_dir):
+    async def main():
+        base = await _batch(pair)
+        sums = await pair.weight_checksums()
+        await pair.start_weight_update(1)
+        bad = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 3)}
+        with pytest.raises(WeightUpdateError, match="shape"):
+            await pair.update_weights(bad)
+        await pair.start_weight_update(1)  # incomplete: refused at finish, on every rank
+        await pair.update_weights(_changed(tiny_model_dir))
+        with pytest.raises(WeightUpdateError, match="incomplete"):
+            await pair.finish_weight_update()
+        return base, sums, await _batch(pair, "a"), await pair.weight_checksums()
+
+    base, sums, after, sums_after = asyncio.run(main())
+    assert after == base and sums_after == sums and pair.weight_version == 0
+
+
+def test_the_specs_are_the_whole_model(single, pair):
+    assert pair.weight_specs() == single.weight_specs()
+
+
+def test_a_killed_rank_fails_the_engine_instead_of_hanging(pair):
+    (worker,) = pair._runner.group.pids
+    os.kill(worker, signal.SIGKILL)
+    assert _gone([worker])
+
+    async def main():
+        started = time.monotonic()
+        with pytest.raises(EngineStateError, match=rf"rank 1 \(pid {worker}\)"):
+            await asyncio.wait_for(_batch(pair), 60)
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 30
+    assert f"rank 1 (pid {worker})" in (pair.failure() or "")  # the server's /health answers 503
+
+
+@pytest.mark.parametrize("size, named", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
+def test_a_size_that_does_not_divide_the_model_is_refused_before_starting(tiny_model_dir, size, named):
+    before = set(_children())
+    with pytest.raises(ConfigError, match=f"tensor parallel size {size} does not divide .*{named}"):
+        _engine(tiny_model_dir, size)
+    assert set(_children()) == before
+
+
+def _children() -> list[int]:
+    path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
+    return [int(p) for p in open(path).read().split()] if os.path.exists(path) else []
+
+
+_RANK0 = """
+import sys, time
+from rlix.inference.engine.engine import TorchEngine
+engine = TorchEngine.from_pretrained(sys.argv[1], dtype="float32", max_num_seqs=2, tensor_parallel_size=2)
+print(*engine._runner.group.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_workers_end_when_rank_0_is_killed(tiny_model_dir):
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0, str(tiny_model_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout is not None
+        workers = [int(p) for p in rank0.stdout.readline().split()]
+        assert len(workers) == 1 and pid_alive(workers[0])
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.wait(10)
+        assert _gone(workers), f"worker {workers} outlived its SIGKILLed rank 0"
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
