@@ -279,7 +279,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
           served_model_name=args.served_model_name, dtype=args.dtype,
           max_body=int(args.max_body_mib * 2**20), record_generations=args.record_generations,
           memory_share=env.gpu_memory_share(), threads=args.threads, capture_graphs=args.capture_graphs,
-          responses_store=_store_limits(args))
+          responses_store=_store_limits(args), tensor_parallel_size=args.tensor_parallel_size)
     return 0
 
 
@@ -444,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's)")
     serve.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
     serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model over this many GPUs from --device's on (CUDA; on the CPU, this "
+                            "many processes); rlix serve starts and ends the other ranks' processes")
     serve.add_argument("--capture-graphs", action="store_true",
                        help="on CUDA, capture every decode and prefill CUDA graph before serving (a longer "
                             "start; no request waits for a capture later)")

@@ -30,7 +30,7 @@ from rlix import env
 from rlix.simulated_cluster import SimulatedCluster
 from rlix.config.loader import resolve_config
 from rlix.config.models import RlixConfig
-from rlix.config.preflight import preflight, split_by_embedded_engine
+from rlix.config.preflight import preflight
 from rlix.errors import ConfigError, NodeLostError, PipelineFailedError, format_validation_error, one_line
 from rlix.httpkit import check_ray_address, is_loopback
 from rlix.pipeline.device_plan import DevicePlan
@@ -386,10 +386,6 @@ def device_plan(cfg: RlixConfig, reservation: GpuReservation) -> DevicePlan:
     elif device == "cuda" and not reservation.has_cuda:
         raise ConfigError("device is cuda but the Ray cluster's GPUs are not CUDA devices "
                           "(no /dev/nvidia* on their nodes); use device: cpu or auto")
-    if device == "cuda":
-        wide = split_by_embedded_engine(cfg)
-        if wide:
-            raise ConfigError(wide[0])
     return DevicePlan(device=device, dtype=cfg.dtype_on(device), reservation=reservation,
                       release_timeout_s=cfg.release_timeout_s,
                       resident_engines=cfg.cluster.resident_engines and device == "cuda")

@@ -158,10 +158,13 @@ def test_max_shards_above_the_clusters_gpus(tmp_path):
     assert "max_shards=2 x tp=2 needs 4 GPUs but the cluster has 2" in msg
     # an auto cluster's size is not known before Ray: nothing to compare with
     preflight(load_config(config(tmp_path, p_max_shards=64, cluster={"nodes": "auto"})), "auto.yaml")
-    # real GPUs: the embedded engine would hold a shard's two GPUs and compute on one
-    msg = refused(config(tmp_path, device="cuda", p_tp=2))
-    assert "pipelines[0] (p).tp: 2 GPUs per shard, but rlix's embedded engine runs a shard on one GPU" in msg, msg
-    assert "embedded engine" not in refused(config(tmp_path, p_tp=2, p_max_shards=2))  # fake GPUs: scheduled only
+    # real GPUs: a shard splits its model over its tp GPUs, so tp must divide the model's heads
+    preflight(load_config(config(tmp_path, device="cuda", p_tp=2)), "tp2.yaml")  # tiny: 4 heads, 2 KV heads
+    four = {"nodes": 1, "gpus_per_node": 4}
+    msg = refused(config(tmp_path, device="cuda", p_tp=4, cluster=four))
+    assert "pipelines[0] (p).tp: 4 does not divide the model's num_key_value_heads (2)" in msg, msg
+    assert "num_attention_heads" not in msg and "intermediate_size" not in msg, msg
+    preflight(load_config(config(tmp_path, device="cpu", p_tp=4, cluster=four)), "cpu.yaml")  # fake GPUs: scheduled only
 
 
 def test_a_response_that_leaves_no_room_for_the_prompt(tmp_path):

@@ -68,6 +68,13 @@ def test_embedded_shards_on_shared_cores_spin_briefly(tiny_model_dir):
     assert make_backend(cfg.model_copy(update={"device": "cuda"})).env() == {}
 
 
+def test_embedded_shards_split_over_their_gpus_on_cuda(tiny_model_dir):
+    cfg = EngineBackendConfig(model=str(tiny_model_dir), tensor_parallel_size=2)
+    wide = make_backend(cfg.model_copy(update={"device": "cuda"})).command(host="h", port=1)
+    assert wide[wide.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in make_backend(cfg).command(host="h", port=1)  # fake GPUs: scheduled only
+
+
 def test_vllm_command_line(tiny_model_dir):
     cfg = EngineBackendConfig(backend="vllm", model=str(tiny_model_dir), python="/opt/py/bin/python",
                               served_model_name="tiny", max_model_len=512,

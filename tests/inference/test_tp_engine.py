@@ -14,13 +14,16 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlix import env
 from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
+from rlix.httpkit import free_port
 from rlix.procguard import pid_alive
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -198,3 +201,55 @@ def test_the_workers_end_when_rank_0_is_killed(tiny_model_dir):
         if rank0.poll() is None:
             rank0.kill()
             rank0.wait()
+
+
+def _children_of(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir):
+    """`rlix serve --tensor-parallel-size 2`: the same greedy completion as one rank over HTTP;
+    its worker killed by PID turns /health to 503 naming it (the fleet replaces such a shard);
+    the server SIGKILLed leaves no worker behind."""
+    port = free_port()
+    child_env = {k: v for k, v in os.environ.items() if k not in env.TOKEN_VARS}
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "rlix.cli", "serve", "--model", str(tiny_model_dir),
+                             "--served-model-name", "tiny", "--port", str(port), "--max-num-seqs", "4",
+                             "--dtype", "float32", "--tensor-parallel-size", "2"],
+                            env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "rlix serve exited"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "rlix serve did not come up"
+            time.sleep(0.3)
+        body = {"model": "tiny", "prompt": [5, 17, 99, 3], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        got = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        with TorchEngine.from_pretrained(tiny_model_dir, dtype="float32", max_num_seqs=4) as one:
+            want = asyncio.run(_one(one, "x", [5, 17, 99, 3], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                             ignore_eos=True)))[0]
+        assert got.json()["choices"][0]["token_ids"] == want
+        (worker,) = _children_of(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + GONE_S
+        while (health := httpx.get(f"{base}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 with a rank gone"
+            time.sleep(0.2)
+        assert health.status_code == 503 and f"rank 1 (pid {worker})" in health.text
+    finally:
+        workers = _children_of(proc.pid)
+        proc.kill()
+        proc.wait(10)
+    assert _gone(workers), f"workers {workers} outlived the SIGKILLed server"

@@ -424,8 +424,8 @@ class PipelineConfig(_Strict):
     model: PathStr = Field("tiny", description="model preset name or local checkpoint path")
     train_gpus: Int = Field(1, ge=1, le=MAX_GPUS, description="GPUs the trainer needs for one step")
     tp: Int = Field(1, ge=1, le=MAX_GPUS_PER_NODE,
-                    description="GPUs per inference shard (tensor parallel size; engine: vllm on CUDA splits the "
-                                "model across them, rlix's embedded engine runs tp: 1 on CUDA)")
+                    description="GPUs per inference shard (tensor parallel size: on CUDA the shard's engine "
+                                "splits the model across them; fake GPUs only schedule it)")
     min_shards: Int = Field(1, ge=0, le=MAX_GPUS, description="shards kept whenever it has rollout demand")
     max_shards: Int = Field(1, ge=1, le=MAX_GPUS, description="most inference shards it can use (x tp: at most "
                                                               "the cluster's GPUs)")

@@ -90,18 +90,33 @@ def problems(cfg: RlixConfig) -> list[str]:
     if problem:
         found.append(f"vllm_python: {problem} (needed by {', '.join(users)}: engine: vllm)")
     found += _loggers(cfg)
-    if cfg.device == "cuda":  # `auto` is decided against the cluster's GPUs: run.device_plan checks it
-        found += split_by_embedded_engine(cfg)
+    if cfg.device != "cpu":  # where shards run on real GPUs, `tp` splits the model
+        found += [f"pipelines[{i}] ({p.name}).tp: {m}" for i, p in enumerate(cfg.pipelines)
+                  for m in _tensor_parallel(p)]
     return found
 
 
-def split_by_embedded_engine(cfg: RlixConfig) -> list[str]:
-    """Pipelines whose shards would get `tp` real GPUs from the scheduler but compute on one:
-    the embedded engine does not run tensor-parallel processes yet (vLLM does)."""
-    return [f"pipelines[{i}] ({p.name}).tp: {p.tp} GPUs per shard, but rlix's embedded engine runs a shard "
-            "on one GPU (its tensor-parallel engine processes are not built yet): use tp: 1, or engine: "
-            "vllm (--tensor-parallel-size)" for i, p in enumerate(cfg.pipelines)
-            if p.tp > 1 and p.engine == "embedded"]
+def _tensor_parallel(p: PipelineConfig) -> list[str]:
+    """A shard splits its model over `tp` GPUs (on CUDA; fake GPUs only schedule it): every rank
+    must hold the same number of query heads, KV heads and MLP units."""
+    if p.tp == 1:
+        return []
+    if p.model in PRESETS:
+        preset = PRESETS[p.model]
+        counts: dict[str, object] = {"num_attention_heads": preset.num_attention_heads,
+                                     "num_key_value_heads": preset.num_key_value_heads,
+                                     "intermediate_size": preset.intermediate_size}
+    else:
+        try:
+            config = json.loads((Path(p.model).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return []  # no readable config.json: _model says what is wrong
+        heads = config.get("num_attention_heads")
+        counts = {"num_attention_heads": heads, "num_key_value_heads": config.get("num_key_value_heads") or heads,
+                  "intermediate_size": config.get("intermediate_size")}
+    return [f"{p.tp} does not divide the model's {name} ({count}): every GPU of a shard must hold "
+            f"the same number" for name, count in counts.items()
+            if isinstance(count, int) and count % p.tp]
 
 
 def task_problems(task: TaskConfig, where: str) -> list[str]:

@@ -108,6 +108,8 @@ class EmbeddedBackend:
             cmd += ["--record-generations", cfg.record_generations]
         if cfg.capture_graphs:
             cmd += ["--capture-graphs"]
+        if cfg.device == "cuda" and cfg.tensor_parallel_size > 1:  # the shard's GPUs, all visible to it
+            cmd += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
         return cmd + list(cfg.extra_args)
 
     def env(self) -> dict[str, str]:

@@ -347,7 +347,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           served_model_name: str | None = None, dtype: str | None = None,
           max_body: int = MAX_BODY_BYTES, record_generations: str | None = None,
           memory_share: float = 1.0, threads: int | None = None, capture_graphs: bool = False,
-          responses_store: StoreLimits = StoreLimits()) -> None:
+          responses_store: StoreLimits = StoreLimits(), tensor_parallel_size: int = 1) -> None:
     """Load the embedded engine and serve it until interrupted (what `rlix serve` runs).
     `memory_share`: the fraction of the GPU's memory this server may allocate (a slice).
     `threads`: torch CPU threads of the engine (default: torch's). On CPU only the engine's
@@ -356,7 +356,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     engine's forward paid for waking its team.
     `capture_graphs`: on CUDA, every CUDA graph is captured before the server listens (a
     graph otherwise is captured by the first step that needs its shape, on that step's path).
-    `api_key` None: the OpenAI data plane open, the control plane refused (BearerAuth)."""
+    `api_key` None: the OpenAI data plane open, the control plane refused (BearerAuth).
+    `tensor_parallel_size` > 1: the model split over that many devices (runner/tp_group.py)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     cap_process_memory(device, memory_share)
     path = resolve_model(model)
@@ -364,7 +365,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     if device == "cpu":
         torch.set_num_threads(1)
     engine = TorchEngine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, compute_threads=compute_threads)
+                                         max_model_len=max_model_len, compute_threads=compute_threads,
+                                         tensor_parallel_size=tensor_parallel_size)
     if capture_graphs and device == "cuda":
         asyncio.run(engine.capture_graphs())
     app = create_app(engine, engine.tokenizer, served_model_name or model, api_key,
