@@ -183,13 +183,19 @@ def make_group(backend: str, store: dist.Store, rank: int, size: int) -> dist.Pr
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-        probe = torch.ones(1, device="cuda")
+        probe = torch.ones(1, dtype=torch.float32, device="cuda")  # not the default dtype: a
+        # model loading beside this (rank 0 loads its slices meanwhile) may have changed it
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
-        probe = torch.ones(1)
+        probe = torch.ones(1, dtype=torch.float32)
     TensorParallel(rank, size, group).all_reduce(probe)  # NCCL makes its communicator here, not in a graph
-    if int(probe.item()) != size:
-        raise EngineStateError(f"tensor parallel group check: all-reduce gave {probe.item()}, not {size}")
+    seen = probe.item()
+    if seen != size:
+        if probe.is_cuda:
+            torch.cuda.synchronize()
+        raise EngineStateError(f"tensor parallel group check on rank {rank} ({probe.device}, current "
+                               f"{torch.cuda.current_device() if probe.is_cuda else 'cpu'}): all-reduce gave "
+                               f"{seen} ({probe.item()} after a device synchronize), not {size}")
     return group
 
 
