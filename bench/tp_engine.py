@@ -8,7 +8,11 @@ For each engine, one after the other on the same machine:
                     `first_divergence_median` (position of the first differing token, over the
                     outputs that differ: bf16 sums taken in another order can flip a near tie)
   prompt logprobs   every prompt token's logprob from the prefill: `prompt_logprob_max_abs_diff`
-                    between the two engines (bf16 tolerance)
+                    and `_mean_` between the two engines, and the same between the one-GPU engine
+                    and transformers' own forward of the model it serves (`hf_vs_tp1_...`): the
+                    spread two correct bf16 implementations of one model show, the tolerance
+                    the tp engine's spread is read against (`tp_vs_hf_spread`: its mean over
+                    theirs)
   tok_s_c32/_c256   generated tokens per second with at most 32 / 256 requests in flight
                     (prompts 8-64 tokens, 32-128 new tokens, temperature 1), prefill included
 
@@ -51,6 +55,24 @@ async def greedy(engine: TorchEngine, prompts: list[list[int]]) -> tuple[list[li
     return [d[0] for d in done], [d[1] for d in done]
 
 
+@torch.inference_mode()
+def hf_prompt_logprobs(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's logprob (from the second on) by transformers' forward of `model`."""
+    device = next(model.parameters()).device
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def spread(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
+    """(max, mean) absolute difference of two sets of prompt logprobs."""
+    diffs = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return max(diffs), statistics.fmean(diffs)
+
+
 def measure(args: argparse.Namespace, tp: int, vocab_prompts: list[list[int]]) -> dict:
     t = time.perf_counter()
     engine = TorchEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, max_num_seqs=256,
@@ -60,6 +82,8 @@ def measure(args: argparse.Namespace, tp: int, vocab_prompts: list[list[int]]) -
     try:
         tokens, logprobs = asyncio.run(greedy(engine, vocab_prompts))
         figures = {"load_s": round(load_s, 1), "tokens": tokens, "logprobs": logprobs}
+        if tp == 1:
+            figures["hf_logprobs"] = hf_prompt_logprobs(engine.model, vocab_prompts)
         for c in args.concurrency:
             requests = make_requests(3 * c, engine.vocab_size, seed=c)
             figures[f"tok_s_c{c}"] = round(asyncio.run(engine_run(engine, requests, c)), 1)
@@ -85,14 +109,18 @@ def main() -> None:
     one, split = measure(args, 1, prompts), measure(args, args.tp, prompts)
     differ = [next(i for i, (a, b) in enumerate(zip(x, y)) if a != b)
               for x, y in zip(one["tokens"], split["tokens"]) if x != y]
-    diffs = [abs(a - b) for x, y in zip(one["logprobs"], split["logprobs"]) for a, b in zip(x, y)]
+    tp_max, tp_mean = spread(one["logprobs"], split["logprobs"])
+    hf_max, hf_mean = spread(one["logprobs"], one["hf_logprobs"])
     figures = {
         "bench": "tp_engine", "model": args.model, "tp": args.tp, "device": args.device, "dtype": args.dtype,
         "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "greedy_equal": round(1 - len(differ) / len(prompts), 3),
         "first_divergence_median": statistics.median(differ) if differ else None,
-        "prompt_logprob_max_abs_diff": round(max(diffs), 4),
-        "prompt_logprob_mean_abs_diff": round(statistics.fmean(diffs), 5),
+        "prompt_logprob_max_abs_diff": round(tp_max, 4),
+        "prompt_logprob_mean_abs_diff": round(tp_mean, 5),
+        "hf_vs_tp1_logprob_max_abs_diff": round(hf_max, 4),
+        "hf_vs_tp1_logprob_mean_abs_diff": round(hf_mean, 5),
+        "tp_vs_hf_spread": round(tp_mean / hf_mean, 2) if hf_mean else None,
         "load_s_tp1": one["load_s"], f"load_s_tp{args.tp}": split["load_s"],
     }
     for c in args.concurrency:
