@@ -20,9 +20,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlix import env
+from rlix.devices import DeviceMemory
 from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.runner.tp_runner import tightest
 from rlix.httpkit import free_port
 from rlix.procguard import pid_alive
 
@@ -182,6 +184,7 @@ def _children() -> list[int]:
 _RANK0 = """
 import sys, time
 from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.runner.tp_runner import tightest
 engine = TorchEngine.from_pretrained(sys.argv[1], dtype="float32", max_num_seqs=2, tensor_parallel_size=2)
 print(*engine._runner.group.pids, flush=True)
 time.sleep(600)
@@ -253,3 +256,23 @@ def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir
         proc.kill()
         proc.wait(10)
     assert _gone(workers), f"workers {workers} outlived the SIGKILLed server"
+
+
+def test_the_tightest_gpu_of_a_group_is_the_one_reported():
+    gib = 2**30
+    reports = [DeviceMemory("cuda:0", 1 * gib, 0, 60 * gib, 80 * gib, 0.0),
+               DeviceMemory("cuda:1", 9 * gib, 0, 12 * gib, 80 * gib, 0.0),
+               DeviceMemory("cuda:2", 2 * gib, 0, 70 * gib, 80 * gib, 0.0)]
+    assert tightest(reports).device == "cuda:1"
+
+
+def test_the_memory_a_sleep_reports_is_measured_on_every_rank(pair):
+    """The hand-off check reads one report: the tightest GPU of the group (on the CPU each rank
+    reports its host device, no device memory)."""
+    report = pair.device_memory()
+    assert report.device == "cpu" and report.device_free is None
+    (worker,) = pair._runner.group.pids
+    os.kill(worker, signal.SIGKILL)
+    assert _gone([worker])
+    with pytest.raises(EngineStateError, match="rank 1"):  # no rank, no measurement: never a stale one
+        pair.device_memory()

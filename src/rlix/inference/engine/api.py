@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from rlix.devices import DeviceMemory
     from rlix.weights.wire import Layout
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -163,6 +164,8 @@ class EngineAPI(Protocol):
     def is_sleeping(self) -> bool: ...
 
     def failure(self) -> str | None: ...
+
+    def device_memory(self) -> DeviceMemory: ...
 
     def num_running(self) -> int: ...
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from rlix.devices import DeviceMemory
 from rlix.errors import ConfigError, EngineStateError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import GenerationOutput, PauseMode, SamplingParams
 from rlix.inference.engine.constrained import GrammarCompiler, RowGrammar, grammar_after
@@ -282,6 +283,11 @@ class TorchEngine:
 
     def is_paused(self) -> bool:
         return self._core.pause_mode is not None
+
+    def device_memory(self) -> DeviceMemory:
+        """The engine's device memory, measured now: on a tensor-parallel engine the GPU of its
+        group with the least free (what a hand-off must wait for)."""
+        return self._runner.measure_memory()
 
     def failure(self) -> str | None:
         """Why this engine cannot serve any more (one of its tensor-parallel ranks is gone: the

@@ -32,7 +32,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load
 
-from rlix.devices import measure
 from rlix.errors import InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.api import EngineAPI
 from rlix.inference.engine.core import SLEEP_TAGS
@@ -104,7 +103,7 @@ class ControlPlane:
         return {"status": "sleeping", "level": level, "memory": {**self.memory(), **report}}
 
     def memory(self) -> dict:
-        return measure(self.engine.device).as_dict()
+        return self.engine.device_memory().as_dict()
 
     async def wake_up(self, tags: list[str] | None) -> dict:
         """`tags` (the query's): some of weights and kv_cache, checked before anything wakes."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from rlix.devices import DeviceMemory, measure
 from rlix.errors import ConfigError, InvalidRequestError, WeightUpdateError
 from rlix.inference.engine.runner import vmm
 from rlix.inference.engine.runner.cuda_graphs import (PREFILL_GROUP_TOKENS, DecodeGraphs, DecodeLaunch, PrefillGraphs,
@@ -380,6 +381,10 @@ class ModelRunner:
             if self.tp.rank == 0:
                 out[name] = bucket_checksum(full.contiguous().reshape(-1).view(torch.uint8))
         return out
+
+    def measure_memory(self) -> DeviceMemory:
+        """This runner's device memory, measured (the hand-off check of a sleep)."""
+        return measure(self.device)
 
     def failure(self) -> str | None:
         """Why this runner cannot go on (a tensor-parallel rank gone), None while it can."""

@@ -19,6 +19,7 @@ themselves when a peer's connection drops).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import pickle
@@ -77,6 +78,7 @@ class Op(Enum):
     ABANDON_UPDATE = "abandon_update"
     COMMIT_UPDATE = "commit_update"
     CHECKSUMS = "checksums"
+    MEASURE = "measure"
     EXIT = "exit"
 
 
@@ -289,12 +291,14 @@ class RankGroup:
         self._check()
         message = Call(op, args, reply)
         with self._lock:
-            for proc in self._procs:
+            for rank, proc in enumerate(self._procs, start=1):
                 assert proc.stdin is not None
                 try:
                     write_message(proc.stdin, message)
                 except (BrokenPipeError, OSError):
-                    self.failure = self.failure or f"tensor parallel rank {self._procs.index(proc) + 1} is gone"
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(EXIT_GRACE_S)  # its pipe closed: it is exiting, its code names why
+                    self.failure = self.poll() or f"tensor parallel rank {rank} (pid {proc.pid}) is gone"
                     raise EngineStateError(self.failure) from None
             if not reply:
                 return []

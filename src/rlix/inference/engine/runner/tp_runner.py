@@ -17,11 +17,18 @@ from contextlib import contextmanager
 
 import torch
 
+from rlix.devices import DeviceMemory
 from rlix.errors import EngineStateError, WeightUpdateError
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.tp_group import Op, RankGroup, SharedTensors
 from rlix.inference.engine.weights import WeightStaging
+
+
+def tightest(reports: list[DeviceMemory]) -> DeviceMemory:
+    """The report of the device with the least memory free (the first on CPUs, where none is
+    measured)."""
+    return min(reports, key=lambda r: r.device_free if r.device_free is not None else 0)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -34,6 +41,11 @@ class TensorParallelRunner(ModelRunner):
 
     def failure(self) -> str | None:
         return self.group.poll()
+
+    def measure_memory(self) -> DeviceMemory:
+        """The tightest of the group's GPUs (least free): a sleep has released the shard's GPUs
+        only when every one of them has room again."""
+        return tightest([super().measure_memory(), *self.group.call(Op.MEASURE, reply=True)])
 
     @contextmanager
     def _collective(self) -> Iterator[None]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rlix.devices import DeviceMemory
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import ModelRunner
 from rlix.inference.engine.runner.tensor_parallel import TensorParallel
@@ -59,6 +60,7 @@ class Worker:
             Op.ABANDON_UPDATE: self._abandon,
             Op.COMMIT_UPDATE: self._commit,
             Op.CHECKSUMS: runner.weight_checksums,
+            Op.MEASURE: runner.measure_memory,
         }
 
     def _prefill(self, prompts: list[list[int]], first_row: int, every: frozenset[int],
@@ -112,7 +114,8 @@ class Worker:
                 write_message(stdout, Reply(False, error=f"{call.op.value}: {type(exc).__name__}: {exc}"))
                 continue
             if call.reply:
-                write_message(stdout, Reply(True, value if isinstance(value, (bool, int, float, type(None))) else None))
+                write_message(stdout, Reply(True, value if isinstance(value, (bool, int, float, DeviceMemory))
+                                            else None))
 
 
 def _exit_with_parent(parent: int) -> None:
