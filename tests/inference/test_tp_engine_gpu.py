@@ -66,3 +66,42 @@ def test_two_gpus_decode_through_graphs_what_one_does(tiny_model_dir):
         first, after = asyncio.run(main())
         assert two.sleep_report()["graph_captures"] > 0  # decode ran through CUDA graphs
     assert first == want and after == want
+
+
+async def _prompt_logprobs(engine: TorchEngine) -> list[list[float]]:
+    async def one(i: int, prompt: list[int]) -> list[float]:
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        async for out in engine.generate(f"p{i}", prompt, params):
+            last = out
+        return [v for v in last.prompt_logprobs if v is not None]
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+
+@torch.inference_mode()
+def _hf_prompt_logprobs(model: torch.nn.Module) -> list[list[float]]:
+    out = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt], device="cuda")
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def _mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    gaps = [abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)]
+    return sum(gaps) / len(gaps)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_in_bf16_stay_within_the_spread_of_two_correct_forwards():
+    """In bf16 a split model cannot give one GPU's bits; its prompt logprobs must lie no further
+    from one GPU's than transformers' own forward of the same weights does (float32 partial
+    sums: fused_model.wide_partials)."""
+    with TorchEngine.from_pretrained("qwen2-0.5b-shape", device="cuda", dtype="bfloat16", max_num_seqs=4) as one:
+        want = asyncio.run(_prompt_logprobs(one))
+        spread = _mean_gap(want, _hf_prompt_logprobs(one.model))
+    with TorchEngine.from_pretrained("qwen2-0.5b-shape", device="cuda", dtype="bfloat16", max_num_seqs=4,
+                                     tensor_parallel_size=2) as two:
+        assert two._runner.fused.wide_partials
+        got = asyncio.run(_prompt_logprobs(two))
+    assert _mean_gap(want, got) <= spread, (_mean_gap(want, got), spread)

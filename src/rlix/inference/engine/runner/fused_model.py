@@ -35,8 +35,10 @@ all-reduce: the sum then carries it exactly once, and no rank spends a separate 
 Embeddings, norms and the LM head are replicated, so every rank computes the same full logits.
 At size 1 nothing of this runs (the projections are the plain matmuls). The Triton decode
 kernels fuse the residual add into their norm, with no place for the reduce, so tp > 1 refuses
-them (NotImplementedError); the CUDA graphs are not built over a tp > 1 decoder yet (the model
-runner makes single-rank decoders only).
+them (NotImplementedError); the CUDA graphs capture the all-reduces (NCCL) with the rest. In
+bf16 / fp16 on CUDA the partial sums are float32 through the all-reduce (`wide_partials`): each
+rank rounding its half before the sum gave prompt logprobs 0.05 apart from one rank's at the
+7.6B shape (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -190,6 +192,16 @@ def _mm_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return torch.addmm(residual, x, weight.t())
 
 
+def _mm_widens(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch multiplies `dtype` matrices into float32 on `device` (mm's out_dtype:
+    cuBLAS, torch >= 2.8)."""
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 class _Layer:
     """One layer's tensors, fused where the matmuls can share a launch."""
 
@@ -253,6 +265,11 @@ class FusedDecoder:
         #: o_proj / down_proj with the residual added: the plain matmul, or its partial sums
         #: all-reduced over the tp group
         self._project = self._matmul if self.tp.size == 1 else self._reduced_matmul
+        #: tp > 1 on CUDA in bf16 / fp16: partial sums reduced in float32 (cuBLAS's float32
+        #: output of half-precision inputs), so a split model rounds where one rank does
+        self.wide_partials = (self.tp.size > 1 and weights.device.type == "cuda"
+                              and self.head.weight.dtype in (torch.bfloat16, torch.float16)
+                              and _mm_widens(weights.device, self.head.weight.dtype))
         attn = self.decoder.layers[0].self_attn
         self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
         self.layers: list[_Layer] = []
@@ -357,7 +374,14 @@ class FusedDecoder:
                         residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight.T over the tp group: x and weight are this rank's heads' (or
         intermediate units') columns, their product a partial sum; rank 0 alone adds the
-        residual (in its matmul), then one all-reduce sums the parts on every rank."""
+        residual (in its matmul), then one all-reduce sums the parts on every rank. With
+        `wide_partials` the parts stay in float32 through the sum and are rounded once, as one
+        rank's matmul rounds its float32 accumulation once."""
+        if self.wide_partials:
+            part = torch.mm(x, weight.t(), out_dtype=torch.float32)
+            if self.tp.rank == 0:
+                part += residual
+            return self.tp.all_reduce(part).to(x.dtype)
         part = self._matmul(x, weight, packed, residual=residual if self.tp.rank == 0 else None)
         return self.tp.all_reduce(part)
 
