@@ -4,45 +4,20 @@ control plane refused; with one both need it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 from importlib.metadata import version
 
 import httpx
 
-from rlix import env
 from rlix.inference.server.app import create_app
+from serve_kit import start_serve, stop_serve
 
 COMPLETION = {"model": "tiny", "prompt": "abc", "max_tokens": 2, "temperature": 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rlix_serve_without_a_key_serves_the_openai_api_and_refuses_the_control_plane(tiny_model_dir):
-    port = _free_port()
-    child_env = {k: v for k, v in os.environ.items() if k not in env.TOKEN_VARS}
-    proc = subprocess.Popen([sys.executable, "-m", "rlix.cli", "serve", "--model", str(tiny_model_dir),
-                             "--served-model-name", "tiny", "--port", str(port), "--max-num-seqs", "2"],
-                            env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_serve("--model", str(tiny_model_dir), "--served-model-name", "tiny", "--max-num-seqs", "2",
+                             keep_stderr=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "rlix serve did not come up"
-            time.sleep(0.3)
         done = httpx.post(f"{base}/v1/completions", json=COMPLETION, timeout=60)
         assert done.status_code == 200 and done.json()["choices"][0]["text"] is not None, done.text
         assert httpx.post(f"{base}/tokenize", json={"model": "tiny", "prompt": "abc"}, timeout=10).status_code == 200
@@ -50,12 +25,7 @@ def test_rlix_serve_without_a_key_serves_the_openai_api_and_refuses_the_control_
             assert httpx.post(f"{base}{path}", timeout=10).status_code == 401, path
             assert httpx.post(f"{base}{path}", headers={"Authorization": "Bearer guess"}, timeout=10).status_code == 401
     finally:
-        proc.terminate()
-        try:
-            _, err = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        err = stop_serve(proc)
     assert "the OpenAI API is open" in err and "control plane (pause, sleep, weights) is refused" in err, err
 
 

@@ -19,14 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlix import env
 from rlix.devices import DeviceMemory
 from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.engine.runner.tp_runner import tightest
-from rlix.httpkit import free_port
 from rlix.procguard import pid_alive
+from serve_kit import start_serve
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 250, 42, 8], [11, 2, 300], [45, 46, 47, 48, 49], [7, 7, 7, 7, 7, 7, 7, 7, 7]]
@@ -218,24 +217,9 @@ def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir
     """`rlix serve --tensor-parallel-size 2`: the same greedy completion as one rank over HTTP;
     its worker killed by PID turns /health to 503 naming it (the fleet replaces such a shard);
     the server SIGKILLed leaves no worker behind."""
-    port = free_port()
-    child_env = {k: v for k, v in os.environ.items() if k not in env.TOKEN_VARS}
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "rlix.cli", "serve", "--model", str(tiny_model_dir),
-                             "--served-model-name", "tiny", "--port", str(port), "--max-num-seqs", "4",
-                             "--dtype", "float32", "--tensor-parallel-size", "2"],
-                            env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, base = start_serve("--model", str(tiny_model_dir), "--served-model-name", "tiny", "--max-num-seqs", "4",
+                             "--dtype", "float32", "--tensor-parallel-size", "2")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, "rlix serve exited"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "rlix serve did not come up"
-            time.sleep(0.3)
         body = {"model": "tiny", "prompt": [5, 17, 99, 3], "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         got = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
@@ -253,7 +237,7 @@ def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir
         assert health.status_code == 503 and f"rank 1 (pid {worker})" in health.text
     finally:
         workers = _children_of(proc.pid)
-        proc.kill()
+        proc.kill()  # SIGKILL by its PID: nothing of it may end its workers but their own watch
         proc.wait(10)
     assert _gone(workers), f"workers {workers} outlived the SIGKILLed server"
 

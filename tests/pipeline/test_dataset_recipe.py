@@ -10,11 +10,9 @@ rewards, the eval metrics and the RL metrics are in metrics.jsonl and TensorBoar
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,10 +20,9 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlix import env
-from rlix.httpkit import free_port
 from rlix.inference.server.generation_log import read_generations
 from rlix.run import run
+from serve_kit import start_serve, stop_serve
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math_dataset"
 RL_METRICS = ("response_len_mean", "response_len_max", "response_truncated_frac", "entropy", "clip_fraction",
@@ -132,29 +129,10 @@ def test_the_dataset_recipe_runs_evaluates_checkpoints_and_serves(tmp_path, tiny
     assert "pass@1" in done.stdout and 0.0 <= scored["pass@1"] <= 1.0 and scored["prompts"] == 4, done.stdout
 
     # and `rlix serve` serves it
-    port = free_port()
-    child_env = {k: v for k, v in os.environ.items() if k not in env.TOKEN_VARS}
-    proc = subprocess.Popen([sys.executable, "-m", "rlix.cli", "serve", "--model", str(final), "--port", str(port),
-                             "--served-model-name", "math", "--max-num-seqs", "2"],
-                            env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc, base = start_serve("--model", str(final), "--served-model-name", "math", "--max-num-seqs", "2")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "rlix serve did not come up"
-            time.sleep(0.3)
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
+        answer = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
             "model": "math", "max_tokens": 4, "messages": [{"role": "user", "content": rows[0]["question"]}]})
         assert answer.status_code == 200, answer.text
     finally:
-        proc.terminate()  # by its own PID
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc)
