@@ -16,6 +16,7 @@ reported as first_sync_s). Every figure is the median of --reps repetitions. wak
 are the same two steps as separate calls (/wake_up, then a one-call sync), for a breakdown.
 
     python bench/gpu_wake_sync.py [--model qwen2-1.5b-shape] [--reps 7]
+    python bench/gpu_wake_sync.py --model qwen2.5-7b-shape   # issue 37's wake_sync_8b_vs_h2d
 Ends by printing one JSON line of headline figures.
 """
 
@@ -36,6 +37,7 @@ from safetensors.torch import load_file
 
 from rlix.inference.fleet.backends import EmbeddedBackend, EngineBackendConfig
 from rlix.inference.fleet.shard_process import ShardProcess
+from rlix.models.init import is_seeded, load_causal_lm
 from rlix.models.presets import resolve_model
 from rlix.weights.cache import BucketCache
 from rlix.weights.api import ShardTarget
@@ -93,13 +95,22 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def trainer_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights a trainer would publish, on the GPU: the checkpoint's tensors, or for a seeded
+    preset (the 7B and 14B shapes: no files) the drawn model's parameters, tied ones once."""
+    if not is_seeded(model_dir):
+        return load_file(str(model_dir / "model.safetensors"), device="cuda")
+    model = load_causal_lm(model_dir, None, "cuda")
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
 def measure(args: argparse.Namespace, bench: benchkit.Bench) -> dict:
     """The whole bench; apart from main so that the progress bar is closed before the JSON."""
     bench.phase(f"building {args.model}")
     t0 = time.perf_counter()
     model_dir = resolve_model(args.model)  # builds the preset once (bf16 on disk)
     log(f"model {model_dir} ready in {time.perf_counter() - t0:.1f}s")
-    state = load_file(str(model_dir / "model.safetensors"), device="cuda")  # the trainer's weights
+    state = trainer_weights(model_dir)
     dtypes = sorted({str(t.dtype) for t in state.values()})
 
     bench.phase("packing the cache, starting the shard")
