@@ -260,3 +260,18 @@ def test_the_memory_a_sleep_reports_is_measured_on_every_rank(pair):
     assert _gone([worker])
     with pytest.raises(EngineStateError, match="rank 1"):  # no rank, no measurement: never a stale one
         pair.device_memory()
+
+
+def test_a_next_turn_reuses_the_kept_rows_on_every_rank(single, pair):
+    """The prefix cache with two ranks: each keeps its heads of a finished row, and the next
+    turn (the conversation so far and more) starts from them on both, as on one rank."""
+    first = [(7 * i + 3) % 300 for i in range(24)]
+
+    async def turns(engine: TorchEngine, tag: str) -> tuple[list[int], list[int]]:
+        (answer,) = await _one(engine, f"{tag}1", first, GREEDY)
+        (second,) = await _one(engine, f"{tag}2", first + answer + [11, 12, 13], GREEDY)
+        return answer, second
+
+    before_single, before_pair = single.prefix_hit_tokens, pair.prefix_hit_tokens
+    assert asyncio.run(turns(pair, "p")) == asyncio.run(turns(single, "s"))
+    assert pair.prefix_hit_tokens - before_pair == single.prefix_hit_tokens - before_single > 0

@@ -89,7 +89,7 @@ class EngineCore:
         self.prefill_tokens = 0  # prompt tokens run through prefill forwards (shared ones once)
         #: finished rows' keys and values, for prompts that start with their tokens (a multi-turn
         #: episode's next turn); where the prefill can start mid-prompt (the fused decoder)
-        self.prefixes = (PrefixCache(prefix_cache_bytes)
+        self.prefixes = (PrefixCache(prefix_cache_bytes, on_drop=runner.forget_rows)
                          if prefix_cache_bytes > 0 and runner.reuses_prefixes else None)
         self.forked_rows = 0  # samples that copied another's prefill instead of running their own
         self.forked_prompt_tokens = 0  # the prompt tokens of those samples (copied, not computed)
@@ -394,13 +394,11 @@ class EngineCore:
         (None without a prefix cache). A prompt whose logprobs are asked for is run whole."""
         if self.prefixes is None:
             return None
-        kv = self.runner.cache.kv
-        assert kv is not None
         offsets = []
         for i, seq in enumerate(group):
             hit = None if i in every else self.prefixes.match(seq.prompt_token_ids, self.weight_version)
             if hit is not None:
-                kv[:, :, first_row + i, :, : hit.length].copy_(hit.entry.kv[..., : hit.length, :])
+                self.runner.load_rows(hit.entry.kv, first_row + i, hit.length)  # type: ignore[arg-type]
                 seq.cached_prompt_tokens = hit.length
             offsets.append(hit.length if hit is not None else 0)
         return offsets
@@ -408,8 +406,7 @@ class EngineCore:
     def _keep_prefixes(self, rows: list[int]) -> None:
         """Copy these finished rows' keys and values into the prefix cache (those computed by
         the weights now served only: a row refitted mid-request holds older keys)."""
-        kv = self.runner.cache.kv
-        if self.prefixes is None or kv is None:
+        if self.prefixes is None or self.runner.cache.kv is None:
             return
         for row in rows:
             seq = self.running[row]
@@ -417,7 +414,7 @@ class EngineCore:
                     v == self.weight_version for _, v in seq.weight_versions):
                 n = seq.cached_len
                 tokens = [*seq.prompt_token_ids, *seq.output_ids][:n]
-                self.prefixes.put(tokens, kv[:, :, row, :, :n].clone(), self.weight_version)
+                self.prefixes.put(tokens, self.runner.keep_rows(row, n), self.weight_version)
 
     def _decode(self) -> None:
         running = self.running

@@ -13,15 +13,16 @@ prompt, capped so that at least one prompt token is still run (its logits give t
 sampled token). Entries of another weight version never match; the engine also clears the store
 when weights change or the cache sleeps. A new entry replaces those whose tokens it extends
 (the same keys, and more); the least recently used go first when the byte budget is exceeded.
-Pure bookkeeping: the engine core copies rows in and out.
+Pure bookkeeping: the model runner copies rows in and out (`KeptRows`, every rank of a
+tensor-parallel engine its own slice), and is told of every entry dropped (`on_drop`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import Protocol
 
 #: the engine's default budget for kept keys and values (on the engine's device; a sleep frees it)
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -31,15 +32,22 @@ KEY_TOKENS = 8
 MIN_HIT_TOKENS = 16
 
 
+class Kept(Protocol):
+    """What an entry keeps: its keys and values as the runner copied them out."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 @dataclass
 class PrefixEntry:
     tokens: tuple[int, ...]  # the tokens whose keys and values `kv` holds, in order
-    kv: torch.Tensor  # [layers, 2, kv_heads, len(tokens), head_dim]
+    kv: Kept  # [layers, 2, kv_heads, len(tokens), head_dim] (runner.KeptRows)
     version: int
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.nbytes
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,11 @@ def shared_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]
 class PrefixCache:
     """Entries by their first KEY_TOKENS tokens, least recently used first, within `budget_bytes`."""
 
-    def __init__(self, budget_bytes: int, min_hit_tokens: int = MIN_HIT_TOKENS) -> None:
+    def __init__(self, budget_bytes: int, min_hit_tokens: int = MIN_HIT_TOKENS,
+                 on_drop: Callable[[Kept], None] | None = None) -> None:
         self.budget_bytes = budget_bytes
+        #: told of each entry's keys and values as the entry goes (the runner forgets them)
+        self.on_drop = on_drop
         self.min_hit_tokens = max(1, min_hit_tokens)
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # by id(entry), LRU order
         self._by_key: dict[tuple[int, ...], list[PrefixEntry]] = {}
@@ -76,6 +87,9 @@ class PrefixCache:
         return len(self._entries)
 
     def clear(self) -> None:
+        if self.on_drop is not None:
+            for entry in self._entries.values():
+                self.on_drop(entry.kv)
         self._entries.clear()
         self._by_key.clear()
         self.nbytes = 0
@@ -98,13 +112,13 @@ class PrefixCache:
             self.hit_tokens += best.length
         return best
 
-    def put(self, tokens: list[int], kv: torch.Tensor, version: int) -> None:
+    def put(self, tokens: list[int], kv: Kept, version: int) -> None:
         """Keep `kv` (already a copy) for `tokens`; entries it extends go, then the oldest while
-        over budget. An entry larger than the whole budget is not kept."""
-        if len(tokens) < self.min_hit_tokens or self.budget_bytes <= 0:
-            return
+        over budget. An entry larger than the whole budget is not kept (dropped at once)."""
         entry = PrefixEntry(tuple(tokens), kv, version)
-        if entry.nbytes > self.budget_bytes:
+        if len(tokens) < self.min_hit_tokens or self.budget_bytes <= 0 or entry.nbytes > self.budget_bytes:
+            if self.on_drop is not None:
+                self.on_drop(kv)
             return
         key = entry.tokens[:KEY_TOKENS]
         for old in [e for e in self._by_key.get(key, ()) if e.version != version or
@@ -119,6 +133,8 @@ class PrefixCache:
     def _drop(self, entry: PrefixEntry) -> None:
         if self._entries.pop(id(entry), None) is None:
             return
+        if self.on_drop is not None:
+            self.on_drop(entry.kv)
         self.nbytes -= entry.nbytes
         key = entry.tokens[:KEY_TOKENS]
         bucket = self._by_key.get(key, [])

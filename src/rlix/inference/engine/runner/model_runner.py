@@ -10,6 +10,7 @@ only full attention is supported, and the LM head runs on just the rows sampled 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +60,19 @@ def _own_host_weights(model: torch.nn.Module) -> None:
             seen.add(id(param))
             param.data = param.data.clone()
     release_memory(torch.device("cpu"))
+
+
+@dataclass(frozen=True, eq=False)
+class KeptRows:
+    """Keys and values copied out of a row: [layers, 2, kv_heads, positions, head_dim] of this
+    rank's KV heads. `key` names the copy the other ranks of a group keep of their heads."""
+
+    key: int
+    kv: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
 
 
 class ModelRunner:
@@ -136,7 +150,8 @@ class ModelRunner:
         #: a prefill can start mid-prompt over keys already in the row (the prefix cache): the
         #: fused decoder's packed prefill, eager where prefills are otherwise padded graphs; on
         #: one rank (the prefix cache copies rows of this rank's cache only)
-        self.reuses_prefixes = self.fused is not None and self.tp.size == 1
+        self.reuses_prefixes = self.fused is not None
+        self._kept_count = 0  # keys handed to KeptRows (the same on every rank of a group)
 
     def capture_graphs(self) -> None:
         """Capture the decode and common prefill CUDA graphs now instead of at first use (a
@@ -315,6 +330,23 @@ class ModelRunner:
 
     def move_rows(self, srcs: list[int], dsts: list[int], length: int) -> None:
         self.cache.move_rows(srcs, dsts, length)
+
+    # -- rows kept for later prompts (the prefix cache) -----------------------------------
+    def keep_rows(self, row: int, length: int, key: int | None = None) -> KeptRows:
+        """A copy of row `row`'s first `length` positions of keys and values."""
+        assert self.cache.kv is not None
+        if key is None:
+            self._kept_count += 1
+            key = self._kept_count
+        return KeptRows(key, self.cache.kv[:, :, row, :, :length].clone())
+
+    def load_rows(self, kept: KeptRows, row: int, length: int) -> None:
+        """Kept keys and values (their first `length` positions) into row `row`."""
+        assert self.cache.kv is not None
+        self.cache.kv[:, :, row, :, :length].copy_(kept.kv[..., :length, :])
+
+    def forget_rows(self, kept: KeptRows) -> None:
+        """`kept` is no longer needed (its copy goes with the last reference to it)."""
 
     # -- sleep and wake ------------------------------------------------------------------
     def free_for_sleep(self, level: int) -> bool:

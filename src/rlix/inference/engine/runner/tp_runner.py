@@ -20,7 +20,7 @@ import torch
 from rlix.devices import DeviceMemory
 from rlix.errors import EngineStateError, WeightUpdateError
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
-from rlix.inference.engine.runner.model_runner import ModelRunner
+from rlix.inference.engine.runner.model_runner import KeptRows, ModelRunner
 from rlix.inference.engine.runner.tp_group import Op, RankGroup, SharedTensors
 from rlix.inference.engine.weights import WeightStaging
 
@@ -102,6 +102,19 @@ class TensorParallelRunner(ModelRunner):
     def move_rows(self, srcs: list[int], dsts: list[int], length: int) -> None:
         self.group.call(Op.MOVE_ROWS, srcs, dsts, length)
         super().move_rows(srcs, dsts, length)
+
+    # -- rows kept for later prompts -------------------------------------------------------
+    def keep_rows(self, row: int, length: int, key: int | None = None) -> KeptRows:
+        kept = super().keep_rows(row, length, key)
+        self.group.call(Op.KEEP_ROWS, row, length, kept.key)
+        return kept
+
+    def load_rows(self, kept: KeptRows, row: int, length: int) -> None:
+        self.group.call(Op.LOAD_ROWS, kept.key, row, length)
+        super().load_rows(kept, row, length)
+
+    def forget_rows(self, kept: KeptRows) -> None:
+        self.group.call(Op.FORGET_ROWS, kept.key)
 
     # -- sleep and wake --------------------------------------------------------------------
     def free_for_sleep(self, level: int) -> bool:

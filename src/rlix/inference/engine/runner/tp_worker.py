@@ -25,7 +25,7 @@ import torch
 
 from rlix.devices import DeviceMemory
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
-from rlix.inference.engine.runner.model_runner import ModelRunner
+from rlix.inference.engine.runner.model_runner import KeptRows, ModelRunner
 from rlix.inference.engine.runner.tensor_parallel import TensorParallel
 from rlix.inference.engine.runner.tp_group import (Call, Op, RankSpec, Reply, SharedTensors, join_group, load_rank,
                                                    read_message, write_message)
@@ -43,6 +43,7 @@ class Worker:
         self.runner = runner
         self.last: DecodeLaunch | None = None
         self.staging: WeightStaging | None = None
+        self.kept: dict[int, KeptRows] = {}  # this rank's copies of the rows rank 0's prefix cache keeps
         self.handlers: dict[Op, Callable[..., Any]] = {
             Op.PREFILL: self._prefill,
             Op.LAUNCH: self._launch,
@@ -52,6 +53,9 @@ class Worker:
             Op.ENSURE_CAPACITY: runner.ensure_capacity,
             Op.COPY_ROWS: runner.copy_rows,
             Op.MOVE_ROWS: runner.move_rows,
+            Op.KEEP_ROWS: self._keep_rows,
+            Op.LOAD_ROWS: self._load_rows,
+            Op.FORGET_ROWS: self._forget_rows,
             Op.FREE_FOR_SLEEP: runner.free_for_sleep,
             Op.RELEASE_MEMORY: runner.release_memory,
             Op.WAKE: runner.wake,
@@ -73,6 +77,15 @@ class Worker:
         if chained and after is None:
             raise RuntimeError("a chained decode step arrived with no step before it")
         self.last = self.runner.launch_plain(tokens, positions, uniforms, temperatures, after)
+
+    def _keep_rows(self, row: int, length: int, key: int) -> None:
+        self.kept[key] = self.runner.keep_rows(row, length, key)
+
+    def _load_rows(self, key: int, row: int, length: int) -> None:
+        self.runner.load_rows(self.kept[key], row, length)
+
+    def _forget_rows(self, key: int) -> None:
+        self.kept.pop(key, None)
 
     def _decode(self, tokens: list[int], positions: list[int]) -> None:
         self.runner.decode(tokens, positions)
