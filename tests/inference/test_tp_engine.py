@@ -8,6 +8,7 @@ when a rank is killed; every rank's process ends with the engine, or with rank 0
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from rlix.devices import DeviceMemory
 from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.runner.tp_group import Reply, read_message
 from rlix.inference.engine.runner.tp_runner import tightest
 from rlix.procguard import pid_alive
 from serve_kit import start_serve
@@ -183,6 +185,7 @@ def _children() -> list[int]:
 _RANK0 = """
 import sys, time
 from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.runner.tp_group import Reply, read_message
 from rlix.inference.engine.runner.tp_runner import tightest
 engine = TorchEngine.from_pretrained(sys.argv[1], dtype="float32", max_num_seqs=2, tensor_parallel_size=2)
 print(*engine._runner.group.pids, flush=True)
@@ -275,3 +278,21 @@ def test_a_next_turn_reuses_the_kept_rows_on_every_rank(single, pair):
     before_single, before_pair = single.prefix_hit_tokens, pair.prefix_hit_tokens
     assert asyncio.run(turns(pair, "p")) == asyncio.run(turns(single, "s"))
     assert pair.prefix_hit_tokens - before_pair == single.prefix_hit_tokens - before_single > 0
+
+
+_NOISY = """
+import os
+from rlix.inference.engine.runner import tp_worker
+from rlix.inference.engine.runner.tp_group import Reply, write_message
+replies = tp_worker._replies_only()
+os.write(1, b"NCCL version 2.28.9+cuda13.0\\n")  # as a C library writes to file descriptor 1
+print("a print")
+write_message(replies, Reply(True, 5))
+"""
+
+
+def test_what_a_worker_writes_to_stdout_never_lands_among_its_replies():
+    done = subprocess.run([sys.executable, "-c", _NOISY], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    assert read_message(io.BytesIO(done.stdout)) == Reply(True, 5)
+    assert b"NCCL version" in done.stderr and b"a print" in done.stderr

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -131,6 +131,17 @@ class Worker:
                                             else None))
 
 
+def _replies_only() -> BinaryIO:
+    """The pipe rank 0 reads replies from, kept on a descriptor of its own; file descriptor 1
+    then points at stderr, so that nothing else (a print, a C library's banner: NCCL writes its
+    version there) lands among the replies."""
+    sys.stdout.flush()
+    replies = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return open(replies, "wb")  # noqa: SIM115 - the process's own, open until it exits
+
+
 def _exit_with_parent(parent: int) -> None:
     """End this process when rank 0's is gone (re-parented), whatever it is blocked in."""
     def watch() -> None:
@@ -143,8 +154,7 @@ def _exit_with_parent(parent: int) -> None:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _exit_with_parent(os.getppid())
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but replies on the pipe rank 0 reads
+    stdin, stdout = sys.stdin.buffer, _replies_only()
     spec = read_message(stdin)
     if not isinstance(spec, RankSpec):
         return 2
