@@ -27,6 +27,10 @@ from rlix.inference.engine.engine import TorchEngine
 from rlix.inference.engine.runner.tp_group import Reply, read_message
 from rlix.inference.engine.runner.tp_runner import tightest
 from rlix.procguard import pid_alive
+from rlix.weights import BucketCache, WeightSync
+from rlix.weights.buckets import tensor_checksums
+from rlix.weights.http_endpoint import http_endpoints
+from kit import AUTH, KEY, shard_processes
 from serve_kit import start_serve
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -296,3 +300,43 @@ def test_what_a_worker_writes_to_stdout_never_lands_among_its_replies():
     assert done.returncode == 0, done.stderr.decode()
     assert read_message(io.BytesIO(done.stdout)) == Reply(True, 5)
     assert b"NCCL version" in done.stderr and b"a print" in done.stderr
+
+
+def test_a_split_shard_server_syncs_and_passes_the_audit(tiny_model_dir):
+    """A shard server running the engine over two ranks (`--tensor-parallel-size 2`, here on the
+    CPU) beside a one-rank server: a version synced from the trainer's cache over shared memory,
+    bucket by bucket, reaches both ranks (the same greedy tokens as the one-rank server, the
+    audit's checksums equal to the trainer's); after a level-2 sleep a one-call wake and sync
+    reloads every rank."""
+    state = load_file(str(tiny_model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    new = {n: (t + 0.05 * torch.randn(t.shape, generator=gen).to(t.dtype)).contiguous() for n, t in state.items()}
+    want = tensor_checksums(new)
+
+    async def greedy(http: httpx.AsyncClient, url: str) -> list[int]:
+        r = await http.post(f"{url}/inference/v1/generate", json={
+            "token_ids": PROMPTS[0], "sampling_params": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}})
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+
+    with shard_processes(tiny_model_dir, 1) as (one,), \
+            shard_processes(tiny_model_dir, 1, extra_args=("--tensor-parallel-size", "2")) as (two,):
+        urls = {0: one.url, 1: two.url}
+
+        async def main() -> None:
+            async with httpx.AsyncClient(timeout=60, headers=AUTH) as http:
+                assert await greedy(http, urls[0]) == await greedy(http, urls[1])
+                with BucketCache.for_model(new, bucket_bytes=32 << 10) as cache:
+                    cache.build_latest(1, new)
+                    await WeightSync(cache, http_endpoints(urls, KEY), "shm", one_call=False).sync(1, [0, 1])
+                    synced = [await greedy(http, urls[r]) for r in (0, 1)]
+                    sums = [(await http.get(f"{urls[r]}/weight_checksums")).json()["checksums"] for r in (0, 1)]
+                    assert sums[1] == sums[0] and {n: want[n] for n in sums[1]} == sums[1]  # every tensor, whole
+                    assert synced[1] == synced[0]
+                    (await http.post(f"{urls[1]}/sleep", params={"level": 2})).raise_for_status()
+                    cache.build_latest(2, new)
+                    await WeightSync(cache, http_endpoints({1: urls[1]}, KEY), "shm").sync(2, [1], wake=[1])
+                    assert await greedy(http, urls[1]) == synced[0]
+                    assert (await http.get(f"{urls[1]}/weight_checksums")).json()["checksums"] == sums[0]
+
+        asyncio.run(main())
