@@ -26,11 +26,12 @@ from rlix.httpkit import free_port
 from rlix.inference.engine.runner.fused_model import FusedDecoder
 from rlix.inference.engine.runner.kv_cache import SlotKVCache
 from rlix.inference.engine.runner.model_runner import load_model
+from rlix.inference.engine.runner.tp_group import load_rank
 from rlix.inference.engine.runner.tensor_parallel import (ShardPlan, Split, TensorParallel, shard_model,
                                                           shard_state_dict, shard_tensor, sharded_spec,
                                                           split_of)
 from rlix.inference.engine.weights import ParamSpec, ServedWeights
-from rlix.models.presets import resolve_model
+from rlix.models.presets import PRESETS, Preset, build_preset
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 17, 99, 3, 250, 42, 8, 61, 7], [11, 2, 300], [45, 46, 47, 48, 49]]
@@ -147,6 +148,33 @@ def test_shard_model_keeps_only_the_slices(tiny_model_dir):
         assert torch.equal(param.data, expected), name
         if split_of(name) is not None:  # memory of its own: the full tensor can go
             assert param.data.untyped_storage().nbytes() == param.data.nbytes, name
+
+
+@pytest.fixture(scope="module")
+def seeded_dir(tmp_path_factory):
+    """A seeded preset of tiny's shape (no weight files: drawn where loaded)."""
+    shape = PRESETS["tiny"]
+    seeded = Preset(shape.hidden_size, shape.num_hidden_layers, shape.num_attention_heads,
+                    shape.num_key_value_heads, shape.intermediate_size, initializer_range=0.1,
+                    dtype="bfloat16", weights="seeded")
+    return build_preset("tiny-seeded", tmp_path_factory.mktemp("models") / "tiny-seeded", preset=seeded)
+
+
+@pytest.mark.parametrize("which", ["files", "seeded"])
+def test_a_rank_reads_only_its_slices_and_gets_the_whole_models_cut(tiny_model_dir, seeded_dir, which):
+    """load_rank (slices read from the checkpoint, or drawn) equals loading the whole model and
+    cutting it, on both ranks, tied embeddings one tensor."""
+    path = tiny_model_dir if which == "files" else seeded_dir
+    for rank in range(2):
+        whole, _ = load_model(path, CPU, torch.float32)
+        shard_model(whole, ShardPlan.for_rank(whole.config, rank, 2))
+        sliced = load_rank(path, CPU, torch.float32, rank, 2)
+        got, want = dict(sliced.named_parameters()), dict(whole.named_parameters())
+        assert got.keys() == want.keys()
+        for name, param in want.items():
+            assert torch.equal(got[name], param), (which, rank, name)
+        assert sliced.get_output_embeddings().weight is sliced.get_input_embeddings().weight
+        assert torch.equal(sliced.model.rotary_emb.inv_freq, whole.model.rotary_emb.inv_freq)
 
 
 # -- two ranks ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlix.errors import TrainingError, WeightCacheError, one_line
-from rlix.models.init import is_seeded, seeded_rows
+from rlix.models.slices import host_buffers, row_reader
 from rlix.training.offload import StateTensor, optimizer_tensors
 from rlix.training.trainer import PolicyTrainer, weights_for_sync
 from rlix.training.types import GroupSpec, TrainSample
@@ -64,44 +63,6 @@ from rlix.weights.transport.pinning import PinnedRange, page_lock_tensor
 from rlix.weights.wire import Layout, ShmMapper
 
 MASTER_DTYPE = torch.float32
-
-
-def _row_reader(folder: Path) -> Callable[[str, int, int], torch.Tensor]:
-    """`read(name, lo, hi)`: rows [lo, hi) of parameter `name` on the host, in the dtype stored:
-    drawn for a seeded preset (models/init.py), else sliced out of the checkpoint's safetensors
-    files (only those rows are read)."""
-    if is_seeded(folder):
-        return lambda name, lo, hi: seeded_rows(folder, name, lo, hi)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        files = {n: f for f in sorted(folder.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()}
-    if not files:
-        raise TrainingError(f"{folder}: a sharded trainer reads safetensors checkpoints (or seeded presets); "
-                            "no *.safetensors file there")
-
-    def read(name: str, lo: int, hi: int) -> torch.Tensor:
-        if name not in files:
-            raise TrainingError(f"{folder}: the checkpoint has no tensor {name!r}")
-        with safe_open(str(files[name]), "pt") as f:
-            return f.get_slice(name)[lo:hi]
-    return read
-
-
-def _buffers(skeleton: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The skeleton's buffers with real values: the rotary embedding's frequencies, computed by a
-    copy of that module built on the host (the only buffers of the decoders supported here)."""
-    decoder = skeleton.get_decoder()
-    rotary = decoder.rotary_emb
-    with torch.device("cpu"):
-        real = type(rotary)(config=skeleton.config)
-    prefix = next(n for n, m in skeleton.named_modules() if m is rotary)
-    out = {f"{prefix}.{n}": b.detach().clone() for n, b in real.named_buffers()}
-    missing = [n for n, _ in skeleton.named_buffers() if n not in out]
-    if missing:
-        raise TrainingError(f"{type(skeleton).__name__}: no values for buffers {missing[:4]} of a sharded model")
-    return out
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -135,7 +96,7 @@ class ShardedPolicyTrainer(PolicyTrainer):
         self.compute_dtype = dtype or stored
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config, dtype=MASTER_DTYPE)
-        rows = _row_reader(self.model_path)
+        rows = row_reader(self.model_path)
         self.rows: dict[str, tuple[int, int]] = {}
         self.full_shapes: dict[str, tuple[int, ...]] = {}
         self.shards: dict[str, torch.Tensor] = {}
@@ -150,7 +111,7 @@ class ShardedPolicyTrainer(PolicyTrainer):
             if self.kl_coef > 0:  # the reference: the same rows, frozen, in the compute dtype (a tensor
                 # of its own: in float32 `.to` would return `part`, the policy's shard itself)
                 self.ref_shards[name] = part.to(start, copy=True)
-        self.buffers = {n: b.to(start) for n, b in _buffers(skeleton).items()}
+        self.buffers = {n: b.to(start) for n, b in host_buffers(skeleton).items()}
         # what a version is made of: names, full shapes and dtypes as shards are synced to
         self.sync_specs = {n: (tuple(t.shape), t.dtype) for n, t in weights_for_sync(skeleton, self.sync_dtype).items()}
         skeleton.train()

@@ -38,10 +38,11 @@ from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlix.errors import ConfigError, EngineStateError
-from rlix.inference.engine.runner.model_runner import load_model
-from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel, shard_model
+from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel
+from rlix.models.slices import row_reader
 from rlix.tcp_store import join_store, serve_store
 from rlix.weights.wire import ShmSegment
 
@@ -343,11 +344,42 @@ class RankGroup:
 
 def load_rank(path: Path, device: torch.device, dtype: torch.dtype | None, rank: int,
               size: int) -> torch.nn.Module:
-    """The model with rank `rank`'s slices only, on `device`: loaded on the host, cut, moved
-    (no rank's device ever holds the whole model)."""
-    model, _ = load_model(path, torch.device("cpu"), dtype)
-    shard_model(model, ShardPlan.for_rank(model.config, rank, size))
-    return model.to(device)
+    """The model with rank `rank`'s slices only, on `device`, read a slice at a time
+    (models/slices.py: a column split reads only its rows, a row split its tensor's rows one
+    tensor at a time): no process holds the whole model, on the host or on a device."""
+    config = AutoConfig.from_pretrained(path)
+    stored = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or stored, attn_implementation="sdpa")
+    plan = ShardPlan.for_rank(config, rank, size)
+    read = row_reader(path)
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    first: dict[int, tuple[torch.nn.Parameter, str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attr))
+            first.setdefault(id(param), (param, f"{prefix}.{attr}" if prefix else attr))
+    with torch.no_grad():
+        for key, (param, name) in first.items():
+            cut = plan.cut(name, tuple(param.shape))
+            if cut is not None and cut[0] == 0:  # this rank's rows
+                host = read(name, cut[1], cut[1] + cut[2])
+            else:
+                host = read(name, 0, param.shape[0])
+                if cut is not None:  # a row split: this rank's columns
+                    host = host.narrow(1, cut[1], cut[2])
+            real = torch.nn.Parameter(host.to(param.dtype).to(device).contiguous(), requires_grad=False)
+            for owner, attr in owners[key]:  # tied: every owner gets the one tensor
+                setattr(owner, attr, real)
+    decoder = model.get_decoder()
+    with torch.device("cpu"):  # computed as a model built on the host computes it, then moved
+        decoder.rotary_emb = type(decoder.rotary_emb)(config=model.config).to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ConfigError(f"{path}: no values for {', '.join(left[:4])} when read in slices")
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
 
 
 def join_group(spec: RankSpec) -> dist.ProcessGroup:
