@@ -24,6 +24,7 @@ from rlix.devices import DeviceMemory
 from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.runner import tp_group
 from rlix.inference.engine.runner.tp_group import Reply, read_message
 from rlix.inference.engine.runner.tp_runner import tightest
 from rlix.procguard import pid_alive
@@ -189,6 +190,7 @@ def _children() -> list[int]:
 _RANK0 = """
 import sys, time
 from rlix.inference.engine.engine import TorchEngine
+from rlix.inference.engine.runner import tp_group
 from rlix.inference.engine.runner.tp_group import Reply, read_message
 from rlix.inference.engine.runner.tp_runner import tightest
 engine = TorchEngine.from_pretrained(sys.argv[1], dtype="float32", max_num_seqs=2, tensor_parallel_size=2)
@@ -340,3 +342,16 @@ def test_a_split_shard_server_syncs_and_passes_the_audit(tiny_model_dir):
                     assert (await http.get(f"{urls[1]}/weight_checksums")).json()["checksums"] == sums[0]
 
         asyncio.run(main())
+
+
+def test_a_rank_that_never_joins_fails_the_start_naming_it(tiny_model_dir, monkeypatch):
+    """A worker that dies before the group forms (here: a module that exits at once) fails the
+    engine's start within the join timeout, with its exit code; nothing is left running."""
+    monkeypatch.setattr(tp_group, "JOIN_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(tp_group, "WORKER_MODULE", "rlix.no_such_module")
+    before = set(_children())
+    started = time.monotonic()
+    with pytest.raises(EngineStateError, match=r"tensor parallel rank 1 \(pid \d+\) exited with code 1"):
+        TorchEngine.from_pretrained(tiny_model_dir, dtype="float32", max_num_seqs=2, tensor_parallel_size=2)
+    assert time.monotonic() - started < 30
+    assert set(_children()) == before

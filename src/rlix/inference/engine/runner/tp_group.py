@@ -48,9 +48,11 @@ from rlix.weights.wire import ShmSegment
 
 log = logging.getLogger(__name__)
 
-#: how long rank 0 waits for its workers to load their slices and join the group (seeded 14B
-#: shapes draw their weights on the host first)
-START_TIMEOUT_S = 900.0
+#: how long the ranks wait for each other to form the group: a worker joins first thing (before
+#: it loads its slices), so a rank missing after this is a rank that failed to start
+JOIN_TIMEOUT_S = 120.0
+#: the module a worker runs (`python -m`)
+WORKER_MODULE = "rlix.inference.engine.runner.tp_worker"
 #: a collective that waits longer fails the group (a peer hung or gone)
 COLLECTIVE_TIMEOUT_S = 600.0
 #: how long a worker has to exit after Op.EXIT before it is killed
@@ -182,26 +184,27 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
 
 def make_group(backend: str, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     """The group's collectives, made from the store alone (not torch.distributed's default
-    group), and checked with one all-reduce."""
+    group) and checked with one all-reduce, waiting JOIN_TIMEOUT_S for the other ranks at most
+    (a DistStoreError, a RuntimeError, after that); its collectives then wait
+    COLLECTIVE_TIMEOUT_S."""
     prefixed = dist.PrefixStore("rlix-tp/", store)
-    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    joining, working = timedelta(seconds=JOIN_TIMEOUT_S), timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        options._timeout = working  # its rendezvous is the probe's, through the store (JOIN_TIMEOUT_S)
         group: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         probe = torch.ones(1, dtype=torch.float32, device="cuda")  # not the default dtype: a
         # model loading beside this (rank 0 loads its slices meanwhile) may have changed it
     else:
-        group = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        group = dist.ProcessGroupGloo(prefixed, rank, size, joining)  # connects to every rank here
         probe = torch.ones(1, dtype=torch.float32)
     TensorParallel(rank, size, group).all_reduce(probe)  # NCCL makes its communicator here, not in a graph
+    if backend != "nccl":
+        group._set_default_timeout(working)
     seen = probe.item()
     if seen != size:
-        if probe.is_cuda:
-            torch.cuda.synchronize()
-        raise EngineStateError(f"tensor parallel group check on rank {rank} ({probe.device}, current "
-                               f"{torch.cuda.current_device() if probe.is_cuda else 'cpu'}): all-reduce gave "
-                               f"{seen} ({probe.item()} after a device synchronize), not {size}")
+        raise EngineStateError(f"tensor parallel group check on rank {rank} ({probe.device}): all-reduce gave "
+                               f"{seen}, not {size}")
     return group
 
 
@@ -238,20 +241,24 @@ class RankGroup:
         self._lock = threading.Lock()  # one writer at a time on the pipes (staging runs off-thread)
         self._closing = False
         self._procs: list[subprocess.Popen[bytes]] = []
-        self._store = serve_store("127.0.0.1", 0, size, START_TIMEOUT_S, wait_for_workers=False)
+        self._store = serve_store("127.0.0.1", 0, size, JOIN_TIMEOUT_S, wait_for_workers=False)
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
         try:
             for rank in range(1, size):
                 spec = RankSpec(rank, size, str(self.devices[rank]), model_path, dtype_name,
                                 self._store.port, options, self.backend)
-                proc = subprocess.Popen([sys.executable, "-m", "rlix.inference.engine.runner.tp_worker"],
+                proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 self._procs.append(proc)
                 assert proc.stdin is not None
                 write_message(proc.stdin, spec)
             if self.backend == "nccl":
                 torch.cuda.set_device(self.devices[0])
-            self.group = make_group(self.backend, self._store, 0, size)
+            try:
+                self.group = make_group(self.backend, self._store, 0, size)
+            except RuntimeError as exc:  # a rank never joined: say which, and why if it exited
+                raise EngineStateError(self.poll() or f"the tensor parallel group did not form within "
+                                       f"{JOIN_TIMEOUT_S:g} s: {exc}") from None
             self._watcher = threading.Thread(target=self._watch, name="rlix-tp-watch", daemon=True)
             self._watcher.start()
             for rank in range(1, size):
@@ -384,7 +391,7 @@ def load_rank(path: Path, device: torch.device, dtype: torch.dtype | None, rank:
 
 def join_group(spec: RankSpec) -> dist.ProcessGroup:
     """A worker's side of make_group."""
-    store = join_store("127.0.0.1", spec.store_port, spec.size, START_TIMEOUT_S)
+    store = join_store("127.0.0.1", spec.store_port, spec.size, JOIN_TIMEOUT_S)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.device))
     return make_group(spec.backend, store, spec.rank, spec.size)
