@@ -8,12 +8,14 @@ when a rank is killed; every rank's process ends with the engine, or with rank 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -79,13 +81,29 @@ def single(tiny_model_dir):
     engine.close()
 
 
-@pytest.fixture()
-def pair(tiny_model_dir):
-    engine = _engine(tiny_model_dir, 2)
+@contextlib.contextmanager
+def _two_ranks(path) -> Iterator[TorchEngine]:
+    engine = _engine(path, 2)
     pids = engine._runner.group.pids
-    yield engine
-    engine.close()
+    try:
+        yield engine
+    finally:
+        engine.close()
     assert _gone(pids), f"tensor parallel workers {pids} outlived the engine"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    """Two ranks shared by the tests that leave them serving the checkpoint's weights."""
+    with _two_ranks(tiny_model_dir) as engine:
+        yield engine
+
+
+@pytest.fixture()
+def doomed(tiny_model_dir):
+    """Two ranks of a test's own (it kills one)."""
+    with _two_ranks(tiny_model_dir) as engine:
+        yield engine
 
 
 def _changed(path) -> dict[str, torch.Tensor]:
@@ -151,27 +169,28 @@ def test_a_refused_update_leaves_every_rank_serving_the_old_weights(pair, tiny_m
             await pair.finish_weight_update()
         return base, sums, await _batch(pair, "a"), await pair.weight_checksums()
 
+    version = pair.weight_version
     base, sums, after, sums_after = asyncio.run(main())
-    assert after == base and sums_after == sums and pair.weight_version == 0
+    assert after == base and sums_after == sums and pair.weight_version == version
 
 
 def test_the_specs_are_the_whole_model(single, pair):
     assert pair.weight_specs() == single.weight_specs()
 
 
-def test_a_killed_rank_fails_the_engine_instead_of_hanging(pair):
-    (worker,) = pair._runner.group.pids
+def test_a_killed_rank_fails_the_engine_instead_of_hanging(doomed):
+    (worker,) = doomed._runner.group.pids
     os.kill(worker, signal.SIGKILL)
     assert _gone([worker])
 
     async def main():
         started = time.monotonic()
         with pytest.raises(EngineStateError, match=rf"rank 1 \(pid {worker}\)"):
-            await asyncio.wait_for(_batch(pair), 60)
+            await asyncio.wait_for(_batch(doomed), 60)
         return time.monotonic() - started
 
     assert asyncio.run(main()) < 30
-    assert f"rank 1 (pid {worker})" in (pair.failure() or "")  # the server's /health answers 503
+    assert f"rank 1 (pid {worker})" in (doomed.failure() or "")  # the server's /health answers 503
 
 
 @pytest.mark.parametrize("size, named", [(3, "num_attention_heads"), (4, "num_key_value_heads")])
@@ -259,16 +278,16 @@ def test_the_tightest_gpu_of_a_group_is_the_one_reported():
     assert tightest(reports).device == "cuda:1"
 
 
-def test_the_memory_a_sleep_reports_is_measured_on_every_rank(pair):
+def test_the_memory_a_sleep_reports_is_measured_on_every_rank(doomed):
     """The hand-off check reads one report: the tightest GPU of the group (on the CPU each rank
     reports its host device, no device memory)."""
-    report = pair.device_memory()
+    report = doomed.device_memory()
     assert report.device == "cpu" and report.device_free is None
-    (worker,) = pair._runner.group.pids
+    (worker,) = doomed._runner.group.pids
     os.kill(worker, signal.SIGKILL)
     assert _gone([worker])
     with pytest.raises(EngineStateError, match="rank 1"):  # no rank, no measurement: never a stale one
-        pair.device_memory()
+        doomed.device_memory()
 
 
 def test_a_next_turn_reuses_the_kept_rows_on_every_rank(single, pair):
