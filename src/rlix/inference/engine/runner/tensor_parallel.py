@@ -149,7 +149,7 @@ class ShardPlan:
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        return cls(rank, size, heads, kv_heads, head_dim, int(config.intermediate_size))
+        return cls(rank, size, heads, kv_heads, head_dim, int(getattr(config, "intermediate_size", 0) or 0))
 
     @property
     def local_heads(self) -> int:
