@@ -34,8 +34,9 @@ on rank 0 only, inside its matmul (the fused add of the single-rank path), befor
 all-reduce: the sum then carries it exactly once, and no rank spends a separate pass on it.
 Embeddings, norms and the LM head are replicated, so every rank computes the same full logits.
 At size 1 nothing of this runs (the projections are the plain matmuls). The Triton decode
-kernels fuse the residual add into their norm, with no place for the reduce, so tp > 1 refuses
-them (NotImplementedError); the CUDA graphs capture the all-reduces (NCCL) with the rest. In
+kernels fuse the residual add into the next norm: there the partial sums are all-reduced before
+it (every rank then adds the same sum to the same residual stream); the CUDA graphs capture the
+all-reduces (NCCL) with the rest. In
 bf16 / fp16 on CUDA the partial sums are float32 through the all-reduce (`wide_partials`): each
 rank rounding its half before the sum gave prompt logprobs 0.05 apart from one rank's at the
 7.6B shape (docs/BENCHMARKS.md).
@@ -241,11 +242,8 @@ class FusedDecoder:
                  kernels: bool | None = None, tp: TensorParallel | None = None) -> None:
         config = model.config
         self.tp = tp if tp is not None else TensorParallel.single()
-        if self.tp.size > 1 and kernels:
-            raise NotImplementedError("the Triton decode kernels do not run tensor parallel")
         #: decode through triton_ops (CUDA with Triton by default); else torch ops
-        self.kernels = (triton_ops.available(weights.device) and self.tp.size == 1
-                        if kernels is None else kernels)
+        self.kernels = triton_ops.available(weights.device) if kernels is None else kernels
         self.model = model
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
@@ -468,8 +466,6 @@ class FusedDecoder:
     # -- the decode step through triton_ops: x is the residual stream (updated in place), h the
     # -- normalised input of the next half
     def kernel_start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.tp.size > 1:
-            raise NotImplementedError("the Triton decode kernels do not run tensor parallel")
         x = F.embedding(ids, self.decoder.embed_tokens.weight)
         first = self.layers[0]
         return x, triton_ops.add_rms_norm(x, None, first.ln1, first.eps1)
@@ -484,17 +480,27 @@ class FusedDecoder:
         q = triton_ops.rope_kv_write(qkv, pos, self._cos, self._sin, keys, values,
                                      self.num_heads, self.num_kv_heads, self.head_dim)
         attn = triton_ops.decode_attention(q, keys, values, pos, self.scale)
-        return triton_ops.add_rms_norm(x, torch.mm(attn, layer.o_w.t()), layer.ln2, layer.eps2)
+        return triton_ops.add_rms_norm(x, self._kernel_projection(attn, layer.o_w), layer.ln2, layer.eps2)
 
     def kernel_mlp(self, i: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Layer i's MLP half; returns the next layer's (or the final) normalised input."""
         layer = self.layers[i]
-        down = torch.mm(triton_ops.silu_mul(torch.mm(h, layer.gate_up_w.t())), layer.down_w.t())
+        down = self._kernel_projection(triton_ops.silu_mul(torch.mm(h, layer.gate_up_w.t())), layer.down_w)
         if i + 1 < len(self.layers):
             nxt = self.layers[i + 1]
             return triton_ops.add_rms_norm(x, down, nxt.ln1, nxt.eps1)
         norm = self.decoder.norm
         return triton_ops.add_rms_norm(x, down, norm.weight, _eps(norm))
+
+    def _kernel_projection(self, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """a @ weight.T for the kernels' residual add (add_rms_norm adds it in float32): split
+        over a group, this rank's partial sum all-reduced (in float32 with `wide_partials`)
+        before the add, which every rank then makes alike on the same residual stream."""
+        if self.tp.size == 1:
+            return torch.mm(a, weight.t())
+        if self.wide_partials:
+            return self.tp.all_reduce(torch.mm(a, weight.t(), out_dtype=torch.float32))
+        return self.tp.all_reduce(torch.mm(a, weight.t()))
 
     def prefill_packed(self, ids: torch.Tensor, lengths: list[int], first_row: int,
                        offsets: list[int] | None = None) -> torch.Tensor:
