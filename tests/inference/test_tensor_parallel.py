@@ -1,4 +1,4 @@
-"""Tensor parallelism of the fused decoder (tensor_parallel.py): each rank's slices put back
+"""Tensor parallelism of the fused decoder (tp/plan.py): each rank's slices put back
 together are the full weights, bad splits are refused by name, and two ranks over gloo give the
 single-rank decoder's logits through prefill, decode and a weight update.
 
@@ -26,8 +26,8 @@ from rlix.httpkit import free_port
 from rlix.inference.engine.runner.fused_model import FusedDecoder
 from rlix.inference.engine.runner.kv_cache import SlotKVCache
 from rlix.inference.engine.runner.model_runner import load_model
-from rlix.inference.engine.runner.tp_group import load_rank
-from rlix.inference.engine.runner.tensor_parallel import (ShardPlan, Split, TensorParallel, shard_model,
+from rlix.inference.engine.runner.tp.group import load_rank
+from rlix.inference.engine.runner.tp.plan import (ShardPlan, Split, TensorParallel, shard_model,
                                                           shard_state_dict, shard_tensor, sharded_spec,
                                                           split_of)
 from rlix.inference.engine.weights import ParamSpec, ServedWeights

@@ -1,4 +1,4 @@
-"""The embedded engine split over two ranks (runner/tp_group.py, tp_runner.py, tp_worker.py): on
+"""The embedded engine split over two ranks (runner/tp/): on
 the CPU its second rank is a process over gloo. It generates what the one-rank engine generates
 (concurrent rows that finish and move, forked samples, host-sampled rows), sleeps and wakes on
 every rank, takes in-place and full (level-2) weight updates on every rank, refuses a bad one on
@@ -26,9 +26,9 @@ from rlix.devices import DeviceMemory
 from rlix.errors import ConfigError, EngineStateError, WeightUpdateError
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.runner import tp_group
-from rlix.inference.engine.runner.tp_group import Reply, read_message
-from rlix.inference.engine.runner.tp_runner import tightest
+from rlix.inference.engine.runner.tp import group as tp_group
+from rlix.inference.engine.runner.tp.group import Reply, read_message
+from rlix.inference.engine.runner.tp.runner import tightest
 from rlix.procguard import pid_alive
 from rlix.weights import BucketCache, WeightSync
 from rlix.weights.buckets import tensor_checksums
@@ -209,9 +209,6 @@ def _children() -> list[int]:
 _RANK0 = """
 import sys, time
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.runner import tp_group
-from rlix.inference.engine.runner.tp_group import Reply, read_message
-from rlix.inference.engine.runner.tp_runner import tightest
 engine = TorchEngine.from_pretrained(sys.argv[1], dtype="float32", max_num_seqs=2, tensor_parallel_size=2)
 print(*engine._runner.group.pids, flush=True)
 time.sleep(600)
@@ -307,8 +304,8 @@ def test_a_next_turn_reuses_the_kept_rows_on_every_rank(single, pair):
 
 _NOISY = """
 import os
-from rlix.inference.engine.runner import tp_worker
-from rlix.inference.engine.runner.tp_group import Reply, write_message
+from rlix.inference.engine.runner.tp import worker as tp_worker
+from rlix.inference.engine.runner.tp.group import Reply, write_message
 replies = tp_worker._replies_only()
 os.write(1, b"NCCL version 2.28.9+cuda13.0\\n")  # as a C library writes to file descriptor 1
 print("a print")

@@ -12,8 +12,8 @@ import torch
 
 from rlix.inference.engine.api import SamplingParams
 from rlix.inference.engine.engine import TorchEngine
-from rlix.inference.engine.runner.tensor_parallel import TensorParallel
-from rlix.inference.engine.runner.tp_group import make_group
+from rlix.inference.engine.runner.tp.plan import TensorParallel
+from rlix.inference.engine.runner.tp.group import make_group
 from rlix.tcp_store import serve_store
 
 pytestmark = pytest.mark.gpu

@@ -30,9 +30,9 @@ from rlix.inference.engine.constrained import GrammarCompiler, RowGrammar, gramm
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
-from rlix.inference.engine.runner.tensor_parallel import ShardPlan
-from rlix.inference.engine.runner.tp_group import RankGroup, RunnerOptions, load_rank
-from rlix.inference.engine.runner.tp_runner import TensorParallelRunner
+from rlix.inference.engine.runner.tp.plan import ShardPlan
+from rlix.inference.engine.runner.tp.group import RankGroup, RunnerOptions, load_rank
+from rlix.inference.engine.runner.tp.runner import TensorParallelRunner
 from rlix.inference.engine.prefix_cache import DEFAULT_BUDGET_BYTES
 from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
 from rlix.inference.engine.runner.profile import StepProfile
@@ -150,7 +150,7 @@ class TorchEngine:
     @classmethod
     def _tensor_parallel(cls, folder: Path, device: torch.device, dtype: torch.dtype | None, size: int,
                          max_num_seqs: int, max_model_len: int | None, **kwargs: Any) -> TorchEngine:
-        """Rank 0's slices loaded while the workers load theirs (runner/tp_group.py)."""
+        """Rank 0's slices loaded while the workers load theirs (runner/tp/group.py)."""
         config = AutoConfig.from_pretrained(folder)
         ShardPlan.for_rank(config, 0, size)  # a size that does not divide the model fails here
         limit = int(getattr(config, "max_position_embeddings", 0) or 0) or None

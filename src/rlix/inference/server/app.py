@@ -357,7 +357,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     `capture_graphs`: on CUDA, every CUDA graph is captured before the server listens (a
     graph otherwise is captured by the first step that needs its shape, on that step's path).
     `api_key` None: the OpenAI data plane open, the control plane refused (BearerAuth).
-    `tensor_parallel_size` > 1: the model split over that many devices (runner/tp_group.py)."""
+    `tensor_parallel_size` > 1: the model split over that many devices (runner/tp/group.py)."""
     favour_control_latency()  # the HTTP loop answers control calls beside the engine thread
     cap_process_memory(device, memory_share)
     path = resolve_model(model)

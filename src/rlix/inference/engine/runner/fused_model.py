@@ -26,7 +26,7 @@ memory. Supported: Qwen2 / Llama / Mistral-style
 layers (q/k/v/o and gate/up/down projections, RMSNorm, SiLU, rotary without dynamic rescaling);
 `unsupported_reason` says why another model falls back to transformers' modules.
 
-Tensor parallelism (`tp`, tensor_parallel.py): each of `tp.size` ranks holds its slice of the
+Tensor parallelism (`tp`, tp/plan.py): each of `tp.size` ranks holds its slice of the
 q/k/v, gate/up (column-parallel) and o/down (row-parallel) weights (`shard_model`) and a KV
 cache of its own KV heads; attention runs on the rank's heads, and the o_proj and down_proj
 outputs are partial sums, all-reduced before the residual stream goes on. The residual is added
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from rlix.errors import ConfigError
 from rlix.inference.engine.runner import cpu_kernels, triton_ops
 from rlix.inference.engine.runner.kv_cache import SlotKVCache
-from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel
+from rlix.inference.engine.runner.tp.plan import ShardPlan, TensorParallel
 from rlix.inference.engine.weights import ServedWeights
 
 _DYNAMIC_ROPE = ("dynamic", "longrope")
@@ -290,7 +290,7 @@ class FusedDecoder:
         if q_rows != self.num_heads * self.head_dim:
             raise ConfigError(f"tensor parallel rank {self.tp.rank} of {self.tp.size}: q_proj has "
                               f"{q_rows} rows, this rank's slice has {self.num_heads * self.head_dim} "
-                              f"(shard the model first: tensor_parallel.shard_model)")
+                              f"(shard the model first: tp.plan.shard_model)")
         if cache.num_kv_heads != self.num_kv_heads:
             raise ConfigError(f"tensor parallel rank {self.tp.rank} of {self.tp.size}: the KV cache "
                               f"holds {cache.num_kv_heads} KV heads, this rank serves {self.num_kv_heads}")

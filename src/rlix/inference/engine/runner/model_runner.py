@@ -25,7 +25,7 @@ from rlix.inference.engine.runner.fused_model import FusedDecoder, unsupported_r
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY, SlotKVCache
 from rlix.inference.engine.runner.memory import release_memory
 from rlix.inference.engine.runner.profile import StepProfile
-from rlix.inference.engine.runner.tensor_parallel import (ShardPlan, TensorParallel, gather_full, shard_state_dict,
+from rlix.inference.engine.runner.tp.plan import (ShardPlan, TensorParallel, gather_full, shard_state_dict,
                                                           unsharded_shape)
 from rlix.inference.engine.sampling import RowSampling, Sampled, plain_inputs, sample, sample_plain
 from rlix.inference.engine.weights import ServedWeights, WeightStaging
@@ -85,9 +85,9 @@ class ModelRunner:
     KV cache and the reload stores of the weights keep their device addresses across a sleep,
     so the graphs survive it (`graphs_survive_sleep`) instead of being captured again.
     `tp` (size > 1): this runner is one rank of a tensor-parallel group; `model` already holds
-    this rank's slices (tensor_parallel.shard_model), the fused decoder joins the group's
+    this rank's slices (tp.plan.shard_model), the fused decoder joins the group's
     all-reduces, and the KV cache holds this rank's KV heads. Every rank must then make the same
-    calls in the same order: rank 0's runner (tp_runner.py) sends each to the others.
+    calls in the same order: rank 0's runner (tp/runner.py) sends each to the others.
 
     Everything that changes device state goes through this class's verbs (the forwards, the KV
     cache's rows, sleep, wake, a weight update's staging and commit), never through its parts:

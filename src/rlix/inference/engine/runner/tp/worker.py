@@ -1,5 +1,5 @@
-"""`python -m rlix.inference.engine.runner.tp_worker`: one worker rank of a tensor-parallel
-engine (tp_group.py). It reads its RankSpec from stdin, joins the group, loads the model and
+"""`python -m rlix.inference.engine.runner.tp.worker`: one worker rank of a tensor-parallel
+engine (tp/group.py). It reads its RankSpec from stdin, joins the group, loads the model and
 keeps its slices, builds a ModelRunner over them and answers "ready"; then it makes every call
 rank 0 sends, in order, until Op.EXIT, the end of stdin, or rank 0's process is gone.
 
@@ -7,7 +7,7 @@ A worker computes what rank 0 computes but samples nothing: its forwards' logits
 (rank 0 samples from the same logits), and a decode step chained on the step before
 (`launch_plain` with `after`) reads this rank's own picks of that step, which equal rank 0's (the
 same logits, the same draws). A call that fails is answered with the error when rank 0 waits for
-an answer; a forward that fails ends the worker (rank 0 then fails the group: tp_group.py).
+an answer; a forward that fails ends the worker (rank 0 then fails the group: tp/group.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 from rlix.devices import DeviceMemory
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import KeptRows, ModelRunner
-from rlix.inference.engine.runner.tensor_parallel import TensorParallel
-from rlix.inference.engine.runner.tp_group import (Call, Op, RankSpec, Reply, SharedTensors, join_group, load_rank,
+from rlix.inference.engine.runner.tp.plan import TensorParallel
+from rlix.inference.engine.runner.tp.group import (Call, Op, RankSpec, Reply, SharedTensors, join_group, load_rank,
                                                    read_message, write_message)
 from rlix.inference.engine.weights import WeightStaging
 

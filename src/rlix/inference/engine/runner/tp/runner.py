@@ -1,5 +1,5 @@
 """Rank 0 of a tensor-parallel engine: a ModelRunner over its own slices that sends each call
-changing device state to the other ranks (tp_group.py) before making it itself.
+changing device state to the other ranks (tp/group.py) before making it itself.
 
 Forwards (prefill, decode, graph capture) are sent without waiting: the workers make them while
 rank 0 does, and the all-reduces inside keep the ranks in step. Calls without a collective wait
@@ -21,7 +21,7 @@ from rlix.devices import DeviceMemory
 from rlix.errors import EngineStateError, WeightUpdateError
 from rlix.inference.engine.runner.cuda_graphs import DecodeLaunch
 from rlix.inference.engine.runner.model_runner import KeptRows, ModelRunner
-from rlix.inference.engine.runner.tp_group import Op, RankGroup, SharedTensors
+from rlix.inference.engine.runner.tp.group import Op, RankGroup, SharedTensors
 from rlix.inference.engine.weights import WeightStaging
 
 

@@ -2,8 +2,8 @@
 `size - 1` workers it starts, one per further device.
 
 Rank 0 runs the whole engine (scheduling, sampling, the server); a worker runs only a model
-runner over its slices (tp_worker.py) and makes, in the same order, every call rank 0's runner
-makes (tp_runner.py), so that the forwards meet in the same all-reduces. Calls travel as pickled
+runner over its slices (tp/worker.py) and makes, in the same order, every call rank 0's runner
+makes (tp/runner.py), so that the forwards meet in the same all-reduces. Calls travel as pickled
 `Call`s over each worker's stdin, answers (`Reply`, only for calls that ask for one) over its
 stdout: private pipes between processes of one user, no port and no secret. The collectives run
 on a process group made apart from torch.distributed's default one (NCCL on CUDA, gloo on the
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlix.errors import ConfigError, EngineStateError
-from rlix.inference.engine.runner.tensor_parallel import ShardPlan, TensorParallel
+from rlix.inference.engine.runner.tp.plan import ShardPlan, TensorParallel
 from rlix.models.slices import row_reader
 from rlix.tcp_store import join_store, serve_store
 from rlix.weights.wire import ShmSegment
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 #: it loads its slices), so a rank missing after this is a rank that failed to start
 JOIN_TIMEOUT_S = 120.0
 #: the module a worker runs (`python -m`)
-WORKER_MODULE = "rlix.inference.engine.runner.tp_worker"
+WORKER_MODULE = "rlix.inference.engine.runner.tp.worker"
 #: a collective that waits longer fails the group (a peer hung or gone)
 COLLECTIVE_TIMEOUT_S = 600.0
 #: how long a worker has to exit after Op.EXIT before it is killed

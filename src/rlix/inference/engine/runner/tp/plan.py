@@ -69,7 +69,7 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the group's ranks, in place (x itself at size 1). Called on the group
-        itself: an engine's group is made apart from torch.distributed's default one (tp_group.py),
+        itself: an engine's group is made apart from torch.distributed's default one (tp/group.py),
         so that several engines, or an engine beside a trainer, can live in one process."""
         if self.size > 1:
             assert self.group is not None
