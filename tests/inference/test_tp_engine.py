@@ -201,9 +201,13 @@ def test_a_size_that_does_not_divide_the_model_is_refused_before_starting(tiny_m
     assert set(_children()) == before
 
 
-def _children() -> list[int]:
-    path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
-    return [int(p) for p in open(path).read().split()] if os.path.exists(path) else []
+def _children(pid: int | None = None) -> list[int]:
+    """The child processes of `pid` (this process by default)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
 
 
 _RANK0 = """
@@ -230,13 +234,6 @@ def test_the_workers_end_when_rank_0_is_killed(tiny_model_dir):
             rank0.wait()
 
 
-def _children_of(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
-
-
 @pytest.mark.slow
 def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir):
     """`rlix serve --tensor-parallel-size 2`: the same greedy completion as one rank over HTTP;
@@ -253,7 +250,7 @@ def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir
             want = asyncio.run(_one(one, "x", [5, 17, 99, 3], SamplingParams(max_tokens=8, temperature=0.0,
                                                                              ignore_eos=True)))[0]
         assert got.json()["choices"][0]["token_ids"] == want
-        (worker,) = _children_of(proc.pid)
+        (worker,) = _children(proc.pid)
         os.kill(worker, signal.SIGKILL)
         deadline = time.monotonic() + GONE_S
         while (health := httpx.get(f"{base}/health", timeout=5)).status_code == 200:
@@ -261,7 +258,7 @@ def test_rlix_serve_splits_the_model_and_health_fails_with_a_rank(tiny_model_dir
             time.sleep(0.2)
         assert health.status_code == 503 and f"rank 1 (pid {worker})" in health.text
     finally:
-        workers = _children_of(proc.pid)
+        workers = _children(proc.pid)
         proc.kill()  # SIGKILL by its PID: nothing of it may end its workers but their own watch
         proc.wait(10)
     assert _gone(workers), f"workers {workers} outlived the SIGKILLed server"

@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,8 +29,7 @@ from rlix.inference.engine.constrained import GrammarCompiler, RowGrammar, gramm
 from rlix.inference.engine.core import EngineCore
 from rlix.inference.engine.runner.kv_cache import DEFAULT_INITIAL_CAPACITY
 from rlix.inference.engine.runner.model_runner import ModelRunner, load_model
-from rlix.inference.engine.runner.tp.plan import ShardPlan
-from rlix.inference.engine.runner.tp.group import RankGroup, RunnerOptions, load_rank
+from rlix.inference.engine.runner.tp.group import RankGroup, RunnerOptions, start_split
 from rlix.inference.engine.runner.tp.runner import TensorParallelRunner
 from rlix.inference.engine.prefix_cache import DEFAULT_BUDGET_BYTES
 from rlix.inference.engine.outputs import copy_output, fold_delta, merge_delta, validate_request
@@ -84,7 +82,7 @@ class TorchEngine:
                  virtual_memory: bool | None = None, tp_group: RankGroup | None = None) -> None:
         self.device = torch.device(device)
         self.tokenizer = tokenizer
-        limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        limit = _position_limit(model.config)
         self.max_model_len = int(max_model_len or limit or 2048)
         if limit is not None and self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
@@ -150,24 +148,20 @@ class TorchEngine:
     @classmethod
     def _tensor_parallel(cls, folder: Path, device: torch.device, dtype: torch.dtype | None, size: int,
                          max_num_seqs: int, max_model_len: int | None, **kwargs: Any) -> TorchEngine:
-        """Rank 0's slices loaded while the workers load theirs (runner/tp/group.py)."""
+        """The other ranks started and rank 0's slices loaded (runner/tp/group.py: start_split)."""
         config = AutoConfig.from_pretrained(folder)
-        ShardPlan.for_rank(config, 0, size)  # a size that does not divide the model fails here
-        limit = int(getattr(config, "max_position_embeddings", 0) or 0) or None
-        options = RunnerOptions(num_rows=max_num_seqs, max_model_len=int(max_model_len or limit or 2048),
+        options = RunnerOptions(num_rows=max_num_seqs,
+                                max_model_len=int(max_model_len or _position_limit(config) or 2048),
                                 kv_initial_capacity=kwargs.get("kv_initial_capacity", DEFAULT_INITIAL_CAPACITY),
                                 cuda_graphs=kwargs.get("cuda_graphs", True), fused=kwargs.get("fused"),
                                 virtual_memory=kwargs.get("virtual_memory"))
-        with ThreadPoolExecutor(1, thread_name_prefix="rlix-tp-load") as pool:
-            loading = pool.submit(load_rank, folder, device, dtype, 0, size)
-            group = RankGroup(device, size, str(folder), dtype, options)
-            try:
-                model = loading.result()
-                return cls(model, AutoTokenizer.from_pretrained(folder), device=device, max_num_seqs=max_num_seqs,
-                           max_model_len=max_model_len, tp_group=group, **kwargs)
-            except BaseException:
-                group.close()
-                raise
+        model, group = start_split(folder, device, dtype, size, options)
+        try:
+            return cls(model, AutoTokenizer.from_pretrained(folder), device=device, max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, tp_group=group, **kwargs)
+        except BaseException:
+            group.close()
+            raise
 
     # -- status --------------------------------------------------------------------------
     @property
@@ -640,6 +634,11 @@ class TorchEngine:
                 log.info("weight update to version %d aborted: %s", self._staging.version, reason)
                 self._runner.abandon_update(self._staging)
             self._staging, self._staging_failure = None, None
+
+
+def _position_limit(config: Any) -> int | None:
+    """The model's context (max_position_embeddings), None where the config does not say."""
+    return int(getattr(config, "max_position_embeddings", 0) or 0) or None
 
 
 def _put_all(items: list[tuple[_Stream, Delta]]) -> None:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -387,6 +388,21 @@ def load_rank(path: Path, device: torch.device, dtype: torch.dtype | None, rank:
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
+
+
+def start_split(folder: Path, device: torch.device, dtype: torch.dtype | None, size: int,
+                options: RunnerOptions) -> tuple[torch.nn.Module, RankGroup]:
+    """Rank 0's slices (loaded here, while the workers load theirs) and the group of the other
+    ranks, started; a size that does not divide the model fails before anything starts."""
+    ShardPlan.for_rank(AutoConfig.from_pretrained(folder), 0, size)
+    with ThreadPoolExecutor(1, thread_name_prefix="rlix-tp-load") as pool:
+        loading = pool.submit(load_rank, folder, device, dtype, 0, size)
+        group = RankGroup(device, size, str(folder), dtype, options)
+        try:
+            return loading.result(), group
+        except BaseException:
+            group.close()
+            raise
 
 
 def join_group(spec: RankSpec) -> dist.ProcessGroup:
